@@ -1,0 +1,378 @@
+//! `ThreadGroup`: a collective backend whose ranks are threads of one process.
+//!
+//! Every call deposits its tensor in a numbered slot shared by the group; the last rank to
+//! arrive checks that all ranks asked for the same thing, computes the result once (in rank
+//! order, so it is bitwise identical everywhere) and wakes the others. A rank that waits past
+//! the timeout, or that drops its handle (including by panicking), breaks the group: every
+//! rank still waiting, and every later call, fails promptly with the reason.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::{Collective, CollectiveError, ReduceOp};
+
+const BACKEND: &str = "ThreadGroup";
+
+/// Default time a rank waits for the others inside one collective (5 minutes).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Constructor of in-process thread ranks (the backend for tests and multi-core CPU training).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use candle_distributed::collective::{ReduceOp, ThreadGroup};
+///
+/// let sums = ThreadGroup::run(3, |comm| {
+///     let t = Tensor::new(&[comm.rank() as f32 + 1.0], &Device::Cpu)?;
+///     comm.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()
+/// })?;
+/// assert!(sums.iter().all(|s| s.as_ref().unwrap() == &[6.0]));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct ThreadGroup;
+
+impl ThreadGroup {
+    /// One communicator per rank (`result[r]` has rank `r`), with the default timeout
+    /// ([`DEFAULT_TIMEOUT`]). Hand each to its own thread.
+    pub fn new(world_size: usize) -> Result<Vec<Arc<dyn Collective>>> {
+        Self::with_timeout(world_size, DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`ThreadGroup::new`], with the time a rank waits for the others in one collective.
+    pub fn with_timeout(world_size: usize, timeout: Duration) -> Result<Vec<Arc<dyn Collective>>> {
+        if world_size == 0 {
+            return Err(CollectiveError::InvalidArgument {
+                backend: BACKEND,
+                op: "new",
+                detail: "world_size must be at least 1, got 0".into(),
+            }
+            .into());
+        }
+        let shared = Arc::new(Shared {
+            world: world_size,
+            timeout,
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+        });
+        Ok((0..world_size)
+            .map(|rank| {
+                Arc::new(ThreadRank {
+                    rank,
+                    shared: shared.clone(),
+                    next_call: AtomicU64::new(0),
+                }) as Arc<dyn Collective>
+            })
+            .collect())
+    }
+
+    /// Runs `f` on `world_size` scoped threads, one per rank, and returns their results in rank
+    /// order. A rank that panics makes the others' pending collectives fail promptly; its slot
+    /// in the result is an error naming the rank.
+    pub fn run<R, F>(world_size: usize, f: F) -> Result<Vec<Result<R>>>
+    where
+        R: Send,
+        F: Fn(Arc<dyn Collective>) -> R + Sync,
+    {
+        let comms = Self::new(world_size)?;
+        let f = &f;
+        Ok(std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|comm| s.spawn(move || f(comm)))
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join()
+                        .map_err(|_| candle_core::Error::Msg(format!("rank {rank} panicked")))
+                })
+                .collect()
+        }))
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Calls some ranks have entered and others not yet.
+    pending: BTreeMap<u64, Vec<Option<Contribution>>>,
+    /// Finished calls whose result not every rank has read yet.
+    done: HashMap<u64, Finished>,
+    /// Why the group can no longer complete collectives.
+    broken: Option<String>,
+}
+
+#[derive(Debug)]
+struct Finished {
+    result: std::result::Result<Tensor, CollectiveError>,
+    readers_left: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    AllReduce(ReduceOp),
+    AllGather,
+    Broadcast(usize),
+    Barrier,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "all_reduce",
+            Kind::AllGather => "all_gather",
+            Kind::Broadcast(_) => "broadcast",
+            Kind::Barrier => "barrier",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Contribution {
+    kind: Kind,
+    tensor: Tensor,
+}
+
+impl Contribution {
+    fn describe(&self) -> String {
+        let kind = match self.kind {
+            Kind::AllReduce(op) => format!("all_reduce({op:?})"),
+            Kind::Broadcast(root) => format!("broadcast(root={root})"),
+            k => k.name().to_string(),
+        };
+        format!("{kind} {:?} {:?}", self.tensor.dtype(), self.tensor.dims())
+    }
+}
+
+/// One rank's handle on a [`ThreadGroup`].
+#[derive(Debug)]
+struct ThreadRank {
+    rank: usize,
+    shared: Arc<Shared>,
+    next_call: AtomicU64,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    // A rank that panicked while holding the lock left the state consistent (every mutation
+    // is completed before anything that can panic), so the poison flag carries no information.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ThreadRank {
+    fn call(&self, kind: Kind, t: &Tensor) -> Result<Tensor> {
+        let sh = &*self.shared;
+        let call = self.next_call.fetch_add(1, Ordering::SeqCst);
+        let device = t.device().clone();
+        let tensor = t.to_device(&Device::Cpu)?;
+        let mut st = lock(&sh.state);
+        if let Some(reason) = &st.broken {
+            return Err(self.left(kind, call, reason.clone()).into());
+        }
+        let slots = st
+            .pending
+            .entry(call)
+            .or_insert_with(|| (0..sh.world).map(|_| None).collect());
+        slots[self.rank] = Some(Contribution { kind, tensor });
+        if slots.iter().all(Option::is_some) {
+            let slots = st.pending.remove(&call).unwrap_or_default();
+            let contributions: Vec<Contribution> = slots.into_iter().flatten().collect();
+            let result = combine(call, &contributions);
+            st.done.insert(
+                call,
+                Finished {
+                    result,
+                    readers_left: sh.world,
+                },
+            );
+            sh.cv.notify_all();
+        }
+        let deadline = Instant::now() + sh.timeout;
+        loop {
+            if let Some(fin) = st.done.get_mut(&call) {
+                let result = fin.result.clone();
+                fin.readers_left -= 1;
+                if fin.readers_left == 0 {
+                    st.done.remove(&call);
+                }
+                return Ok(result?.to_device(&device)?);
+            }
+            if let Some(reason) = &st.broken {
+                return Err(self.left(kind, call, reason.clone()).into());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> = st
+                    .pending
+                    .get(&call)
+                    .map(|s| (0..sh.world).filter(|&r| s[r].is_none()).collect())
+                    .unwrap_or_default();
+                st.broken = Some(format!(
+                    "rank {} timed out after {:?} in {} call #{call} waiting for ranks {missing:?}",
+                    self.rank,
+                    sh.timeout,
+                    kind.name()
+                ));
+                sh.cv.notify_all();
+                return Err(CollectiveError::Timeout {
+                    backend: BACKEND,
+                    op: kind.name(),
+                    call,
+                    rank: self.rank,
+                    timeout: sh.timeout,
+                    missing,
+                }
+                .into());
+            }
+            st = sh
+                .cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn left(&self, kind: Kind, call: u64, reason: String) -> CollectiveError {
+        CollectiveError::RankLeft {
+            backend: BACKEND,
+            op: kind.name(),
+            call,
+            rank: self.rank,
+            reason: format!("the group is broken: {reason}"),
+        }
+    }
+}
+
+impl Drop for ThreadRank {
+    fn drop(&mut self) {
+        let sh = &*self.shared;
+        let mut st = lock(&sh.state);
+        if st.broken.is_none() {
+            let how = if std::thread::panicking() {
+                "panicked"
+            } else {
+                "dropped its communicator"
+            };
+            st.broken = Some(format!("rank {} {how}", self.rank));
+        }
+        sh.cv.notify_all();
+    }
+}
+
+/// Checks that every rank asked for the same thing and computes the common result.
+fn combine(call: u64, cs: &[Contribution]) -> std::result::Result<Tensor, CollectiveError> {
+    let first = &cs[0];
+    let same_rest = |c: &Contribution| match first.kind {
+        Kind::AllGather => {
+            c.tensor.rank() >= 1
+                && first.tensor.rank() >= 1
+                && c.tensor.dims()[1..] == first.tensor.dims()[1..]
+        }
+        _ => c.tensor.dims() == first.tensor.dims(),
+    };
+    let agree = cs
+        .iter()
+        .all(|c| c.kind == first.kind && c.tensor.dtype() == first.tensor.dtype() && same_rest(c));
+    let mismatch = |why: &str| CollectiveError::Mismatch {
+        backend: BACKEND,
+        call,
+        detail: format!(
+            "{why}: {}",
+            cs.iter()
+                .enumerate()
+                .map(|(r, c)| format!("rank {r}: {}", c.describe()))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+    };
+    if !agree {
+        return Err(mismatch(
+            "every rank must call the same collective with the same dtype and shape",
+        ));
+    }
+    let invalid = |detail: String| CollectiveError::InvalidArgument {
+        backend: BACKEND,
+        op: first.kind.name(),
+        detail,
+    };
+    let tensors: Vec<&Tensor> = cs.iter().map(|c| &c.tensor).collect();
+    let result = match first.kind {
+        Kind::AllReduce(op) => reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?,
+        Kind::AllGather => Tensor::cat(&tensors, 0).map_err(|e| invalid(e.to_string()))?,
+        Kind::Broadcast(root) => {
+            if root >= cs.len() {
+                return Err(invalid(format!(
+                    "root {root} out of range for world size {}",
+                    cs.len()
+                )));
+            }
+            tensors[root].clone()
+        }
+        Kind::Barrier => first.tensor.clone(),
+    };
+    Ok(result)
+}
+
+/// Element-wise reduction in rank order; f16/bf16 accumulate in f32.
+fn reduce(ts: &[&Tensor], op: ReduceOp) -> Result<Tensor> {
+    let dtype = ts[0].dtype();
+    let acc_dtype = match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    };
+    if op == ReduceOp::Avg && !dtype.is_float() {
+        candle_core::bail!("ReduceOp::Avg needs a float dtype, got {dtype:?}")
+    }
+    let mut acc = ts[0].to_dtype(acc_dtype)?;
+    for t in &ts[1..] {
+        let t = t.to_dtype(acc_dtype)?;
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Avg => (acc + t)?,
+            ReduceOp::Max => acc.maximum(&t)?,
+            ReduceOp::Min => acc.minimum(&t)?,
+        };
+    }
+    if op == ReduceOp::Avg {
+        acc = (acc / ts.len() as f64)?;
+    }
+    acc.to_dtype(dtype)
+}
+
+impl Collective for ThreadRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.call(Kind::AllReduce(op), t)
+    }
+
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        self.call(Kind::AllGather, t)
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        self.call(Kind::Broadcast(root), t)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
+        self.call(Kind::Barrier, &token).map(|_| ())
+    }
+}

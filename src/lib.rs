@@ -1,0 +1,3 @@
+//! Synchronized batch normalization and collectives for candle.
+pub mod collective;
+pub mod ops;

@@ -1,0 +1,199 @@
+//! Normalisation: `y = act((x − mean)·γ·invstd + β + z)`, with an optional residual `z` and an
+//! optional fused ReLU.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::cpu::{elementwise, slice, split, Elem, Geometry, Real};
+use super::{check_same_shape, host_f64, OP};
+
+/// Per-channel coefficients of the normalisation, on the host.
+#[derive(Debug, Clone)]
+pub(crate) struct ApplyCoef {
+    /// Mean to subtract (f64: split into hi + lo for f32 arithmetic).
+    pub mean: Vec<f64>,
+    /// `γ · invstd`.
+    pub scale: Vec<f64>,
+    /// `β`.
+    pub shift: Vec<f64>,
+}
+
+impl ApplyCoef {
+    /// Coefficients from mean, invstd and optional affine parameters (`None` = 1 and 0).
+    pub fn new(mean: Vec<f64>, invstd: &[f64], weight: Option<&[f64]>, bias: Option<&[f64]>) -> Self {
+        let scale = match weight {
+            Some(w) => w.iter().zip(invstd).map(|(w, s)| w * s).collect(),
+            None => invstd.to_vec(),
+        };
+        let shift = bias.map_or_else(|| vec![0.0; mean.len()], <[f64]>::to_vec);
+        Self { mean, scale, shift }
+    }
+}
+
+/// Applies the normalisation to a contiguous input. `z`: residual of the same shape and dtype.
+pub(crate) fn apply_cpu(
+    xs: &CpuStorage,
+    xl: &Layout,
+    z: Option<(&CpuStorage, &Layout)>,
+    g: &Geometry,
+    coef: &ApplyCoef,
+    relu: bool,
+) -> Result<CpuStorage> {
+    fn run<T: Elem>(x: &[T], z: Option<&[T]>, g: &Geometry, k: &ApplyCoef, relu: bool) -> Vec<T> {
+        let c = g.c;
+        let mh: Vec<(T::R, T::R)> = k.mean.iter().map(|&m| split(m)).collect();
+        let (lo_, hi_): (Vec<T::R>, Vec<T::R>) = (mh.iter().map(|p| p.1).collect(), mh.iter().map(|p| p.0).collect());
+        let sc: Vec<T::R> = k.scale.iter().map(|&v| T::R::from_f64(v)).collect();
+        let be: Vec<T::R> = k.shift.iter().map(|&v| T::R::from_f64(v)).collect();
+        let mut out = vec![T::zero(); x.len()];
+        #[inline(always)]
+        fn act<R: Real>(v: R, relu: bool) -> R {
+            if relu && v < R::ZERO {
+                R::ZERO
+            } else {
+                v
+            }
+        }
+        let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
+            let (h, l, s, b) = (hi_[ch], lo_[ch], sc[ch], be[ch]);
+            let xs = &x[lo..hi];
+            match z {
+                None => {
+                    for (o, x) in o.iter_mut().zip(xs) {
+                        *o = T::store(act(((x.load() - h) - l) * s + b, relu));
+                    }
+                }
+                Some(z) => {
+                    for ((o, x), z) in o.iter_mut().zip(xs).zip(&z[lo..hi]) {
+                        *o = T::store(act(((x.load() - h) - l) * s + b + z.load(), relu));
+                    }
+                }
+            }
+        };
+        let rows = |lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
+            for (r, orow) in (lo..hi).zip(o.chunks_exact_mut(c)) {
+                let xr = &x[r * c..(r + 1) * c];
+                match z {
+                    None => {
+                        for j in 0..c {
+                            orow[j] = T::store(act(((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j], relu));
+                        }
+                    }
+                    Some(z) => {
+                        let zr = &z[r * c..(r + 1) * c];
+                        for j in 0..c {
+                            let v = ((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j] + zr[j].load();
+                            orow[j] = T::store(act(v, relu));
+                        }
+                    }
+                }
+            }
+        };
+        elementwise(g, &mut out, None, plane, rows);
+        out
+    }
+    macro_rules! go {
+        ($t:ty, $v:ident) => {{
+            let x = slice::<$t>(OP, xs, xl)?;
+            let z = match z {
+                Some((zs, zl)) => Some(slice::<$t>(OP, zs, zl)?),
+                None => None,
+            };
+            CpuStorage::$v(run(x, z, g, coef, relu))
+        }};
+    }
+    if let Some((zs, _)) = z {
+        if zs.dtype() != xs.dtype() {
+            bail!("{OP}: residual dtype {:?} differs from input dtype {:?}", zs.dtype(), xs.dtype())
+        }
+    }
+    Ok(match xs.dtype() {
+        DType::F32 => go!(f32, F32),
+        DType::F64 => go!(f64, F64),
+        DType::F16 => go!(half::f16, F16),
+        DType::BF16 => go!(half::bf16, BF16),
+        d => bail!("{OP} apply: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
+    })
+}
+
+struct ApplyOp {
+    geometry: Geometry,
+    coef: ApplyCoef,
+    relu: bool,
+}
+
+impl CustomOp1 for ApplyOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-apply"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = apply_cpu(s, l, None, &self.geometry, &self.coef, self.relu)?;
+        Ok((out, l.shape().clone()))
+    }
+    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/apply.cu` here.
+}
+
+impl CustomOp2 for ApplyOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-apply-residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = apply_cpu(s1, l1, Some((s2, l2)), &self.geometry, &self.coef, self.relu)?;
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// Normalises `x` with given statistics: `y = act((x − mean)·weight·invstd + bias + residual)`.
+///
+/// # Arguments
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `mean`, `invstd` - `[C]` (any float dtype; read as f64).
+/// * `weight`, `bias` - `[C]` or `None` (1 and 0).
+/// * `residual` - same shape and dtype as `x`, added before the activation, or `None`.
+/// * `relu` - apply ReLU to the result.
+///
+/// Returns a tensor of `x`'s shape and dtype. Not differentiable by itself: the
+/// [`crate::SyncBatchNorm`] layer wraps this arithmetic in an op with a backward.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_elemt(
+    x: &Tensor,
+    mean: &Tensor,
+    invstd: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    relu: bool,
+    channels_last: bool,
+) -> Result<Tensor> {
+    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let c = geometry.c;
+    let weight = weight.map(|w| host_f64("weight", w, c)).transpose()?;
+    let bias = bias.map(|b| host_f64("bias", b, c)).transpose()?;
+    let coef = ApplyCoef::new(
+        host_f64("mean", mean, c)?,
+        &host_f64("invstd", invstd, c)?,
+        weight.as_deref(),
+        bias.as_deref(),
+    );
+    let op = ApplyOp {
+        geometry,
+        coef,
+        relu,
+    };
+    let x = x.contiguous()?;
+    match residual {
+        None => x.apply_op1_no_bwd(&op),
+        Some(z) => {
+            check_same_shape("residual", x.dims(), z)?;
+            x.apply_op2_no_bwd(&z.contiguous()?, &op)
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! Second pass of the backward: `dx = γ·invstd·(g − S1/n − (x − mean)·invstd²·S2/n)` and,
+//! with a residual, `dz = g`, written in one pass.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::cpu::{elementwise, slice, split, Elem, Geometry, Real};
+use super::{check_same_shape, host_f64, OP};
+
+/// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
+#[derive(Debug, Clone)]
+pub(crate) struct ElemtCoef {
+    pub mean: Vec<f64>,
+    /// `γ · invstd`.
+    pub a: Vec<f64>,
+    /// `S1 / n`.
+    pub b: Vec<f64>,
+    /// `invstd² · S2 / n`.
+    pub k: Vec<f64>,
+}
+
+impl ElemtCoef {
+    /// From the statistics, the optional weight and the summed reductions `sums` (`[S1.., S2..]`,
+    /// `2·C`; all zeros when the statistics are constants, as in eval mode).
+    pub fn new(mean: Vec<f64>, invstd: &[f64], weight: Option<&[f64]>, sums: &[f64], count: f64) -> Self {
+        let c = mean.len();
+        let a = (0..c).map(|j| weight.map_or(1.0, |w| w[j]) * invstd[j]).collect();
+        let n = if count > 0.0 { count } else { 1.0 };
+        let b = (0..c).map(|j| sums[j] / n).collect();
+        let k = (0..c).map(|j| invstd[j] * invstd[j] * sums[c + j] / n).collect();
+        Self { mean, a, b, k }
+    }
+}
+
+/// Writes dx (and dz = g when `want_dz`) of contiguous inputs. Returns one storage: `dx`, or
+/// `[dx; dz]` concatenated (`2 × len`).
+pub(crate) fn backward_elemt_cpu(
+    dy: (&CpuStorage, &Layout),
+    x: (&CpuStorage, &Layout),
+    y: Option<(&CpuStorage, &Layout)>,
+    g: &Geometry,
+    coef: &ElemtCoef,
+    want_dz: bool,
+) -> Result<CpuStorage> {
+    fn run<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, g: &Geometry, k: &ElemtCoef, want_dz: bool) -> Vec<T> {
+        let c = g.c;
+        let len = x.len();
+        let m: Vec<(T::R, T::R)> = k.mean.iter().map(|&m| split(m)).collect();
+        let cv = |v: &[f64]| -> Vec<T::R> { v.iter().map(|&v| T::R::from_f64(v)).collect() };
+        let (ca, cb, ck) = (cv(&k.a), cv(&k.b), cv(&k.k));
+        let mut out = vec![T::zero(); if want_dz { 2 * len } else { len }];
+        let (dx, dz) = out.split_at_mut(len);
+        let dz = if want_dz { Some(dz) } else { None };
+        #[inline(always)]
+        fn grad<T: Elem>(dy: T, y: Option<&T>) -> T::R {
+            match y {
+                Some(y) if !(y.load() > T::R::ZERO) => T::R::ZERO,
+                _ => dy.load(),
+            }
+        }
+        #[allow(clippy::too_many_arguments)]
+        #[inline(always)]
+        fn one<T: Elem>(dy: T, x: T, y: Option<&T>, h: T::R, l: T::R, a: T::R, b: T::R, k: T::R) -> (T, T::R) {
+            let gv = grad(dy, y);
+            (T::store(a * ((gv - b) - ((x.load() - h) - l) * k)), gv)
+        }
+        let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], mut oz: Option<&mut [T]>| {
+            let (h, l) = m[ch];
+            let (a, b, kk) = (ca[ch], cb[ch], ck[ch]);
+            for i in 0..hi - lo {
+                let p = lo + i;
+                let (v, gv) = one(dy[p], x[p], y.map(|y| &y[p]), h, l, a, b, kk);
+                o[i] = v;
+                if let Some(oz) = oz.as_deref_mut() {
+                    oz[i] = T::store(gv);
+                }
+            }
+        };
+        let rows = |lo: usize, hi: usize, o: &mut [T], mut oz: Option<&mut [T]>| {
+            for r in lo..hi {
+                let base = r * c;
+                let ob = (r - lo) * c;
+                for j in 0..c {
+                    let p = base + j;
+                    let (v, gv) = one(dy[p], x[p], y.map(|y| &y[p]), m[j].0, m[j].1, ca[j], cb[j], ck[j]);
+                    o[ob + j] = v;
+                    if let Some(oz) = oz.as_deref_mut() {
+                        oz[ob + j] = T::store(gv);
+                    }
+                }
+            }
+        };
+        elementwise(g, dx, dz, plane, rows);
+        out
+    }
+    macro_rules! go {
+        ($t:ty, $v:ident) => {{
+            let y = match y {
+                Some((s, l)) => Some(slice::<$t>(OP, s, l)?),
+                None => None,
+            };
+            let (d, xs) = (slice::<$t>(OP, dy.0, dy.1)?, slice::<$t>(OP, x.0, x.1)?);
+            CpuStorage::$v(run(d, xs, y, g, coef, want_dz))
+        }};
+    }
+    for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
+        if let Some(s) = s {
+            if s.dtype() != x.0.dtype() {
+                bail!("{OP} backward: {what} dtype {:?} differs from input dtype {:?}", s.dtype(), x.0.dtype())
+            }
+        }
+    }
+    Ok(match x.0.dtype() {
+        DType::F32 => go!(f32, F32),
+        DType::F64 => go!(f64, F64),
+        DType::F16 => go!(half::f16, F16),
+        DType::BF16 => go!(half::bf16, BF16),
+        d => bail!("{OP} backward: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
+    })
+}
+
+struct BackwardElemtOp {
+    geometry: Geometry,
+    coef: ElemtCoef,
+    want_dz: bool,
+}
+
+impl BackwardElemtOp {
+    fn shape(&self, l: &Layout) -> Shape {
+        let mut dims = l.dims().to_vec();
+        if self.want_dz {
+            dims.insert(0, 2);
+        }
+        Shape::from(dims)
+    }
+}
+
+impl CustomOp2 for BackwardElemtOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-backward-elemt"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = backward_elemt_cpu((s1, l1), (s2, l2), None, &self.geometry, &self.coef, self.want_dz)?;
+        Ok((out, self.shape(l2)))
+    }
+    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/backward.cu` here.
+}
+
+impl CustomOp3 for BackwardElemtOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-backward-elemt-relu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = backward_elemt_cpu((s1, l1), (s2, l2), Some((s3, l3)), &self.geometry, &self.coef, self.want_dz)?;
+        Ok((out, self.shape(l2)))
+    }
+}
+
+/// Input gradient of batch normalisation (and of the residual, when asked).
+///
+/// # Arguments
+/// * `dy` - gradient of the output, shape and dtype of `x`.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`.
+/// * `mean`, `invstd` - `[C]`, the statistics used in the forward.
+/// * `weight` - `[C]` or `None` (1).
+/// * `sums` - `[2, C]`: `[Σg, Σg·(x − mean)]` summed over **all ranks** (from
+///   [`super::batch_norm_backward_reduce`] and an all-reduce). Pass zeros when the statistics
+///   were constants (eval with running statistics): then `dx = g·γ·invstd`.
+/// * `count` - values per channel in the global batch (`n`).
+/// * `relu_output` - the forward output when ReLU was fused, else `None`.
+/// * `want_dz` - also return `dz = g` (the residual's gradient).
+///
+/// Returns `(dx, dz)`: `dx` of `x`'s shape and dtype; `dz` the same when `want_dz`.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_backward_elemt(
+    dy: &Tensor,
+    x: &Tensor,
+    mean: &Tensor,
+    invstd: &Tensor,
+    weight: Option<&Tensor>,
+    sums: &Tensor,
+    count: f64,
+    relu_output: Option<&Tensor>,
+    want_dz: bool,
+    channels_last: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let c = geometry.c;
+    check_same_shape("gradient", x.dims(), dy)?;
+    let weight = weight.map(|w| host_f64("weight", w, c)).transpose()?;
+    let sums = host_f64("sums", sums, 2 * c)?;
+    let coef = ElemtCoef::new(host_f64("mean", mean, c)?, &host_f64("invstd", invstd, c)?, weight.as_deref(), &sums, count);
+    let op = BackwardElemtOp { geometry, coef, want_dz };
+    let (dy, x) = (dy.contiguous()?, x.contiguous()?);
+    let out = match relu_output {
+        None => dy.apply_op2_no_bwd(&x, &op)?,
+        Some(y) => {
+            check_same_shape("relu output", x.dims(), y)?;
+            dy.apply_op3_no_bwd(&x, &y.contiguous()?, &op)?
+        }
+    };
+    if want_dz {
+        Ok((out.get(0)?, Some(out.get(1)?)))
+    } else {
+        Ok((out, None))
+    }
+}

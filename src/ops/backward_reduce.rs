@@ -1,0 +1,179 @@
+//! First pass of the backward: per-channel `Σg` and `Σg·(x − mean)`, where `g` is the incoming
+//! gradient masked by the fused ReLU (`y > 0`) when there is one.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::cpu::{hsum2, reduce2, slice, split, Elem, Geometry, Real, LANES};
+use super::{check_same_shape, host_f64, OP};
+
+/// `[Σg (C values), Σg·(x − mean) (C values)]` of contiguous inputs; `y`: the ReLU output whose
+/// sign masks `dy`, or `None` without a fused ReLU.
+pub(crate) fn backward_reduce_cpu(
+    dy: (&CpuStorage, &Layout),
+    x: (&CpuStorage, &Layout),
+    y: Option<(&CpuStorage, &Layout)>,
+    g: &Geometry,
+    mean: &[f64],
+) -> Result<Vec<f64>> {
+    fn run<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, g: &Geometry, mean: &[f64]) -> Vec<f64> {
+        let c = g.c;
+        let m: Vec<(T::R, T::R)> = mean.iter().map(|&m| split(m)).collect();
+        #[inline(always)]
+        fn grad<T: Elem>(dy: T, y: Option<&T>) -> f64 {
+            match y {
+                Some(y) if !(y.load() > T::R::ZERO) => 0.0,
+                _ => dy.load().to_f64(),
+            }
+        }
+        let plane = |ch: usize, lo: usize, hi: usize| {
+            let (h, l) = m[ch];
+            let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
+            let (d, xs) = (&dy[lo..hi], &x[lo..hi]);
+            match y {
+                None => {
+                    let (dc, xc) = (d.chunks_exact(LANES), xs.chunks_exact(LANES));
+                    let tail = dc.remainder().iter().zip(xc.remainder());
+                    for (dv, xv) in dc.zip(xc) {
+                        for i in 0..LANES {
+                            let gv = dv[i].load().to_f64();
+                            a[i] += gv;
+                            b[i] += gv * ((xv[i].load() - h) - l).to_f64();
+                        }
+                    }
+                    for (i, (dv, xv)) in tail.enumerate() {
+                        let gv = dv.load().to_f64();
+                        a[i] += gv;
+                        b[i] += gv * ((xv.load() - h) - l).to_f64();
+                    }
+                }
+                Some(y) => {
+                    for (i, ((dv, xv), yv)) in d.iter().zip(xs).zip(&y[lo..hi]).enumerate() {
+                        let gv = grad(*dv, Some(yv));
+                        a[i % LANES] += gv;
+                        b[i % LANES] += gv * ((xv.load() - h) - l).to_f64();
+                    }
+                }
+            }
+            hsum2(a, b)
+        };
+        let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
+            let (a, b) = acc.split_at_mut(c);
+            for r in lo..hi {
+                let (dr, xr) = (&dy[r * c..(r + 1) * c], &x[r * c..(r + 1) * c]);
+                let yr = y.map(|y| &y[r * c..(r + 1) * c]);
+                for j in 0..c {
+                    let gv = grad(dr[j], yr.map(|y| &y[j]));
+                    a[j] += gv;
+                    b[j] += gv * ((xr[j].load() - m[j].0) - m[j].1).to_f64();
+                }
+            }
+        };
+        reduce2(g, plane, rows)
+    }
+    macro_rules! go {
+        ($t:ty) => {{
+            let y = match y {
+                Some((s, l)) => Some(slice::<$t>(OP, s, l)?),
+                None => None,
+            };
+            run(slice::<$t>(OP, dy.0, dy.1)?, slice::<$t>(OP, x.0, x.1)?, y, g, mean)
+        }};
+    }
+    for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
+        if let Some(s) = s {
+            if s.dtype() != x.0.dtype() {
+                bail!("{OP} backward: {what} dtype {:?} differs from input dtype {:?}", s.dtype(), x.0.dtype())
+            }
+        }
+    }
+    Ok(match x.0.dtype() {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::F16 => go!(half::f16),
+        DType::BF16 => go!(half::bf16),
+        d => bail!("{OP} backward: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
+    })
+}
+
+struct BackwardReduceOp {
+    geometry: Geometry,
+    mean: Vec<f64>,
+}
+
+impl BackwardReduceOp {
+    fn finish(&self, v: Vec<f64>) -> (CpuStorage, Shape) {
+        (CpuStorage::F64(v), Shape::from((2, self.geometry.c)))
+    }
+}
+
+impl CustomOp2 for BackwardReduceOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-backward-reduce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let v = backward_reduce_cpu((s1, l1), (s2, l2), None, &self.geometry, &self.mean)?;
+        Ok(self.finish(v))
+    }
+    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/backward.cu` here.
+}
+
+impl CustomOp3 for BackwardReduceOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-backward-reduce-relu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let v = backward_reduce_cpu((s1, l1), (s2, l2), Some((s3, l3)), &self.geometry, &self.mean)?;
+        Ok(self.finish(v))
+    }
+}
+
+/// Local per-channel reductions of the backward pass.
+///
+/// # Arguments
+/// * `dy` - gradient of the output, shape and dtype of `x`.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`.
+/// * `mean` - `[C]`, the mean used in the forward.
+/// * `relu_output` - the forward output `y` when ReLU was fused (`dy` counts only where `y > 0`),
+///   else `None`.
+///
+/// Returns `[2, C]` f64: row 0 `Σg`, row 1 `Σg·(x − mean)`. Summed over ranks it feeds
+/// [`super::batch_norm_backward_elemt`]; locally, row 0 is dβ and row 1 times invstd is dγ.
+pub fn batch_norm_backward_reduce(
+    dy: &Tensor,
+    x: &Tensor,
+    mean: &Tensor,
+    relu_output: Option<&Tensor>,
+    channels_last: bool,
+) -> Result<Tensor> {
+    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    check_same_shape("gradient", x.dims(), dy)?;
+    let op = BackwardReduceOp {
+        geometry,
+        mean: host_f64("mean", mean, geometry.c)?,
+    };
+    let (dy, x) = (dy.contiguous()?, x.contiguous()?);
+    match relu_output {
+        None => dy.apply_op2_no_bwd(&x, &op),
+        Some(y) => {
+            check_same_shape("relu output", x.dims(), y)?;
+            dy.apply_op3_no_bwd(&x, &y.contiguous()?, &op)
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Shared machinery of the CPU kernels: element types, the (N, C, S) geometry of an input, and
+//! deterministic parallel drivers (fixed work items combined in a fixed order, so results do
+//! not depend on the number of threads).
+
+use std::ops::{Add, Mul, Sub};
+
+use candle_core::{bail, CpuStorage, Layout, Result, WithDType};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Elements per parallel work item (a few hundred KiB of input).
+const BLOCK: usize = 1 << 15;
+
+/// Arithmetic type of the element-wise passes: f32 for f32/f16/bf16, f64 for f64.
+pub(crate) trait Real:
+    Copy + Send + Sync + PartialOrd + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self>
+{
+    const ZERO: Self;
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+}
+
+impl Real for f32 {
+    const ZERO: Self = 0.0;
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+
+impl Real for f64 {
+    const ZERO: Self = 0.0;
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+}
+
+/// A storage element type the kernels accept.
+pub(crate) trait Elem: WithDType {
+    type R: Real;
+    fn load(self) -> Self::R;
+    fn store(v: Self::R) -> Self;
+}
+
+impl Elem for f32 {
+    type R = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn store(v: f32) -> Self {
+        v
+    }
+}
+
+impl Elem for f64 {
+    type R = f64;
+    #[inline(always)]
+    fn load(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn store(v: f64) -> Self {
+        v
+    }
+}
+
+impl Elem for f16 {
+    type R = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Elem for bf16 {
+    type R = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Splits a per-channel f64 value into `hi + lo` in the arithmetic type, so that `x − hi − lo`
+/// stays accurate in f32 when `|mean| ≫ std` (`x − hi` is exact near the mean).
+#[inline]
+pub(crate) fn split<R: Real>(v: f64) -> (R, R) {
+    let hi = R::from_f64(v);
+    (hi, R::from_f64(v - hi.to_f64()))
+}
+
+/// An input seen as `n` batch entries × `c` channels × `s` positions.
+///
+/// Channels-first `(N, C, *)`: planes of `s` contiguous values, plane `p` is channel `p % c`.
+/// Channels-last `(N, *, C)`: rows of `c` contiguous channels, `n · s` rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub n: usize,
+    pub c: usize,
+    pub s: usize,
+    pub channels_last: bool,
+}
+
+impl Geometry {
+    /// Reads the geometry of a shape; rank 2 to 5.
+    pub fn of(op: &str, dims: &[usize], channels_last: bool) -> Result<Self> {
+        if !(2..=5).contains(&dims.len()) {
+            let layout = if channels_last { "(N, *, C)" } else { "(N, C, *)" };
+            bail!("{op}: expected an input of rank 2 to 5 {layout}, got shape {dims:?}")
+        }
+        let (c, s) = if channels_last {
+            (dims[dims.len() - 1], dims[1..dims.len() - 1].iter().product())
+        } else {
+            (dims[1], dims[2..].iter().product())
+        };
+        Ok(Self {
+            n: dims[0],
+            c,
+            s,
+            channels_last,
+        })
+    }
+
+    /// Values per channel on this rank (`N · S`).
+    pub fn count(&self) -> usize {
+        self.n * self.s
+    }
+
+    /// Total number of elements.
+    pub fn len(&self) -> usize {
+        self.n * self.c * self.s
+    }
+
+    /// True when the channels are the contiguous dimension (channels-last, or `S = 1`).
+    pub fn rows(&self) -> bool {
+        self.channels_last || self.s == 1
+    }
+}
+
+/// The contiguous data of a CPU storage as a slice of `T`.
+pub(crate) fn slice<'a, T: WithDType>(op: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let data = s.as_slice::<T>()?;
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => bail!("{op}: expected a contiguous tensor, got strides {:?}", l.stride()),
+    }
+}
+
+/// Per-channel two-accumulator reduction: returns `[acc0[c]..., acc1[c]...]` (2C values).
+///
+/// `plane(ch, lo, hi)` sums the channels-first segment `lo..hi` of channel `ch`;
+/// `rows(lo, hi, acc)` adds rows `lo..hi` of a channels-last input into `acc` (`[2, C]`).
+pub(crate) fn reduce2<P, Q>(g: &Geometry, plane: P, rows: Q) -> Vec<f64>
+where
+    P: Fn(usize, usize, usize) -> (f64, f64) + Sync,
+    Q: Fn(usize, usize, &mut [f64]) + Sync,
+{
+    let c = g.c;
+    let mut out = vec![0f64; 2 * c];
+    if g.len() == 0 {
+        return out;
+    }
+    if g.rows() {
+        let nrows = g.n * g.s;
+        let per = (BLOCK / c).max(1);
+        let items = nrows.div_ceil(per);
+        let parts: Vec<Vec<f64>> = (0..items)
+            .into_par_iter()
+            .map(|i| {
+                let mut acc = vec![0f64; 2 * c];
+                rows(i * per, ((i + 1) * per).min(nrows), &mut acc);
+                acc
+            })
+            .collect();
+        for p in parts {
+            out.iter_mut().zip(p).for_each(|(o, v)| *o += v);
+        }
+    } else {
+        let s = g.s;
+        let segs = s.div_ceil(BLOCK);
+        let items = g.n * c * segs;
+        let parts: Vec<(f64, f64)> = (0..items)
+            .into_par_iter()
+            .with_min_len((BLOCK / s).max(1))
+            .map(|i| {
+                let (p, seg) = (i / segs, i % segs);
+                let lo = p * s + seg * BLOCK;
+                plane(p % c, lo, (lo + BLOCK).min((p + 1) * s))
+            })
+            .collect();
+        for (i, (a, b)) in parts.into_iter().enumerate() {
+            let ch = (i / segs) % c;
+            out[ch] += a;
+            out[c + ch] += b;
+        }
+    }
+    out
+}
+
+/// Element-wise driver writing one or two outputs of the input's length.
+///
+/// `plane(ch, lo, hi, o1, o2)` fills the outputs for channels-first positions `lo..hi` of
+/// channel `ch`; `rows(lo, hi, o1, o2)` fills channels-last rows `lo..hi`. The output slices
+/// given to the closures start at `lo` (`lo · C` for rows).
+pub(crate) fn elementwise<T, P, Q>(
+    g: &Geometry,
+    out1: &mut [T],
+    out2: Option<&mut [T]>,
+    plane: P,
+    rows: Q,
+) where
+    T: Send,
+    P: Fn(usize, usize, usize, &mut [T], Option<&mut [T]>) + Sync,
+    Q: Fn(usize, usize, &mut [T], Option<&mut [T]>) + Sync,
+{
+    let c = g.c;
+    if g.len() == 0 {
+        return;
+    }
+    let (block, row_mode) = if g.rows() {
+        ((BLOCK / c).max(1) * c, true)
+    } else {
+        (BLOCK, false)
+    };
+    let body = |i: usize, o1: &mut [T], mut o2: Option<&mut [T]>| {
+        let start = i * block;
+        if row_mode {
+            rows(start / c, (start + o1.len()) / c, o1, o2);
+            return;
+        }
+        let end = start + o1.len();
+        let mut lo = start;
+        while lo < end {
+            let p = lo / g.s;
+            let hi = end.min((p + 1) * g.s);
+            let (a, b) = (lo - start, hi - start);
+            plane(p % c, lo, hi, &mut o1[a..b], o2.as_deref_mut().map(|o| &mut o[a..b]));
+            lo = hi;
+        }
+    };
+    match out2 {
+        None => out1
+            .par_chunks_mut(block)
+            .enumerate()
+            .for_each(|(i, o1)| body(i, o1, None)),
+        Some(out2) => out1
+            .par_chunks_mut(block)
+            .zip(out2.par_chunks_mut(block))
+            .enumerate()
+            .for_each(|(i, (o1, o2))| body(i, o1, Some(o2))),
+    }
+}
+
+/// Sums of lanes, used by the reduction inner loops (8 independent accumulators let the
+/// compiler vectorise without reassociating floating-point additions).
+pub(crate) const LANES: usize = 8;
+
+/// Sum of the lanes of two accumulators.
+#[inline]
+pub(crate) fn hsum2(a: [f64; LANES], b: [f64; LANES]) -> (f64, f64) {
+    (a.iter().sum(), b.iter().sum())
+}

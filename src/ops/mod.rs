@@ -1,0 +1,60 @@
+//! The arithmetic of synchronized batch normalisation as functional ops.
+//!
+//! These are the building blocks of [`crate::SyncBatchNorm`], public for users who assemble
+//! their own synchronized normalisation (the equivalent of PyTorch's `batch_norm_stats`,
+//! `batch_norm_gather_stats`, `batch_norm_elemt`, `batch_norm_backward_reduce` and
+//! `batch_norm_backward_elemt`). One training step of one rank:
+//!
+//! ```text
+//! sums   = batch_norm_stats(x, shift)                 [3, C] f64, local
+//! sums   = comm.all_reduce(sums, Sum)                  one collective, 3C values
+//! stats  = batch_norm_gather_stats(sums, shift, eps)   mean, invstd, ... [C] f64
+//! y      = batch_norm_elemt(x, mean, invstd, γ, β, z, relu)
+//! red    = batch_norm_backward_reduce(dy, x, mean, y?) [2, C] f64, local: dβ = red[0], dγ = red[1]·invstd
+//! red    = comm.all_reduce(red, Sum)                   one collective, 2C values
+//! dx, dz = batch_norm_backward_elemt(dy, x, mean, invstd, γ, red, n, y?)
+//! ```
+//!
+//! The ops accept f32, f64, f16 and bf16 inputs (statistics in f64, element-wise arithmetic in
+//! f32 or f64), contiguous or not (non-contiguous inputs are copied first), and run on the CPU
+//! in parallel with results independent of the thread count.
+
+mod apply;
+mod backward_elemt;
+mod backward_reduce;
+mod combine;
+pub(crate) mod cpu;
+mod stats;
+
+pub use apply::batch_norm_elemt;
+pub use backward_elemt::batch_norm_backward_elemt;
+pub use backward_reduce::batch_norm_backward_reduce;
+pub use combine::{batch_norm_gather_stats, BatchStats};
+pub use stats::batch_norm_stats;
+
+pub(crate) use apply::{apply_cpu, ApplyCoef};
+pub(crate) use backward_elemt::{backward_elemt_cpu, ElemtCoef};
+pub(crate) use backward_reduce::backward_reduce_cpu;
+pub(crate) use combine::{combine_host, HostStats};
+pub(crate) use stats::stats_cpu;
+
+use candle_core::{bail, DType, Result, Tensor};
+
+/// Name used in error messages.
+pub(crate) const OP: &str = "sync-batch-norm";
+
+/// A per-channel tensor of `len` values read to the host as f64.
+pub(crate) fn host_f64(what: &str, t: &Tensor, len: usize) -> Result<Vec<f64>> {
+    if t.elem_count() != len {
+        bail!("{OP}: expected {what} with {len} values, got shape {:?}", t.dims())
+    }
+    t.flatten_all()?.to_dtype(DType::F64)?.to_vec1()
+}
+
+/// Errors unless `t` has shape `dims`.
+pub(crate) fn check_same_shape(what: &str, dims: &[usize], t: &Tensor) -> Result<()> {
+    if t.dims() != dims {
+        bail!("{OP}: {what} of shape {:?} does not match the input shape {dims:?}", t.dims())
+    }
+    Ok(())
+}

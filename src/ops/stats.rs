@@ -1,0 +1,99 @@
+//! Local batch statistics as shifted sums: `[n_r, Σ(x − K), Σ(x − K)²]` per channel, in f64.
+//!
+//! With a shift `K` close to the mean these sums are accurate and can be added across ranks
+//! (one all-reduce of 3C values, whatever the world size); see [`super::batch_norm_gather_stats`].
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+
+use super::cpu::{hsum2, reduce2, slice, Elem, Geometry, Real, LANES};
+use super::{host_f64, OP};
+
+/// Shifted local sums of one contiguous input. Returns `[3·C]` f64: counts, Σ(x−K), Σ(x−K)².
+pub(crate) fn stats_cpu(
+    xs: &CpuStorage,
+    xl: &Layout,
+    g: &Geometry,
+    shift: &[f64],
+) -> Result<Vec<f64>> {
+    fn run<T: Elem>(x: &[T], g: &Geometry, k: &[f64]) -> Vec<f64> {
+        let c = g.c;
+        let plane = |ch: usize, lo: usize, hi: usize| {
+            let kc = k[ch];
+            let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
+            let chunks = x[lo..hi].chunks_exact(LANES);
+            let rem = chunks.remainder();
+            for v in chunks {
+                for i in 0..LANES {
+                    let d = v[i].load().to_f64() - kc;
+                    a[i] += d;
+                    b[i] += d * d;
+                }
+            }
+            for (i, v) in rem.iter().enumerate() {
+                let d = v.load().to_f64() - kc;
+                a[i] += d;
+                b[i] += d * d;
+            }
+            hsum2(a, b)
+        };
+        let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
+            let (a, b) = acc.split_at_mut(c);
+            for row in x[lo * c..hi * c].chunks_exact(c) {
+                for j in 0..c {
+                    let d = row[j].load().to_f64() - k[j];
+                    a[j] += d;
+                    b[j] += d * d;
+                }
+            }
+        };
+        reduce2(g, plane, rows)
+    }
+    if shift.len() != g.c {
+        bail!("{OP} stats: shift has {} values for {} channels", shift.len(), g.c)
+    }
+    let sums = match xs.dtype() {
+        DType::F32 => run(slice::<f32>(OP, xs, xl)?, g, shift),
+        DType::F64 => run(slice::<f64>(OP, xs, xl)?, g, shift),
+        DType::F16 => run(slice::<half::f16>(OP, xs, xl)?, g, shift),
+        DType::BF16 => run(slice::<half::bf16>(OP, xs, xl)?, g, shift),
+        d => bail!("{OP} stats: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
+    };
+    let mut out = vec![g.count() as f64; g.c];
+    out.extend(sums);
+    Ok(out)
+}
+
+struct StatsOp {
+    geometry: Geometry,
+    shift: Vec<f64>,
+}
+
+impl CustomOp1 for StatsOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-stats"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = stats_cpu(s, l, &self.geometry, &self.shift)?;
+        Ok((CpuStorage::F64(out), Shape::from((3, self.geometry.c))))
+    }
+    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/stats.cu` here.
+}
+
+/// Local shifted sums of `x` per channel, the input of the cross-rank all-reduce.
+///
+/// # Arguments
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
+///   `N` may be 0 (an empty local batch gives zero sums).
+/// * `shift` - `[C]`, the shift `K` (any float dtype, read as f64); must be identical on every
+///   rank, ideally close to the channel means (e.g. the previous step's global mean).
+///
+/// Returns `[3, C]` f64: row 0 the local count `n_r` (values per channel), row 1 `Σ(x − K)`,
+/// row 2 `Σ(x − K)²`. Sum it over ranks and pass it to [`super::batch_norm_gather_stats`].
+pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, channels_last: bool) -> Result<Tensor> {
+    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let shift = host_f64("shift", shift, geometry.c)?;
+    x.contiguous()?
+        .apply_op1_no_bwd(&StatsOp { geometry, shift })
+}
