@@ -9,7 +9,7 @@ use super::{check_same_shape, host_f64, OP};
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
 #[derive(Debug, Clone)]
-pub(crate) struct ElemtCoef {
+struct ElemtCoef {
     pub mean: Vec<f64>,
     /// `γ · invstd`.
     pub a: Vec<f64>,
@@ -34,7 +34,7 @@ impl ElemtCoef {
 
 /// Writes dx (and dz = g when `want_dz`) of contiguous inputs. Returns one storage: `dx`, or
 /// `[dx; dz]` concatenated (`2 × len`).
-pub(crate) fn backward_elemt_cpu(
+fn backward_elemt_cpu(
     dy: (&CpuStorage, &Layout),
     x: (&CpuStorage, &Layout),
     y: Option<(&CpuStorage, &Layout)>,

@@ -9,7 +9,7 @@ use super::{check_same_shape, host_f64, OP};
 
 /// `[Σg (C values), Σg·(x − mean) (C values)]` of contiguous inputs; `y`: the ReLU output whose
 /// sign masks `dy`, or `None` without a fused ReLU.
-pub(crate) fn backward_reduce_cpu(
+fn backward_reduce_cpu(
     dy: (&CpuStorage, &Layout),
     x: (&CpuStorage, &Layout),
     y: Option<(&CpuStorage, &Layout)>,

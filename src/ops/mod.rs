@@ -33,10 +33,7 @@ pub use combine::{batch_norm_gather_stats, BatchStats};
 pub use stats::batch_norm_stats;
 
 pub(crate) use apply::{apply_cpu, ApplyCoef};
-pub(crate) use backward_elemt::{backward_elemt_cpu, ElemtCoef};
-pub(crate) use backward_reduce::backward_reduce_cpu;
 pub(crate) use combine::{combine_host, HostStats};
-pub(crate) use stats::stats_cpu;
 
 use candle_core::{bail, DType, Result, Tensor};
 

@@ -10,7 +10,7 @@ use super::cpu::{hsum2, reduce2, slice, Elem, Geometry, Real, LANES};
 use super::{host_f64, OP};
 
 /// Shifted local sums of one contiguous input. Returns `[3·C]` f64: counts, Σ(x−K), Σ(x−K)².
-pub(crate) fn stats_cpu(
+fn stats_cpu(
     xs: &CpuStorage,
     xl: &Layout,
     g: &Geometry,

@@ -1,0 +1,148 @@
+//! The layer's differentiable op: `y = act(γ·(x − mean)·invstd + β + z)` on (x, [γ; β], z),
+//! whose backward performs the cross-rank all-reduce of the gradient sums.
+//!
+//! The output comes from this op even for an empty local batch, so `loss.backward()` always
+//! reaches its `bwd` and every rank issues the backward collective (candle returns the input
+//! of an ordinary op on an empty tensor unchanged, which would cut that path).
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use crate::collective::{Collective, ReduceOp};
+use crate::ops::cpu::{slice, Geometry};
+use crate::ops::{apply_cpu, batch_norm_backward_elemt, batch_norm_backward_reduce, ApplyCoef, OP};
+
+/// Statistics the forward normalised with, and how the backward must treat them.
+#[derive(Debug, Clone)]
+pub(crate) struct NormFn {
+    pub geometry: Geometry,
+    /// `[C]` mean (f64).
+    pub mean: Vec<f64>,
+    /// `[C]` inverse standard deviation (f64).
+    pub invstd: Vec<f64>,
+    /// Global values per channel (`n`).
+    pub count: f64,
+    /// The statistics are batch statistics (their gradient flows into dx).
+    pub batch_stats: bool,
+    /// All-reduce the backward sums with this communicator (training).
+    pub comm: Option<Arc<dyn Collective>>,
+    pub relu: bool,
+    /// `[γ; β]` carries learnable parameters (else a constant `[1; 0]`).
+    pub affine: bool,
+}
+
+impl NormFn {
+    fn forward(
+        &self,
+        x: (&CpuStorage, &Layout),
+        params: (&CpuStorage, &Layout),
+        z: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let p: Vec<f64> = match params.0 {
+            CpuStorage::F32(_) => slice::<f32>(OP, params.0, params.1)?.iter().map(|&v| v as f64).collect(),
+            CpuStorage::F64(_) => slice::<f64>(OP, params.0, params.1)?.to_vec(),
+            CpuStorage::F16(_) => slice::<half::f16>(OP, params.0, params.1)?.iter().map(|v| v.to_f64()).collect(),
+            CpuStorage::BF16(_) => slice::<half::bf16>(OP, params.0, params.1)?.iter().map(|v| v.to_f64()).collect(),
+            _ => candle_core::bail!("{OP}: weight and bias must be f32, f64, f16 or bf16"),
+        };
+        let c = self.geometry.c;
+        let coef = ApplyCoef::new(self.mean.clone(), &self.invstd, Some(&p[..c]), Some(&p[c..]));
+        let out = apply_cpu(x.0, x.1, z, &self.geometry, &coef, self.relu)?;
+        Ok((out, x.1.shape().clone()))
+    }
+
+    /// Gradients of x, [γ; β] and z.
+    fn backward(
+        &self,
+        x: &Tensor,
+        params: &Tensor,
+        has_z: bool,
+        y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let c = self.geometry.c;
+        let dev = x.device();
+        let cl = self.geometry.channels_last;
+        let mean = Tensor::from_slice(&self.mean, c, dev)?;
+        let invstd = Tensor::from_slice(&self.invstd, c, dev)?;
+        let relu_y = self.relu.then_some(y);
+        let local = batch_norm_backward_reduce(dy, x, &mean, relu_y, cl)?;
+        let sums = match (&self.comm, self.batch_stats) {
+            // Issued on every rank, whatever its local batch: the others wait for it.
+            (Some(comm), _) => comm.all_reduce(&local, ReduceOp::Sum)?,
+            (None, true) => local.clone(),
+            (None, false) => local.zeros_like()?,
+        };
+        let weight = params.get(0)?;
+        let want_dz = has_z && self.relu;
+        let (dx, dz) = batch_norm_backward_elemt(
+            dy, x, &mean, &invstd, Some(&weight), &sums, self.count, relu_y, want_dz, cl,
+        )?;
+        let dz = match (has_z, dz) {
+            (false, _) => None,
+            (true, Some(dz)) => Some(dz),
+            (true, None) => Some(dy.clone()),
+        };
+        let dparams = if self.affine {
+            let dgamma = (local.get(1)? * &invstd)?;
+            let dbeta = local.get(0)?;
+            Some(Tensor::stack(&[dgamma, dbeta], 0)?.to_dtype(params.dtype())?)
+        } else {
+            None
+        };
+        Ok((Some(dx), dparams, dz))
+    }
+}
+
+impl CustomOp2 for NormFn {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), None)
+    }
+    // cuda_fwd: the `cuda` feature launches `kernels/apply.cu` here.
+
+    fn bwd(&self, x: &Tensor, params: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dp, _) = self.backward(x, params, false, res, grad)?;
+        Ok((dx, dp))
+    }
+}
+
+impl CustomOp3 for NormFn {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+    // cuda_fwd: the `cuda` feature launches `kernels/apply.cu` here.
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        params: &Tensor,
+        z: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _ = z;
+        self.backward(x, params, true, res, grad)
+    }
+}
+
+/// Constant `[1; 0]` parameters for a layer without affine parameters, `[2, C]` f32.
+pub(crate) fn identity_params(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
+    Tensor::stack(&[Tensor::ones(c, DType::F32, dev)?, Tensor::zeros(c, DType::F32, dev)?], 0)
+}

@@ -1,0 +1,323 @@
+//! The [`SyncBatchNorm`] layer: batch normalisation whose training statistics cover the global
+//! batch of every rank of a [`Collective`] group.
+
+mod autograd;
+mod config;
+
+pub use config::SyncBatchNormConfig;
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{bail, DType, Result, Tensor, Var};
+use candle_nn::{Init, ModuleT, VarBuilder};
+
+use crate::collective::{Collective, ReduceOp};
+use crate::ops::cpu::Geometry;
+use crate::ops::{batch_norm_stats, combine_host, HostStats, OP};
+use autograd::{identity_params, NormFn};
+
+/// Running statistics, stored in `Var`s shared with the `VarBuilder`'s `VarMap` (when it has
+/// one), so that saving the `VarMap` saves them under PyTorch's names.
+#[derive(Debug)]
+struct Running {
+    mean: Var,
+    var: Var,
+    /// `num_batches_tracked`, a scalar i64 as in PyTorch checkpoints.
+    batches: Var,
+}
+
+/// Mutable state updated by training steps.
+#[derive(Debug, Default)]
+struct State {
+    num_batches_tracked: u64,
+    /// Global batch mean of the previous training step: the shift of the next one's sums
+    /// (bitwise identical on every rank, as it comes from all-reduced values).
+    shift: Option<Vec<f64>>,
+}
+
+/// Synchronized batch normalisation (PyTorch's `nn.SyncBatchNorm`).
+///
+/// Input `(N, C, *)` (or `(N, *, C)` with `channels_last`), rank 2 to 5, f32/f64/f16/bf16;
+/// output of the same shape and dtype. In training, the mean and variance of each channel are
+/// those of the global batch (all ranks' inputs together, weighted by their counts, empty
+/// local batches allowed); one all-reduce of `3·C` f64 values in the forward and one of `2·C`
+/// in the backward, whatever the world size. In eval with running statistics, nothing is
+/// communicated. Build it with [`sync_batch_norm`].
+#[derive(Debug)]
+pub struct SyncBatchNorm {
+    num_features: usize,
+    config: SyncBatchNormConfig,
+    comm: Arc<dyn Collective>,
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
+    running: Option<Running>,
+    state: Mutex<State>,
+}
+
+/// Builds a [`SyncBatchNorm`] over `num_features` channels, with variables under PyTorch's
+/// names in `vb`: `weight`, `bias` (when `affine`), `running_mean`, `running_var` and
+/// `num_batches_tracked` (when `track_running_stats`; the latter is optional in a checkpoint).
+///
+/// The drop-in for `candle_nn::batch_norm(num_features, config, vb)`; `comm` is this rank's
+/// communicator (every rank of the group must build the same layers in the same order).
+pub fn sync_batch_norm(
+    num_features: usize,
+    config: SyncBatchNormConfig,
+    vb: VarBuilder,
+    comm: Arc<dyn Collective>,
+) -> Result<SyncBatchNorm> {
+    if num_features == 0 {
+        bail!("{OP}: num_features must be at least 1")
+    }
+    if !(config.eps >= 0.0) {
+        bail!("{OP}: eps must be non-negative, got {}", config.eps)
+    }
+    if let Some(m) = config.momentum {
+        if !(0.0..=1.0).contains(&m) {
+            bail!("{OP}: momentum must be in [0, 1], got {m}")
+        }
+    }
+    let (weight, bias) = if config.affine {
+        (
+            Some(vb.get_with_hints(num_features, "weight", Init::Const(1.0))?),
+            Some(vb.get_with_hints(num_features, "bias", Init::Const(0.0))?),
+        )
+    } else {
+        (None, None)
+    };
+    let mut state = State::default();
+    let running = if config.track_running_stats {
+        let mean = vb.get_with_hints(num_features, "running_mean", Init::Const(0.0))?;
+        let var = vb.get_with_hints(num_features, "running_var", Init::Const(1.0))?;
+        let batches = match vb.get_with_hints_dtype((), "num_batches_tracked", Init::Const(0.0), DType::I64) {
+            Ok(t) => t,
+            Err(_) if !vb.contains_tensor("num_batches_tracked") => {
+                Tensor::zeros((), DType::I64, vb.device())?
+            }
+            Err(e) => return Err(e),
+        };
+        state.num_batches_tracked = batches.to_dtype(DType::I64)?.to_scalar::<i64>()?.max(0) as u64;
+        Some(Running {
+            mean: Var::from_tensor(&mean)?,
+            var: Var::from_tensor(&var)?,
+            batches: Var::from_tensor(&batches)?,
+        })
+    } else {
+        None
+    };
+    Ok(SyncBatchNorm {
+        num_features,
+        config,
+        comm,
+        weight,
+        bias,
+        running,
+        state: Mutex::new(state),
+    })
+}
+
+/// Statistics a forward normalises with, and the running-statistics update it commits.
+struct Plan {
+    mean: Vec<f64>,
+    invstd: Vec<f64>,
+    count: f64,
+    update: Option<(Tensor, Tensor, u64)>,
+    shift: Option<Vec<f64>>,
+}
+
+impl SyncBatchNorm {
+    /// `act(bn(x) + z)`: batch norm, residual add, then ReLU when `fuse_relu`.
+    ///
+    /// `x` and `z`: same shape `(N, C, *)` (or `(N, *, C)`), same dtype and device. The backward
+    /// gives `z` the gradient of the sum (masked by the ReLU).
+    pub fn forward_residual(&self, x: &Tensor, z: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_impl(x, Some(z), train)
+    }
+
+    /// Running mean `[C]`, `None` without `track_running_stats`.
+    pub fn running_mean(&self) -> Option<&Tensor> {
+        self.running.as_ref().map(|r| r.mean.as_tensor())
+    }
+
+    /// Running (unbiased) variance `[C]`, `None` without `track_running_stats`.
+    pub fn running_var(&self) -> Option<&Tensor> {
+        self.running.as_ref().map(|r| r.var.as_tensor())
+    }
+
+    /// Number of training forwards that updated the running statistics.
+    pub fn num_batches_tracked(&self) -> u64 {
+        self.lock().num_batches_tracked
+    }
+
+    /// `weight` (γ) `[C]`, `None` without `affine`.
+    pub fn weight(&self) -> Option<&Tensor> {
+        self.weight.as_ref()
+    }
+
+    /// `bias` (β) `[C]`, `None` without `affine`.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// The layer's configuration.
+    pub fn config(&self) -> &SyncBatchNormConfig {
+        &self.config
+    }
+
+    /// The communicator the layer synchronises over.
+    pub fn comm(&self) -> &Arc<dyn Collective> {
+        &self.comm
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn validate(&self, x: &Tensor, z: Option<&Tensor>) -> Result<Geometry> {
+        let cl = self.config.channels_last;
+        let g = Geometry::of(OP, x.dims(), cl)?;
+        if g.c != self.num_features {
+            bail!(
+                "{OP}: expected {} channels, got {} (input shape {:?}{})",
+                self.num_features,
+                g.c,
+                x.dims(),
+                if cl { ", channels_last" } else { "" }
+            )
+        }
+        if !matches!(x.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+            bail!("{OP}: unsupported input dtype {:?} (expected f32, f64, f16 or bf16)", x.dtype())
+        }
+        let own = self.weight.as_ref().or(self.running_mean());
+        if let Some(p) = own {
+            if !x.device().same_device(p.device()) {
+                bail!("{OP}: input on {:?} but the layer's parameters on {:?}", x.device(), p.device())
+            }
+        }
+        if let Some(z) = z {
+            if z.dims() != x.dims() || z.dtype() != x.dtype() || !z.device().same_device(x.device()) {
+                bail!(
+                    "{OP}: residual {:?} {:?} on {:?} does not match the input {:?} {:?} on {:?}",
+                    z.dims(),
+                    z.dtype(),
+                    z.device(),
+                    x.dims(),
+                    x.dtype(),
+                    x.device()
+                )
+            }
+        }
+        Ok(g)
+    }
+
+    /// Global (or local) batch statistics: one all-reduce when `sync`; a second only when the
+    /// shift proved far from the mean (decided from the reduced values, so on every rank alike).
+    fn batch_stats(&self, x: &Tensor, g: &Geometry, sync: bool) -> Result<HostStats> {
+        let c = g.c;
+        let mut shift = if sync { self.lock().shift.clone() } else { None };
+        let mut retried = false;
+        loop {
+            let k = shift.clone().unwrap_or_else(|| vec![0.0; c]);
+            let kt = Tensor::from_slice(&k, c, x.device())?;
+            let mut sums = batch_norm_stats(x, &kt, self.config.channels_last)?;
+            if sync {
+                sums = self.comm.all_reduce(&sums, ReduceOp::Sum)?;
+            }
+            let host = combine_host(&sums.flatten_all()?.to_vec1::<f64>()?, &k);
+            if !host.ill_conditioned || retried {
+                return Ok(host);
+            }
+            retried = true;
+            shift = Some(host.mean);
+        }
+    }
+
+    fn plan(&self, x: &Tensor, g: &Geometry, train: bool) -> Result<Plan> {
+        let eps = self.config.eps;
+        let use_batch = train || self.running.is_none();
+        if !use_batch {
+            let r = self.running.as_ref().expect("running statistics are tracked here");
+            let mean = r.mean.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            let var = r.var.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            let invstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+            return Ok(Plan { mean, invstd, count: g.count() as f64, update: None, shift: None });
+        }
+        let stats = self.batch_stats(x, g, train)?;
+        let n = stats.count;
+        if n <= 1.0 && (train || n == 1.0) {
+            bail!(
+                "{OP}: expected more than 1 value per channel when training, got {n} in the {} batch (input shape {:?})",
+                if train { "global" } else { "local" },
+                x.dims()
+            )
+        }
+        let invstd = if n > 0.0 { stats.invstd(eps) } else { vec![1.0; g.c] };
+        let mut update = None;
+        if let (true, Some(r)) = (train, &self.running) {
+            let done = self.lock().num_batches_tracked + 1;
+            let m = self.config.momentum.unwrap_or(1.0 / done as f64);
+            let dev = r.mean.device();
+            let batch_mean = Tensor::from_slice(&stats.mean, g.c, dev)?;
+            let unbiased: Vec<f64> = stats.m2.iter().map(|v| v / (n - 1.0)).collect();
+            let batch_var = Tensor::from_slice(&unbiased, g.c, dev)?;
+            let blend = |old: &Tensor, new: Tensor| -> Result<Tensor> {
+                let old64 = old.to_dtype(DType::F64)?;
+                ((old64 * (1.0 - m))? + (new * m)?)?.to_dtype(old.dtype())
+            };
+            update = Some((
+                blend(r.mean.as_tensor(), batch_mean)?,
+                blend(r.var.as_tensor(), batch_var)?,
+                done,
+            ));
+        }
+        Ok(Plan {
+            shift: train.then(|| stats.mean.clone()),
+            mean: stats.mean,
+            invstd,
+            count: n,
+            update,
+        })
+    }
+
+    fn forward_impl(&self, x: &Tensor, z: Option<&Tensor>, train: bool) -> Result<Tensor> {
+        let g = self.validate(x, z)?;
+        let x = x.contiguous()?;
+        let plan = self.plan(&x, &g, train)?;
+        let params = match (&self.weight, &self.bias) {
+            (Some(w), Some(b)) => Tensor::stack(&[w, b], 0)?,
+            _ => identity_params(g.c, x.device())?,
+        };
+        let op = NormFn {
+            geometry: g,
+            mean: plan.mean,
+            invstd: plan.invstd,
+            count: plan.count,
+            batch_stats: train || self.running.is_none(),
+            comm: train.then(|| self.comm.clone()),
+            relu: self.config.fuse_relu,
+            affine: self.config.affine,
+        };
+        let y = match z {
+            None => x.apply_op2(&params, op)?,
+            Some(z) => x.apply_op3(&params, &z.contiguous()?, op)?,
+        };
+        // Commit only after everything succeeded: a failed call changes nothing.
+        if let (Some((mean, var, done)), Some(r)) = (plan.update, &self.running) {
+            r.mean.set(&mean)?;
+            r.var.set(&var)?;
+            r.batches.set(&Tensor::new(done as i64, r.batches.device())?)?;
+            self.lock().num_batches_tracked = done;
+        }
+        if let Some(shift) = plan.shift {
+            self.lock().shift = Some(shift);
+        }
+        Ok(y)
+    }
+}
+
+impl ModuleT for SyncBatchNorm {
+    /// `act(bn(x))`; `train` selects batch statistics (synchronized) or running statistics.
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_impl(x, None, train)
+    }
+}
