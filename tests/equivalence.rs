@@ -1,0 +1,287 @@
+//! R thread ranks with unequal (and empty) per-rank batches against single-process batch norm
+//! over the concatenated batch: outputs, input gradients, summed parameter gradients, running
+//! statistics after several steps, eval outputs; NCHW and NHWC; 2-D to 5-D.
+
+mod common;
+
+use candle_core::{DType, Tensor, Var};
+use candle_distributed::SyncBatchNormConfig;
+use candle_nn::ModuleT;
+use common::*;
+
+/// f64 everywhere: differences are rounding only.
+const TOL_F64: f64 = 1e-10;
+const STEPS: usize = 3;
+
+#[derive(Clone)]
+struct Case {
+    batches: Vec<usize>,
+    c: usize,
+    spatial: Vec<usize>,
+    config: SyncBatchNormConfig,
+    residual: bool,
+}
+
+impl Case {
+    fn new(batches: &[usize], c: usize, spatial: &[usize]) -> Self {
+        Self {
+            batches: batches.to_vec(),
+            c,
+            spatial: spatial.to_vec(),
+            config: SyncBatchNormConfig::default(),
+            residual: false,
+        }
+    }
+    fn dims(&self, n: usize) -> Vec<usize> {
+        let mut d = vec![n, self.c];
+        d.extend(&self.spatial);
+        d
+    }
+}
+
+struct RankOut {
+    y: Vec<Tensor>,
+    dx: Tensor,
+    dz: Option<Tensor>,
+    dw: Option<Tensor>,
+    db: Option<Tensor>,
+    running: Option<(Vec<f64>, Vec<f64>)>,
+    num_batches: u64,
+    eval_y: Tensor,
+}
+
+/// Global data of one step, channels-first: (x, z, loss weights).
+fn step_data(case: &Case, step: usize) -> (Tensor, Tensor, Tensor) {
+    let n: usize = case.batches.iter().sum();
+    let d = case.dims(n);
+    let s = 100 * step as u64;
+    (randn(s + 1, &d, 2.0, 1.5), randn(s + 2, &d, -0.3, 1.0), randn(s + 3, &d, 0.1, 1.0))
+}
+
+fn run_case(case: &Case) {
+    let params = Params::random(7, case.c);
+    let world = case.batches.len();
+    let cl = case.config.channels_last;
+    let to_layout = |t: &Tensor| if cl { to_channels_last(t) } else { t.clone() };
+    let from_layout = |t: &Tensor| if cl { to_channels_first(t) } else { t.clone() };
+    let eval_x = randn(999, &case.dims(case.batches.iter().sum()), 1.0, 2.0);
+
+    let outs = run_ranks(world, |comm| {
+        let r = comm.rank();
+        let (bn, vm) = layer(case.c, case.config, comm, Some(&params), DType::F64);
+        let mut ys = Vec::new();
+        let mut last = None;
+        for step in 0..STEPS {
+            let (x, z, wl) = step_data(case, step);
+            let (x, z, wl) = [x, z, wl].map(|t| to_layout(&split_batch(&t, &case.batches)[r])).into();
+            let xv = Var::from_tensor(&x)?;
+            let zv = Var::from_tensor(&z)?;
+            let y = if case.residual {
+                bn.forward_residual(xv.as_tensor(), zv.as_tensor(), true)?
+            } else {
+                bn.forward_t(xv.as_tensor(), true)?
+            };
+            ys.push(from_layout(&y));
+            last = Some((xv, zv, y, wl));
+        }
+        let (xv, zv, y, wl) = last.unwrap();
+        let grads = (y * wl)?.sum_all()?.backward()?;
+        let get = |name: &str| grads.get(var(&vm, name).as_tensor()).map(from_layout_param);
+        let dx = from_layout(grads.get(xv.as_tensor()).expect("dx"));
+        let dz = if case.residual { Some(from_layout(grads.get(zv.as_tensor()).expect("dz"))) } else { None };
+        let x_eval = to_layout(&split_batch(&eval_x, &case.batches)[r]);
+        let z_eval = to_layout(&split_batch(&step_data(case, 0).1, &case.batches)[r]);
+        let eval_y = if case.residual {
+            bn.forward_residual(&x_eval, &z_eval, false)?
+        } else {
+            bn.forward_t(&x_eval, false)?
+        };
+        Ok(RankOut {
+            y: ys,
+            dx,
+            dz,
+            dw: if case.config.affine { get("weight") } else { None },
+            db: if case.config.affine { get("bias") } else { None },
+            running: bn.running_mean().map(|m| (m.to_vec1().unwrap(), bn.running_var().unwrap().to_vec1().unwrap())),
+            num_batches: bn.num_batches_tracked(),
+            eval_y: from_layout(&eval_y),
+        })
+    });
+
+    // Reference: one process, concatenated batch.
+    let eps = case.config.eps;
+    let w = Var::new(params.weight.as_slice(), &candle_core::Device::Cpu).unwrap();
+    let b = Var::new(params.bias.as_slice(), &candle_core::Device::Cpu).unwrap();
+    let (wt, bt) = if case.config.affine { (Some(w.as_tensor()), Some(b.as_tensor())) } else { (None, None) };
+    let relu = case.config.fuse_relu;
+    let (mut rm, mut rv) = (vec![0.0; case.c], vec![1.0; case.c]);
+    for step in 0..STEPS {
+        let (x, z, wl) = step_data(case, step);
+        let xv = Var::from_tensor(&x).unwrap();
+        let zv = Var::from_tensor(&z).unwrap();
+        let (y, mean, var) = reference_bn(xv.as_tensor(), wt, bt, case.residual.then_some(zv.as_tensor()), relu, eps);
+        for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(&outs).enumerate() {
+            assert_close(&format!("output, step {step}, rank {r}"), &out.y[step], piece, TOL_F64);
+        }
+        let n = x.elem_count() as f64 / case.c as f64;
+        let m = case.config.momentum.unwrap_or(1.0 / (step + 1) as f64);
+        let (mean, var): (Vec<f64>, Vec<f64>) = (mean.to_vec1().unwrap(), var.to_vec1().unwrap());
+        for j in 0..case.c {
+            rm[j] = (1.0 - m) * rm[j] + m * mean[j];
+            rv[j] = (1.0 - m) * rv[j] + m * var[j] * n / (n - 1.0);
+        }
+        if step + 1 < STEPS {
+            continue;
+        }
+        let grads = (y * wl).unwrap().sum_all().unwrap().backward().unwrap();
+        let dx = split_batch(grads.get(xv.as_tensor()).unwrap(), &case.batches);
+        for (r, out) in outs.iter().enumerate() {
+            assert_close(&format!("dx, rank {r}"), &out.dx, &dx[r], TOL_F64);
+        }
+        if case.residual {
+            let dz = split_batch(grads.get(zv.as_tensor()).unwrap(), &case.batches);
+            for (r, out) in outs.iter().enumerate() {
+                assert_close(&format!("dz, rank {r}"), out.dz.as_ref().unwrap(), &dz[r], TOL_F64);
+            }
+        }
+        if case.config.affine {
+            let sum = |f: &dyn Fn(&RankOut) -> Tensor| outs.iter().map(f).reduce(|a, b| (a + b).unwrap()).unwrap();
+            assert_close("Σ_r dγ", &sum(&|o| o.dw.clone().unwrap()), grads.get(w.as_tensor()).unwrap(), TOL_F64);
+            assert_close("Σ_r dβ", &sum(&|o| o.db.clone().unwrap()), grads.get(b.as_tensor()).unwrap(), TOL_F64);
+        }
+    }
+    if case.config.track_running_stats {
+        for (r, out) in outs.iter().enumerate() {
+            let (m, v) = out.running.as_ref().unwrap();
+            assert_eq!(out.num_batches, STEPS as u64, "num_batches_tracked on rank {r}");
+            let t = |v: &Vec<f64>| Tensor::new(v.as_slice(), &candle_core::Device::Cpu).unwrap();
+            assert_close(&format!("running_mean rank {r}"), &t(m), &t(&rm), TOL_F64);
+            assert_close(&format!("running_var rank {r}"), &t(v), &t(&rv), TOL_F64);
+            // Every rank holds bitwise the same running statistics.
+            assert_eq!(out.running, outs[0].running, "running stats of rank {r} differ from rank 0");
+        }
+        // Eval: normalise with the running statistics, no communication.
+        let bshape: Vec<usize> = (0..eval_x.rank()).map(|i| if i == 1 { case.c } else { 1 }).collect();
+        let col = |v: &[f64]| Tensor::new(v, &candle_core::Device::Cpu).unwrap().reshape(bshape.as_slice()).unwrap();
+        let sd: Vec<f64> = rv.iter().map(|v| (v + eps).sqrt()).collect();
+        let mut y = eval_x.broadcast_sub(&col(&rm)).unwrap().broadcast_div(&col(&sd)).unwrap();
+        if case.config.affine {
+            y = y.broadcast_mul(&col(&params.weight)).unwrap().broadcast_add(&col(&params.bias)).unwrap();
+        }
+        if case.residual {
+            y = (y + step_data(case, 0).1).unwrap();
+        }
+        if relu {
+            y = y.relu().unwrap();
+        }
+        for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(&outs).enumerate() {
+            assert_close(&format!("eval output rank {r}"), &out.eval_y, piece, TOL_F64);
+        }
+    } else {
+        // Eval without running statistics: each rank normalises with its own batch statistics.
+        let zs = split_batch(&step_data(case, 0).1, &case.batches);
+        for (r, (piece, out)) in split_batch(&eval_x, &case.batches).iter().zip(&outs).enumerate() {
+            if piece.dim(0).unwrap() == 0 {
+                assert_eq!(out.eval_y.dims(), piece.dims());
+                continue;
+            }
+            let (y, _, _) = reference_bn(piece, wt, bt, case.residual.then_some(&zs[r]), relu, eps);
+            assert_close(&format!("local eval output rank {r}"), &out.eval_y, &y, TOL_F64);
+        }
+    }
+}
+
+fn from_layout_param(t: &Tensor) -> Tensor {
+    t.clone()
+}
+
+const BATCHES: [usize; 4] = [3, 5, 0, 4];
+
+#[test]
+fn nchw_4d_momentum() {
+    run_case(&Case::new(&BATCHES, 3, &[4, 5]));
+}
+
+#[test]
+fn nchw_4d_cumulative_average() {
+    let mut c = Case::new(&BATCHES, 3, &[4, 5]);
+    c.config.momentum = None;
+    run_case(&c);
+}
+
+#[test]
+fn nhwc_4d() {
+    let mut c = Case::new(&BATCHES, 6, &[3, 3]);
+    c.config.channels_last = true;
+    run_case(&c);
+}
+
+#[test]
+fn nhwc_4d_cumulative_average() {
+    let mut c = Case::new(&BATCHES, 5, &[2, 3]);
+    c.config.channels_last = true;
+    c.config.momentum = None;
+    run_case(&c);
+}
+
+#[test]
+fn two_d() {
+    run_case(&Case::new(&BATCHES, 7, &[]));
+}
+
+#[test]
+fn three_d_nchw_and_nlc() {
+    run_case(&Case::new(&BATCHES, 4, &[9]));
+    let mut c = Case::new(&BATCHES, 4, &[9]);
+    c.config.channels_last = true;
+    run_case(&c);
+}
+
+#[test]
+fn five_d_nchw_and_ndhwc() {
+    run_case(&Case::new(&BATCHES, 2, &[2, 3, 2]));
+    let mut c = Case::new(&BATCHES, 3, &[2, 2, 3]);
+    c.config.channels_last = true;
+    run_case(&c);
+}
+
+#[test]
+fn fused_residual_relu_nchw_and_nhwc() {
+    for cl in [false, true] {
+        let mut c = Case::new(&BATCHES, 3, &[4, 4]);
+        c.config.fuse_relu = true;
+        c.config.channels_last = cl;
+        c.residual = true;
+        run_case(&c);
+    }
+}
+
+#[test]
+fn residual_without_relu_and_relu_without_residual() {
+    let mut c = Case::new(&BATCHES, 3, &[3, 2]);
+    c.residual = true;
+    run_case(&c);
+    let mut c = Case::new(&BATCHES, 3, &[3, 2]);
+    c.config.fuse_relu = true;
+    run_case(&c);
+}
+
+#[test]
+fn no_affine() {
+    let mut c = Case::new(&BATCHES, 3, &[4, 5]);
+    c.config.affine = false;
+    run_case(&c);
+}
+
+#[test]
+fn no_running_stats() {
+    let mut c = Case::new(&BATCHES, 3, &[4, 5]);
+    c.config.track_running_stats = false;
+    run_case(&c);
+}
+
+#[test]
+fn many_ranks_and_one_rank() {
+    run_case(&Case::new(&[2, 1, 3, 0, 2, 4, 1, 1], 3, &[2, 2]));
+    run_case(&Case::new(&[6], 3, &[2, 2]));
+}
