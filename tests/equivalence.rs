@@ -86,7 +86,7 @@ fn run_case(case: &Case) {
         }
         let (xv, zv, y, wl) = last.unwrap();
         let grads = (y * wl)?.sum_all()?.backward()?;
-        let get = |name: &str| grads.get(var(&vm, name).as_tensor()).map(from_layout_param);
+        let get = |name: &str| grads.get(var(&vm, name).as_tensor()).cloned();
         let dx = from_layout(grads.get(xv.as_tensor()).expect("dx"));
         let dz = if case.residual { Some(from_layout(grads.get(zv.as_tensor()).expect("dz"))) } else { None };
         let x_eval = to_layout(&split_batch(&eval_x, &case.batches)[r]);
@@ -189,10 +189,6 @@ fn run_case(case: &Case) {
             assert_close(&format!("local eval output rank {r}"), &out.eval_y, &y, TOL_F64);
         }
     }
-}
-
-fn from_layout_param(t: &Tensor) -> Tensor {
-    t.clone()
 }
 
 const BATCHES: [usize; 4] = [3, 5, 0, 4];
