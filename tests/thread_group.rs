@@ -1,0 +1,87 @@
+//! The `ThreadGroup` backend: every collective's values, rank order, bitwise identical results,
+//! argument checks.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_distributed::collective::{ReduceOp, ThreadGroup};
+use common::*;
+
+#[test]
+fn all_reduce_every_op() {
+    let outs = run_ranks(3, |comm| {
+        let r = comm.rank() as f32;
+        let t = Tensor::new(&[r + 1.0, 10.0 - r, -r], &Device::Cpu)?;
+        let mut res = Vec::new();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            res.push(comm.all_reduce(&t, op)?.to_vec1::<f32>()?);
+        }
+        let ints = Tensor::new(&[comm.rank() as i64 * 5], &Device::Cpu)?;
+        res.push(vec![comm.all_reduce(&ints, ReduceOp::Max)?.to_vec1::<i64>()?[0] as f32]);
+        let half = Tensor::new(&[1.5f32, 2.0], &Device::Cpu)?.to_dtype(DType::BF16)?;
+        res.push(comm.all_reduce(&half, ReduceOp::Sum)?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        Ok(res)
+    });
+    for out in &outs {
+        assert_eq!(out[0], vec![6.0, 27.0, -3.0]);
+        assert_eq!(out[1], vec![2.0, 9.0, -1.0]);
+        assert_eq!(out[2], vec![3.0, 10.0, 0.0]);
+        assert_eq!(out[3], vec![1.0, 8.0, -2.0]);
+        assert_eq!(out[4], vec![10.0]);
+        assert_eq!(out[5], vec![4.5, 6.0]);
+    }
+}
+
+#[test]
+fn results_are_bitwise_identical_on_every_rank() {
+    let outs = run_ranks(4, |comm| {
+        let t = randn(comm.rank() as u64, &[1000], 0.0, 1e8).to_dtype(DType::F32)?;
+        Ok(comm.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?)
+    });
+    for o in &outs[1..] {
+        assert!(o.iter().zip(&outs[0]).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+#[test]
+fn all_gather_concatenates_unequal_batches_in_rank_order() {
+    let outs = run_ranks(3, |comm| {
+        let n = [2usize, 0, 1][comm.rank()];
+        let v: Vec<f32> = (0..n * 2).map(|i| (comm.rank() * 10 + i) as f32).collect();
+        let t = Tensor::from_vec(v, (n, 2), &Device::Cpu)?;
+        Ok(comm.all_gather(&t)?.to_vec2::<f32>()?)
+    });
+    for o in outs {
+        assert_eq!(o, vec![vec![0.0, 1.0], vec![2.0, 3.0], vec![20.0, 21.0]]);
+    }
+}
+
+#[test]
+fn broadcast_and_barrier() {
+    let outs = run_ranks(3, |comm| {
+        comm.barrier()?;
+        let t = Tensor::new(&[comm.rank() as f64 + 0.5], &Device::Cpu)?;
+        let b = comm.broadcast(&t, 2)?.to_vec1::<f64>()?;
+        comm.barrier()?;
+        Ok(b)
+    });
+    assert!(outs.iter().all(|o| o == &vec![2.5]));
+}
+
+#[test]
+fn argument_errors_reach_every_rank() {
+    let outs = run_ranks(2, |comm| {
+        let t = Tensor::new(&[1u32], &Device::Cpu)?;
+        let avg = comm.all_reduce(&t, ReduceOp::Avg).map_err(|e| e.to_string());
+        let root = comm.broadcast(&t, 5).map_err(|e| e.to_string());
+        let shape = Tensor::zeros(comm.rank() + 1, DType::F32, &Device::Cpu)?;
+        let mismatch = comm.all_reduce(&shape, ReduceOp::Sum).map_err(|e| e.to_string());
+        Ok((avg.unwrap_err(), root.unwrap_err(), mismatch.unwrap_err()))
+    });
+    for (avg, root, mismatch) in outs {
+        assert!(avg.contains("Avg needs a float dtype"), "{avg}");
+        assert!(root.contains("root 5 out of range"), "{root}");
+        assert!(mismatch.contains("rank 0: all_reduce(Sum) F32 [1]") && mismatch.contains("rank 1: all_reduce(Sum) F32 [2]"), "{mismatch}");
+    }
+    assert!(ThreadGroup::new(0).is_err());
+}
