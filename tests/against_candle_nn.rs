@@ -19,7 +19,10 @@ fn world_size_one_matches_candle_nn_batch_norm() -> anyhow::Result<()> {
     let vm_ref = VarMap::new();
     let reference = candle_nn::batch_norm(
         c,
-        BatchNormConfig { momentum: 0.1, ..Default::default() },
+        BatchNormConfig {
+            momentum: 0.1,
+            ..Default::default()
+        },
         VarBuilder::from_varmap(&vm_ref, DType::F32, &Device::Cpu),
     )?;
     let vm = VarMap::new();
@@ -27,19 +30,48 @@ fn world_size_one_matches_candle_nn_batch_norm() -> anyhow::Result<()> {
     let bn = candle_distributed::sync_batch_norm(c, BatchNormConfig::default().into(), vb, comm)?;
     for step in 0..4u64 {
         let x = randn(step, &[4, c, 5, 3], 1.5, 2.0).to_dtype(DType::F32)?;
-        assert_close(&format!("train output step {step}"), &bn.forward_t(&x, true)?, &reference.forward_t(&x, true)?, TOL_F32);
-        assert_close("running_mean", bn.running_mean().unwrap(), reference.running_mean(), TOL_F32);
-        assert_close("running_var", bn.running_var().unwrap(), reference.running_var(), TOL_F32);
+        assert_close(
+            &format!("train output step {step}"),
+            &bn.forward_t(&x, true)?,
+            &reference.forward_t(&x, true)?,
+            TOL_F32,
+        );
+        assert_close(
+            "running_mean",
+            bn.running_mean().unwrap(),
+            reference.running_mean(),
+            TOL_F32,
+        );
+        assert_close(
+            "running_var",
+            bn.running_var().unwrap(),
+            reference.running_var(),
+            TOL_F32,
+        );
     }
     assert_eq!(bn.num_batches_tracked(), 4);
     let x = randn(77, &[3, c, 2, 2], -1.0, 0.5).to_dtype(DType::F32)?;
-    assert_close("eval output", &bn.forward_t(&x, false)?, &reference.forward_t(&x, false)?, TOL_F32);
+    assert_close(
+        "eval output",
+        &bn.forward_t(&x, false)?,
+        &reference.forward_t(&x, false)?,
+        TOL_F32,
+    );
     // The running statistics live in the VarMap under PyTorch's names.
     let data = vm.data().lock().unwrap();
-    for name in ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"] {
+    for name in [
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    ] {
         assert!(data.contains_key(name), "VarMap lacks {name}");
     }
-    assert_eq!(data["num_batches_tracked"].as_tensor().to_scalar::<i64>()?, 4);
+    assert_eq!(
+        data["num_batches_tracked"].as_tensor().to_scalar::<i64>()?,
+        4
+    );
     Ok(())
 }
 
@@ -52,9 +84,17 @@ fn channels_last_equals_permuted_channels_first() -> anyhow::Result<()> {
     let outs = run_ranks(1, |comm| {
         let mut ys = Vec::new();
         for cl in [false, true] {
-            let cfg = SyncBatchNormConfig { channels_last: cl, fuse_relu: true, ..Default::default() };
+            let cfg = SyncBatchNormConfig {
+                channels_last: cl,
+                fuse_relu: true,
+                ..Default::default()
+            };
             let (bn, _) = layer(c, cfg, comm.clone(), Some(&params), DType::F64);
-            let (xi, zi) = if cl { (to_channels_last(&x), to_channels_last(&z)) } else { (x.clone(), z.clone()) };
+            let (xi, zi) = if cl {
+                (to_channels_last(&x), to_channels_last(&z))
+            } else {
+                (x.clone(), z.clone())
+            };
             let y = bn.forward_residual(&xi, &zi, true)?;
             ys.push(if cl { to_channels_first(&y) } else { y });
             ys.push(bn.running_var().unwrap().clone());
@@ -71,18 +111,38 @@ fn channels_last_equals_permuted_channels_first() -> anyhow::Result<()> {
 fn loads_a_checkpoint_without_num_batches_tracked() -> anyhow::Result<()> {
     let c = 3;
     let mut ts = std::collections::HashMap::new();
-    ts.insert("bn.weight".to_string(), Tensor::new(&[2f32, 3., 4.], &Device::Cpu)?);
-    ts.insert("bn.bias".to_string(), Tensor::new(&[0.5f32, 0., -0.5], &Device::Cpu)?);
-    ts.insert("bn.running_mean".to_string(), Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?);
-    ts.insert("bn.running_var".to_string(), Tensor::new(&[4f32, 9., 16.], &Device::Cpu)?);
+    ts.insert(
+        "bn.weight".to_string(),
+        Tensor::new(&[2f32, 3., 4.], &Device::Cpu)?,
+    );
+    ts.insert(
+        "bn.bias".to_string(),
+        Tensor::new(&[0.5f32, 0., -0.5], &Device::Cpu)?,
+    );
+    ts.insert(
+        "bn.running_mean".to_string(),
+        Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?,
+    );
+    ts.insert(
+        "bn.running_var".to_string(),
+        Tensor::new(&[4f32, 9., 16.], &Device::Cpu)?,
+    );
     let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
     let comm = ThreadGroup::new(1)?.remove(0);
-    let cfg = SyncBatchNormConfig { eps: 0.0, ..Default::default() };
+    let cfg = SyncBatchNormConfig {
+        eps: 0.0,
+        ..Default::default()
+    };
     let bn = candle_distributed::sync_batch_norm(c, cfg, vb.pp("bn"), comm)?;
     assert_eq!(bn.num_batches_tracked(), 0);
     let x = Tensor::new(&[[3f32, 5., 7.]], &Device::Cpu)?;
     // (x − mean)/sqrt(var)·γ + β = [1·2 + 0.5, 1·3, 1·4 − 0.5]
     let y = bn.forward_t(&x, false)?;
-    assert_close("eval from checkpoint", &y, &Tensor::new(&[[2.5f32, 3., 3.5]], &Device::Cpu)?, 1e-6);
+    assert_close(
+        "eval from checkpoint",
+        &y,
+        &Tensor::new(&[[2.5f32, 3., 3.5]], &Device::Cpu)?,
+        1e-6,
+    );
     Ok(())
 }

@@ -55,7 +55,11 @@ fn step_data(case: &Case, step: usize) -> (Tensor, Tensor, Tensor) {
     let n: usize = case.batches.iter().sum();
     let d = case.dims(n);
     let s = 100 * step as u64;
-    (randn(s + 1, &d, 2.0, 1.5), randn(s + 2, &d, -0.3, 1.0), randn(s + 3, &d, 0.1, 1.0))
+    (
+        randn(s + 1, &d, 2.0, 1.5),
+        randn(s + 2, &d, -0.3, 1.0),
+        randn(s + 3, &d, 0.1, 1.0),
+    )
 }
 
 fn run_case(case: &Case) {
@@ -73,7 +77,9 @@ fn run_case(case: &Case) {
         let mut last = None;
         for step in 0..STEPS {
             let (x, z, wl) = step_data(case, step);
-            let (x, z, wl) = [x, z, wl].map(|t| to_layout(&split_batch(&t, &case.batches)[r])).into();
+            let (x, z, wl) = [x, z, wl]
+                .map(|t| to_layout(&split_batch(&t, &case.batches)[r]))
+                .into();
             let xv = Var::from_tensor(&x)?;
             let zv = Var::from_tensor(&z)?;
             let y = if case.residual {
@@ -88,7 +94,11 @@ fn run_case(case: &Case) {
         let grads = (y * wl)?.sum_all()?.backward()?;
         let get = |name: &str| grads.get(var(&vm, name).as_tensor()).cloned();
         let dx = from_layout(grads.get(xv.as_tensor()).expect("dx"));
-        let dz = if case.residual { Some(from_layout(grads.get(zv.as_tensor()).expect("dz"))) } else { None };
+        let dz = if case.residual {
+            Some(from_layout(grads.get(zv.as_tensor()).expect("dz")))
+        } else {
+            None
+        };
         let x_eval = to_layout(&split_batch(&eval_x, &case.batches)[r]);
         let z_eval = to_layout(&split_batch(&step_data(case, 0).1, &case.batches)[r]);
         let eval_y = if case.residual {
@@ -100,9 +110,22 @@ fn run_case(case: &Case) {
             y: ys,
             dx,
             dz,
-            dw: if case.config.affine { get("weight") } else { None },
-            db: if case.config.affine { get("bias") } else { None },
-            running: bn.running_mean().map(|m| (m.to_vec1().unwrap(), bn.running_var().unwrap().to_vec1().unwrap())),
+            dw: if case.config.affine {
+                get("weight")
+            } else {
+                None
+            },
+            db: if case.config.affine {
+                get("bias")
+            } else {
+                None
+            },
+            running: bn.running_mean().map(|m| {
+                (
+                    m.to_vec1().unwrap(),
+                    bn.running_var().unwrap().to_vec1().unwrap(),
+                )
+            }),
             num_batches: bn.num_batches_tracked(),
             eval_y: from_layout(&eval_y),
         })
@@ -112,16 +135,32 @@ fn run_case(case: &Case) {
     let eps = case.config.eps;
     let w = Var::new(params.weight.as_slice(), &candle_core::Device::Cpu).unwrap();
     let b = Var::new(params.bias.as_slice(), &candle_core::Device::Cpu).unwrap();
-    let (wt, bt) = if case.config.affine { (Some(w.as_tensor()), Some(b.as_tensor())) } else { (None, None) };
+    let (wt, bt) = if case.config.affine {
+        (Some(w.as_tensor()), Some(b.as_tensor()))
+    } else {
+        (None, None)
+    };
     let relu = case.config.fuse_relu;
     let (mut rm, mut rv) = (vec![0.0; case.c], vec![1.0; case.c]);
     for step in 0..STEPS {
         let (x, z, wl) = step_data(case, step);
         let xv = Var::from_tensor(&x).unwrap();
         let zv = Var::from_tensor(&z).unwrap();
-        let (y, mean, var) = reference_bn(xv.as_tensor(), wt, bt, case.residual.then_some(zv.as_tensor()), relu, eps);
+        let (y, mean, var) = reference_bn(
+            xv.as_tensor(),
+            wt,
+            bt,
+            case.residual.then_some(zv.as_tensor()),
+            relu,
+            eps,
+        );
         for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(&outs).enumerate() {
-            assert_close(&format!("output, step {step}, rank {r}"), &out.y[step], piece, TOL_F64);
+            assert_close(
+                &format!("output, step {step}, rank {r}"),
+                &out.y[step],
+                piece,
+                TOL_F64,
+            );
         }
         let n = x.elem_count() as f64 / case.c as f64;
         let m = case.config.momentum.unwrap_or(1.0 / (step + 1) as f64);
@@ -141,32 +180,70 @@ fn run_case(case: &Case) {
         if case.residual {
             let dz = split_batch(grads.get(zv.as_tensor()).unwrap(), &case.batches);
             for (r, out) in outs.iter().enumerate() {
-                assert_close(&format!("dz, rank {r}"), out.dz.as_ref().unwrap(), &dz[r], TOL_F64);
+                assert_close(
+                    &format!("dz, rank {r}"),
+                    out.dz.as_ref().unwrap(),
+                    &dz[r],
+                    TOL_F64,
+                );
             }
         }
         if case.config.affine {
-            let sum = |f: &dyn Fn(&RankOut) -> Tensor| outs.iter().map(f).reduce(|a, b| (a + b).unwrap()).unwrap();
-            assert_close("Σ_r dγ", &sum(&|o| o.dw.clone().unwrap()), grads.get(w.as_tensor()).unwrap(), TOL_F64);
-            assert_close("Σ_r dβ", &sum(&|o| o.db.clone().unwrap()), grads.get(b.as_tensor()).unwrap(), TOL_F64);
+            let sum = |f: &dyn Fn(&RankOut) -> Tensor| {
+                outs.iter().map(f).reduce(|a, b| (a + b).unwrap()).unwrap()
+            };
+            assert_close(
+                "Σ_r dγ",
+                &sum(&|o| o.dw.clone().unwrap()),
+                grads.get(w.as_tensor()).unwrap(),
+                TOL_F64,
+            );
+            assert_close(
+                "Σ_r dβ",
+                &sum(&|o| o.db.clone().unwrap()),
+                grads.get(b.as_tensor()).unwrap(),
+                TOL_F64,
+            );
         }
     }
     if case.config.track_running_stats {
         for (r, out) in outs.iter().enumerate() {
             let (m, v) = out.running.as_ref().unwrap();
-            assert_eq!(out.num_batches, STEPS as u64, "num_batches_tracked on rank {r}");
+            assert_eq!(
+                out.num_batches, STEPS as u64,
+                "num_batches_tracked on rank {r}"
+            );
             let t = |v: &Vec<f64>| Tensor::new(v.as_slice(), &candle_core::Device::Cpu).unwrap();
             assert_close(&format!("running_mean rank {r}"), &t(m), &t(&rm), TOL_F64);
             assert_close(&format!("running_var rank {r}"), &t(v), &t(&rv), TOL_F64);
             // Every rank holds bitwise the same running statistics.
-            assert_eq!(out.running, outs[0].running, "running stats of rank {r} differ from rank 0");
+            assert_eq!(
+                out.running, outs[0].running,
+                "running stats of rank {r} differ from rank 0"
+            );
         }
         // Eval: normalise with the running statistics, no communication.
-        let bshape: Vec<usize> = (0..eval_x.rank()).map(|i| if i == 1 { case.c } else { 1 }).collect();
-        let col = |v: &[f64]| Tensor::new(v, &candle_core::Device::Cpu).unwrap().reshape(bshape.as_slice()).unwrap();
+        let bshape: Vec<usize> = (0..eval_x.rank())
+            .map(|i| if i == 1 { case.c } else { 1 })
+            .collect();
+        let col = |v: &[f64]| {
+            Tensor::new(v, &candle_core::Device::Cpu)
+                .unwrap()
+                .reshape(bshape.as_slice())
+                .unwrap()
+        };
         let sd: Vec<f64> = rv.iter().map(|v| (v + eps).sqrt()).collect();
-        let mut y = eval_x.broadcast_sub(&col(&rm)).unwrap().broadcast_div(&col(&sd)).unwrap();
+        let mut y = eval_x
+            .broadcast_sub(&col(&rm))
+            .unwrap()
+            .broadcast_div(&col(&sd))
+            .unwrap();
         if case.config.affine {
-            y = y.broadcast_mul(&col(&params.weight)).unwrap().broadcast_add(&col(&params.bias)).unwrap();
+            y = y
+                .broadcast_mul(&col(&params.weight))
+                .unwrap()
+                .broadcast_add(&col(&params.bias))
+                .unwrap();
         }
         if case.residual {
             y = (y + step_data(case, 0).1).unwrap();
@@ -175,18 +252,32 @@ fn run_case(case: &Case) {
             y = y.relu().unwrap();
         }
         for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(&outs).enumerate() {
-            assert_close(&format!("eval output rank {r}"), &out.eval_y, piece, TOL_F64);
+            assert_close(
+                &format!("eval output rank {r}"),
+                &out.eval_y,
+                piece,
+                TOL_F64,
+            );
         }
     } else {
         // Eval without running statistics: each rank normalises with its own batch statistics.
         let zs = split_batch(&step_data(case, 0).1, &case.batches);
-        for (r, (piece, out)) in split_batch(&eval_x, &case.batches).iter().zip(&outs).enumerate() {
+        for (r, (piece, out)) in split_batch(&eval_x, &case.batches)
+            .iter()
+            .zip(&outs)
+            .enumerate()
+        {
             if piece.dim(0).unwrap() == 0 {
                 assert_eq!(out.eval_y.dims(), piece.dims());
                 continue;
             }
             let (y, _, _) = reference_bn(piece, wt, bt, case.residual.then_some(&zs[r]), relu, eps);
-            assert_close(&format!("local eval output rank {r}"), &out.eval_y, &y, TOL_F64);
+            assert_close(
+                &format!("local eval output rank {r}"),
+                &out.eval_y,
+                &y,
+                TOL_F64,
+            );
         }
     }
 }

@@ -20,13 +20,31 @@ const PROMPT: Duration = Duration::from_secs(5);
 /// Everything a failed call must leave untouched.
 fn snapshot(bn: &SyncBatchNorm) -> (Vec<f32>, Vec<f32>, u64, Vec<f32>, Vec<f32>) {
     let v = |t: Option<&Tensor>| t.map(|t| t.to_vec1::<f32>().unwrap()).unwrap_or_default();
-    (v(bn.running_mean()), v(bn.running_var()), bn.num_batches_tracked(), v(bn.weight()), v(bn.bias()))
+    (
+        v(bn.running_mean()),
+        v(bn.running_var()),
+        bn.num_batches_tracked(),
+        v(bn.weight()),
+        v(bn.bias()),
+    )
 }
 
 /// A layer of 4 channels that has already taken one training step.
 fn trained_layer(comm: Arc<dyn Collective>) -> SyncBatchNorm {
-    let (bn, _) = layer(4, SyncBatchNormConfig::default(), comm, Some(&Params::random(2, 4)), DType::F32);
-    bn.forward_t(&randn(1, &[3, 4, 2, 2], 1.0, 1.0).to_dtype(DType::F32).unwrap(), true).unwrap();
+    let (bn, _) = layer(
+        4,
+        SyncBatchNormConfig::default(),
+        comm,
+        Some(&Params::random(2, 4)),
+        DType::F32,
+    );
+    bn.forward_t(
+        &randn(1, &[3, 4, 2, 2], 1.0, 1.0)
+            .to_dtype(DType::F32)
+            .unwrap(),
+        true,
+    )
+    .unwrap();
     bn
 }
 
@@ -44,17 +62,42 @@ fn bad_inputs_are_named_and_change_nothing() {
     let bn = trained_layer(comm);
     let before = snapshot(&bn);
     let f32t = |dims: &[usize]| randn(5, dims, 0.0, 1.0).to_dtype(DType::F32).unwrap();
-    expect_err(bn.forward_t(&f32t(&[8, 3, 7, 7]), true), &["sync-batch-norm", "expected 4 channels, got 3", "[8, 3, 7, 7]"]);
+    expect_err(
+        bn.forward_t(&f32t(&[8, 3, 7, 7]), true),
+        &[
+            "sync-batch-norm",
+            "expected 4 channels, got 3",
+            "[8, 3, 7, 7]",
+        ],
+    );
     expect_err(bn.forward_t(&f32t(&[8]), true), &["rank 2 to 5", "[8]"]);
-    expect_err(bn.forward_t(&f32t(&[2, 4, 1, 1, 1, 2]), true), &["rank 2 to 5"]);
-    expect_err(bn.forward_t(&f32t(&[1, 4]), true), &["more than 1 value per channel", "got 1"]);
-    expect_err(bn.forward_t(&f32t(&[1, 4, 1, 1]), true), &["more than 1 value per channel"]);
-    expect_err(bn.forward_t(&f32t(&[0, 4, 2]), true), &["more than 1 value per channel", "got 0"]);
+    expect_err(
+        bn.forward_t(&f32t(&[2, 4, 1, 1, 1, 2]), true),
+        &["rank 2 to 5"],
+    );
+    expect_err(
+        bn.forward_t(&f32t(&[1, 4]), true),
+        &["more than 1 value per channel", "got 1"],
+    );
+    expect_err(
+        bn.forward_t(&f32t(&[1, 4, 1, 1]), true),
+        &["more than 1 value per channel"],
+    );
+    expect_err(
+        bn.forward_t(&f32t(&[0, 4, 2]), true),
+        &["more than 1 value per channel", "got 0"],
+    );
     let ints = Tensor::zeros((2, 4, 3), DType::U32, &Device::Cpu).unwrap();
     expect_err(bn.forward_t(&ints, true), &["unsupported input dtype U32"]);
     let x = f32t(&[2, 4, 3, 3]);
-    expect_err(bn.forward_residual(&x, &f32t(&[2, 4, 3, 2]), true), &["residual", "[2, 4, 3, 2]", "[2, 4, 3, 3]"]);
-    expect_err(bn.forward_residual(&x, &x.to_dtype(DType::F64).unwrap(), true), &["residual", "F64", "F32"]);
+    expect_err(
+        bn.forward_residual(&x, &f32t(&[2, 4, 3, 2]), true),
+        &["residual", "[2, 4, 3, 2]", "[2, 4, 3, 3]"],
+    );
+    expect_err(
+        bn.forward_residual(&x, &x.to_dtype(DType::F64).unwrap(), true),
+        &["residual", "F64", "F32"],
+    );
     assert_eq!(snapshot(&bn), before, "a failed call changed the layer");
     // Eval with one value per channel is fine (running statistics).
     bn.forward_t(&f32t(&[1, 4]), false).unwrap();
@@ -67,8 +110,20 @@ fn bad_configurations_are_rejected() {
     let vm = candle_nn::VarMap::new();
     let vb = || candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
     let bad = [
-        (SyncBatchNormConfig { eps: -1.0, ..Default::default() }, "eps"),
-        (SyncBatchNormConfig { momentum: Some(1.5), ..Default::default() }, "momentum"),
+        (
+            SyncBatchNormConfig {
+                eps: -1.0,
+                ..Default::default()
+            },
+            "eps",
+        ),
+        (
+            SyncBatchNormConfig {
+                momentum: Some(1.5),
+                ..Default::default()
+            },
+            "momentum",
+        ),
     ];
     for (cfg, needle) in bad {
         let e = candle_distributed::sync_batch_norm(4, cfg, vb(), comm.clone()).unwrap_err();
@@ -89,8 +144,14 @@ fn a_missing_rank_times_out_on_every_waiting_rank() {
                 s.spawn(move || {
                     let bn = trained_layer(comm);
                     let before = snapshot(&bn);
-                    let r = bn.forward_t(&randn(3, &[2, 4, 2], 0.0, 1.0).to_dtype(DType::F32).unwrap(), true);
-                    (r.map(|_| ()).map_err(|e| e.to_string()), snapshot(&bn) == before)
+                    let r = bn.forward_t(
+                        &randn(3, &[2, 4, 2], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
+                        true,
+                    );
+                    (
+                        r.map(|_| ()).map_err(|e| e.to_string()),
+                        snapshot(&bn) == before,
+                    )
                 })
             })
             .collect();
@@ -100,10 +161,17 @@ fn a_missing_rank_times_out_on_every_waiting_rank() {
         drop(bn2);
         out
     });
-    assert!(start.elapsed() < SHORT + PROMPT, "took {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < SHORT + PROMPT,
+        "took {:?}",
+        start.elapsed()
+    );
     for (r, (res, untouched)) in results.into_iter().enumerate() {
         let msg = res.expect_err("the step must fail");
-        assert!(msg.contains("timed out") && msg.contains("[2]"), "rank {r}: {msg}");
+        assert!(
+            msg.contains("timed out") && msg.contains("[2]"),
+            "rank {r}: {msg}"
+        );
         assert!(untouched, "rank {r}: a failed step changed the layer");
     }
 }
@@ -121,8 +189,14 @@ fn a_rank_that_drops_out_or_panics_fails_the_others_promptly() {
                     s.spawn(move || {
                         let bn = trained_layer(comm);
                         let before = snapshot(&bn);
-                        let r = bn.forward_t(&randn(3, &[2, 4], 0.0, 1.0).to_dtype(DType::F32).unwrap(), true);
-                        (r.map(|_| ()).map_err(|e| e.to_string()), snapshot(&bn) == before)
+                        let r = bn.forward_t(
+                            &randn(3, &[2, 4], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
+                            true,
+                        );
+                        (
+                            r.map(|_| ()).map_err(|e| e.to_string()),
+                            snapshot(&bn) == before,
+                        )
                     })
                 })
                 .collect();
@@ -138,7 +212,11 @@ fn a_rank_that_drops_out_or_panics_fails_the_others_promptly() {
             out
         });
         assert!(start.elapsed() < PROMPT, "took {:?}", start.elapsed());
-        let what = if panics { "rank 0 panicked" } else { "rank 0 dropped its communicator" };
+        let what = if panics {
+            "rank 0 panicked"
+        } else {
+            "rank 0 dropped its communicator"
+        };
         for (res, untouched) in results {
             let msg = res.expect_err("the step must fail");
             assert!(msg.contains(what), "{msg}");
@@ -153,14 +231,23 @@ fn ranks_with_different_channel_counts_all_get_a_mismatch_error() {
         let c = 3 + comm.rank();
         let (bn, _) = layer(c, SyncBatchNormConfig::default(), comm, None, DType::F32);
         let before = snapshot(&bn);
-        let r = bn.forward_t(&randn(1, &[2, c, 3], 0.0, 1.0).to_dtype(DType::F32).unwrap(), true);
-        (r.map(|_| ()).map_err(|e| e.to_string()), snapshot(&bn) == before)
+        let r = bn.forward_t(
+            &randn(1, &[2, c, 3], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
+            true,
+        );
+        (
+            r.map(|_| ()).map_err(|e| e.to_string()),
+            snapshot(&bn) == before,
+        )
     })
     .unwrap();
     for out in outs {
         let (res, untouched) = out.unwrap();
         let msg = res.expect_err("mismatch must fail");
-        assert!(msg.contains("ranks disagree") && msg.contains("[3, 3]") && msg.contains("[3, 4]"), "{msg}");
+        assert!(
+            msg.contains("ranks disagree") && msg.contains("[3, 3]") && msg.contains("[3, 4]"),
+            "{msg}"
+        );
         assert!(untouched);
     }
 }
@@ -172,7 +259,9 @@ fn eval_issues_no_collective() {
         let comm: Arc<dyn Collective> = counting.clone();
         let bn = trained_layer(comm);
         let before = counting.count();
-        let x = candle_core::Var::from_tensor(&randn(4, &[3, 4, 2, 2], 0.0, 1.0).to_dtype(DType::F32)?)?;
+        let x = candle_core::Var::from_tensor(
+            &randn(4, &[3, 4, 2, 2], 0.0, 1.0).to_dtype(DType::F32)?,
+        )?;
         bn.forward_t(x.as_tensor(), false)?.sum_all()?.backward()?;
         Ok(counting.count() - before)
     });

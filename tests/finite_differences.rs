@@ -38,7 +38,10 @@ impl Fd {
             batches: batches.to_vec(),
             c,
             spatial: spatial.to_vec(),
-            config: SyncBatchNormConfig { channels_last, ..Default::default() },
+            config: SyncBatchNormConfig {
+                channels_last,
+                ..Default::default()
+            },
             residual: false,
         }
     }
@@ -57,9 +60,19 @@ impl Fd {
         };
         let b = &self.batches;
         Inputs {
-            x: b.iter().enumerate().map(|(r, &n)| gen(1, r, n, 0.7)).collect(),
-            z: b.iter().enumerate().map(|(r, &n)| gen(2, r, n, 0.2)).collect(),
-            wl: b.iter().enumerate().map(|(r, &n)| gen(3, r, n, 0.0)).collect(),
+            x: b.iter()
+                .enumerate()
+                .map(|(r, &n)| gen(1, r, n, 0.7))
+                .collect(),
+            z: b.iter()
+                .enumerate()
+                .map(|(r, &n)| gen(2, r, n, 0.2))
+                .collect(),
+            wl: b
+                .iter()
+                .enumerate()
+                .map(|(r, &n)| gen(3, r, n, 0.0))
+                .collect(),
             params: Params::random(5, self.c),
         }
     }
@@ -114,9 +127,12 @@ impl Fd {
         };
         let compare = |what: String, analytic: f64, num: f64| {
             let err = (analytic - num).abs() / analytic.abs().max(1.0);
-            assert!(err <= FD_TOL, "{what}: analytic {analytic:e} vs finite difference {num:e} (error {err:e})");
+            assert!(
+                err <= FD_TOL,
+                "{what}: analytic {analytic:e} vs finite difference {num:e} (error {err:e})"
+            );
         };
-        for r in 0..self.batches.len() {
+        for (r, g) in grads.iter().enumerate() {
             let len = inp.x[r].elem_count();
             for k in 0..SAMPLES.min(len) {
                 let i = (k * 7919 + 3) % len;
@@ -126,11 +142,11 @@ impl Fd {
                     Tensor::from_vec(v, t.dims(), t.device()).unwrap()
                 };
                 let num = numeric(&|p: &mut Inputs, d| p.x[r] = bump(&p.x[r], d));
-                let an = grads[r][0].flatten_all().unwrap().to_vec1::<f64>().unwrap()[i];
+                let an = g[0].flatten_all().unwrap().to_vec1::<f64>().unwrap()[i];
                 compare(format!("dx rank {r} element {i}"), an, num);
                 if self.residual {
                     let num = numeric(&|p: &mut Inputs, d| p.z[r] = bump(&p.z[r], d));
-                    let an = grads[r][1].flatten_all().unwrap().to_vec1::<f64>().unwrap()[i];
+                    let an = g[1].flatten_all().unwrap().to_vec1::<f64>().unwrap()[i];
                     compare(format!("dz rank {r} element {i}"), an, num);
                 }
             }
@@ -138,10 +154,17 @@ impl Fd {
         for j in 0..self.c {
             for (which, name) in [(2usize, "dγ"), (3, "dβ")] {
                 let num = numeric(&|p: &mut Inputs, d| {
-                    let v = if which == 2 { &mut p.params.weight } else { &mut p.params.bias };
+                    let v = if which == 2 {
+                        &mut p.params.weight
+                    } else {
+                        &mut p.params.bias
+                    };
                     v[j] += d;
                 });
-                let an: f64 = grads.iter().map(|g| g[which].to_vec1::<f64>().unwrap()[j]).sum();
+                let an: f64 = grads
+                    .iter()
+                    .map(|g| g[which].to_vec1::<f64>().unwrap()[j])
+                    .sum();
                 compare(format!("Σ_r {name} channel {j}"), an, num);
             }
         }

@@ -18,43 +18,107 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
     let z = randn(13, dims_cf, 0.5, 1.0);
     let p = Params::random(14, c);
     let eps = 1e-5;
-    let lay = |t: &Tensor| if channels_last { to_channels_last(t) } else { t.clone() };
-    let unlay = |t: &Tensor| if channels_last { to_channels_first(t) } else { t.clone() };
+    let lay = |t: &Tensor| {
+        if channels_last {
+            to_channels_last(t)
+        } else {
+            t.clone()
+        }
+    };
+    let unlay = |t: &Tensor| {
+        if channels_last {
+            to_channels_first(t)
+        } else {
+            t.clone()
+        }
+    };
     let outs = run_ranks(batches.len(), |comm| {
         let r = comm.rank();
-        let (x, dy, z) = (lay(&split_batch(&x, batches)[r]), lay(&split_batch(&dy, batches)[r]), lay(&split_batch(&z, batches)[r]));
+        let (x, dy, z) = (
+            lay(&split_batch(&x, batches)[r]),
+            lay(&split_batch(&dy, batches)[r]),
+            lay(&split_batch(&z, batches)[r]),
+        );
         let w = Tensor::new(p.weight.as_slice(), x.device())?;
         let b = Tensor::new(p.bias.as_slice(), x.device())?;
         let shift = Tensor::full(2.5f64, c, x.device())?;
         let sums = comm.all_reduce(&batch_norm_stats(&x, &shift, channels_last)?, ReduceOp::Sum)?;
         let st = batch_norm_gather_stats(&sums, &shift, eps)?;
-        let y = batch_norm_elemt(&x, &st.mean, &st.invstd, Some(&w), Some(&b), Some(&z), true, channels_last)?;
+        let y = batch_norm_elemt(
+            &x,
+            &st.mean,
+            &st.invstd,
+            Some(&w),
+            Some(&b),
+            Some(&z),
+            true,
+            channels_last,
+        )?;
         let local = batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), channels_last)?;
         let red = comm.all_reduce(&local, ReduceOp::Sum)?;
         let n = st.count.get(0)?.to_scalar::<f64>()?;
-        let (dx, dz) = batch_norm_backward_elemt(&dy, &x, &st.mean, &st.invstd, Some(&w), &red, n, Some(&y), true, channels_last)?;
+        let (dx, dz) = batch_norm_backward_elemt(
+            &dy,
+            &x,
+            &st.mean,
+            &st.invstd,
+            Some(&w),
+            &red,
+            n,
+            Some(&y),
+            true,
+            channels_last,
+        )?;
         let dgamma = (local.get(1)? * &st.invstd)?;
-        Ok((unlay(&y), unlay(&dx), unlay(&dz.unwrap()), dgamma, local.get(0)?, st.var_unbiased))
+        Ok((
+            unlay(&y),
+            unlay(&dx),
+            unlay(&dz.unwrap()),
+            dgamma,
+            local.get(0)?,
+            st.var_unbiased,
+        ))
     });
     // Reference through candle autograd on the whole batch; loss = Σ y·dy.
     let xv = Var::from_tensor(&x).unwrap();
     let zv = Var::from_tensor(&z).unwrap();
     let wv = Var::new(p.weight.as_slice(), x.device()).unwrap();
     let bv = Var::new(p.bias.as_slice(), x.device()).unwrap();
-    let (y, _, var) = reference_bn(xv.as_tensor(), Some(wv.as_tensor()), Some(bv.as_tensor()), Some(zv.as_tensor()), true, eps);
+    let (y, _, var) = reference_bn(
+        xv.as_tensor(),
+        Some(wv.as_tensor()),
+        Some(bv.as_tensor()),
+        Some(zv.as_tensor()),
+        true,
+        eps,
+    );
     let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
     let split = |t: &Tensor| split_batch(t, batches);
-    let (ys, dxs, dzs) = (split(&y), split(g.get(xv.as_tensor()).unwrap()), split(g.get(zv.as_tensor()).unwrap()));
+    let (ys, dxs, dzs) = (
+        split(&y),
+        split(g.get(xv.as_tensor()).unwrap()),
+        split(g.get(zv.as_tensor()).unwrap()),
+    );
     for (r, o) in outs.iter().enumerate() {
         assert_close(&format!("y rank {r}"), &o.0, &ys[r], TOL);
         assert_close(&format!("dx rank {r}"), &o.1, &dxs[r], TOL);
         assert_close(&format!("dz rank {r}"), &o.2, &dzs[r], TOL);
     }
-    let sum = |i: usize| outs.iter().map(|o| if i == 3 { o.3.clone() } else { o.4.clone() }).reduce(|a, b| (a + b).unwrap()).unwrap();
+    let sum = |i: usize| {
+        outs.iter()
+            .map(|o| if i == 3 { o.3.clone() } else { o.4.clone() })
+            .reduce(|a, b| (a + b).unwrap())
+            .unwrap()
+    };
     assert_close("Σ dγ", &sum(3), g.get(wv.as_tensor()).unwrap(), TOL * 1e3);
     assert_close("Σ dβ", &sum(4), g.get(bv.as_tensor()).unwrap(), TOL * 1e3);
     let n = (x.elem_count() / c) as f64;
-    assert_close("unbiased var", &outs[0].5, &(var * (n / (n - 1.0))).unwrap(), TOL);
+    assert_close(
+        "unbiased var",
+        &outs[0].5,
+        &(var * (n / (n - 1.0))).unwrap(),
+        TOL,
+    );
 }
 
 #[test]
@@ -79,7 +143,11 @@ fn single_channel_and_odd_sizes() {
 fn half_inputs_give_f64_statistics() -> anyhow::Result<()> {
     let x = randn(1, &[4, 3, 5], 2.0, 1.0);
     let shift = Tensor::zeros(3, DType::F64, x.device())?;
-    let s64 = batch_norm_stats(&x.to_dtype(DType::F16)?.to_dtype(DType::F64)?, &shift, false)?;
+    let s64 = batch_norm_stats(
+        &x.to_dtype(DType::F16)?.to_dtype(DType::F64)?,
+        &shift,
+        false,
+    )?;
     let s16 = batch_norm_stats(&x.to_dtype(DType::F16)?, &shift, false)?;
     assert_eq!(s16.dtype(), DType::F64);
     assert_close("f16 stats", &s16, &s64, 1e-12);

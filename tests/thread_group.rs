@@ -17,9 +17,15 @@ fn all_reduce_every_op() {
             res.push(comm.all_reduce(&t, op)?.to_vec1::<f32>()?);
         }
         let ints = Tensor::new(&[comm.rank() as i64 * 5], &Device::Cpu)?;
-        res.push(vec![comm.all_reduce(&ints, ReduceOp::Max)?.to_vec1::<i64>()?[0] as f32]);
+        res.push(vec![
+            comm.all_reduce(&ints, ReduceOp::Max)?.to_vec1::<i64>()?[0] as f32,
+        ]);
         let half = Tensor::new(&[1.5f32, 2.0], &Device::Cpu)?.to_dtype(DType::BF16)?;
-        res.push(comm.all_reduce(&half, ReduceOp::Sum)?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        res.push(
+            comm.all_reduce(&half, ReduceOp::Sum)?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?,
+        );
         Ok(res)
     });
     for out in &outs {
@@ -39,7 +45,10 @@ fn results_are_bitwise_identical_on_every_rank() {
         Ok(comm.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?)
     });
     for o in &outs[1..] {
-        assert!(o.iter().zip(&outs[0]).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(o
+            .iter()
+            .zip(&outs[0])
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
 
@@ -72,16 +81,24 @@ fn broadcast_and_barrier() {
 fn argument_errors_reach_every_rank() {
     let outs = run_ranks(2, |comm| {
         let t = Tensor::new(&[1u32], &Device::Cpu)?;
-        let avg = comm.all_reduce(&t, ReduceOp::Avg).map_err(|e| e.to_string());
+        let avg = comm
+            .all_reduce(&t, ReduceOp::Avg)
+            .map_err(|e| e.to_string());
         let root = comm.broadcast(&t, 5).map_err(|e| e.to_string());
         let shape = Tensor::zeros(comm.rank() + 1, DType::F32, &Device::Cpu)?;
-        let mismatch = comm.all_reduce(&shape, ReduceOp::Sum).map_err(|e| e.to_string());
+        let mismatch = comm
+            .all_reduce(&shape, ReduceOp::Sum)
+            .map_err(|e| e.to_string());
         Ok((avg.unwrap_err(), root.unwrap_err(), mismatch.unwrap_err()))
     });
     for (avg, root, mismatch) in outs {
         assert!(avg.contains("Avg needs a float dtype"), "{avg}");
         assert!(root.contains("root 5 out of range"), "{root}");
-        assert!(mismatch.contains("rank 0: all_reduce(Sum) F32 [1]") && mismatch.contains("rank 1: all_reduce(Sum) F32 [2]"), "{mismatch}");
+        assert!(
+            mismatch.contains("rank 0: all_reduce(Sum) F32 [1]")
+                && mismatch.contains("rank 1: all_reduce(Sum) F32 [2]"),
+            "{mismatch}"
+        );
     }
     assert!(ThreadGroup::new(0).is_err());
 }

@@ -40,14 +40,28 @@ impl NormFn {
         z: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let p: Vec<f64> = match params.0 {
-            CpuStorage::F32(_) => slice::<f32>(OP, params.0, params.1)?.iter().map(|&v| v as f64).collect(),
+            CpuStorage::F32(_) => slice::<f32>(OP, params.0, params.1)?
+                .iter()
+                .map(|&v| v as f64)
+                .collect(),
             CpuStorage::F64(_) => slice::<f64>(OP, params.0, params.1)?.to_vec(),
-            CpuStorage::F16(_) => slice::<half::f16>(OP, params.0, params.1)?.iter().map(|v| v.to_f64()).collect(),
-            CpuStorage::BF16(_) => slice::<half::bf16>(OP, params.0, params.1)?.iter().map(|v| v.to_f64()).collect(),
+            CpuStorage::F16(_) => slice::<half::f16>(OP, params.0, params.1)?
+                .iter()
+                .map(|v| v.to_f64())
+                .collect(),
+            CpuStorage::BF16(_) => slice::<half::bf16>(OP, params.0, params.1)?
+                .iter()
+                .map(|v| v.to_f64())
+                .collect(),
             _ => candle_core::bail!("{OP}: weight and bias must be f32, f64, f16 or bf16"),
         };
         let c = self.geometry.c;
-        let coef = ApplyCoef::new(self.mean.clone(), &self.invstd, Some(&p[..c]), Some(&p[c..]));
+        let coef = ApplyCoef::new(
+            self.mean.clone(),
+            &self.invstd,
+            Some(&p[..c]),
+            Some(&p[c..]),
+        );
         let out = apply_cpu(x.0, x.1, z, &self.geometry, &coef, self.relu)?;
         Ok((out, x.1.shape().clone()))
     }
@@ -77,7 +91,16 @@ impl NormFn {
         let weight = params.get(0)?;
         let want_dz = has_z && self.relu;
         let (dx, dz) = batch_norm_backward_elemt(
-            dy, x, &mean, &invstd, Some(&weight), &sums, self.count, relu_y, want_dz, cl,
+            dy,
+            x,
+            &mean,
+            &invstd,
+            Some(&weight),
+            &sums,
+            self.count,
+            relu_y,
+            want_dz,
+            cl,
         )?;
         let dz = match (has_z, dz) {
             (false, _) => None,
@@ -100,12 +123,24 @@ impl CustomOp2 for NormFn {
         "sync-batch-norm"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         self.forward((s1, l1), (s2, l2), None)
     }
     // cuda_fwd: the `cuda` feature launches `kernels/apply.cu` here.
 
-    fn bwd(&self, x: &Tensor, params: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        params: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dp, _) = self.backward(x, params, false, res, grad)?;
         Ok((dx, dp))
     }
@@ -144,5 +179,11 @@ impl CustomOp3 for NormFn {
 
 /// Constant `[1; 0]` parameters for a layer without affine parameters, `[2, C]` f32.
 pub(crate) fn identity_params(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
-    Tensor::stack(&[Tensor::ones(c, DType::F32, dev)?, Tensor::zeros(c, DType::F32, dev)?], 0)
+    Tensor::stack(
+        &[
+            Tensor::ones(c, DType::F32, dev)?,
+            Tensor::zeros(c, DType::F32, dev)?,
+        ],
+        0,
+    )
 }

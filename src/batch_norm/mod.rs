@@ -69,7 +69,7 @@ pub fn sync_batch_norm(
     if num_features == 0 {
         bail!("{OP}: num_features must be at least 1")
     }
-    if !(config.eps >= 0.0) {
+    if config.eps.is_nan() || config.eps < 0.0 {
         bail!("{OP}: eps must be non-negative, got {}", config.eps)
     }
     if let Some(m) = config.momentum {
@@ -89,7 +89,12 @@ pub fn sync_batch_norm(
     let running = if config.track_running_stats {
         let mean = vb.get_with_hints(num_features, "running_mean", Init::Const(0.0))?;
         let var = vb.get_with_hints(num_features, "running_var", Init::Const(1.0))?;
-        let batches = match vb.get_with_hints_dtype((), "num_batches_tracked", Init::Const(0.0), DType::I64) {
+        let batches = match vb.get_with_hints_dtype(
+            (),
+            "num_batches_tracked",
+            Init::Const(0.0),
+            DType::I64,
+        ) {
             Ok(t) => t,
             Err(_) if !vb.contains_tensor("num_batches_tracked") => {
                 Tensor::zeros((), DType::I64, vb.device())?
@@ -185,17 +190,28 @@ impl SyncBatchNorm {
                 if cl { ", channels_last" } else { "" }
             )
         }
-        if !matches!(x.dtype(), DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
-            bail!("{OP}: unsupported input dtype {:?} (expected f32, f64, f16 or bf16)", x.dtype())
+        if !matches!(
+            x.dtype(),
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16
+        ) {
+            bail!(
+                "{OP}: unsupported input dtype {:?} (expected f32, f64, f16 or bf16)",
+                x.dtype()
+            )
         }
         let own = self.weight.as_ref().or(self.running_mean());
         if let Some(p) = own {
             if !x.device().same_device(p.device()) {
-                bail!("{OP}: input on {:?} but the layer's parameters on {:?}", x.device(), p.device())
+                bail!(
+                    "{OP}: input on {:?} but the layer's parameters on {:?}",
+                    x.device(),
+                    p.device()
+                )
             }
         }
         if let Some(z) = z {
-            if z.dims() != x.dims() || z.dtype() != x.dtype() || !z.device().same_device(x.device()) {
+            if z.dims() != x.dims() || z.dtype() != x.dtype() || !z.device().same_device(x.device())
+            {
                 bail!(
                     "{OP}: residual {:?} {:?} on {:?} does not match the input {:?} {:?} on {:?}",
                     z.dims(),
@@ -214,7 +230,11 @@ impl SyncBatchNorm {
     /// shift proved far from the mean (decided from the reduced values, so on every rank alike).
     fn batch_stats(&self, x: &Tensor, g: &Geometry, sync: bool) -> Result<HostStats> {
         let c = g.c;
-        let mut shift = if sync { self.lock().shift.clone() } else { None };
+        let mut shift = if sync {
+            self.lock().shift.clone()
+        } else {
+            None
+        };
         let mut retried = false;
         loop {
             let k = shift.clone().unwrap_or_else(|| vec![0.0; c]);
@@ -236,11 +256,20 @@ impl SyncBatchNorm {
         let eps = self.config.eps;
         let use_batch = train || self.running.is_none();
         if !use_batch {
-            let r = self.running.as_ref().expect("running statistics are tracked here");
+            let r = self
+                .running
+                .as_ref()
+                .expect("running statistics are tracked here");
             let mean = r.mean.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
             let var = r.var.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
             let invstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
-            return Ok(Plan { mean, invstd, count: g.count() as f64, update: None, shift: None });
+            return Ok(Plan {
+                mean,
+                invstd,
+                count: g.count() as f64,
+                update: None,
+                shift: None,
+            });
         }
         let stats = self.batch_stats(x, g, train)?;
         let n = stats.count;
@@ -251,7 +280,11 @@ impl SyncBatchNorm {
                 x.dims()
             )
         }
-        let invstd = if n > 0.0 { stats.invstd(eps) } else { vec![1.0; g.c] };
+        let invstd = if n > 0.0 {
+            stats.invstd(eps)
+        } else {
+            vec![1.0; g.c]
+        };
         let mut update = None;
         if let (true, Some(r)) = (train, &self.running) {
             let done = self.lock().num_batches_tracked + 1;
@@ -305,7 +338,8 @@ impl SyncBatchNorm {
         if let (Some((mean, var, done)), Some(r)) = (plan.update, &self.running) {
             r.mean.set(&mean)?;
             r.var.set(&var)?;
-            r.batches.set(&Tensor::new(done as i64, r.batches.device())?)?;
+            r.batches
+                .set(&Tensor::new(done as i64, r.batches.device())?)?;
             self.lock().num_batches_tracked = done;
         }
         if let Some(shift) = plan.shift {

@@ -36,6 +36,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Debug, Clone, Copy)]
 pub struct ThreadGroup;
 
+// `new` returns the communicators of all ranks, not a `ThreadGroup`: the group itself has no
+// state of its own once its ranks are handed out.
+#[allow(clippy::new_ret_no_self)]
 impl ThreadGroup {
     /// One communicator per rank (`result[r]` has rank `r`), with the default timeout
     /// ([`DEFAULT_TIMEOUT`]). Hand each to its own thread.
@@ -207,7 +210,7 @@ impl ThreadRank {
                 if fin.readers_left == 0 {
                     st.done.remove(&call);
                 }
-                return Ok(result?.to_device(&device)?);
+                return result.map_err(Into::into).and_then(|t| t.to_device(&device));
             }
             if let Some(reason) = &st.broken {
                 return Err(self.left(kind, call, reason.clone()).into());

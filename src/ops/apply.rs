@@ -20,7 +20,12 @@ pub(crate) struct ApplyCoef {
 
 impl ApplyCoef {
     /// Coefficients from mean, invstd and optional affine parameters (`None` = 1 and 0).
-    pub fn new(mean: Vec<f64>, invstd: &[f64], weight: Option<&[f64]>, bias: Option<&[f64]>) -> Self {
+    pub fn new(
+        mean: Vec<f64>,
+        invstd: &[f64],
+        weight: Option<&[f64]>,
+        bias: Option<&[f64]>,
+    ) -> Self {
         let scale = match weight {
             Some(w) => w.iter().zip(invstd).map(|(w, s)| w * s).collect(),
             None => invstd.to_vec(),
@@ -42,7 +47,10 @@ pub(crate) fn apply_cpu(
     fn run<T: Elem>(x: &[T], z: Option<&[T]>, g: &Geometry, k: &ApplyCoef, relu: bool) -> Vec<T> {
         let c = g.c;
         let mh: Vec<(T::R, T::R)> = k.mean.iter().map(|&m| split(m)).collect();
-        let (lo_, hi_): (Vec<T::R>, Vec<T::R>) = (mh.iter().map(|p| p.1).collect(), mh.iter().map(|p| p.0).collect());
+        let (lo_, hi_): (Vec<T::R>, Vec<T::R>) = (
+            mh.iter().map(|p| p.1).collect(),
+            mh.iter().map(|p| p.0).collect(),
+        );
         let sc: Vec<T::R> = k.scale.iter().map(|&v| T::R::from_f64(v)).collect();
         let be: Vec<T::R> = k.shift.iter().map(|&v| T::R::from_f64(v)).collect();
         let mut out = vec![T::zero(); x.len()];
@@ -76,13 +84,17 @@ pub(crate) fn apply_cpu(
                 match z {
                     None => {
                         for j in 0..c {
-                            orow[j] = T::store(act(((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j], relu));
+                            orow[j] = T::store(act(
+                                ((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j],
+                                relu,
+                            ));
                         }
                     }
                     Some(z) => {
                         let zr = &z[r * c..(r + 1) * c];
                         for j in 0..c {
-                            let v = ((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j] + zr[j].load();
+                            let v =
+                                ((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j] + zr[j].load();
                             orow[j] = T::store(act(v, relu));
                         }
                     }
@@ -104,7 +116,11 @@ pub(crate) fn apply_cpu(
     }
     if let Some((zs, _)) = z {
         if zs.dtype() != xs.dtype() {
-            bail!("{OP}: residual dtype {:?} differs from input dtype {:?}", zs.dtype(), xs.dtype())
+            bail!(
+                "{OP}: residual dtype {:?} differs from input dtype {:?}",
+                zs.dtype(),
+                xs.dtype()
+            )
         }
     }
     Ok(match xs.dtype() {
@@ -146,7 +162,14 @@ impl CustomOp2 for ApplyOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = apply_cpu(s1, l1, Some((s2, l2)), &self.geometry, &self.coef, self.relu)?;
+        let out = apply_cpu(
+            s1,
+            l1,
+            Some((s2, l2)),
+            &self.geometry,
+            &self.coef,
+            self.relu,
+        )?;
         Ok((out, l1.shape().clone()))
     }
 }

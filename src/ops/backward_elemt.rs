@@ -22,12 +22,22 @@ struct ElemtCoef {
 impl ElemtCoef {
     /// From the statistics, the optional weight and the summed reductions `sums` (`[S1.., S2..]`,
     /// `2·C`; all zeros when the statistics are constants, as in eval mode).
-    pub fn new(mean: Vec<f64>, invstd: &[f64], weight: Option<&[f64]>, sums: &[f64], count: f64) -> Self {
+    pub fn new(
+        mean: Vec<f64>,
+        invstd: &[f64],
+        weight: Option<&[f64]>,
+        sums: &[f64],
+        count: f64,
+    ) -> Self {
         let c = mean.len();
-        let a = (0..c).map(|j| weight.map_or(1.0, |w| w[j]) * invstd[j]).collect();
+        let a = (0..c)
+            .map(|j| weight.map_or(1.0, |w| w[j]) * invstd[j])
+            .collect();
         let n = if count > 0.0 { count } else { 1.0 };
         let b = (0..c).map(|j| sums[j] / n).collect();
-        let k = (0..c).map(|j| invstd[j] * invstd[j] * sums[c + j] / n).collect();
+        let k = (0..c)
+            .map(|j| invstd[j] * invstd[j] * sums[c + j] / n)
+            .collect();
         Self { mean, a, b, k }
     }
 }
@@ -42,7 +52,14 @@ fn backward_elemt_cpu(
     coef: &ElemtCoef,
     want_dz: bool,
 ) -> Result<CpuStorage> {
-    fn run<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, g: &Geometry, k: &ElemtCoef, want_dz: bool) -> Vec<T> {
+    fn run<T: Elem>(
+        dy: &[T],
+        x: &[T],
+        y: Option<&[T]>,
+        g: &Geometry,
+        k: &ElemtCoef,
+        want_dz: bool,
+    ) -> Vec<T> {
         let c = g.c;
         let len = x.len();
         let m: Vec<(T::R, T::R)> = k.mean.iter().map(|&m| split(m)).collect();
@@ -54,13 +71,22 @@ fn backward_elemt_cpu(
         #[inline(always)]
         fn grad<T: Elem>(dy: T, y: Option<&T>) -> T::R {
             match y {
-                Some(y) if !(y.load() > T::R::ZERO) => T::R::ZERO,
+                Some(y) if y.load() <= T::R::ZERO => T::R::ZERO,
                 _ => dy.load(),
             }
         }
         #[allow(clippy::too_many_arguments)]
         #[inline(always)]
-        fn one<T: Elem>(dy: T, x: T, y: Option<&T>, h: T::R, l: T::R, a: T::R, b: T::R, k: T::R) -> (T, T::R) {
+        fn one<T: Elem>(
+            dy: T,
+            x: T,
+            y: Option<&T>,
+            h: T::R,
+            l: T::R,
+            a: T::R,
+            b: T::R,
+            k: T::R,
+        ) -> (T, T::R) {
             let gv = grad(dy, y);
             (T::store(a * ((gv - b) - ((x.load() - h) - l) * k)), gv)
         }
@@ -82,7 +108,16 @@ fn backward_elemt_cpu(
                 let ob = (r - lo) * c;
                 for j in 0..c {
                     let p = base + j;
-                    let (v, gv) = one(dy[p], x[p], y.map(|y| &y[p]), m[j].0, m[j].1, ca[j], cb[j], ck[j]);
+                    let (v, gv) = one(
+                        dy[p],
+                        x[p],
+                        y.map(|y| &y[p]),
+                        m[j].0,
+                        m[j].1,
+                        ca[j],
+                        cb[j],
+                        ck[j],
+                    );
                     o[ob + j] = v;
                     if let Some(oz) = oz.as_deref_mut() {
                         oz[ob + j] = T::store(gv);
@@ -106,7 +141,11 @@ fn backward_elemt_cpu(
     for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
         if let Some(s) = s {
             if s.dtype() != x.0.dtype() {
-                bail!("{OP} backward: {what} dtype {:?} differs from input dtype {:?}", s.dtype(), x.0.dtype())
+                bail!(
+                    "{OP} backward: {what} dtype {:?} differs from input dtype {:?}",
+                    s.dtype(),
+                    x.0.dtype()
+                )
             }
         }
     }
@@ -140,8 +179,21 @@ impl CustomOp2 for BackwardElemtOp {
         "sync-batch-norm-backward-elemt"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = backward_elemt_cpu((s1, l1), (s2, l2), None, &self.geometry, &self.coef, self.want_dz)?;
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = backward_elemt_cpu(
+            (s1, l1),
+            (s2, l2),
+            None,
+            &self.geometry,
+            &self.coef,
+            self.want_dz,
+        )?;
         Ok((out, self.shape(l2)))
     }
     // cuda_fwd: the `cuda` feature adds the kernels of `kernels/backward.cu` here.
@@ -161,7 +213,14 @@ impl CustomOp3 for BackwardElemtOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = backward_elemt_cpu((s1, l1), (s2, l2), Some((s3, l3)), &self.geometry, &self.coef, self.want_dz)?;
+        let out = backward_elemt_cpu(
+            (s1, l1),
+            (s2, l2),
+            Some((s3, l3)),
+            &self.geometry,
+            &self.coef,
+            self.want_dz,
+        )?;
         Ok((out, self.shape(l2)))
     }
 }
@@ -199,8 +258,18 @@ pub fn batch_norm_backward_elemt(
     check_same_shape("gradient", x.dims(), dy)?;
     let weight = weight.map(|w| host_f64("weight", w, c)).transpose()?;
     let sums = host_f64("sums", sums, 2 * c)?;
-    let coef = ElemtCoef::new(host_f64("mean", mean, c)?, &host_f64("invstd", invstd, c)?, weight.as_deref(), &sums, count);
-    let op = BackwardElemtOp { geometry, coef, want_dz };
+    let coef = ElemtCoef::new(
+        host_f64("mean", mean, c)?,
+        &host_f64("invstd", invstd, c)?,
+        weight.as_deref(),
+        &sums,
+        count,
+    );
+    let op = BackwardElemtOp {
+        geometry,
+        coef,
+        want_dz,
+    };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);
     let out = match relu_output {
         None => dy.apply_op2_no_bwd(&x, &op)?,

@@ -22,7 +22,7 @@ fn backward_reduce_cpu(
         #[inline(always)]
         fn grad<T: Elem>(dy: T, y: Option<&T>) -> f64 {
             match y {
-                Some(y) if !(y.load() > T::R::ZERO) => 0.0,
+                Some(y) if y.load() <= T::R::ZERO => 0.0,
                 _ => dy.load().to_f64(),
             }
         }
@@ -77,13 +77,23 @@ fn backward_reduce_cpu(
                 Some((s, l)) => Some(slice::<$t>(OP, s, l)?),
                 None => None,
             };
-            run(slice::<$t>(OP, dy.0, dy.1)?, slice::<$t>(OP, x.0, x.1)?, y, g, mean)
+            run(
+                slice::<$t>(OP, dy.0, dy.1)?,
+                slice::<$t>(OP, x.0, x.1)?,
+                y,
+                g,
+                mean,
+            )
         }};
     }
     for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
         if let Some(s) = s {
             if s.dtype() != x.0.dtype() {
-                bail!("{OP} backward: {what} dtype {:?} differs from input dtype {:?}", s.dtype(), x.0.dtype())
+                bail!(
+                    "{OP} backward: {what} dtype {:?} differs from input dtype {:?}",
+                    s.dtype(),
+                    x.0.dtype()
+                )
             }
         }
     }
@@ -139,7 +149,13 @@ impl CustomOp3 for BackwardReduceOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let v = backward_reduce_cpu((s1, l1), (s2, l2), Some((s3, l3)), &self.geometry, &self.mean)?;
+        let v = backward_reduce_cpu(
+            (s1, l1),
+            (s2, l2),
+            Some((s3, l3)),
+            &self.geometry,
+            &self.mean,
+        )?;
         Ok(self.finish(v))
     }
 }

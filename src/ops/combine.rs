@@ -88,10 +88,16 @@ pub struct BatchStats {
 pub fn batch_norm_gather_stats(sums: &Tensor, shift: &Tensor, eps: f64) -> Result<BatchStats> {
     let c = shift.elem_count();
     if sums.dims() != [3, c] {
-        bail!("{OP} gather_stats: expected sums of shape [3, {c}], got {:?}", sums.dims())
+        bail!(
+            "{OP} gather_stats: expected sums of shape [3, {c}], got {:?}",
+            sums.dims()
+        )
     }
     let host = combine_host(
-        &sums.flatten_all()?.to_dtype(candle_core::DType::F64)?.to_vec1()?,
+        &sums
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1()?,
         &host_f64("shift", shift, c)?,
     );
     if host.count <= 1.0 {

@@ -123,11 +123,18 @@ impl Geometry {
     /// Reads the geometry of a shape; rank 2 to 5.
     pub fn of(op: &str, dims: &[usize], channels_last: bool) -> Result<Self> {
         if !(2..=5).contains(&dims.len()) {
-            let layout = if channels_last { "(N, *, C)" } else { "(N, C, *)" };
+            let layout = if channels_last {
+                "(N, *, C)"
+            } else {
+                "(N, C, *)"
+            };
             bail!("{op}: expected an input of rank 2 to 5 {layout}, got shape {dims:?}")
         }
         let (c, s) = if channels_last {
-            (dims[dims.len() - 1], dims[1..dims.len() - 1].iter().product())
+            (
+                dims[dims.len() - 1],
+                dims[1..dims.len() - 1].iter().product(),
+            )
         } else {
             (dims[1], dims[2..].iter().product())
         };
@@ -160,7 +167,10 @@ pub(crate) fn slice<'a, T: WithDType>(op: &str, s: &'a CpuStorage, l: &Layout) -
     let data = s.as_slice::<T>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&data[a..b]),
-        None => bail!("{op}: expected a contiguous tensor, got strides {:?}", l.stride()),
+        None => bail!(
+            "{op}: expected a contiguous tensor, got strides {:?}",
+            l.stride()
+        ),
     }
 }
 
@@ -252,7 +262,13 @@ pub(crate) fn elementwise<T, P, Q>(
             let p = lo / g.s;
             let hi = end.min((p + 1) * g.s);
             let (a, b) = (lo - start, hi - start);
-            plane(p % c, lo, hi, &mut o1[a..b], o2.as_deref_mut().map(|o| &mut o[a..b]));
+            plane(
+                p % c,
+                lo,
+                hi,
+                &mut o1[a..b],
+                o2.as_deref_mut().map(|o| &mut o[a..b]),
+            );
             lo = hi;
         }
     };

@@ -43,7 +43,10 @@ pub(crate) const OP: &str = "sync-batch-norm";
 /// A per-channel tensor of `len` values read to the host as f64.
 pub(crate) fn host_f64(what: &str, t: &Tensor, len: usize) -> Result<Vec<f64>> {
     if t.elem_count() != len {
-        bail!("{OP}: expected {what} with {len} values, got shape {:?}", t.dims())
+        bail!(
+            "{OP}: expected {what} with {len} values, got shape {:?}",
+            t.dims()
+        )
     }
     t.flatten_all()?.to_dtype(DType::F64)?.to_vec1()
 }
@@ -51,7 +54,10 @@ pub(crate) fn host_f64(what: &str, t: &Tensor, len: usize) -> Result<Vec<f64>> {
 /// Errors unless `t` has shape `dims`.
 pub(crate) fn check_same_shape(what: &str, dims: &[usize], t: &Tensor) -> Result<()> {
     if t.dims() != dims {
-        bail!("{OP}: {what} of shape {:?} does not match the input shape {dims:?}", t.dims())
+        bail!(
+            "{OP}: {what} of shape {:?} does not match the input shape {dims:?}",
+            t.dims()
+        )
     }
     Ok(())
 }

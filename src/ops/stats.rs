@@ -10,12 +10,7 @@ use super::cpu::{hsum2, reduce2, slice, Elem, Geometry, Real, LANES};
 use super::{host_f64, OP};
 
 /// Shifted local sums of one contiguous input. Returns `[3·C]` f64: counts, Σ(x−K), Σ(x−K)².
-fn stats_cpu(
-    xs: &CpuStorage,
-    xl: &Layout,
-    g: &Geometry,
-    shift: &[f64],
-) -> Result<Vec<f64>> {
+fn stats_cpu(xs: &CpuStorage, xl: &Layout, g: &Geometry, shift: &[f64]) -> Result<Vec<f64>> {
     fn run<T: Elem>(x: &[T], g: &Geometry, k: &[f64]) -> Vec<f64> {
         let c = g.c;
         let plane = |ch: usize, lo: usize, hi: usize| {
@@ -50,7 +45,11 @@ fn stats_cpu(
         reduce2(g, plane, rows)
     }
     if shift.len() != g.c {
-        bail!("{OP} stats: shift has {} values for {} channels", shift.len(), g.c)
+        bail!(
+            "{OP} stats: shift has {} values for {} channels",
+            shift.len(),
+            g.c
+        )
     }
     let sums = match xs.dtype() {
         DType::F32 => run(slice::<f32>(OP, xs, xl)?, g, shift),

@@ -51,7 +51,10 @@ pub fn layer(
     if let Some(p) = params {
         let mut data = vm.data().lock().unwrap();
         for (name, v) in [("weight", &p.weight), ("bias", &p.bias)] {
-            let t = Tensor::new(v.as_slice(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let t = Tensor::new(v.as_slice(), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
             data.insert(name.to_string(), Var::from_tensor(&t).unwrap());
         }
     }
@@ -66,8 +69,11 @@ pub fn var(vm: &VarMap, name: &str) -> Var {
 }
 
 /// Runs `f` on `world` thread ranks and returns the results in rank order (panics on error).
-pub fn run_ranks<R: Send>(world: usize, f: impl Fn(Arc<dyn Collective>) -> Result<R> + Sync) -> Vec<R> {
-    ThreadGroup::run(world, |comm| f(comm))
+pub fn run_ranks<R: Send>(
+    world: usize,
+    f: impl Fn(Arc<dyn Collective>) -> Result<R> + Sync,
+) -> Vec<R> {
+    ThreadGroup::run(world, f)
         .unwrap()
         .into_iter()
         .enumerate()
@@ -122,10 +128,14 @@ pub fn reference_bn(
         .broadcast_div(&(var_b + eps).unwrap().sqrt().unwrap())
         .unwrap();
     if let Some(w) = weight {
-        y = y.broadcast_mul(&w.reshape(bshape.as_slice()).unwrap()).unwrap();
+        y = y
+            .broadcast_mul(&w.reshape(bshape.as_slice()).unwrap())
+            .unwrap();
     }
     if let Some(b) = bias {
-        y = y.broadcast_add(&b.reshape(bshape.as_slice()).unwrap()).unwrap();
+        y = y
+            .broadcast_add(&b.reshape(bshape.as_slice()).unwrap())
+            .unwrap();
     }
     if let Some(z) = z {
         y = (y + z).unwrap();
@@ -144,14 +154,26 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     }
     let a = a.to_dtype(DType::F64).unwrap();
     let b = b.to_dtype(DType::F64).unwrap();
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
 }
 
 /// Asserts `max |a − b| ≤ tol`, naming what was compared.
 #[track_caller]
 pub fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
     let d = max_abs_diff(a, b);
-    assert!(d <= tol, "{what}: max abs difference {d:e} > tolerance {tol:e}");
+    assert!(
+        d <= tol,
+        "{what}: max abs difference {d:e} > tolerance {tol:e}"
+    );
 }
 
 /// Splits `x` along dim 0 into consecutive pieces of the given sizes.
@@ -174,7 +196,10 @@ pub struct Counting {
 
 impl Counting {
     pub fn new(inner: Arc<dyn Collective>) -> Arc<Self> {
-        Arc::new(Self { inner, calls: AtomicUsize::new(0) })
+        Arc::new(Self {
+            inner,
+            calls: AtomicUsize::new(0),
+        })
     }
 
     pub fn count(&self) -> usize {
