@@ -1,1 +1,141 @@
-fn main() {}
+//! Training-mode batch norm at world size 1: `SyncBatchNorm` against `candle_nn::BatchNorm`.
+//!
+//! Run with the allocator setting the README's table names (DESIGN.md §8: page faults of fresh
+//! allocations otherwise dominate on small VMs):
+//! `MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 cargo bench --bench batch_norm`
+//!
+//! Throughput is effective bandwidth against the minimum traffic: forward 3 passes over the
+//! tensor (read for the statistics, read and write for the output), backward 5 (read dy and x
+//! twice, write dx), forward + backward 8.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::ops::{
+    batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_gather_stats,
+    batch_norm_stats,
+};
+use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+use candle_nn::{ModuleT, VarBuilder, VarMap};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+
+const SHAPES: [[usize; 4]; 3] = [[32, 64, 32, 32], [64, 256, 14, 14], [8, 32, 112, 112]];
+
+fn allocator_setting() -> String {
+    let get = |k: &str| std::env::var(k).unwrap_or_else(|_| "unset".into());
+    format!(
+        "MALLOC_MMAP_THRESHOLD_={} MALLOC_TRIM_THRESHOLD_={}",
+        get("MALLOC_MMAP_THRESHOLD_"),
+        get("MALLOC_TRIM_THRESHOLD_")
+    )
+}
+
+fn bench(c: &mut Criterion) {
+    eprintln!(
+        "allocator: {}; rayon threads: {}",
+        allocator_setting(),
+        rayon::current_num_threads()
+    );
+    let comm: Arc<dyn Collective> = ThreadGroup::new(1).unwrap().remove(0);
+    let dev = Device::Cpu;
+    for [n, ch, h, w] in SHAPES {
+        for channels_last in [false, true] {
+            let layout = if channels_last { "nhwc" } else { "nchw" };
+            let mut group = c.benchmark_group(format!("{n}x{ch}x{h}x{w}/{layout}"));
+            let dims: Vec<usize> = if channels_last {
+                vec![n, h, w, ch]
+            } else {
+                vec![n, ch, h, w]
+            };
+            let bytes = (n * ch * h * w * 4) as u64;
+            let x = Tensor::randn(1f32, 2f32, dims.as_slice(), &dev).unwrap();
+            let dy = Tensor::randn(0f32, 1f32, dims.as_slice(), &dev).unwrap();
+            let vm = VarMap::new();
+            let cfg = SyncBatchNormConfig {
+                channels_last,
+                ..Default::default()
+            };
+            let bn = sync_batch_norm(
+                ch,
+                cfg,
+                VarBuilder::from_varmap(&vm, DType::F32, &dev),
+                comm.clone(),
+            )
+            .unwrap();
+
+            group.throughput(Throughput::Bytes(3 * bytes));
+            group.bench_function("syncbn_forward", |b| {
+                b.iter(|| bn.forward_t(&x, true).unwrap())
+            });
+
+            let shift = Tensor::zeros(ch, DType::F64, &dev).unwrap();
+            let sums = batch_norm_stats(&x, &shift, channels_last).unwrap();
+            let st = batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
+            let weight = Tensor::ones(ch, DType::F32, &dev).unwrap();
+            group.throughput(Throughput::Bytes(5 * bytes));
+            group.bench_function("syncbn_backward_ops", |b| {
+                b.iter(|| {
+                    let red =
+                        batch_norm_backward_reduce(&dy, &x, &st.mean, None, channels_last).unwrap();
+                    batch_norm_backward_elemt(
+                        &dy,
+                        &x,
+                        &st.mean,
+                        &st.invstd,
+                        Some(&weight),
+                        &red,
+                        1e3,
+                        None,
+                        false,
+                        channels_last,
+                    )
+                    .unwrap()
+                })
+            });
+
+            let xv = Var::from_tensor(&x).unwrap();
+            group.throughput(Throughput::Bytes(8 * bytes));
+            group.bench_function("syncbn_forward_backward_autograd", |b| {
+                b.iter(|| {
+                    bn.forward_t(xv.as_tensor(), true)
+                        .unwrap()
+                        .backward()
+                        .unwrap()
+                })
+            });
+
+            if !channels_last {
+                let vm = VarMap::new();
+                let reference =
+                    candle_nn::batch_norm(ch, 1e-5, VarBuilder::from_varmap(&vm, DType::F32, &dev))
+                        .unwrap();
+                group.throughput(Throughput::Bytes(3 * bytes));
+                group.bench_function("candle_nn_forward", |b| {
+                    b.iter(|| reference.forward_t(&x, true).unwrap())
+                });
+                group.throughput(Throughput::Bytes(8 * bytes));
+                group.bench_function("candle_nn_forward_backward_autograd", |b| {
+                    b.iter(|| {
+                        reference
+                            .forward_t(xv.as_tensor(), true)
+                            .unwrap()
+                            .backward()
+                            .unwrap()
+                    })
+                });
+            }
+            group.finish();
+        }
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .sample_size(15)
+        .warm_up_time(std::time::Duration::from_millis(500))
+        .measurement_time(std::time::Duration::from_secs(2));
+    targets = bench
+}
+criterion_main!(benches);

@@ -1,4 +1,40 @@
-//! Synchronized batch normalization and collectives for candle.
+//! # candle-distributed
+//!
+//! Synchronized batch normalization for [candle](https://github.com/huggingface/candle): batch
+//! statistics computed over the *global* batch of every rank of a data-parallel group, with
+//! PyTorch's `nn.SyncBatchNorm` semantics, and the collectives around it.
+//!
+//! - [`SyncBatchNorm`] / [`sync_batch_norm`]: the drop-in for `candle_nn::BatchNorm`, NCHW or
+//!   channels-last, optional fused residual add + ReLU, exact for unequal and empty per-rank
+//!   batches, one all-reduce of `3·C` values in the forward and `2·C` in the backward whatever
+//!   the number of ranks.
+//! - [`collective`]: the [`collective::Collective`] trait and its backends
+//!   ([`collective::ThreadGroup`]: ranks as threads of one process).
+//! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_distributed::collective::ThreadGroup;
+//! use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+//! use candle_nn::{ModuleT, VarBuilder, VarMap};
+//!
+//! // Two ranks as two threads; rank 1 has twice as many samples as rank 0.
+//! let means = ThreadGroup::run(2, |comm| -> candle_core::Result<Vec<f32>> {
+//!     let vm = VarMap::new();
+//!     let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+//!     let bn = sync_batch_norm(3, SyncBatchNormConfig::default(), vb, comm.clone())?;
+//!     let n = 2 + 2 * comm.rank();
+//!     let x = Tensor::randn(5f32, 2f32, (n, 3, 4, 4), &Device::Cpu)?;
+//!     let y = bn.forward_t(&x, true)?; // statistics of all 6 samples
+//!     y.backward()?; // the backward all-reduces its gradient sums too
+//!     bn.running_mean().unwrap().to_vec1::<f32>()
+//! })?;
+//! // Every rank holds the same running statistics.
+//! assert_eq!(means[0], means[1]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+#![warn(missing_docs)]
+
 pub mod batch_norm;
 pub mod collective;
 pub mod ops;

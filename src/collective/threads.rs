@@ -30,7 +30,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 ///     let t = Tensor::new(&[comm.rank() as f32 + 1.0], &Device::Cpu)?;
 ///     comm.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()
 /// })?;
-/// assert!(sums.iter().all(|s| s.as_ref().unwrap() == &[6.0]));
+/// assert_eq!(sums, vec![vec![6.0]; 3]);
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy)]
@@ -74,29 +74,31 @@ impl ThreadGroup {
     }
 
     /// Runs `f` on `world_size` scoped threads, one per rank, and returns their results in rank
-    /// order. A rank that panics makes the others' pending collectives fail promptly; its slot
-    /// in the result is an error naming the rank.
-    pub fn run<R, F>(world_size: usize, f: F) -> Result<Vec<Result<R>>>
+    /// order, or the error of the lowest rank that failed (a rank that panics is an error naming
+    /// it; its departure makes the others' pending collectives fail promptly).
+    pub fn run<R, F>(world_size: usize, f: F) -> Result<Vec<R>>
     where
         R: Send,
-        F: Fn(Arc<dyn Collective>) -> R + Sync,
+        F: Fn(Arc<dyn Collective>) -> Result<R> + Sync,
     {
         let comms = Self::new(world_size)?;
         let f = &f;
-        Ok(std::thread::scope(|s| {
+        std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
                 .map(|comm| s.spawn(move || f(comm)))
                 .collect();
-            handles
+            let joined: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
+            joined
                 .into_iter()
                 .enumerate()
-                .map(|(rank, h)| {
-                    h.join()
-                        .map_err(|_| candle_core::Error::Msg(format!("rank {rank} panicked")))
+                .map(|(rank, res)| match res {
+                    Ok(Ok(v)) => Ok(v),
+                    Ok(Err(e)) => Err(candle_core::Error::Msg(format!("rank {rank}: {e}"))),
+                    Err(_) => Err(candle_core::Error::Msg(format!("rank {rank} panicked"))),
                 })
                 .collect()
-        }))
+        })
     }
 }
 
@@ -210,7 +212,9 @@ impl ThreadRank {
                 if fin.readers_left == 0 {
                     st.done.remove(&call);
                 }
-                return result.map_err(Into::into).and_then(|t| t.to_device(&device));
+                return result
+                    .map_err(Into::into)
+                    .and_then(|t| t.to_device(&device));
             }
             if let Some(reason) = &st.broken {
                 return Err(self.left(kind, call, reason.clone()).into());

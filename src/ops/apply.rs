@@ -45,57 +45,66 @@ pub(crate) fn apply_cpu(
     relu: bool,
 ) -> Result<CpuStorage> {
     fn run<T: Elem>(x: &[T], z: Option<&[T]>, g: &Geometry, k: &ApplyCoef, relu: bool) -> Vec<T> {
+        if relu {
+            run_act::<T, true>(x, z, g, k)
+        } else {
+            run_act::<T, false>(x, z, g, k)
+        }
+    }
+    #[inline(always)]
+    fn act<R: Real, const RELU: bool>(v: R) -> R {
+        if RELU && v < R::ZERO {
+            R::ZERO
+        } else {
+            v
+        }
+    }
+    fn run_act<T: Elem, const RELU: bool>(
+        x: &[T],
+        z: Option<&[T]>,
+        g: &Geometry,
+        k: &ApplyCoef,
+    ) -> Vec<T> {
         let c = g.c;
-        let mh: Vec<(T::R, T::R)> = k.mean.iter().map(|&m| split(m)).collect();
-        let (lo_, hi_): (Vec<T::R>, Vec<T::R>) = (
-            mh.iter().map(|p| p.1).collect(),
-            mh.iter().map(|p| p.0).collect(),
-        );
+        let (hi_, lo_): (Vec<T::R>, Vec<T::R>) = k.mean.iter().map(|&m| split::<T::R>(m)).unzip();
         let sc: Vec<T::R> = k.scale.iter().map(|&v| T::R::from_f64(v)).collect();
         let be: Vec<T::R> = k.shift.iter().map(|&v| T::R::from_f64(v)).collect();
         let mut out = vec![T::zero(); x.len()];
-        #[inline(always)]
-        fn act<R: Real>(v: R, relu: bool) -> R {
-            if relu && v < R::ZERO {
-                R::ZERO
-            } else {
-                v
-            }
-        }
         let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
             let (h, l, s, b) = (hi_[ch], lo_[ch], sc[ch], be[ch]);
             let xs = &x[lo..hi];
             match z {
                 None => {
                     for (o, x) in o.iter_mut().zip(xs) {
-                        *o = T::store(act(((x.load() - h) - l) * s + b, relu));
+                        *o = T::store(act::<_, RELU>(((x.load() - h) - l) * s + b));
                     }
                 }
                 Some(z) => {
                     for ((o, x), z) in o.iter_mut().zip(xs).zip(&z[lo..hi]) {
-                        *o = T::store(act(((x.load() - h) - l) * s + b + z.load(), relu));
+                        *o = T::store(act::<_, RELU>(((x.load() - h) - l) * s + b + z.load()));
                     }
                 }
             }
         };
         let rows = |lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
+            let coef = hi_.iter().zip(&lo_).zip(&sc).zip(&be);
             for (r, orow) in (lo..hi).zip(o.chunks_exact_mut(c)) {
                 let xr = &x[r * c..(r + 1) * c];
                 match z {
                     None => {
-                        for j in 0..c {
-                            orow[j] = T::store(act(
-                                ((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j],
-                                relu,
-                            ));
+                        for ((o, x), (((h, l), s), b)) in orow.iter_mut().zip(xr).zip(coef.clone())
+                        {
+                            *o = T::store(act::<_, RELU>(((x.load() - *h) - *l) * *s + *b));
                         }
                     }
                     Some(z) => {
                         let zr = &z[r * c..(r + 1) * c];
-                        for j in 0..c {
-                            let v =
-                                ((xr[j].load() - hi_[j]) - lo_[j]) * sc[j] + be[j] + zr[j].load();
-                            orow[j] = T::store(act(v, relu));
+                        for (((o, x), z), (((h, l), s), b)) in
+                            orow.iter_mut().zip(xr).zip(zr).zip(coef.clone())
+                        {
+                            *o = T::store(act::<_, RELU>(
+                                ((x.load() - *h) - *l) * *s + *b + z.load(),
+                            ));
                         }
                     }
                 }

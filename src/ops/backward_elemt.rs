@@ -60,69 +60,88 @@ fn backward_elemt_cpu(
         k: &ElemtCoef,
         want_dz: bool,
     ) -> Vec<T> {
+        match y {
+            // Without a mask, `dy` stands in for `y` and is never read as such.
+            None => run_mask::<T, false>(dy, x, dy, g, k, want_dz),
+            Some(y) => run_mask::<T, true>(dy, x, y, g, k, want_dz),
+        }
+    }
+    /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
+    #[inline(always)]
+    fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> T::R {
+        if MASK && y.load() <= T::R::ZERO {
+            T::R::ZERO
+        } else {
+            dy.load()
+        }
+    }
+    /// `dx = a·((g − b) − (x − h − l)·k)` over one span; `dz = g` when asked.
+    #[inline(always)]
+    fn span<T: Elem, const MASK: bool>(
+        (dy, x, y): (&[T], &[T], &[T]),
+        o: &mut [T],
+        oz: Option<&mut [T]>,
+        coef: impl Iterator<Item = [T::R; 5]> + Clone,
+    ) {
+        let it = dy.iter().zip(x).zip(y).zip(coef);
+        let dx = |((d, x), y): ((&T, &T), &T), [h, l, a, b, k]: [T::R; 5]| {
+            let gv = grad::<T, MASK>(d, y);
+            (T::store(a * ((gv - b) - ((x.load() - h) - l) * k)), gv)
+        };
+        match oz {
+            None => o.iter_mut().zip(it).for_each(|(o, (v, c))| *o = dx(v, c).0),
+            Some(oz) => o
+                .iter_mut()
+                .zip(oz.iter_mut())
+                .zip(it)
+                .for_each(|((o, oz), (v, c))| {
+                    let (d, gv) = dx(v, c);
+                    *o = d;
+                    *oz = T::store(gv);
+                }),
+        }
+    }
+    fn run_mask<T: Elem, const MASK: bool>(
+        dy: &[T],
+        x: &[T],
+        y: &[T],
+        g: &Geometry,
+        k: &ElemtCoef,
+        want_dz: bool,
+    ) -> Vec<T> {
         let c = g.c;
         let len = x.len();
-        let m: Vec<(T::R, T::R)> = k.mean.iter().map(|&m| split(m)).collect();
-        let cv = |v: &[f64]| -> Vec<T::R> { v.iter().map(|&v| T::R::from_f64(v)).collect() };
-        let (ca, cb, ck) = (cv(&k.a), cv(&k.b), cv(&k.k));
+        let coef: Vec<[T::R; 5]> = (0..c)
+            .map(|j| {
+                let (h, l) = split::<T::R>(k.mean[j]);
+                [
+                    h,
+                    l,
+                    T::R::from_f64(k.a[j]),
+                    T::R::from_f64(k.b[j]),
+                    T::R::from_f64(k.k[j]),
+                ]
+            })
+            .collect();
         let mut out = vec![T::zero(); if want_dz { 2 * len } else { len }];
         let (dx, dz) = out.split_at_mut(len);
         let dz = if want_dz { Some(dz) } else { None };
-        #[inline(always)]
-        fn grad<T: Elem>(dy: T, y: Option<&T>) -> T::R {
-            match y {
-                Some(y) if y.load() <= T::R::ZERO => T::R::ZERO,
-                _ => dy.load(),
-            }
-        }
-        #[allow(clippy::too_many_arguments)]
-        #[inline(always)]
-        fn one<T: Elem>(
-            dy: T,
-            x: T,
-            y: Option<&T>,
-            h: T::R,
-            l: T::R,
-            a: T::R,
-            b: T::R,
-            k: T::R,
-        ) -> (T, T::R) {
-            let gv = grad(dy, y);
-            (T::store(a * ((gv - b) - ((x.load() - h) - l) * k)), gv)
-        }
-        let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], mut oz: Option<&mut [T]>| {
-            let (h, l) = m[ch];
-            let (a, b, kk) = (ca[ch], cb[ch], ck[ch]);
-            for i in 0..hi - lo {
-                let p = lo + i;
-                let (v, gv) = one(dy[p], x[p], y.map(|y| &y[p]), h, l, a, b, kk);
-                o[i] = v;
-                if let Some(oz) = oz.as_deref_mut() {
-                    oz[i] = T::store(gv);
-                }
-            }
+        let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], oz: Option<&mut [T]>| {
+            let r = lo..hi;
+            let ins = (&dy[r.clone()], &x[r.clone()], &y[r]);
+            span::<T, MASK>(ins, o, oz, std::iter::repeat(coef[ch]));
         };
         let rows = |lo: usize, hi: usize, o: &mut [T], mut oz: Option<&mut [T]>| {
-            for r in lo..hi {
-                let base = r * c;
-                let ob = (r - lo) * c;
-                for j in 0..c {
-                    let p = base + j;
-                    let (v, gv) = one(
-                        dy[p],
-                        x[p],
-                        y.map(|y| &y[p]),
-                        m[j].0,
-                        m[j].1,
-                        ca[j],
-                        cb[j],
-                        ck[j],
-                    );
-                    o[ob + j] = v;
-                    if let Some(oz) = oz.as_deref_mut() {
-                        oz[ob + j] = T::store(gv);
-                    }
-                }
+            for (i, r) in (lo..hi).enumerate() {
+                let s = r * c..(r + 1) * c;
+                let o = &mut o[i * c..(i + 1) * c];
+                let oz = oz.as_deref_mut().map(|oz| &mut oz[i * c..(i + 1) * c]);
+                span::<T, MASK>(
+                    (&dy[s.clone()], &x[s.clone()], &y[s]),
+                    o,
+                    oz,
+                    coef.iter().copied(),
+                );
             }
         };
         elementwise(g, dx, dz, plane, rows);

@@ -17,55 +17,69 @@ fn backward_reduce_cpu(
     mean: &[f64],
 ) -> Result<Vec<f64>> {
     fn run<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, g: &Geometry, mean: &[f64]) -> Vec<f64> {
-        let c = g.c;
-        let m: Vec<(T::R, T::R)> = mean.iter().map(|&m| split(m)).collect();
-        #[inline(always)]
-        fn grad<T: Elem>(dy: T, y: Option<&T>) -> f64 {
-            match y {
-                Some(y) if y.load() <= T::R::ZERO => 0.0,
-                _ => dy.load().to_f64(),
-            }
+        match y {
+            // Without a mask, `dy` stands in for `y` and is never read as such.
+            None => run_mask::<T, false>(dy, x, dy, g, mean),
+            Some(y) => run_mask::<T, true>(dy, x, y, g, mean),
         }
+    }
+    /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
+    #[inline(always)]
+    fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> f64 {
+        if MASK && y.load() <= T::R::ZERO {
+            0.0
+        } else {
+            dy.load().to_f64()
+        }
+    }
+    fn run_mask<T: Elem, const MASK: bool>(
+        dy: &[T],
+        x: &[T],
+        y: &[T],
+        g: &Geometry,
+        mean: &[f64],
+    ) -> Vec<f64> {
+        let c = g.c;
+        let (mh, ml): (Vec<T::R>, Vec<T::R>) = mean.iter().map(|&m| split::<T::R>(m)).unzip();
         let plane = |ch: usize, lo: usize, hi: usize| {
-            let (h, l) = m[ch];
+            let (h, l) = (mh[ch], ml[ch]);
             let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
-            let (d, xs) = (&dy[lo..hi], &x[lo..hi]);
-            match y {
-                None => {
-                    let (dc, xc) = (d.chunks_exact(LANES), xs.chunks_exact(LANES));
-                    let tail = dc.remainder().iter().zip(xc.remainder());
-                    for (dv, xv) in dc.zip(xc) {
-                        for i in 0..LANES {
-                            let gv = dv[i].load().to_f64();
-                            a[i] += gv;
-                            b[i] += gv * ((xv[i].load() - h) - l).to_f64();
-                        }
-                    }
-                    for (i, (dv, xv)) in tail.enumerate() {
-                        let gv = dv.load().to_f64();
-                        a[i] += gv;
-                        b[i] += gv * ((xv.load() - h) - l).to_f64();
-                    }
+            let (dc, xc, yc) = (
+                dy[lo..hi].chunks_exact(LANES),
+                x[lo..hi].chunks_exact(LANES),
+                y[lo..hi].chunks_exact(LANES),
+            );
+            let tail = dc
+                .remainder()
+                .iter()
+                .zip(xc.remainder())
+                .zip(yc.remainder());
+            for ((dv, xv), yv) in dc.zip(xc).zip(yc) {
+                for i in 0..LANES {
+                    let gv = grad::<T, MASK>(&dv[i], &yv[i]);
+                    a[i] += gv;
+                    b[i] += gv * ((xv[i].load() - h) - l).to_f64();
                 }
-                Some(y) => {
-                    for (i, ((dv, xv), yv)) in d.iter().zip(xs).zip(&y[lo..hi]).enumerate() {
-                        let gv = grad(*dv, Some(yv));
-                        a[i % LANES] += gv;
-                        b[i % LANES] += gv * ((xv.load() - h) - l).to_f64();
-                    }
-                }
+            }
+            for (i, ((dv, xv), yv)) in tail.enumerate() {
+                let gv = grad::<T, MASK>(dv, yv);
+                a[i] += gv;
+                b[i] += gv * ((xv.load() - h) - l).to_f64();
             }
             hsum2(a, b)
         };
         let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
             let (a, b) = acc.split_at_mut(c);
             for r in lo..hi {
-                let (dr, xr) = (&dy[r * c..(r + 1) * c], &x[r * c..(r + 1) * c]);
-                let yr = y.map(|y| &y[r * c..(r + 1) * c]);
-                for j in 0..c {
-                    let gv = grad(dr[j], yr.map(|y| &y[j]));
-                    a[j] += gv;
-                    b[j] += gv * ((xr[j].load() - m[j].0) - m[j].1).to_f64();
+                let span = r * c..(r + 1) * c;
+                let row = dy[span.clone()].iter().zip(&x[span.clone()]).zip(&y[span]);
+                for ((((dv, xv), yv), (h, l)), (a, b)) in row
+                    .zip(mh.iter().zip(&ml))
+                    .zip(a.iter_mut().zip(b.iter_mut()))
+                {
+                    let gv = grad::<T, MASK>(dv, yv);
+                    *a += gv;
+                    *b += gv * ((xv.load() - *h) - *l).to_f64();
                 }
             }
         };

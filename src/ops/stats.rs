@@ -35,10 +35,10 @@ fn stats_cpu(xs: &CpuStorage, xl: &Layout, g: &Geometry, shift: &[f64]) -> Resul
         let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
             let (a, b) = acc.split_at_mut(c);
             for row in x[lo * c..hi * c].chunks_exact(c) {
-                for j in 0..c {
-                    let d = row[j].load().to_f64() - k[j];
-                    a[j] += d;
-                    b[j] += d * d;
+                for (((v, k), a), b) in row.iter().zip(k).zip(a.iter_mut()).zip(b.iter_mut()) {
+                    let d = v.load().to_f64() - k;
+                    *a += d;
+                    *b += d * d;
                 }
             }
         };

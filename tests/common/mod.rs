@@ -73,16 +73,10 @@ pub fn run_ranks<R: Send>(
     world: usize,
     f: impl Fn(Arc<dyn Collective>) -> Result<R> + Sync,
 ) -> Vec<R> {
-    ThreadGroup::run(world, f)
-        .unwrap()
-        .into_iter()
-        .enumerate()
-        .map(|(r, res)| match res {
-            Ok(Ok(v)) => v,
-            Ok(Err(e)) => panic!("rank {r} failed: {e:?}"),
-            Err(e) => panic!("{e}"),
-        })
-        .collect()
+    ThreadGroup::run(world, |comm| {
+        f(comm).map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// `(N, *, C)` → `(N, C, *)`.

@@ -1,0 +1,301 @@
+//! Trains a small convolutional network with `SyncBatchNorm` on 4 thread ranks (unequal
+//! per-rank batches) and, step by step, the same network with `candle_nn::BatchNorm` in one
+//! process on the concatenated global batch. Prints the loss, the eval accuracy and the largest
+//! parameter / running-statistic difference between the two, which must stay at rounding level;
+//! exits non-zero when it does not.
+//!
+//! `cargo run --release --example sync_train [-- --steps 60 --world-size 4]`
+//!
+//! Gradients: rank r's loss is its share of the global mean loss (Σ over its samples / global
+//! batch size), so the sum over ranks of the gradients is the gradient of the global loss; the
+//! ranks sum them with one all-reduce per variable before an identical SGD step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
+use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+use candle_nn::{Conv2dConfig, Optimizer, VarBuilder, VarMap};
+
+const CLASSES: usize = 4;
+const SIDE: usize = 16;
+/// Largest allowed |SyncBatchNorm run − single-process run| / max(1, |single-process run|) over
+/// parameters and running statistics (f32 rounding, accumulated over the steps).
+const CHECK_TOL: f32 = 1e-3;
+
+struct Net {
+    c1: candle_nn::Conv2d,
+    n1: Box<dyn ModuleT + Send + Sync>,
+    c2: candle_nn::Conv2d,
+    n2: Box<dyn ModuleT + Send + Sync>,
+    head: candle_nn::Linear,
+}
+
+impl Net {
+    /// `norm(c, vb)` builds the normalisation layer: this is the one-argument swap.
+    fn new(
+        vb: VarBuilder,
+        norm: &dyn Fn(usize, VarBuilder) -> Result<Box<dyn ModuleT + Send + Sync>>,
+    ) -> Result<Self> {
+        let cfg = Conv2dConfig {
+            padding: 1,
+            ..Default::default()
+        };
+        let cfg2 = Conv2dConfig {
+            padding: 1,
+            stride: 2,
+            ..Default::default()
+        };
+        Ok(Self {
+            c1: candle_nn::conv2d_no_bias(3, 16, 3, cfg, vb.pp("conv1"))?,
+            n1: norm(16, vb.pp("bn1"))?,
+            c2: candle_nn::conv2d_no_bias(16, 32, 3, cfg2, vb.pp("conv2"))?,
+            n2: norm(32, vb.pp("bn2"))?,
+            head: candle_nn::linear(32, CLASSES, vb.pp("fc"))?,
+        })
+    }
+
+    /// `x`: `(N, 3, 16, 16)` → logits `(N, 4)`.
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let x = self.n1.forward_t(&self.c1.forward(x)?, train)?.relu()?;
+        let x = self.n2.forward_t(&self.c2.forward(&x)?, train)?.relu()?;
+        Ok(self.head.forward(&x.mean(D::Minus1)?.mean(D::Minus1)?)?)
+    }
+}
+
+/// Deterministic synthetic images: stripes of four orientations/frequencies plus noise.
+fn batch(seed: u64, n: usize) -> Result<(Tensor, Tensor)> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut rnd = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((s >> 33) as f32) / (1u64 << 31) as f32
+    };
+    let (mut xs, mut ys) = (
+        Vec::with_capacity(n * 3 * SIDE * SIDE),
+        Vec::with_capacity(n),
+    );
+    for _ in 0..n {
+        let class = (rnd() * CLASSES as f32) as usize % CLASSES;
+        let phase = rnd() * 6.28;
+        let tint = [rnd(), rnd(), rnd()];
+        for ch in 0..3 {
+            for i in 0..SIDE {
+                for j in 0..SIDE {
+                    let (fi, fj) = (i as f32, j as f32);
+                    let t = match class {
+                        0 => fi * 0.8,
+                        1 => fj * 0.8,
+                        2 => (fi + fj) * 0.6,
+                        _ => (fi - fj) * 0.6,
+                    };
+                    xs.push((t + phase).sin() * (0.5 + tint[ch]) + 0.8 * (rnd() - 0.5));
+                }
+            }
+        }
+        ys.push(class as u32);
+    }
+    Ok((
+        Tensor::from_vec(xs, (n, 3, SIDE, SIDE), &Device::Cpu)?,
+        Tensor::new(ys, &Device::Cpu)?,
+    ))
+}
+
+fn arg(name: &str, default: usize) -> Result<usize> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == name) {
+        Some(i) => Ok(args
+            .get(i + 1)
+            .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
+            .parse()?),
+        None => Ok(default),
+    }
+}
+
+/// Per-rank batch sizes of a global batch: deliberately unequal.
+fn split(global: usize, world: usize) -> Vec<usize> {
+    let mut sizes: Vec<usize> = (0..world)
+        .map(|r| global / world + if r % 2 == 0 { 2 } else { 0 })
+        .collect();
+    let total: usize = sizes.iter().sum();
+    sizes[world - 1] = global + sizes[world - 1] - total;
+    sizes
+}
+
+fn snapshot(vm: &VarMap) -> HashMap<String, Tensor> {
+    vm.data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+        .collect()
+}
+
+/// What every rank needs to know about the run.
+struct Setup {
+    steps: usize,
+    world: usize,
+    global: usize,
+    lr: f64,
+    sizes: Vec<usize>,
+    init: HashMap<String, Tensor>,
+}
+
+/// One rank's training: returns its final variables and the eval accuracy of the whole group.
+fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String, Tensor>, f32)> {
+    let Setup {
+        steps,
+        world,
+        global,
+        lr,
+        ref sizes,
+        ref init,
+    } = *setup;
+    let rank = comm.rank();
+    let vm = VarMap::new();
+    let sync = |c: usize, vb: VarBuilder| -> Result<Box<dyn ModuleT + Send + Sync>> {
+        Ok(Box::new(sync_batch_norm(
+            c,
+            SyncBatchNormConfig::default(),
+            vb,
+            comm.clone(),
+        )?))
+    };
+    let net = Net::new(
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        &sync,
+    )?;
+    for (name, var) in vm.data().lock().unwrap().iter() {
+        // Same initial weights as the reference (a checkpoint load); the
+        // SyncBatchNorm-only `num_batches_tracked` keeps its 0.
+        if let Some(t) = init.get(name) {
+            var.set(t)?;
+        }
+    }
+    let mut names: Vec<String> = vm.data().lock().unwrap().keys().cloned().collect();
+    names.sort();
+    let vars: Vec<_> = names
+        .iter()
+        .map(|n| vm.data().lock().unwrap()[n].clone())
+        .collect();
+    let mut opt = candle_nn::SGD::new(vars.clone(), lr)?;
+    let offset: usize = sizes[..rank].iter().sum();
+    for step in 0..steps {
+        let (x, y) = batch(step as u64, global)?;
+        let (x, y) = (
+            x.narrow(0, offset, sizes[rank])?,
+            y.narrow(0, offset, sizes[rank])?,
+        );
+        let logits = net.forward(&x, true)?;
+        let loss =
+            (candle_nn::loss::cross_entropy(&logits, &y)? * (sizes[rank] as f64 / global as f64))?;
+        let mut grads = loss.backward()?;
+        for v in &vars {
+            if !v.dtype().is_float() {
+                continue;
+            }
+            // Same collectives on every rank: a missing gradient counts as zero.
+            let g = match grads.get(v.as_tensor()) {
+                Some(g) => g.clone(),
+                None => v.zeros_like()?,
+            };
+            grads.insert(v.as_tensor(), comm.all_reduce(&g, ReduceOp::Sum)?);
+        }
+        opt.step(&grads)?;
+        let total = comm.all_reduce(&loss, ReduceOp::Sum)?.to_scalar::<f32>()?;
+        if rank == 0 && (step % 10 == 0 || step + 1 == steps) {
+            println!("step {step:3}  global loss {total:.4}");
+        }
+    }
+    // Eval on held-out data, each rank on its own slice, accuracy summed over ranks.
+    let (x, y) = batch(1_000_000, 256)?;
+    let per = 256 / world;
+    let (x, y) = (x.narrow(0, rank * per, per)?, y.narrow(0, rank * per, per)?);
+    let pred = net.forward(&x, false)?.argmax(D::Minus1)?;
+    let correct = pred.eq(&y)?.to_dtype(DType::F32)?.sum_all()?;
+    let acc = comm
+        .all_reduce(&correct, ReduceOp::Sum)?
+        .to_scalar::<f32>()?
+        / (per * world) as f32;
+    Ok((snapshot(&vm), acc))
+}
+
+fn main() -> Result<()> {
+    let steps = arg("--steps", 60)?;
+    let world = arg("--world-size", 4)?;
+    let global = 48;
+    let lr = 0.1;
+    let sizes = split(global, world);
+    let start = std::time::Instant::now();
+
+    // Single-process reference with candle-nn's BatchNorm; its initial weights seed every rank.
+    let ref_vm = VarMap::new();
+    let plain = |c: usize, vb: VarBuilder| -> Result<Box<dyn ModuleT + Send + Sync>> {
+        Ok(Box::new(candle_nn::batch_norm(c, 1e-5, vb)?))
+    };
+    let reference = Net::new(
+        VarBuilder::from_varmap(&ref_vm, DType::F32, &Device::Cpu),
+        &plain,
+    )?;
+    let init = snapshot(&ref_vm);
+
+    let setup = Setup {
+        steps,
+        world,
+        global,
+        lr,
+        sizes: sizes.clone(),
+        init,
+    };
+    let results = ThreadGroup::run(world, |comm| {
+        rank_main(comm, &setup).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    })?;
+    let mut opt = candle_nn::SGD::new(ref_vm.all_vars(), lr)?;
+    for step in 0..steps {
+        let (x, y) = batch(step as u64, global)?;
+        let loss = candle_nn::loss::cross_entropy(&reference.forward(&x, true)?, &y)?;
+        opt.backward_step(&loss)?;
+    }
+    let trained = snapshot(&ref_vm);
+    let mut worst = (0f32, String::new());
+    for (rank, (vars, _)) in results.iter().enumerate() {
+        for (name, t) in vars {
+            if name.ends_with("num_batches_tracked") {
+                continue;
+            }
+            let want = trained[name].to_dtype(DType::F32)?;
+            // |a − b| / max(1, |b|): absolute for small values, relative for large ones.
+            let scale = want.abs()?.maximum(1f32)?;
+            let d = ((t.to_dtype(DType::F32)? - &want)?.abs()? / scale)?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            if d > worst.0 {
+                worst = (d, format!("{name} on rank {rank}"));
+            }
+        }
+    }
+    let acc = results[0].1;
+    println!(
+        "per-rank batches {sizes:?}; eval accuracy {:.1} %",
+        100.0 * acc
+    );
+    println!(
+        "largest (relative) difference from the single-process run: {:.2e} ({})",
+        worst.0, worst.1
+    );
+    println!(
+        "{{\"steps\":{steps},\"world_size\":{world},\"val_acc\":{acc:.4},\"max_param_diff\":{:.3e},\"seconds\":{:.1}}}",
+        worst.0,
+        start.elapsed().as_secs_f64()
+    );
+    if worst.0 > CHECK_TOL {
+        bail!("SyncBatchNorm on {world} ranks diverged from single-process batch norm by {:.2e} > {CHECK_TOL:e}", worst.0);
+    }
+    Ok(())
+}
