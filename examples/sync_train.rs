@@ -25,6 +25,9 @@ const SIDE: usize = 16;
 /// parameters and running statistics (f32 rounding, accumulated over the steps).
 const CHECK_TOL: f32 = 1e-3;
 
+/// Builds the normalisation layer of `c` channels under `vb`.
+type NormFactory = dyn Fn(usize, VarBuilder) -> Result<Box<dyn ModuleT + Send + Sync>>;
+
 struct Net {
     c1: candle_nn::Conv2d,
     n1: Box<dyn ModuleT + Send + Sync>,
@@ -35,10 +38,7 @@ struct Net {
 
 impl Net {
     /// `norm(c, vb)` builds the normalisation layer: this is the one-argument swap.
-    fn new(
-        vb: VarBuilder,
-        norm: &dyn Fn(usize, VarBuilder) -> Result<Box<dyn ModuleT + Send + Sync>>,
-    ) -> Result<Self> {
+    fn new(vb: VarBuilder, norm: &NormFactory) -> Result<Self> {
         let cfg = Conv2dConfig {
             padding: 1,
             ..Default::default()
@@ -82,9 +82,9 @@ fn batch(seed: u64, n: usize) -> Result<(Tensor, Tensor)> {
     );
     for _ in 0..n {
         let class = (rnd() * CLASSES as f32) as usize % CLASSES;
-        let phase = rnd() * 6.28;
+        let phase = rnd() * std::f32::consts::TAU;
         let tint = [rnd(), rnd(), rnd()];
-        for ch in 0..3 {
+        for tint in tint {
             for i in 0..SIDE {
                 for j in 0..SIDE {
                     let (fi, fj) = (i as f32, j as f32);
@@ -94,7 +94,7 @@ fn batch(seed: u64, n: usize) -> Result<(Tensor, Tensor)> {
                         2 => (fi + fj) * 0.6,
                         _ => (fi - fj) * 0.6,
                     };
-                    xs.push((t + phase).sin() * (0.5 + tint[ch]) + 0.8 * (rnd() - 0.5));
+                    xs.push((t + phase).sin() * (0.5 + tint) + 0.8 * (rnd() - 0.5));
                 }
             }
         }
