@@ -26,7 +26,7 @@ const SIDE: usize = 16;
 const CHECK_TOL: f32 = 1e-3;
 
 /// Builds the normalisation layer of `c` channels under `vb`.
-type NormFactory = dyn Fn(usize, VarBuilder) -> Result<Box<dyn ModuleT + Send + Sync>>;
+type NormFactory<'a> = dyn Fn(usize, VarBuilder) -> Result<Box<dyn ModuleT + Send + Sync>> + 'a;
 
 struct Net {
     c1: candle_nn::Conv2d,
