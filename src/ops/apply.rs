@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{elementwise, slice, split, Elem, Geometry, Real};
+use super::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 use super::{check_same_shape, host_f64, OP};
 
 /// Per-channel coefficients of the normalisation, on the host.
@@ -35,6 +35,66 @@ impl ApplyCoef {
     }
 }
 
+#[inline(always)]
+fn act<R: Real, const RELU: bool>(v: R) -> R {
+    if RELU && v < R::ZERO {
+        R::ZERO
+    } else {
+        v
+    }
+}
+
+/// `act(((x − h) − l)·s + b [+ z])` for one value.
+#[inline(always)]
+fn norm<T: Elem, const RELU: bool>(x: T, z: T::R, [h, l, s, b]: [T::R; 4]) -> T {
+    T::store(act::<_, RELU>(((x.load() - h) - l) * s + b + z))
+}
+
+#[inline(always)]
+fn plane_apply_act<T: Elem, const RELU: bool>(x: &[T], z: Option<&[T]>, o: &mut [T], coef: [T::R; 4]) {
+    match z {
+        None => o.iter_mut().zip(x).for_each(|(o, x)| *o = norm::<T, RELU>(*x, T::R::ZERO, coef)),
+        Some(z) => o.iter_mut().zip(x).zip(z).for_each(|((o, x), z)| *o = norm::<T, RELU>(*x, z.load(), coef)),
+    }
+}
+
+simd_fn! {
+    /// One channels-first segment with its channel's `[mean hi, mean lo, γ·invstd, β]`.
+    fn plane_apply<T: Elem>(x: &[T], z: Option<&[T]>, o: &mut [T], coef: [T::R; 4], relu: bool) -> () {
+        if relu {
+            plane_apply_act::<T, true>(x, z, o, coef)
+        } else {
+            plane_apply_act::<T, false>(x, z, o, coef)
+        }
+    }
+}
+
+#[inline(always)]
+fn rows_apply_act<T: Elem, const RELU: bool>(x: &[T], z: Option<&[T]>, o: &mut [T], [h, l, s, b]: [&[T::R]; 4]) {
+    let c = h.len();
+    let coef = h.iter().zip(l).zip(s).zip(b).map(|(((h, l), s), b)| [*h, *l, *s, *b]);
+    for (r, (o, x)) in o.chunks_exact_mut(c).zip(x.chunks_exact(c)).enumerate() {
+        match z {
+            None => o.iter_mut().zip(x).zip(coef.clone()).for_each(|((o, x), k)| *o = norm::<T, RELU>(*x, T::R::ZERO, k)),
+            Some(z) => {
+                let z = &z[r * c..(r + 1) * c];
+                o.iter_mut().zip(x).zip(z).zip(coef.clone()).for_each(|(((o, x), z), k)| *o = norm::<T, RELU>(*x, z.load(), k))
+            }
+        }
+    }
+}
+
+simd_fn! {
+    /// Channels-last rows (`rows × C`) with per-channel `[mean hi, mean lo, γ·invstd, β]`.
+    fn rows_apply<T: Elem>(x: &[T], z: Option<&[T]>, o: &mut [T], coef: [&[T::R]; 4], relu: bool) -> () {
+        if relu {
+            rows_apply_act::<T, true>(x, z, o, coef)
+        } else {
+            rows_apply_act::<T, false>(x, z, o, coef)
+        }
+    }
+}
+
 /// Applies the normalisation to a contiguous input. `z`: residual of the same shape and dtype.
 pub(crate) fn apply_cpu(
     xs: &CpuStorage,
@@ -45,70 +105,19 @@ pub(crate) fn apply_cpu(
     relu: bool,
 ) -> Result<CpuStorage> {
     fn run<T: Elem>(x: &[T], z: Option<&[T]>, g: &Geometry, k: &ApplyCoef, relu: bool) -> Vec<T> {
-        if relu {
-            run_act::<T, true>(x, z, g, k)
-        } else {
-            run_act::<T, false>(x, z, g, k)
-        }
-    }
-    #[inline(always)]
-    fn act<R: Real, const RELU: bool>(v: R) -> R {
-        if RELU && v < R::ZERO {
-            R::ZERO
-        } else {
-            v
-        }
-    }
-    fn run_act<T: Elem, const RELU: bool>(
-        x: &[T],
-        z: Option<&[T]>,
-        g: &Geometry,
-        k: &ApplyCoef,
-    ) -> Vec<T> {
         let c = g.c;
-        let (hi_, lo_): (Vec<T::R>, Vec<T::R>) = k.mean.iter().map(|&m| split::<T::R>(m)).unzip();
+        let (mh, ml): (Vec<T::R>, Vec<T::R>) = k.mean.iter().map(|&m| split::<T::R>(m)).unzip();
         let sc: Vec<T::R> = k.scale.iter().map(|&v| T::R::from_f64(v)).collect();
         let be: Vec<T::R> = k.shift.iter().map(|&v| T::R::from_f64(v)).collect();
         let mut out = vec![T::zero(); x.len()];
         let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
-            let (h, l, s, b) = (hi_[ch], lo_[ch], sc[ch], be[ch]);
-            let xs = &x[lo..hi];
-            match z {
-                None => {
-                    for (o, x) in o.iter_mut().zip(xs) {
-                        *o = T::store(act::<_, RELU>(((x.load() - h) - l) * s + b));
-                    }
-                }
-                Some(z) => {
-                    for ((o, x), z) in o.iter_mut().zip(xs).zip(&z[lo..hi]) {
-                        *o = T::store(act::<_, RELU>(((x.load() - h) - l) * s + b + z.load()));
-                    }
-                }
-            }
+            let coef = [mh[ch], ml[ch], sc[ch], be[ch]];
+            plane_apply(&x[lo..hi], z.map(|z| &z[lo..hi]), o, coef, relu)
         };
         let rows = |lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
-            let coef = hi_.iter().zip(&lo_).zip(&sc).zip(&be);
-            for (r, orow) in (lo..hi).zip(o.chunks_exact_mut(c)) {
-                let xr = &x[r * c..(r + 1) * c];
-                match z {
-                    None => {
-                        for ((o, x), (((h, l), s), b)) in orow.iter_mut().zip(xr).zip(coef.clone())
-                        {
-                            *o = T::store(act::<_, RELU>(((x.load() - *h) - *l) * *s + *b));
-                        }
-                    }
-                    Some(z) => {
-                        let zr = &z[r * c..(r + 1) * c];
-                        for (((o, x), z), (((h, l), s), b)) in
-                            orow.iter_mut().zip(xr).zip(zr).zip(coef.clone())
-                        {
-                            *o = T::store(act::<_, RELU>(
-                                ((x.load() - *h) - *l) * *s + *b + z.load(),
-                            ));
-                        }
-                    }
-                }
-            }
+            let span = lo * c..hi * c;
+            let coef = [&mh[..], &ml, &sc, &be];
+            rows_apply(&x[span.clone()], z.map(|z| &z[span]), o, coef, relu)
         };
         elementwise(g, &mut out, None, plane, rows);
         out

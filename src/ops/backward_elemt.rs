@@ -4,7 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{elementwise, slice, split, Elem, Geometry, Real};
+use super::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 use super::{check_same_shape, host_f64, OP};
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
@@ -42,6 +42,71 @@ impl ElemtCoef {
     }
 }
 
+/// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
+#[inline(always)]
+fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> T::R {
+    if MASK && y.load() <= T::R::ZERO {
+        T::R::ZERO
+    } else {
+        dy.load()
+    }
+}
+
+/// `(dx, g)` of one value with `[mean hi, mean lo, a, b, k]`: `dx = a·((g − b) − (x − h − l)·k)`.
+#[inline(always)]
+fn dx_of<T: Elem, const MASK: bool>(dy: &T, x: &T, y: &T, [h, l, a, b, k]: [T::R; 5]) -> (T, T::R) {
+    let gv = grad::<T, MASK>(dy, y);
+    (T::store(a * ((gv - b) - ((x.load() - h) - l) * k)), gv)
+}
+
+/// One span with per-value coefficients from `coef`; without a mask `dy` stands in for `y`.
+#[inline(always)]
+fn span<T: Elem, const MASK: bool>(
+    (dy, x, y): (&[T], &[T], &[T]),
+    o: &mut [T],
+    oz: Option<&mut [T]>,
+    coef: impl Iterator<Item = [T::R; 5]>,
+) {
+    let it = dy.iter().zip(x).zip(y).zip(coef);
+    match oz {
+        None => o.iter_mut().zip(it).for_each(|(o, (((d, x), y), k))| *o = dx_of::<T, MASK>(d, x, y, k).0),
+        Some(oz) => o.iter_mut().zip(oz.iter_mut()).zip(it).for_each(|((o, oz), (((d, x), y), k))| {
+            let (v, gv) = dx_of::<T, MASK>(d, x, y, k);
+            *o = v;
+            *oz = T::store(gv);
+        }),
+    }
+}
+
+simd_fn! {
+    /// dx (and dz = g into `oz`) of one channels-first segment with its channel's coefficients.
+    fn plane_elemt<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, o: &mut [T], oz: Option<&mut [T]>, coef: [T::R; 5]) -> () {
+        let k = std::iter::repeat(coef);
+        match y {
+            None => span::<T, false>((dy, x, dy), o, oz, k),
+            Some(y) => span::<T, true>((dy, x, y), o, oz, k),
+        }
+    }
+}
+
+simd_fn! {
+    /// dx (and dz) of channels-last rows (`rows × C`) with per-channel coefficients.
+    fn rows_elemt<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, o: &mut [T], oz: Option<&mut [T]>, coef: [&[T::R]; 5]) -> () {
+        let mut oz = oz;
+        let [h, l, a, b, k] = coef;
+        let c = h.len();
+        let per_channel = h.iter().zip(l).zip(a).zip(b).zip(k).map(|((((h, l), a), b), k)| [*h, *l, *a, *b, *k]);
+        for (r, o) in o.chunks_exact_mut(c).enumerate() {
+            let s = r * c..(r + 1) * c;
+            let oz = oz.as_deref_mut().map(|oz| &mut oz[s.clone()]);
+            match y {
+                None => span::<T, false>((&dy[s.clone()], &x[s.clone()], &dy[s]), o, oz, per_channel.clone()),
+                Some(y) => span::<T, true>((&dy[s.clone()], &x[s.clone()], &y[s]), o, oz, per_channel.clone()),
+            }
+        }
+    }
+}
+
 /// Writes dx (and dz = g when `want_dz`) of contiguous inputs. Returns one storage: `dx`, or
 /// `[dx; dz]` concatenated (`2 × len`).
 fn backward_elemt_cpu(
@@ -52,97 +117,24 @@ fn backward_elemt_cpu(
     coef: &ElemtCoef,
     want_dz: bool,
 ) -> Result<CpuStorage> {
-    fn run<T: Elem>(
-        dy: &[T],
-        x: &[T],
-        y: Option<&[T]>,
-        g: &Geometry,
-        k: &ElemtCoef,
-        want_dz: bool,
-    ) -> Vec<T> {
-        match y {
-            // Without a mask, `dy` stands in for `y` and is never read as such.
-            None => run_mask::<T, false>(dy, x, dy, g, k, want_dz),
-            Some(y) => run_mask::<T, true>(dy, x, y, g, k, want_dz),
-        }
-    }
-    /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
-    #[inline(always)]
-    fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> T::R {
-        if MASK && y.load() <= T::R::ZERO {
-            T::R::ZERO
-        } else {
-            dy.load()
-        }
-    }
-    /// `dx = a·((g − b) − (x − h − l)·k)` over one span; `dz = g` when asked.
-    #[inline(always)]
-    fn span<T: Elem, const MASK: bool>(
-        (dy, x, y): (&[T], &[T], &[T]),
-        o: &mut [T],
-        oz: Option<&mut [T]>,
-        coef: impl Iterator<Item = [T::R; 5]> + Clone,
-    ) {
-        let it = dy.iter().zip(x).zip(y).zip(coef);
-        let dx = |((d, x), y): ((&T, &T), &T), [h, l, a, b, k]: [T::R; 5]| {
-            let gv = grad::<T, MASK>(d, y);
-            (T::store(a * ((gv - b) - ((x.load() - h) - l) * k)), gv)
-        };
-        match oz {
-            None => o.iter_mut().zip(it).for_each(|(o, (v, c))| *o = dx(v, c).0),
-            Some(oz) => o
-                .iter_mut()
-                .zip(oz.iter_mut())
-                .zip(it)
-                .for_each(|((o, oz), (v, c))| {
-                    let (d, gv) = dx(v, c);
-                    *o = d;
-                    *oz = T::store(gv);
-                }),
-        }
-    }
-    fn run_mask<T: Elem, const MASK: bool>(
-        dy: &[T],
-        x: &[T],
-        y: &[T],
-        g: &Geometry,
-        k: &ElemtCoef,
-        want_dz: bool,
-    ) -> Vec<T> {
+    fn run<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, g: &Geometry, k: &ElemtCoef, want_dz: bool) -> Vec<T> {
         let c = g.c;
         let len = x.len();
-        let coef: Vec<[T::R; 5]> = (0..c)
-            .map(|j| {
-                let (h, l) = split::<T::R>(k.mean[j]);
-                [
-                    h,
-                    l,
-                    T::R::from_f64(k.a[j]),
-                    T::R::from_f64(k.b[j]),
-                    T::R::from_f64(k.k[j]),
-                ]
-            })
-            .collect();
+        let (mh, ml): (Vec<T::R>, Vec<T::R>) = k.mean.iter().map(|&m| split::<T::R>(m)).unzip();
+        let cv = |v: &[f64]| -> Vec<T::R> { v.iter().map(|&v| T::R::from_f64(v)).collect() };
+        let (ca, cb, ck) = (cv(&k.a), cv(&k.b), cv(&k.k));
         let mut out = vec![T::zero(); if want_dz { 2 * len } else { len }];
         let (dx, dz) = out.split_at_mut(len);
         let dz = if want_dz { Some(dz) } else { None };
         let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], oz: Option<&mut [T]>| {
             let r = lo..hi;
-            let ins = (&dy[r.clone()], &x[r.clone()], &y[r]);
-            span::<T, MASK>(ins, o, oz, std::iter::repeat(coef[ch]));
+            let coef = [mh[ch], ml[ch], ca[ch], cb[ch], ck[ch]];
+            plane_elemt(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), o, oz, coef)
         };
-        let rows = |lo: usize, hi: usize, o: &mut [T], mut oz: Option<&mut [T]>| {
-            for (i, r) in (lo..hi).enumerate() {
-                let s = r * c..(r + 1) * c;
-                let o = &mut o[i * c..(i + 1) * c];
-                let oz = oz.as_deref_mut().map(|oz| &mut oz[i * c..(i + 1) * c]);
-                span::<T, MASK>(
-                    (&dy[s.clone()], &x[s.clone()], &y[s]),
-                    o,
-                    oz,
-                    coef.iter().copied(),
-                );
-            }
+        let rows = |lo: usize, hi: usize, o: &mut [T], oz: Option<&mut [T]>| {
+            let r = lo * c..hi * c;
+            let coef = [&mh[..], &ml, &ca, &cb, &ck];
+            rows_elemt(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), o, oz, coef)
         };
         elementwise(g, dx, dz, plane, rows);
         out

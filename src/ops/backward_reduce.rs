@@ -4,8 +4,72 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{hsum2, reduce2, slice, split, Elem, Geometry, Real, LANES};
+use super::cpu::{hsum2, reduce2, simd_fn, slice, split, Elem, Geometry, Real, LANES};
 use super::{check_same_shape, host_f64, OP};
+
+/// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
+#[inline(always)]
+fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> f64 {
+    if MASK && y.load() <= T::R::ZERO {
+        0.0
+    } else {
+        dy.load().to_f64()
+    }
+}
+
+/// Without a mask, `dy` stands in for `y` and is never read as such.
+#[inline(always)]
+fn plane_reduce_mask<T: Elem, const MASK: bool>(dy: &[T], x: &[T], y: &[T], h: T::R, l: T::R) -> (f64, f64) {
+    let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
+    let (dc, xc, yc) = (dy.chunks_exact(LANES), x.chunks_exact(LANES), y.chunks_exact(LANES));
+    let tail = dc.remainder().iter().zip(xc.remainder()).zip(yc.remainder());
+    for ((dv, xv), yv) in dc.zip(xc).zip(yc) {
+        for i in 0..LANES {
+            let gv = grad::<T, MASK>(&dv[i], &yv[i]);
+            a[i] += gv;
+            b[i] += gv * ((xv[i].load() - h) - l).to_f64();
+        }
+    }
+    for (i, ((dv, xv), yv)) in tail.enumerate() {
+        let gv = grad::<T, MASK>(dv, yv);
+        a[i] += gv;
+        b[i] += gv * ((xv.load() - h) - l).to_f64();
+    }
+    hsum2(a, b)
+}
+
+simd_fn! {
+    /// `(Σg, Σg·(x − h − l))` of one channels-first segment.
+    fn plane_reduce<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, h: T::R, l: T::R) -> (f64, f64) {
+        match y {
+            None => plane_reduce_mask::<T, false>(dy, x, dy, h, l),
+            Some(y) => plane_reduce_mask::<T, true>(dy, x, y, h, l),
+        }
+    }
+}
+
+#[inline(always)]
+fn rows_reduce_mask<T: Elem, const MASK: bool>(dy: &[T], x: &[T], y: &[T], [h, l]: [&[T::R]; 2], [a, b]: [&mut [f64]; 2]) {
+    let c = h.len();
+    for ((dr, xr), yr) in dy.chunks_exact(c).zip(x.chunks_exact(c)).zip(y.chunks_exact(c)) {
+        let row = dr.iter().zip(xr).zip(yr).zip(h.iter().zip(l));
+        for ((((dv, xv), yv), (h, l)), (a, b)) in row.zip(a.iter_mut().zip(b.iter_mut())) {
+            let gv = grad::<T, MASK>(dv, yv);
+            *a += gv;
+            *b += gv * ((xv.load() - *h) - *l).to_f64();
+        }
+    }
+}
+
+simd_fn! {
+    /// Adds `Σg` and `Σg·(x − h − l)` of channels-last rows into `[a, b]` (`[C]` each).
+    fn rows_reduce<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, mean: [&[T::R]; 2], acc: [&mut [f64]; 2]) -> () {
+        match y {
+            None => rows_reduce_mask::<T, false>(dy, x, dy, mean, acc),
+            Some(y) => rows_reduce_mask::<T, true>(dy, x, y, mean, acc),
+        }
+    }
+}
 
 /// `[Σg (C values), Σg·(x − mean) (C values)]` of contiguous inputs; `y`: the ReLU output whose
 /// sign masks `dy`, or `None` without a fused ReLU.
@@ -17,71 +81,16 @@ fn backward_reduce_cpu(
     mean: &[f64],
 ) -> Result<Vec<f64>> {
     fn run<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, g: &Geometry, mean: &[f64]) -> Vec<f64> {
-        match y {
-            // Without a mask, `dy` stands in for `y` and is never read as such.
-            None => run_mask::<T, false>(dy, x, dy, g, mean),
-            Some(y) => run_mask::<T, true>(dy, x, y, g, mean),
-        }
-    }
-    /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
-    #[inline(always)]
-    fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> f64 {
-        if MASK && y.load() <= T::R::ZERO {
-            0.0
-        } else {
-            dy.load().to_f64()
-        }
-    }
-    fn run_mask<T: Elem, const MASK: bool>(
-        dy: &[T],
-        x: &[T],
-        y: &[T],
-        g: &Geometry,
-        mean: &[f64],
-    ) -> Vec<f64> {
         let c = g.c;
         let (mh, ml): (Vec<T::R>, Vec<T::R>) = mean.iter().map(|&m| split::<T::R>(m)).unzip();
         let plane = |ch: usize, lo: usize, hi: usize| {
-            let (h, l) = (mh[ch], ml[ch]);
-            let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
-            let (dc, xc, yc) = (
-                dy[lo..hi].chunks_exact(LANES),
-                x[lo..hi].chunks_exact(LANES),
-                y[lo..hi].chunks_exact(LANES),
-            );
-            let tail = dc
-                .remainder()
-                .iter()
-                .zip(xc.remainder())
-                .zip(yc.remainder());
-            for ((dv, xv), yv) in dc.zip(xc).zip(yc) {
-                for i in 0..LANES {
-                    let gv = grad::<T, MASK>(&dv[i], &yv[i]);
-                    a[i] += gv;
-                    b[i] += gv * ((xv[i].load() - h) - l).to_f64();
-                }
-            }
-            for (i, ((dv, xv), yv)) in tail.enumerate() {
-                let gv = grad::<T, MASK>(dv, yv);
-                a[i] += gv;
-                b[i] += gv * ((xv.load() - h) - l).to_f64();
-            }
-            hsum2(a, b)
+            let r = lo..hi;
+            plane_reduce(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), mh[ch], ml[ch])
         };
         let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
             let (a, b) = acc.split_at_mut(c);
-            for r in lo..hi {
-                let span = r * c..(r + 1) * c;
-                let row = dy[span.clone()].iter().zip(&x[span.clone()]).zip(&y[span]);
-                for ((((dv, xv), yv), (h, l)), (a, b)) in row
-                    .zip(mh.iter().zip(&ml))
-                    .zip(a.iter_mut().zip(b.iter_mut()))
-                {
-                    let gv = grad::<T, MASK>(dv, yv);
-                    *a += gv;
-                    *b += gv * ((xv.load() - *h) - *l).to_f64();
-                }
-            }
+            let r = lo * c..hi * c;
+            rows_reduce(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), [&mh[..], &ml], [a, b])
         };
         reduce2(g, plane, rows)
     }

@@ -294,3 +294,48 @@ pub(crate) const LANES: usize = 8;
 pub(crate) fn hsum2(a: [f64; LANES], b: [f64; LANES]) -> (f64, f64) {
     (a.iter().sum(), b.iter().sum())
 }
+
+/// Set to a non-empty value other than `0` to run the baseline (SSE2) kernels even on a CPU
+/// with AVX2 (read once per process; the test suite runs both ways).
+pub const NO_SIMD_ENV: &str = "CANDLE_DISTRIBUTED_NO_SIMD";
+
+/// True when the CPU has AVX2 and FMA and [`NO_SIMD_ENV`] does not forbid them.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| {
+        let off = std::env::var(NO_SIMD_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
+        !off && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    })
+}
+
+/// Defines a kernel leaf function `$name<T: Elem>` compiled twice, for the baseline target and
+/// for AVX2 + FMA (4 f64 / 8 f32 lanes instead of SSE2's 2 / 4), and picks one at run time. The
+/// body is inlined into both twins, so each is optimised for its instruction set.
+macro_rules! simd_fn {
+    ($(#[$m:meta])* fn $name:ident<T: Elem>($($a:ident : $t:ty),* $(,)?) -> $r:ty $body:block) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name<T: Elem>($($a: $t),*) -> $r {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn body<T: Elem>($($a: $t),*) -> $r $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn fast<T: Elem>($($a: $t),*) -> $r {
+                    body($($a),*)
+                }
+                if $crate::ops::cpu::has_avx2_fma() {
+                    // SAFETY: `fast` only differs from `body` by being compiled for AVX2 and FMA,
+                    // which this CPU supports (checked at run time just above).
+                    return unsafe { fast($($a),*) };
+                }
+            }
+            body($($a),*)
+        }
+    };
+}
+pub(crate) use simd_fn;

@@ -6,41 +6,52 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{hsum2, reduce2, slice, Elem, Geometry, Real, LANES};
+use super::cpu::{hsum2, reduce2, simd_fn, slice, Elem, Geometry, Real, LANES};
 use super::{host_f64, OP};
+
+simd_fn! {
+    /// `(Σ(x − k), Σ(x − k)²)` of one channels-first segment.
+    fn plane_stats<T: Elem>(x: &[T], k: f64) -> (f64, f64) {
+        let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
+        let chunks = x.chunks_exact(LANES);
+        let rem = chunks.remainder();
+        for v in chunks {
+            for i in 0..LANES {
+                let d = v[i].load().to_f64() - k;
+                a[i] += d;
+                b[i] += d * d;
+            }
+        }
+        for (i, v) in rem.iter().enumerate() {
+            let d = v.load().to_f64() - k;
+            a[i] += d;
+            b[i] += d * d;
+        }
+        hsum2(a, b)
+    }
+}
+
+simd_fn! {
+    /// Adds the shifted sums of channels-last rows `x` (`rows × C`) into `a` and `b` (`[C]`).
+    fn row_stats<T: Elem>(x: &[T], k: &[f64], a: &mut [f64], b: &mut [f64]) -> () {
+        for row in x.chunks_exact(k.len()) {
+            for (((v, k), a), b) in row.iter().zip(k).zip(a.iter_mut()).zip(b.iter_mut()) {
+                let d = v.load().to_f64() - k;
+                *a += d;
+                *b += d * d;
+            }
+        }
+    }
+}
 
 /// Shifted local sums of one contiguous input. Returns `[3·C]` f64: counts, Σ(x−K), Σ(x−K)².
 fn stats_cpu(xs: &CpuStorage, xl: &Layout, g: &Geometry, shift: &[f64]) -> Result<Vec<f64>> {
     fn run<T: Elem>(x: &[T], g: &Geometry, k: &[f64]) -> Vec<f64> {
         let c = g.c;
-        let plane = |ch: usize, lo: usize, hi: usize| {
-            let kc = k[ch];
-            let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
-            let chunks = x[lo..hi].chunks_exact(LANES);
-            let rem = chunks.remainder();
-            for v in chunks {
-                for i in 0..LANES {
-                    let d = v[i].load().to_f64() - kc;
-                    a[i] += d;
-                    b[i] += d * d;
-                }
-            }
-            for (i, v) in rem.iter().enumerate() {
-                let d = v.load().to_f64() - kc;
-                a[i] += d;
-                b[i] += d * d;
-            }
-            hsum2(a, b)
-        };
+        let plane = |ch: usize, lo: usize, hi: usize| plane_stats(&x[lo..hi], k[ch]);
         let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
             let (a, b) = acc.split_at_mut(c);
-            for row in x[lo * c..hi * c].chunks_exact(c) {
-                for (((v, k), a), b) in row.iter().zip(k).zip(a.iter_mut()).zip(b.iter_mut()) {
-                    let d = v.load().to_f64() - k;
-                    *a += d;
-                    *b += d * d;
-                }
-            }
+            row_stats(&x[lo * c..hi * c], k, a, b)
         };
         reduce2(g, plane, rows)
     }
