@@ -51,10 +51,22 @@ fn norm<T: Elem, const RELU: bool>(x: T, z: T::R, [h, l, s, b]: [T::R; 4]) -> T 
 }
 
 #[inline(always)]
-fn plane_apply_act<T: Elem, const RELU: bool>(x: &[T], z: Option<&[T]>, o: &mut [T], coef: [T::R; 4]) {
+fn plane_apply_act<T: Elem, const RELU: bool>(
+    x: &[T],
+    z: Option<&[T]>,
+    o: &mut [T],
+    coef: [T::R; 4],
+) {
     match z {
-        None => o.iter_mut().zip(x).for_each(|(o, x)| *o = norm::<T, RELU>(*x, T::R::ZERO, coef)),
-        Some(z) => o.iter_mut().zip(x).zip(z).for_each(|((o, x), z)| *o = norm::<T, RELU>(*x, z.load(), coef)),
+        None => o
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, x)| *o = norm::<T, RELU>(*x, T::R::ZERO, coef)),
+        Some(z) => o
+            .iter_mut()
+            .zip(x)
+            .zip(z)
+            .for_each(|((o, x), z)| *o = norm::<T, RELU>(*x, z.load(), coef)),
     }
 }
 
@@ -70,15 +82,33 @@ simd_fn! {
 }
 
 #[inline(always)]
-fn rows_apply_act<T: Elem, const RELU: bool>(x: &[T], z: Option<&[T]>, o: &mut [T], [h, l, s, b]: [&[T::R]; 4]) {
+fn rows_apply_act<T: Elem, const RELU: bool>(
+    x: &[T],
+    z: Option<&[T]>,
+    o: &mut [T],
+    [h, l, s, b]: [&[T::R]; 4],
+) {
     let c = h.len();
-    let coef = h.iter().zip(l).zip(s).zip(b).map(|(((h, l), s), b)| [*h, *l, *s, *b]);
+    let coef = h
+        .iter()
+        .zip(l)
+        .zip(s)
+        .zip(b)
+        .map(|(((h, l), s), b)| [*h, *l, *s, *b]);
     for (r, (o, x)) in o.chunks_exact_mut(c).zip(x.chunks_exact(c)).enumerate() {
         match z {
-            None => o.iter_mut().zip(x).zip(coef.clone()).for_each(|((o, x), k)| *o = norm::<T, RELU>(*x, T::R::ZERO, k)),
+            None => o
+                .iter_mut()
+                .zip(x)
+                .zip(coef.clone())
+                .for_each(|((o, x), k)| *o = norm::<T, RELU>(*x, T::R::ZERO, k)),
             Some(z) => {
                 let z = &z[r * c..(r + 1) * c];
-                o.iter_mut().zip(x).zip(z).zip(coef.clone()).for_each(|(((o, x), z), k)| *o = norm::<T, RELU>(*x, z.load(), k))
+                o.iter_mut()
+                    .zip(x)
+                    .zip(z)
+                    .zip(coef.clone())
+                    .for_each(|(((o, x), z), k)| *o = norm::<T, RELU>(*x, z.load(), k))
             }
         }
     }

@@ -69,12 +69,20 @@ fn span<T: Elem, const MASK: bool>(
 ) {
     let it = dy.iter().zip(x).zip(y).zip(coef);
     match oz {
-        None => o.iter_mut().zip(it).for_each(|(o, (((d, x), y), k))| *o = dx_of::<T, MASK>(d, x, y, k).0),
-        Some(oz) => o.iter_mut().zip(oz.iter_mut()).zip(it).for_each(|((o, oz), (((d, x), y), k))| {
-            let (v, gv) = dx_of::<T, MASK>(d, x, y, k);
-            *o = v;
-            *oz = T::store(gv);
-        }),
+        None => o
+            .iter_mut()
+            .zip(it)
+            .for_each(|(o, (((d, x), y), k))| *o = dx_of::<T, MASK>(d, x, y, k).0),
+        Some(oz) => {
+            o.iter_mut()
+                .zip(oz.iter_mut())
+                .zip(it)
+                .for_each(|((o, oz), (((d, x), y), k))| {
+                    let (v, gv) = dx_of::<T, MASK>(d, x, y, k);
+                    *o = v;
+                    *oz = T::store(gv);
+                })
+        }
     }
 }
 
@@ -117,7 +125,14 @@ fn backward_elemt_cpu(
     coef: &ElemtCoef,
     want_dz: bool,
 ) -> Result<CpuStorage> {
-    fn run<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, g: &Geometry, k: &ElemtCoef, want_dz: bool) -> Vec<T> {
+    fn run<T: Elem>(
+        dy: &[T],
+        x: &[T],
+        y: Option<&[T]>,
+        g: &Geometry,
+        k: &ElemtCoef,
+        want_dz: bool,
+    ) -> Vec<T> {
         let c = g.c;
         let len = x.len();
         let (mh, ml): (Vec<T::R>, Vec<T::R>) = k.mean.iter().map(|&m| split::<T::R>(m)).unzip();

@@ -19,10 +19,24 @@ fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> f64 {
 
 /// Without a mask, `dy` stands in for `y` and is never read as such.
 #[inline(always)]
-fn plane_reduce_mask<T: Elem, const MASK: bool>(dy: &[T], x: &[T], y: &[T], h: T::R, l: T::R) -> (f64, f64) {
+fn plane_reduce_mask<T: Elem, const MASK: bool>(
+    dy: &[T],
+    x: &[T],
+    y: &[T],
+    h: T::R,
+    l: T::R,
+) -> (f64, f64) {
     let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
-    let (dc, xc, yc) = (dy.chunks_exact(LANES), x.chunks_exact(LANES), y.chunks_exact(LANES));
-    let tail = dc.remainder().iter().zip(xc.remainder()).zip(yc.remainder());
+    let (dc, xc, yc) = (
+        dy.chunks_exact(LANES),
+        x.chunks_exact(LANES),
+        y.chunks_exact(LANES),
+    );
+    let tail = dc
+        .remainder()
+        .iter()
+        .zip(xc.remainder())
+        .zip(yc.remainder());
     for ((dv, xv), yv) in dc.zip(xc).zip(yc) {
         for i in 0..LANES {
             let gv = grad::<T, MASK>(&dv[i], &yv[i]);
@@ -49,9 +63,19 @@ simd_fn! {
 }
 
 #[inline(always)]
-fn rows_reduce_mask<T: Elem, const MASK: bool>(dy: &[T], x: &[T], y: &[T], [h, l]: [&[T::R]; 2], [a, b]: [&mut [f64]; 2]) {
+fn rows_reduce_mask<T: Elem, const MASK: bool>(
+    dy: &[T],
+    x: &[T],
+    y: &[T],
+    [h, l]: [&[T::R]; 2],
+    [a, b]: [&mut [f64]; 2],
+) {
     let c = h.len();
-    for ((dr, xr), yr) in dy.chunks_exact(c).zip(x.chunks_exact(c)).zip(y.chunks_exact(c)) {
+    for ((dr, xr), yr) in dy
+        .chunks_exact(c)
+        .zip(x.chunks_exact(c))
+        .zip(y.chunks_exact(c))
+    {
         let row = dr.iter().zip(xr).zip(yr).zip(h.iter().zip(l));
         for ((((dv, xv), yv), (h, l)), (a, b)) in row.zip(a.iter_mut().zip(b.iter_mut())) {
             let gv = grad::<T, MASK>(dv, yv);
@@ -85,12 +109,24 @@ fn backward_reduce_cpu(
         let (mh, ml): (Vec<T::R>, Vec<T::R>) = mean.iter().map(|&m| split::<T::R>(m)).unzip();
         let plane = |ch: usize, lo: usize, hi: usize| {
             let r = lo..hi;
-            plane_reduce(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), mh[ch], ml[ch])
+            plane_reduce(
+                &dy[r.clone()],
+                &x[r.clone()],
+                y.map(|y| &y[r]),
+                mh[ch],
+                ml[ch],
+            )
         };
         let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
             let (a, b) = acc.split_at_mut(c);
             let r = lo * c..hi * c;
-            rows_reduce(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), [&mh[..], &ml], [a, b])
+            rows_reduce(
+                &dy[r.clone()],
+                &x[r.clone()],
+                y.map(|y| &y[r]),
+                [&mh[..], &ml],
+                [a, b],
+            )
         };
         reduce2(g, plane, rows)
     }
