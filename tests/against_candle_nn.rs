@@ -3,7 +3,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::ThreadGroup;
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::{BatchNormConfig, ModuleT, VarBuilder, VarMap};
@@ -11,12 +11,26 @@ use common::*;
 
 /// candle-nn computes in f32 with a different summation order.
 const TOL_F32: f64 = 2e-5;
+/// The two layouts sum in different orders; f64 rounding only.
+const TOL_F64_LAYOUT: f64 = 1e-12;
 
 #[test]
 fn world_size_one_matches_candle_nn_batch_norm() -> anyhow::Result<()> {
     let comm = ThreadGroup::new(1)?.remove(0);
     let c = 8;
-    let vm_ref = VarMap::new();
+    // Non-trivial γ and β in both layers.
+    let params = Params::random(21, c);
+    let with_params = || {
+        let vm = VarMap::new();
+        let mut data = vm.data().lock().unwrap();
+        for (name, v) in [("weight", &params.weight), ("bias", &params.bias)] {
+            let t = Tensor::new(v.as_slice(), &Device::Cpu).and_then(|t| t.to_dtype(DType::F32));
+            data.insert(name.to_string(), Var::from_tensor(&t.unwrap()).unwrap());
+        }
+        drop(data);
+        vm
+    };
+    let vm_ref = with_params();
     let reference = candle_nn::batch_norm(
         c,
         BatchNormConfig {
@@ -25,7 +39,7 @@ fn world_size_one_matches_candle_nn_batch_norm() -> anyhow::Result<()> {
         },
         VarBuilder::from_varmap(&vm_ref, DType::F32, &Device::Cpu),
     )?;
-    let vm = VarMap::new();
+    let vm = with_params();
     let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
     let bn = candle_distributed::sync_batch_norm(c, BatchNormConfig::default().into(), vb, comm)?;
     for step in 0..4u64 {
@@ -80,6 +94,7 @@ fn channels_last_equals_permuted_channels_first() -> anyhow::Result<()> {
     let c = 5;
     let x = randn(3, &[4, c, 3, 6], 0.5, 1.0);
     let z = randn(4, &[4, c, 3, 6], 0.0, 1.0);
+    let w = randn(8, &[4, c, 3, 6], 0.0, 1.0);
     let params = Params::random(9, c);
     let outs = run_ranks(1, |comm| {
         let mut ys = Vec::new();
@@ -95,15 +110,27 @@ fn channels_last_equals_permuted_channels_first() -> anyhow::Result<()> {
             } else {
                 (x.clone(), z.clone())
             };
-            let y = bn.forward_residual(&xi, &zi, true)?;
-            ys.push(if cl { to_channels_first(&y) } else { y });
+            let (xv, zv) = (Var::from_tensor(&xi)?, Var::from_tensor(&zi)?);
+            let y = bn.forward_residual(xv.as_tensor(), zv.as_tensor(), true)?;
+            // A loss that weights every element differently, in the NCHW order.
+            let wl = if cl { to_channels_last(&w) } else { w.clone() };
+            let g = (&y * &wl)?.sum_all()?.backward()?;
+            let back = |t: &Tensor| if cl { to_channels_first(t) } else { t.clone() };
+            ys.push(back(&y));
+            ys.push(back(g.get(xv.as_tensor()).unwrap()));
+            ys.push(back(g.get(zv.as_tensor()).unwrap()));
+            ys.push(bn.running_mean().unwrap().clone());
             ys.push(bn.running_var().unwrap().clone());
         }
         Ok(ys)
     });
     let ys = &outs[0];
-    assert_close("output", &ys[0], &ys[2], 1e-12);
-    assert_close("running_var", &ys[1], &ys[3], 1e-12);
+    for (i, what) in ["output", "dx", "dz", "running_mean", "running_var"]
+        .iter()
+        .enumerate()
+    {
+        assert_close(what, &ys[i], &ys[i + 5], TOL_F64_LAYOUT);
+    }
     Ok(())
 }
 

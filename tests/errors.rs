@@ -129,7 +129,11 @@ fn bad_configurations_are_rejected() {
         let e = candle_distributed::sync_batch_norm(4, cfg, vb(), comm.clone()).unwrap_err();
         assert!(e.to_string().contains(needle), "{e}");
     }
-    assert!(candle_distributed::sync_batch_norm(0, Default::default(), vb(), comm).is_err());
+    let e = candle_distributed::sync_batch_norm(0, Default::default(), vb(), comm).unwrap_err();
+    assert!(
+        e.to_string().contains("num_features must be at least 1"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -169,7 +173,7 @@ fn a_missing_rank_times_out_on_every_waiting_rank() {
     for (r, (res, untouched)) in results.into_iter().enumerate() {
         let msg = res.expect_err("the step must fail");
         assert!(
-            msg.contains("timed out") && msg.contains("[2]"),
+            msg.contains("timed out") && msg.contains("all_reduce") && msg.contains("[2]"),
             "rank {r}: {msg}"
         );
         assert!(untouched, "rank {r}: a failed step changed the layer");
@@ -265,4 +269,70 @@ fn eval_issues_no_collective() {
         Ok(counting.count() - before)
     });
     assert_eq!(counts, vec![0, 0]);
+}
+
+#[test]
+fn one_value_per_channel_in_the_global_batch_fails_on_every_rank() {
+    // Rank 0 holds the only sample: the count is known only after the all-reduce, and every
+    // rank must reach the same verdict (none may wait for a backward the others skip).
+    let outs = ThreadGroup::run(2, |comm| {
+        let bn = trained_layer(comm.clone());
+        let before = snapshot(&bn);
+        let x = randn(6, &[1 - comm.rank(), 4], 0.0, 1.0).to_dtype(DType::F32)?;
+        let r = bn
+            .forward_t(&x, true)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        Ok((r, snapshot(&bn) == before))
+    })
+    .unwrap();
+    for (r, (res, untouched)) in outs.into_iter().enumerate() {
+        let msg = res.expect_err("one value per channel must fail");
+        assert!(
+            msg.contains("more than 1 value per channel") && msg.contains("got 1 in the global"),
+            "rank {r}: {msg}"
+        );
+        assert!(untouched, "rank {r}: a failed step changed the layer");
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_before_the_backward_fails_the_others_promptly() {
+    let comms = ThreadGroup::new(3).unwrap(); // default timeout: minutes
+    let start = Instant::now();
+    let results: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let bn = trained_layer(comm);
+                    let x = candle_core::Var::from_tensor(
+                        &randn(7, &[2, 4, 3], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
+                    )
+                    .unwrap();
+                    let y = bn.forward_t(x.as_tensor(), true).unwrap();
+                    if rank == 0 {
+                        // Leaves after the forward: the layer, the graph and its communicator go.
+                        drop((y, bn));
+                        return String::new();
+                    }
+                    let err = y
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .expect_err("backward must fail");
+                    err.to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(start.elapsed() < PROMPT, "took {:?}", start.elapsed());
+    for msg in &results[1..] {
+        assert!(
+            msg.contains("all_reduce") && msg.contains("rank 0 dropped its communicator"),
+            "{msg}"
+        );
+    }
 }

@@ -210,3 +210,15 @@ fn three_ranks_fused_residual_relu() {
         fd.check();
     }
 }
+
+#[test]
+fn one_rank_residual_2d_to_5d_with_and_without_relu() {
+    for (spatial, cl) in [(&[][..], false), (&[4][..], true), (&[2, 2, 3][..], false)] {
+        for relu in [false, true] {
+            let mut fd = Fd::new(&[3], 2, spatial, cl);
+            fd.config.fuse_relu = relu;
+            fd.residual = true;
+            fd.check();
+        }
+    }
+}

@@ -89,9 +89,27 @@ fn argument_errors_reach_every_rank() {
         let mismatch = comm
             .all_reduce(&shape, ReduceOp::Sum)
             .map_err(|e| e.to_string());
-        Ok((avg.unwrap_err(), root.unwrap_err(), mismatch.unwrap_err()))
+        let dtype = if comm.rank() == 0 {
+            DType::F32
+        } else {
+            DType::F64
+        };
+        let dtypes = comm
+            .all_gather(&Tensor::ones(3, dtype, &Device::Cpu)?)
+            .map_err(|e| e.to_string());
+        Ok((
+            avg.unwrap_err(),
+            root.unwrap_err(),
+            mismatch.unwrap_err(),
+            dtypes.unwrap_err(),
+        ))
     });
-    for (avg, root, mismatch) in outs {
+    for (avg, root, mismatch, dtypes) in outs {
+        assert!(
+            dtypes.contains("rank 0: all_gather F32 [3]")
+                && dtypes.contains("rank 1: all_gather F64 [3]"),
+            "{dtypes}"
+        );
         assert!(avg.contains("Avg needs a float dtype"), "{avg}");
         assert!(root.contains("root 5 out of range"), "{root}");
         assert!(

@@ -127,7 +127,6 @@ struct Plan {
     invstd: Vec<f64>,
     count: f64,
     update: Option<(Tensor, Tensor, u64)>,
-    shift: Option<Vec<f64>>,
 }
 
 impl SyncBatchNorm {
@@ -226,30 +225,25 @@ impl SyncBatchNorm {
         Ok(g)
     }
 
-    /// Global (or local) batch statistics: one all-reduce when `sync`; a second only when the
-    /// shift proved far from the mean (decided from the reduced values, so on every rank alike).
+    /// Global (or local) batch statistics: exactly one all-reduce of `3·C` f64 when `sync`.
+    ///
+    /// The sums are shifted by the previous training step's global mean (0 on a layer's first
+    /// step): every rank holds it bitwise identical because it comes from all-reduced values.
+    /// The new shift is stored as soon as the reduced sums are known, before anything that can
+    /// fail on one rank only, so the ranks' shifts never diverge.
     fn batch_stats(&self, x: &Tensor, g: &Geometry, sync: bool) -> Result<HostStats> {
         let c = g.c;
-        let mut shift = if sync {
-            self.lock().shift.clone()
-        } else {
-            None
-        };
-        let mut retried = false;
-        loop {
-            let k = shift.clone().unwrap_or_else(|| vec![0.0; c]);
-            let kt = Tensor::from_slice(&k, c, x.device())?;
-            let mut sums = batch_norm_stats(x, &kt, self.config.channels_last)?;
-            if sync {
-                sums = self.comm.all_reduce(&sums, ReduceOp::Sum)?;
-            }
-            let host = combine_host(&sums.flatten_all()?.to_vec1::<f64>()?, &k);
-            if !host.ill_conditioned || retried {
-                return Ok(host);
-            }
-            retried = true;
-            shift = Some(host.mean);
+        let k = self.lock().shift.clone().unwrap_or_else(|| vec![0.0; c]);
+        let kt = Tensor::from_slice(&k, c, x.device())?;
+        let mut sums = batch_norm_stats(x, &kt, self.config.channels_last)?;
+        if sync {
+            sums = self.comm.all_reduce(&sums, ReduceOp::Sum)?;
         }
+        let host = combine_host(&sums.flatten_all()?.to_vec1::<f64>()?, &k);
+        if sync && host.count > 0.0 {
+            self.lock().shift = Some(host.mean.clone());
+        }
+        Ok(host)
     }
 
     fn plan(&self, x: &Tensor, g: &Geometry, train: bool) -> Result<Plan> {
@@ -268,7 +262,6 @@ impl SyncBatchNorm {
                 invstd,
                 count: g.count() as f64,
                 update: None,
-                shift: None,
             });
         }
         let stats = self.batch_stats(x, g, train)?;
@@ -304,7 +297,6 @@ impl SyncBatchNorm {
             ));
         }
         Ok(Plan {
-            shift: train.then(|| stats.mean.clone()),
             mean: stats.mean,
             invstd,
             count: n,
@@ -341,9 +333,6 @@ impl SyncBatchNorm {
             r.batches
                 .set(&Tensor::new(done as i64, r.batches.device())?)?;
             self.lock().num_batches_tracked = done;
-        }
-        if let Some(shift) = plan.shift {
-            self.lock().shift = Some(shift);
         }
         Ok(y)
     }

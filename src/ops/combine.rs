@@ -4,10 +4,6 @@ use candle_core::{bail, Device, Result, Tensor};
 
 use super::{host_f64, OP};
 
-/// `Σ(x−K)²` larger than this multiple of `M2` means the shift was far from the mean and the
-/// variance lost more than ~1e-12 of relative accuracy to cancellation in f64.
-pub(crate) const SHIFT_CONDITION_LIMIT: f64 = 1e4;
-
 /// Global statistics of one layer's batch, on the host.
 #[derive(Debug, Clone)]
 pub(crate) struct HostStats {
@@ -17,8 +13,6 @@ pub(crate) struct HostStats {
     pub mean: Vec<f64>,
     /// Global sum of squared deviations per channel.
     pub m2: Vec<f64>,
-    /// True when some channel's variance lost accuracy to a poor shift.
-    pub ill_conditioned: bool,
 }
 
 impl HostStats {
@@ -42,24 +36,15 @@ pub(crate) fn combine_host(sums: &[f64], shift: &[f64]) -> HostStats {
     let c = shift.len();
     let count = if c == 0 { 0.0 } else { sums[0] };
     let (a, b) = (&sums[c..2 * c], &sums[2 * c..3 * c]);
-    let mut ill_conditioned = false;
     let mut mean = Vec::with_capacity(c);
     let mut m2 = Vec::with_capacity(c);
     for j in 0..c {
         let d = if count > 0.0 { a[j] / count } else { 0.0 };
         let m = (b[j] - a[j] * d).max(0.0);
-        if count > 0.0 && b[j] > SHIFT_CONDITION_LIMIT * m {
-            ill_conditioned = true;
-        }
         mean.push(shift[j] + d);
         m2.push(m);
     }
-    HostStats {
-        count,
-        mean,
-        m2,
-        ill_conditioned,
-    }
+    HostStats { count, mean, m2 }
 }
 
 /// Global batch statistics, each `[C]` f64 on the device of the sums.

@@ -44,14 +44,41 @@ simd_fn! {
     }
 }
 
+/// `(Σ(x − K), Σ(x − K)²)` of `m` values from their sums `a = Σ(x − s)`, `b = Σ(x − s)²` relative
+/// to another shift `s`, with `d = s − K`.
+#[inline]
+fn to_shift(m: f64, d: f64, a: f64, b: f64) -> (f64, f64) {
+    (a + m * d, b + 2.0 * d * a + m * d * d)
+}
+
 /// Shifted local sums of one contiguous input. Returns `[3·C]` f64: counts, Σ(x−K), Σ(x−K)².
 fn stats_cpu(xs: &CpuStorage, xl: &Layout, g: &Geometry, shift: &[f64]) -> Result<Vec<f64>> {
+    // Each work item accumulates relative to its own first value (first row for channels-last),
+    // which is close to its data, and only then moves its sums to the common shift `K`. Summing
+    // relative to a far `K` directly would let the rounding of the growing partial sums reach
+    // ε·n·(mean − K)² instead of the ε·(mean − K)² of the final combination alone.
     fn run<T: Elem>(x: &[T], g: &Geometry, k: &[f64]) -> Vec<f64> {
         let c = g.c;
-        let plane = |ch: usize, lo: usize, hi: usize| plane_stats(&x[lo..hi], k[ch]);
+        let plane = |ch: usize, lo: usize, hi: usize| {
+            let s = x[lo].load().to_f64();
+            let (a, b) = plane_stats(&x[lo..hi], s);
+            to_shift((hi - lo) as f64, s - k[ch], a, b)
+        };
         let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
-            let (a, b) = acc.split_at_mut(c);
-            row_stats(&x[lo * c..hi * c], k, a, b)
+            let s: Vec<f64> = x[lo * c..(lo + 1) * c]
+                .iter()
+                .map(|v| v.load().to_f64())
+                .collect();
+            let mut local = vec![0f64; 2 * c];
+            let (a, b) = local.split_at_mut(c);
+            row_stats(&x[lo * c..hi * c], &s, a, b);
+            let m = (hi - lo) as f64;
+            let (acc_a, acc_b) = acc.split_at_mut(c);
+            for j in 0..c {
+                let (da, db) = to_shift(m, s[j] - k[j], a[j], b[j]);
+                acc_a[j] += da;
+                acc_b[j] += db;
+            }
         };
         reduce2(g, plane, rows)
     }
