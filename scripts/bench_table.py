@@ -1,25 +1,20 @@
 #!/usr/bin/env python3
-"""Prints the README's benchmark table from criterion's results of `cargo bench --bench batch_norm`.
+"""Prints the README's benchmark table from one run of both benchmarks.
 
-Reads target/criterion/<shape>_<layout>/<bench>/new/estimates.json (median, ms) and the same
-run's candle-nn numbers; PyTorch's are the reference figures of DESIGN.md section 8, measured on
-a machine of the same kind with the same allocator setting (not in this run).
+Reads criterion's results of `cargo bench --bench batch_norm`
+(target/criterion/<shape>_<layout>/<bench>/new/estimates.json, median) and PyTorch's numbers from
+`scripts/bench_torch.py` (target/bench_torch.json), both measured in the same session with the
+same allocator setting and thread count. See `scripts/bench.sh`.
 """
 import json
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "target" / "criterion"
+TARGET = pathlib.Path(__file__).resolve().parent.parent / "target"
 SHAPES = ["32x64x32x32", "64x256x14x14", "8x32x112x112"]
-# PyTorch 2.15, 2 threads: forward (NCHW, NHWC), forward + backward (NCHW, NHWC), ms.
-TORCH = {
-    "32x64x32x32": (2.3, 1.0, 4.7, 3.2),
-    "64x256x14x14": (3.5, 1.4, 7.4, 4.6),
-    "8x32x112x112": (3.5, 2.0, 6.7, 6.8),
-}
 
 
 def median_ms(group, bench):
-    path = ROOT / group / bench / "new" / "estimates.json"
+    path = TARGET / "criterion" / group / bench / "new" / "estimates.json"
     if not path.exists():
         return None
     return json.loads(path.read_text())["median"]["point_estimate"] / 1e6
@@ -36,21 +31,31 @@ def fmt(v):
     return "–" if v is None else f"{v:.2f}"
 
 
-print("| shape | layout | forward ms (GB/s) | op backward ms (GB/s) | fwd + op bwd ms | vs PyTorch fwd / fwd+bwd | autograd fwd+bwd ms | candle-nn fwd / autograd fwd+bwd ms | speed-up vs candle-nn (autograd) |")
-print("|---|---|---|---|---|---|---|---|---|")
+def ratio(a, b):
+    return "–" if a is None or b is None else f"{a / b:.2f}×"
+
+
+torch = json.loads((TARGET / "bench_torch.json").read_text())
+print(
+    "| shape | layout | forward ms (GB/s) | op backward ms (GB/s) | fwd + op bwd ms "
+    "| autograd fwd+bwd ms | PyTorch fwd / fwd+bwd ms "
+    "| ratio to PyTorch: fwd / fwd + op bwd / autograd fwd+bwd "
+    "| candle-nn fwd / autograd fwd+bwd ms | speed-up over candle-nn: fwd / autograd fwd+bwd |"
+)
+print("|---|---|---|---|---|---|---|---|---|---|")
 for shape in SHAPES:
-    for i, layout in enumerate(["nchw", "nhwc"]):
+    for layout in ["nchw", "nhwc"]:
         g = f"{shape}_{layout}"
         fwd = median_ms(g, "syncbn_forward")
         bwd = median_ms(g, "syncbn_backward_ops")
         auto = median_ms(g, "syncbn_forward_backward_autograd")
         cfwd = median_ms(g, "candle_nn_forward")
         cauto = median_ms(g, "candle_nn_forward_backward_autograd")
-        tf, tfb = TORCH[shape][i], TORCH[shape][2 + i]
-        both = fwd + bwd if fwd and bwd else None
-        ratio = f"{fwd / tf:.2f}× / {both / tfb:.2f}×" if both else "–"
-        speed = f"{cauto / auto:.1f}×" if cauto and auto else "–"
+        tf, tfb = torch[g]["forward"], torch[g]["forward_backward"]
+        both = fwd + bwd if fwd is not None and bwd is not None else None
         print(
-            f"| {shape} | {layout.upper()} | {fmt(fwd)} ({gbs(fwd, shape, 3):.0f}) | {fmt(bwd)} ({gbs(bwd, shape, 5):.0f}) "
-            f"| {fmt(both)} | {ratio} | {fmt(auto)} | {fmt(cfwd)} / {fmt(cauto)} | {speed} |"
+            f"| {shape} | {layout.upper()} | {fmt(fwd)} ({gbs(fwd, shape, 3):.0f}) "
+            f"| {fmt(bwd)} ({gbs(bwd, shape, 5):.0f}) | {fmt(both)} | {fmt(auto)} "
+            f"| {tf:.2f} / {tfb:.2f} | {ratio(fwd, tf)} / {ratio(both, tfb)} / {ratio(auto, tfb)} "
+            f"| {fmt(cfwd)} / {fmt(cauto)} | {ratio(cfwd, fwd)} / {ratio(cauto, auto)} |"
         )
