@@ -11,6 +11,8 @@
 //! - [`collective`]: the [`collective::Collective`] trait and its backends
 //!   ([`collective::ThreadGroup`]: ranks as threads of one process).
 //! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
+//! - [`launch`]: the launch configurations of the CUDA kernels in `kernels/` (shared by the
+//!   CUDA path and the kernels' emulation tests).
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -37,6 +39,7 @@
 
 pub mod batch_norm;
 pub mod collective;
+pub mod launch;
 pub mod ops;
 
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};

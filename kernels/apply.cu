@@ -1,0 +1,68 @@
+// Normalisation: y = act((x − mean)·γ·invstd + β [+ z]), act = ReLU when `relu`, with the mean
+// split as hi + lo so that f32 arithmetic stays accurate when |mean| ≫ std. Per-channel
+// coefficients are computed once per thread from f64 statistics and A-typed parameters
+// (A = f32, or f64 for f64 inputs; `params` [2, C] = [γ; β], or null for γ = 1, β = 0).
+#include "reduce.cuh"
+
+template <typename A> struct Coef {
+    SplitMean<A> mean;
+    A scale, shift;
+    __device__ Coef(const double* m, const double* invstd, const A* params, long long C,
+                    long long c)
+        : mean(m[c]) {
+        const double g = params ? (double)params[c] : 1.0;
+        scale = (A)(g * invstd[c]);
+        shift = params ? params[C + c] : (A)0;
+    }
+    template <typename T>
+    __device__ __forceinline__ T apply(T x, const T* z, long long i, int relu) const {
+        A y = mean.centre(to_acc(x)) * scale + shift;
+        if (z) y += to_acc(z[i]);
+        if (relu && !(y > (A)0)) y = (A)0;
+        return store_as<T>(y);
+    }
+};
+
+// x, z?, y: [N, C, HW]. Grid (N·C planes, chunks of HW), block BN_THREADS.
+template <typename T>
+__device__ void apply_nchw(const T* x, const T* z, const double* mean, const double* invstd,
+                           const typename AccOf<T>::type* params, T* y, long long C, long long HW,
+                           int relu) {
+    const long long plane = blockIdx.x, c = plane % C;
+    const Coef<typename AccOf<T>::type> k(mean, invstd, params, C, c);
+    const long long base = plane * HW;
+    for (long long p = blockIdx.y * (long long)blockDim.x + threadIdx.x; p < HW;
+         p += (long long)blockDim.x * gridDim.y)
+        y[base + p] = k.apply(x[base + p], z, base + p, relu);
+}
+
+// x, z?, y: [rows, C]. Grid (ceil(C/32), row blocks), block (32, BN_ROWS).
+template <typename T>
+__device__ void apply_nhwc(const T* x, const T* z, const double* mean, const double* invstd,
+                           const typename AccOf<T>::type* params, T* y, long long rows,
+                           long long C, int relu) {
+    const long long c = blockIdx.x * 32LL + threadIdx.x;
+    if (c >= C) return;
+    const Coef<typename AccOf<T>::type> k(mean, invstd, params, C, c);
+    for (long long r = blockIdx.y * (long long)BN_ROWS + threadIdx.y; r < rows;
+         r += (long long)BN_ROWS * gridDim.y)
+        y[r * C + c] = k.apply(x[r * C + c], z, r * C + c, relu);
+}
+
+#define APPLY_ENTRIES(suffix, T)                                                                \
+    extern "C" __global__ void bn_apply_nchw_##suffix(                                          \
+        const T* x, const T* z, const double* mean, const double* invstd,                       \
+        const typename AccOf<T>::type* params, T* y, long long n, long long c, long long hw,    \
+        int relu) {                                                                             \
+        (void)n;                                                                                \
+        apply_nchw<T>(x, z, mean, invstd, params, y, c, hw, relu);                              \
+    }                                                                                           \
+    EMU_REGISTER(bn_apply_nchw_##suffix)                                                        \
+    extern "C" __global__ void bn_apply_nhwc_##suffix(                                          \
+        const T* x, const T* z, const double* mean, const double* invstd,                       \
+        const typename AccOf<T>::type* params, T* y, long long n, long long c, long long hw,    \
+        int relu) {                                                                             \
+        apply_nhwc<T>(x, z, mean, invstd, params, y, n * hw, c, relu);                          \
+    }                                                                                           \
+    EMU_REGISTER(bn_apply_nhwc_##suffix)
+STAMP(APPLY_ENTRIES)

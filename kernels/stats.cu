@@ -1,0 +1,103 @@
+// Batch statistics: local shifted sums [n_r, Σ(x − K), Σ(x − K)²] per channel (f64, the payload
+// of the forward all-reduce), and the finalize step that turns the reduced sums into mean and
+// invstd and updates the running statistics in place, all on the device.
+#include "reduce.cuh"
+
+// One thread's sums relative to its first value s (close to its data, so the f32 partial sums
+// stay accurate even when the shift K is far), moved to the shift K in f64 at the end.
+template <typename T> struct StatsCtx {
+    const T* x;          // [N, C, HW] or [N·HW, C]
+    const double* shift; // [C]: K, identical on every rank
+};
+
+template <typename T> struct StatsAcc {
+    using A = typename AccOf<T>::type;
+    A s = 0, a = 0, b = 0;
+    long long m = 0;
+    __device__ StatsAcc(const StatsCtx<T>&, long long) {}
+    __device__ __forceinline__ void add(const StatsCtx<T>& ctx, long long i) {
+        const A v = to_acc(ctx.x[i]);
+        if (m == 0) s = v;
+        const A d = v - s;
+        a += d;
+        b += d * d;
+        m++;
+    }
+    __device__ __forceinline__ void result(const StatsCtx<T>& ctx, long long c, double& A_,
+                                           double& B_) const {
+        const double d = (double)s - ctx.shift[c], mm = (double)m, aa = (double)a;
+        A_ = m ? aa + mm * d : 0.0;
+        B_ = m ? (double)b + 2.0 * d * aa + mm * d * d : 0.0;
+    }
+};
+
+// out: [3, C] f64 = [n_r, Σ(x − K), Σ(x − K)²]; work: [splits, 2, C] f64; counter: [C] u32
+// zeroed once. Grid (C, splits), block BN_THREADS.
+template <typename T>
+__device__ void stats_nchw(const T* x, const double* shift, double* out, double* work,
+                           unsigned* counter, long long N, long long C, long long HW) {
+    StatsCtx<T> ctx{x, shift};
+    reduce_nchw<StatsAcc<T>>(ctx, N, C, HW, out, (double)(N * HW), work, counter);
+}
+
+// Same for channels-last rows: grid (ceil(C/32), splits), block (32, BN_ROWS); counter
+// [ceil(C/32)] u32.
+template <typename T>
+__device__ void stats_nhwc(const T* x, const double* shift, double* out, double* work,
+                           unsigned* counter, long long N, long long C, long long HW) {
+    StatsCtx<T> ctx{x, shift};
+    reduce_nhwc<StatsAcc<T>>(ctx, N * HW, C, out, (double)(N * HW), work, counter);
+}
+
+#define STATS_ENTRIES(suffix, T)                                                               \
+    extern "C" __global__ void bn_stats_nchw_##suffix(const T* x, const double* shift,         \
+                                                      double* out, double* work,               \
+                                                      unsigned* counter, long long n,          \
+                                                      long long c, long long hw) {             \
+        stats_nchw<T>(x, shift, out, work, counter, n, c, hw);                                 \
+    }                                                                                          \
+    EMU_REGISTER(bn_stats_nchw_##suffix)                                                       \
+    extern "C" __global__ void bn_stats_nhwc_##suffix(const T* x, const double* shift,         \
+                                                      double* out, double* work,               \
+                                                      unsigned* counter, long long n,          \
+                                                      long long c, long long hw) {             \
+        stats_nhwc<T>(x, shift, out, work, counter, n, c, hw);                                 \
+    }                                                                                          \
+    EMU_REGISTER(bn_stats_nhwc_##suffix)
+STAMP(STATS_ENTRIES)
+
+// Reduced sums [3, C] → mean [C], invstd [C] (f64); the shift becomes the new mean (the next
+// step's K) when the batch is not empty; with `momentum > 0` and running statistics (P, [C]):
+// running_mean ← (1−m)·running_mean + m·mean, running_var ← (1−m)·running_var + m·M2/(n−1).
+// The caller passes m (momentum, or 1/num_batches_tracked): no value is read back to the host.
+// Grid ceil(C/BN_THREADS), block BN_THREADS.
+template <typename P>
+__device__ void finalize(const double* sums, double* shift, double* mean, double* invstd,
+                         P* running_mean, P* running_var, double momentum, double eps,
+                         long long C) {
+    const long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const double n = sums[c], a = sums[C + c], b = sums[2 * C + c], k = shift[c];
+    const double d = n > 0 ? a / n : 0.0;
+    double m2 = b - a * d;
+    m2 = m2 > 0 ? m2 : 0.0;
+    const double mu = k + d;
+    mean[c] = mu;
+    invstd[c] = n > 0 ? rsqrt(m2 / n + eps) : 1.0;
+    if (n > 0) shift[c] = mu;
+    if (running_mean != nullptr && momentum > 0 && n > 1) {
+        const double rm = (double)to_acc(running_mean[c]), rv = (double)to_acc(running_var[c]);
+        running_mean[c] = store_as<P>((typename AccOf<P>::type)((1 - momentum) * rm + momentum * mu));
+        running_var[c] = store_as<P>(
+            (typename AccOf<P>::type)((1 - momentum) * rv + momentum * m2 / (n - 1)));
+    }
+}
+
+#define FINALIZE_ENTRY(suffix, P)                                                             \
+    extern "C" __global__ void bn_finalize_##suffix(                                          \
+        const double* sums, double* shift, double* mean, double* invstd, P* running_mean,     \
+        P* running_var, double momentum, double eps, long long c) {                           \
+        finalize<P>(sums, shift, mean, invstd, running_mean, running_var, momentum, eps, c); \
+    }                                                                                         \
+    EMU_REGISTER(bn_finalize_##suffix)
+STAMP(FINALIZE_ENTRY)

@@ -1,0 +1,533 @@
+//! The CUDA kernels of `kernels/*.cu`, compiled unchanged by g++ against the emulator in
+//! `tests/emu/`, launched by name with the launch configurations of
+//! `candle_distributed::launch` and compared with the CPU ops on the same inputs, under the
+//! three thread orders of the emulator (forward, reverse, random). Needs g++ only; no CUDA.
+
+use std::collections::BTreeSet;
+use std::ffi::{c_char, c_void, CString};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device, Tensor};
+use candle_distributed::launch::{self, Launch};
+use candle_distributed::ops;
+use rand::{Rng, SeedableRng};
+
+/// Orders in which the emulator resumes a block's threads between barriers.
+const SCHEDULES: [&str; 3] = ["forward", "reverse", "random:7"];
+/// Storage types of the entry points, with their suffix.
+const DTYPES: [(DType, &str); 4] = [
+    (DType::F32, "f32"),
+    (DType::F64, "f64"),
+    (DType::F16, "f16"),
+    (DType::BF16, "bf16"),
+];
+/// Kernel roots; every `<root>_<suffix>` must be launched by a test below.
+const ROOTS: [&str; 9] = [
+    "bn_stats_nchw",
+    "bn_stats_nhwc",
+    "bn_finalize",
+    "bn_apply_nchw",
+    "bn_apply_nhwc",
+    "bn_backward_reduce_nchw",
+    "bn_backward_reduce_nhwc",
+    "bn_backward_elemt_nchw",
+    "bn_backward_elemt_nhwc",
+];
+/// Reductions: f32 per-thread partial sums against the CPU's f64 ones, relative to the scale of
+/// the sums (f64 kernels accumulate in f64).
+fn tol_reduce(dtype: DType) -> f64 {
+    if dtype == DType::F64 {
+        1e-12
+    } else {
+        1e-5
+    }
+}
+/// Element-wise outputs: one rounding to the storage type apart (f32 arithmetic both sides
+/// for f32/f16/bf16, f64 for f64), relative to max(1, |value|).
+fn tol_elem(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1.6e-2,
+    }
+}
+
+// ------------------------------------------------------------------------------ the emulator
+
+struct Emu {
+    lib: libloading::Library,
+}
+
+type LaunchFn = unsafe extern "C" fn(
+    *const c_char,
+    *const u32,
+    *const u32,
+    usize,
+    *mut *mut c_void,
+    *const c_char,
+    *mut c_char,
+    usize,
+) -> i32;
+type NamesFn = unsafe extern "C" fn(*mut c_char, usize) -> usize;
+
+fn emu() -> &'static Emu {
+    static EMU: OnceLock<Emu> = OnceLock::new();
+    EMU.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("libcuda_emu.so");
+        let mut sources: Vec<PathBuf> = std::fs::read_dir(root.join("kernels"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+            .collect();
+        sources.sort();
+        let status = Command::new(std::env::var("CXX").unwrap_or_else(|_| "g++".into()))
+            .args(["-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror"])
+            .arg("-I")
+            .arg(root.join("tests/emu"))
+            .arg("-I")
+            .arg(root.join("kernels"))
+            .arg("-o")
+            .arg(&out)
+            .arg(root.join("tests/emu/emu.cpp"))
+            .args(["-x", "c++"])
+            .args(&sources)
+            .status()
+            .expect("g++ is needed for the kernel emulation tests");
+        assert!(status.success(), "compiling the kernels for the emulator failed");
+        // SAFETY: the library is ours, built just above; its initialisers only register kernels.
+        let lib = unsafe { libloading::Library::new(&out) }.unwrap();
+        Emu { lib }
+    })
+}
+
+/// One kernel argument, held where the emulator can read it (as cuLaunchKernel takes them).
+enum Arg {
+    Ptr(*mut c_void),
+    I64(i64),
+    I32(i32),
+    F64(f64),
+}
+
+impl Arg {
+    fn addr(&mut self) -> *mut c_void {
+        match self {
+            Arg::Ptr(p) => p as *mut *mut c_void as *mut c_void,
+            Arg::I64(v) => v as *mut i64 as *mut c_void,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::F64(v) => v as *mut f64 as *mut c_void,
+        }
+    }
+}
+
+fn run(name: &str, cfg: &Launch, mut args: Vec<Arg>, schedule: &str) {
+    let e = emu();
+    let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(Arg::addr).collect();
+    let (cname, csched) = (CString::new(name).unwrap(), CString::new(schedule).unwrap());
+    let mut err = vec![0 as c_char; 1024];
+    // SAFETY: `emu_launch` has the signature of `LaunchFn` (tests/emu/emu.cpp); the argument
+    // pointers point at live values of the kernel's parameter types, and every buffer pointer
+    // covers the extent the kernel's documented shapes give it.
+    let rc = unsafe {
+        let f: libloading::Symbol<LaunchFn> = e.lib.get(b"emu_launch").unwrap();
+        f(
+            cname.as_ptr(),
+            cfg.grid.as_ptr(),
+            cfg.block.as_ptr(),
+            cfg.shared_mem_bytes as usize,
+            ptrs.as_mut_ptr(),
+            csched.as_ptr(),
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    if rc != 0 {
+        // SAFETY: the emulator wrote a NUL-terminated message into `err`.
+        let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
+        panic!("{name} under {schedule}: {}", msg.to_string_lossy());
+    }
+}
+
+fn registered() -> BTreeSet<String> {
+    let e = emu();
+    // SAFETY: `emu_kernel_names` has the signature of `NamesFn` and writes at most `len` bytes.
+    unsafe {
+        let f: libloading::Symbol<NamesFn> = e.lib.get(b"emu_kernel_names").unwrap();
+        let len = f(std::ptr::null_mut(), 0);
+        let mut buf = vec![0 as c_char; len + 1];
+        f(buf.as_mut_ptr(), buf.len());
+        std::ffi::CStr::from_ptr(buf.as_ptr())
+            .to_string_lossy()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+// ------------------------------------------------------------------------------ device buffers
+
+/// A host buffer standing in for device memory: the raw bytes of a tensor.
+struct Buf {
+    bytes: Vec<u8>,
+    dtype: DType,
+    dims: Vec<usize>,
+}
+
+impl Buf {
+    fn of(t: &Tensor) -> Self {
+        let t = t.flatten_all().unwrap();
+        let bytes: Vec<u8> = match t.dtype() {
+            DType::F32 => t.to_vec1::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::F64 => t.to_vec1::<f64>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::F16 => t.to_vec1::<half::f16>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::BF16 => t.to_vec1::<half::bf16>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::U32 => t.to_vec1::<u32>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            d => panic!("unsupported {d:?}"),
+        };
+        Self { bytes, dtype: t.dtype(), dims: t.dims().to_vec() }
+    }
+
+    /// A buffer of `len` values of `dtype` filled with NaN bytes (poison: must be overwritten).
+    fn poisoned(dtype: DType, dims: &[usize]) -> Self {
+        let len: usize = dims.iter().product();
+        Self { bytes: vec![0xFF; len * dtype.size_in_bytes()], dtype, dims: dims.to_vec() }
+    }
+
+    fn zeros_u32(len: usize) -> Self {
+        Self { bytes: vec![0; 4 * len.max(1)], dtype: DType::U32, dims: vec![len.max(1)] }
+    }
+
+    fn ptr(&mut self) -> Arg {
+        Arg::Ptr(self.bytes.as_mut_ptr() as *mut c_void)
+    }
+
+    fn tensor(&self) -> Tensor {
+        Tensor::from_raw_buffer(&self.bytes, self.dtype, &self.dims, &Device::Cpu).unwrap()
+    }
+}
+
+fn null() -> Arg {
+    Arg::Ptr(std::ptr::null_mut())
+}
+
+// ------------------------------------------------------------------------------ inputs
+
+/// One test shape: `(n, c, hw)` in a layout.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    n: usize,
+    c: usize,
+    hw: usize,
+    cl: bool,
+}
+
+impl Case {
+    fn dims(&self) -> Vec<usize> {
+        if self.cl {
+            vec![self.n, self.hw, self.c]
+        } else {
+            vec![self.n, self.c, self.hw]
+        }
+    }
+
+    fn sizes(&self) -> [Arg; 3] {
+        [Arg::I64(self.n as i64), Arg::I64(self.c as i64), Arg::I64(self.hw as i64)]
+    }
+
+    /// Seeded values of mean `mean` and spread about 1, rounded to `dtype`.
+    fn data(&self, seed: u64, mean: f64, dtype: DType) -> Tensor {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let len: usize = self.dims().iter().product();
+        let v: Vec<f64> = (0..len).map(|_| mean + 2.0 * rng.gen::<f64>() - 1.0).collect();
+        Tensor::from_vec(v, self.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+}
+
+/// Shapes: C = 1, 3, 32, 65, 2048; one element per channel; an empty batch; sizes that take the
+/// grid-split path; odd HW; both layouts.
+fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for cl in [false, true] {
+        for (n, c, hw) in [
+            (3, 1, 7),
+            (2, 3, 5),
+            (4, 32, 9),
+            (2, 65, 3),
+            (1, 2048, 1),
+            (1, 5, 1),
+            (0, 3, 4),
+        ] {
+            v.push(Case { n, c, hw, cl });
+        }
+    }
+    // Grid split: few channels, many elements per channel.
+    v.push(Case { n: 4, c: 1, hw: 4099, cl: false });
+    v.push(Case { n: 2, c: 3, hw: 2049, cl: false });
+    v.push(Case { n: 3, c: 5, hw: 700, cl: true });
+    v
+}
+
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    let (g, w) = (
+        got.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+        want.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+    );
+    assert_eq!(g.len(), w.len(), "{what}: lengths");
+    let scale = w.iter().fold(1f64, |m, v| m.max(v.abs()));
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * scale.max(1.0) && a.is_finite(),
+            "{what}: element {i}: kernel {a} vs CPU {b} (tolerance {tol:e} × {scale:e})"
+        );
+    }
+}
+
+/// Per-channel f64 vectors used as statistics.
+fn per_channel(c: usize, seed: u64, lo: f64, hi: f64) -> Tensor {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let v: Vec<f64> = (0..c).map(|_| rng.gen_range(lo..hi)).collect();
+    Tensor::from_vec(v, c, &Device::Cpu).unwrap()
+}
+
+fn layout(cl: bool) -> &'static str {
+    if cl { "nhwc" } else { "nchw" }
+}
+
+/// The dtype of the per-channel parameters the kernels take (f64 for f64 inputs, else f32).
+fn acc(dtype: DType) -> DType {
+    if dtype == DType::F64 { DType::F64 } else { DType::F32 }
+}
+
+// ------------------------------------------------------------------------------ the tests
+
+/// Runs a reduction kernel twice on the same counters (they must be left at zero) and returns
+/// its output.
+fn reduce(name: &str, case: &Case, inputs: Vec<Arg>, rows: usize, sched: &str) -> Tensor {
+    let r = launch::reduction(case.n, case.c, case.hw, case.cl).unwrap();
+    let mut counters = Buf::zeros_u32(r.counters);
+    let mut work = Buf::poisoned(DType::F64, &[r.work_len.max(1)]);
+    let mut first = None;
+    for _ in 0..2 {
+        let mut out = Buf::poisoned(DType::F64, &[rows, case.c]);
+        let mut args = inputs.iter().map(|a| match a {
+            Arg::Ptr(p) => Arg::Ptr(*p),
+            Arg::I64(v) => Arg::I64(*v),
+            Arg::I32(v) => Arg::I32(*v),
+            Arg::F64(v) => Arg::F64(*v),
+        }).collect::<Vec<_>>();
+        args.extend([out.ptr(), work.ptr(), counters.ptr()]);
+        args.extend(case.sizes());
+        run(name, &r.launch, args, sched);
+        let t = out.tensor();
+        if let Some(f) = &first {
+            let same = (f - &t).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+            assert_eq!(same.to_scalar::<f64>().unwrap(), 0.0, "{name}: a second launch differs");
+        }
+        first = Some(t);
+    }
+    assert!(counters.bytes.iter().all(|&b| b == 0), "{name}: counters not reset");
+    first.unwrap()
+}
+
+#[test]
+fn statistics_match_the_cpu_op() {
+    for (dtype, suffix) in DTYPES {
+        for case in cases() {
+            for sched in SCHEDULES {
+                let x = case.data(1, 3.0, dtype);
+                let shift = per_channel(case.c, 2, 2.5, 3.5);
+                let want = ops::batch_norm_stats(&x, &shift, case.cl).unwrap();
+                let (mut xb, mut kb) = (Buf::of(&x), Buf::of(&shift));
+                let name = format!("bn_stats_{}_{suffix}", layout(case.cl));
+                let got = reduce(&name, &case, vec![xb.ptr(), kb.ptr()], 3, sched);
+                assert_close(&format!("{name} {case:?} {sched}"), &got, &want, tol_reduce(dtype));
+            }
+        }
+    }
+}
+
+#[test]
+fn finalize_matches_gather_stats_and_updates_running_stats() {
+    let (eps, momentum) = (1e-5, 0.1);
+    for (dtype, suffix) in DTYPES {
+        for c in [1usize, 3, 65, 300] {
+            let case = Case { n: 3, c, hw: 5, cl: false };
+            let x = case.data(3, 7.0, DType::F64);
+            let shift = per_channel(c, 4, 6.5, 7.5);
+            let sums = ops::batch_norm_stats(&x, &shift, false).unwrap();
+            let st = ops::batch_norm_gather_stats(&sums, &shift, eps).unwrap();
+            let rm = per_channel(c, 5, -1.0, 1.0).to_dtype(dtype).unwrap();
+            let rv = per_channel(c, 6, 0.5, 2.0).to_dtype(dtype).unwrap();
+            let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
+            let (mut rmb, mut rvb) = (Buf::of(&rm), Buf::of(&rv));
+            let mut mean = Buf::poisoned(DType::F64, &[c]);
+            let mut invstd = Buf::poisoned(DType::F64, &[c]);
+            let args = vec![
+                sb.ptr(), kb.ptr(), mean.ptr(), invstd.ptr(), rmb.ptr(), rvb.ptr(),
+                Arg::F64(momentum), Arg::F64(eps), Arg::I64(c as i64),
+            ];
+            let name = format!("bn_finalize_{suffix}");
+            run(&name, &launch::finalize(c).unwrap(), args, "random:3");
+            assert_close(&format!("{name} mean"), &mean.tensor(), &st.mean, 1e-12);
+            assert_close(&format!("{name} invstd"), &invstd.tensor(), &st.invstd, 1e-12);
+            assert_close(&format!("{name} new shift"), &kb.tensor(), &st.mean, 1e-12);
+            let blend = |old: &Tensor, new: &Tensor| {
+                ((old.to_dtype(DType::F64).unwrap() * (1.0 - momentum)).unwrap()
+                    + (new * momentum).unwrap())
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+            };
+            let tol = tol_elem(dtype);
+            assert_close(&format!("{name} running_mean"), &rmb.tensor(), &blend(&rm, &st.mean), tol);
+            assert_close(&format!("{name} running_var"), &rvb.tensor(), &blend(&rv, &st.var_unbiased), tol);
+        }
+    }
+}
+
+#[test]
+fn apply_matches_the_cpu_op() {
+    for (dtype, suffix) in DTYPES {
+        for case in cases() {
+            for (k, sched) in SCHEDULES.iter().enumerate() {
+                // Alternate the optional parts across schedules: residual, ReLU, parameters.
+                let (residual, relu, affine) = (k != 1, k != 0, k != 2);
+                let x = case.data(7, 2.0, dtype);
+                let z = case.data(8, 0.0, dtype);
+                let mean = per_channel(case.c, 9, 1.5, 2.5);
+                let invstd = per_channel(case.c, 10, 0.5, 2.0);
+                let w = per_channel(case.c, 11, 0.5, 1.5).to_dtype(acc(dtype)).unwrap();
+                let b = per_channel(case.c, 12, -0.5, 0.5).to_dtype(acc(dtype)).unwrap();
+                let want = ops::batch_norm_elemt(
+                    &x, &mean, &invstd, affine.then_some(&w), affine.then_some(&b),
+                    residual.then_some(&z), relu, case.cl,
+                )
+                .unwrap();
+                let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
+                    assert_eq!(want.elem_count(), 0);
+                    continue;
+                };
+                let params = Tensor::stack(&[&w, &b], 0).unwrap();
+                let (mut xb, mut zb, mut mb, mut ib, mut pb) =
+                    (Buf::of(&x), Buf::of(&z), Buf::of(&mean), Buf::of(&invstd), Buf::of(&params));
+                let mut y = Buf::poisoned(dtype, &case.dims());
+                let mut args = vec![
+                    xb.ptr(),
+                    if residual { zb.ptr() } else { null() },
+                    mb.ptr(),
+                    ib.ptr(),
+                    if affine { pb.ptr() } else { null() },
+                    y.ptr(),
+                ];
+                args.extend(case.sizes());
+                args.push(Arg::I32(relu as i32));
+                let name = format!("bn_apply_{}_{suffix}", layout(case.cl));
+                run(&name, &cfg, args, sched);
+                assert_close(&format!("{name} {case:?} {sched}"), &y.tensor(), &want, tol_elem(dtype));
+            }
+        }
+    }
+}
+
+#[test]
+fn backward_reduce_matches_the_cpu_op() {
+    for (dtype, suffix) in DTYPES {
+        for case in cases() {
+            for (k, sched) in SCHEDULES.iter().enumerate() {
+                let relu = k != 1;
+                let dy = case.data(13, 0.0, dtype);
+                let x = case.data(14, 1.0, dtype);
+                // A fused-ReLU output whose sign varies: y = x − 1 (mean 0).
+                let y = case.data(14, 0.0, dtype);
+                let mean = per_channel(case.c, 15, 0.5, 1.5);
+                let want = ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl)
+                    .unwrap();
+                let (mut db, mut xb, mut yb, mut mb) =
+                    (Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean));
+                let inputs = vec![db.ptr(), xb.ptr(), if relu { yb.ptr() } else { null() }, mb.ptr()];
+                let name = format!("bn_backward_reduce_{}_{suffix}", layout(case.cl));
+                let got = reduce(&name, &case, inputs, 2, sched);
+                assert_close(&format!("{name} {case:?} {sched}"), &got, &want, tol_reduce(dtype));
+            }
+        }
+    }
+}
+
+#[test]
+fn backward_elemt_matches_the_cpu_op() {
+    for (dtype, suffix) in DTYPES {
+        for case in cases() {
+            for (k, sched) in SCHEDULES.iter().enumerate() {
+                let (relu, want_dz, affine) = (k != 1, k != 2, k != 0);
+                let dy = case.data(16, 0.0, dtype);
+                let x = case.data(17, 1.0, dtype);
+                let y = case.data(17, 0.0, dtype);
+                let mean = per_channel(case.c, 18, 0.5, 1.5);
+                let invstd = per_channel(case.c, 19, 0.5, 2.0);
+                let w = per_channel(case.c, 20, 0.5, 1.5).to_dtype(acc(dtype)).unwrap();
+                let sums = Tensor::stack(
+                    &[per_channel(case.c, 21, -5.0, 5.0), per_channel(case.c, 22, -5.0, 5.0)],
+                    0,
+                )
+                .unwrap();
+                let count = 37.0;
+                let (dx_want, dz_want) = ops::batch_norm_backward_elemt(
+                    &dy, &x, &mean, &invstd, affine.then_some(&w), &sums, count,
+                    relu.then_some(&y), want_dz, case.cl,
+                )
+                .unwrap();
+                let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
+                    assert_eq!(dx_want.elem_count(), 0);
+                    continue;
+                };
+                let counts = Tensor::full(count, case.c, &Device::Cpu).unwrap();
+                let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
+                    Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean), Buf::of(&invstd),
+                    Buf::of(&w), Buf::of(&sums), Buf::of(&counts),
+                );
+                let mut dx = Buf::poisoned(dtype, &case.dims());
+                let mut dz = Buf::poisoned(dtype, &case.dims());
+                let mut args = vec![
+                    db.ptr(), xb.ptr(), if relu { yb.ptr() } else { null() }, mb.ptr(), ib.ptr(),
+                    if affine { wb.ptr() } else { null() }, sb.ptr(), cb.ptr(), dx.ptr(),
+                    if want_dz { dz.ptr() } else { null() },
+                ];
+                args.extend(case.sizes());
+                let name = format!("bn_backward_elemt_{}_{suffix}", layout(case.cl));
+                run(&name, &cfg, args, sched);
+                let what = format!("{name} {case:?} {sched}");
+                assert_close(&format!("{what} dx"), &dx.tensor(), &dx_want, tol_elem(dtype));
+                match dz_want {
+                    Some(dz_want) => assert_close(&format!("{what} dz"), &dz.tensor(), &dz_want, tol_elem(dtype)),
+                    // Without a ReLU the CPU op leaves dz = dy to the caller.
+                    None if want_dz => assert_close(&format!("{what} dz"), &dz.tensor(), &dy, 0.0),
+                    None => {}
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_entry_point_is_launched_by_a_test() {
+    let tested: BTreeSet<String> = ROOTS
+        .iter()
+        .flat_map(|r| DTYPES.iter().map(move |(_, s)| format!("{r}_{s}")))
+        .collect();
+    let kernels: BTreeSet<String> =
+        registered().into_iter().filter(|n| !n.starts_with("emu_selftest_")).collect();
+    assert_eq!(kernels, tested, "entry points in kernels/ vs those the tests launch");
+    // Every `extern "C"` stamp macro in the sources is one of the roots above.
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    for entry in std::fs::read_dir(root).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for line in text.lines().filter(|l| l.contains("__global__ void")) {
+            let name = line.split("void").nth(1).unwrap().trim().split("##").next().unwrap();
+            let name = name.trim_end_matches('_');
+            assert!(ROOTS.contains(&name), "kernel root {name} is not tested");
+        }
+    }
+}
