@@ -78,7 +78,11 @@ pub fn reduction(n: usize, c: usize, hw: usize, channels_last: bool) -> Option<R
             block,
             shared_mem_bytes: 0,
         },
-        work_len: if splits > 1 { 2 * c * splits as usize } else { 0 },
+        work_len: if splits > 1 {
+            2 * c * splits as usize
+        } else {
+            0
+        },
         counters: gx as usize,
     })
 }
@@ -141,7 +145,10 @@ mod tests {
         let r = reduction(2, 2048, 4, false).unwrap();
         assert_eq!(r.launch.grid[1], 1, "enough channels: no split");
         assert_eq!(r.work_len, 0);
-        assert!(reduction(0, 4, 4, true).is_some(), "an empty batch still writes zeros");
+        assert!(
+            reduction(0, 4, 4, true).is_some(),
+            "an empty batch still writes zeros"
+        );
         assert!(elementwise(0, 4, 4, true).is_none());
     }
 }

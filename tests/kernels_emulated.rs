@@ -97,7 +97,10 @@ fn emu() -> &'static Emu {
             .args(&sources)
             .status()
             .expect("g++ is needed for the kernel emulation tests");
-        assert!(status.success(), "compiling the kernels for the emulator failed");
+        assert!(
+            status.success(),
+            "compiling the kernels for the emulator failed"
+        );
         // SAFETY: the library is ours, built just above; its initialisers only register kernels.
         let lib = unsafe { libloading::Library::new(&out) }.unwrap();
         Emu { lib }
@@ -180,24 +183,61 @@ impl Buf {
     fn of(t: &Tensor) -> Self {
         let t = t.flatten_all().unwrap();
         let bytes: Vec<u8> = match t.dtype() {
-            DType::F32 => t.to_vec1::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::F64 => t.to_vec1::<f64>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::F16 => t.to_vec1::<half::f16>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::BF16 => t.to_vec1::<half::bf16>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
-            DType::U32 => t.to_vec1::<u32>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::F32 => t
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+            DType::F64 => t
+                .to_vec1::<f64>()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+            DType::F16 => t
+                .to_vec1::<half::f16>()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+            DType::BF16 => t
+                .to_vec1::<half::bf16>()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+            DType::U32 => t
+                .to_vec1::<u32>()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
             d => panic!("unsupported {d:?}"),
         };
-        Self { bytes, dtype: t.dtype(), dims: t.dims().to_vec() }
+        Self {
+            bytes,
+            dtype: t.dtype(),
+            dims: t.dims().to_vec(),
+        }
     }
 
     /// A buffer of `len` values of `dtype` filled with NaN bytes (poison: must be overwritten).
     fn poisoned(dtype: DType, dims: &[usize]) -> Self {
         let len: usize = dims.iter().product();
-        Self { bytes: vec![0xFF; len * dtype.size_in_bytes()], dtype, dims: dims.to_vec() }
+        Self {
+            bytes: vec![0xFF; len * dtype.size_in_bytes()],
+            dtype,
+            dims: dims.to_vec(),
+        }
     }
 
     fn zeros_u32(len: usize) -> Self {
-        Self { bytes: vec![0; 4 * len.max(1)], dtype: DType::U32, dims: vec![len.max(1)] }
+        Self {
+            bytes: vec![0; 4 * len.max(1)],
+            dtype: DType::U32,
+            dims: vec![len.max(1)],
+        }
     }
 
     fn ptr(&mut self) -> Arg {
@@ -234,15 +274,24 @@ impl Case {
     }
 
     fn sizes(&self) -> [Arg; 3] {
-        [Arg::I64(self.n as i64), Arg::I64(self.c as i64), Arg::I64(self.hw as i64)]
+        [
+            Arg::I64(self.n as i64),
+            Arg::I64(self.c as i64),
+            Arg::I64(self.hw as i64),
+        ]
     }
 
     /// Seeded values of mean `mean` and spread about 1, rounded to `dtype`.
     fn data(&self, seed: u64, mean: f64, dtype: DType) -> Tensor {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let len: usize = self.dims().iter().product();
-        let v: Vec<f64> = (0..len).map(|_| mean + 2.0 * rng.gen::<f64>() - 1.0).collect();
-        Tensor::from_vec(v, self.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+        let v: Vec<f64> = (0..len)
+            .map(|_| mean + 2.0 * rng.gen::<f64>() - 1.0)
+            .collect();
+        Tensor::from_vec(v, self.dims(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
     }
 }
 
@@ -264,16 +313,41 @@ fn cases() -> Vec<Case> {
         }
     }
     // Grid split: few channels, many elements per channel.
-    v.push(Case { n: 4, c: 1, hw: 4099, cl: false });
-    v.push(Case { n: 2, c: 3, hw: 2049, cl: false });
-    v.push(Case { n: 3, c: 5, hw: 700, cl: true });
+    v.push(Case {
+        n: 4,
+        c: 1,
+        hw: 4099,
+        cl: false,
+    });
+    v.push(Case {
+        n: 2,
+        c: 3,
+        hw: 2049,
+        cl: false,
+    });
+    v.push(Case {
+        n: 3,
+        c: 5,
+        hw: 700,
+        cl: true,
+    });
     v
 }
 
 fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     let (g, w) = (
-        got.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
-        want.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+        got.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap(),
+        want.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap(),
     );
     assert_eq!(g.len(), w.len(), "{what}: lengths");
     let scale = w.iter().fold(1f64, |m, v| m.max(v.abs()));
@@ -293,12 +367,20 @@ fn per_channel(c: usize, seed: u64, lo: f64, hi: f64) -> Tensor {
 }
 
 fn layout(cl: bool) -> &'static str {
-    if cl { "nhwc" } else { "nchw" }
+    if cl {
+        "nhwc"
+    } else {
+        "nchw"
+    }
 }
 
 /// The dtype of the per-channel parameters the kernels take (f64 for f64 inputs, else f32).
 fn acc(dtype: DType) -> DType {
-    if dtype == DType::F64 { DType::F64 } else { DType::F32 }
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
 }
 
 // ------------------------------------------------------------------------------ the tests
@@ -312,23 +394,40 @@ fn reduce(name: &str, case: &Case, inputs: Vec<Arg>, rows: usize, sched: &str) -
     let mut first = None;
     for _ in 0..2 {
         let mut out = Buf::poisoned(DType::F64, &[rows, case.c]);
-        let mut args = inputs.iter().map(|a| match a {
-            Arg::Ptr(p) => Arg::Ptr(*p),
-            Arg::I64(v) => Arg::I64(*v),
-            Arg::I32(v) => Arg::I32(*v),
-            Arg::F64(v) => Arg::F64(*v),
-        }).collect::<Vec<_>>();
+        let mut args = inputs
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(p) => Arg::Ptr(*p),
+                Arg::I64(v) => Arg::I64(*v),
+                Arg::I32(v) => Arg::I32(*v),
+                Arg::F64(v) => Arg::F64(*v),
+            })
+            .collect::<Vec<_>>();
         args.extend([out.ptr(), work.ptr(), counters.ptr()]);
         args.extend(case.sizes());
         run(name, &r.launch, args, sched);
         let t = out.tensor();
         if let Some(f) = &first {
-            let same = (f - &t).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-            assert_eq!(same.to_scalar::<f64>().unwrap(), 0.0, "{name}: a second launch differs");
+            let same = (f - &t)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap();
+            assert_eq!(
+                same.to_scalar::<f64>().unwrap(),
+                0.0,
+                "{name}: a second launch differs"
+            );
         }
         first = Some(t);
     }
-    assert!(counters.bytes.iter().all(|&b| b == 0), "{name}: counters not reset");
+    assert!(
+        counters.bytes.iter().all(|&b| b == 0),
+        "{name}: counters not reset"
+    );
     first.unwrap()
 }
 
@@ -343,7 +442,12 @@ fn statistics_match_the_cpu_op() {
                 let (mut xb, mut kb) = (Buf::of(&x), Buf::of(&shift));
                 let name = format!("bn_stats_{}_{suffix}", layout(case.cl));
                 let got = reduce(&name, &case, vec![xb.ptr(), kb.ptr()], 3, sched);
-                assert_close(&format!("{name} {case:?} {sched}"), &got, &want, tol_reduce(dtype));
+                assert_close(
+                    &format!("{name} {case:?} {sched}"),
+                    &got,
+                    &want,
+                    tol_reduce(dtype),
+                );
             }
         }
     }
@@ -354,7 +458,12 @@ fn finalize_matches_gather_stats_and_updates_running_stats() {
     let (eps, momentum) = (1e-5, 0.1);
     for (dtype, suffix) in DTYPES {
         for c in [1usize, 3, 65, 300] {
-            let case = Case { n: 3, c, hw: 5, cl: false };
+            let case = Case {
+                n: 3,
+                c,
+                hw: 5,
+                cl: false,
+            };
             let x = case.data(3, 7.0, DType::F64);
             let shift = per_channel(c, 4, 6.5, 7.5);
             let sums = ops::batch_norm_stats(&x, &shift, false).unwrap();
@@ -366,13 +475,25 @@ fn finalize_matches_gather_stats_and_updates_running_stats() {
             let mut mean = Buf::poisoned(DType::F64, &[c]);
             let mut invstd = Buf::poisoned(DType::F64, &[c]);
             let args = vec![
-                sb.ptr(), kb.ptr(), mean.ptr(), invstd.ptr(), rmb.ptr(), rvb.ptr(),
-                Arg::F64(momentum), Arg::F64(eps), Arg::I64(c as i64),
+                sb.ptr(),
+                kb.ptr(),
+                mean.ptr(),
+                invstd.ptr(),
+                rmb.ptr(),
+                rvb.ptr(),
+                Arg::F64(momentum),
+                Arg::F64(eps),
+                Arg::I64(c as i64),
             ];
             let name = format!("bn_finalize_{suffix}");
             run(&name, &launch::finalize(c).unwrap(), args, "random:3");
             assert_close(&format!("{name} mean"), &mean.tensor(), &st.mean, 1e-12);
-            assert_close(&format!("{name} invstd"), &invstd.tensor(), &st.invstd, 1e-12);
+            assert_close(
+                &format!("{name} invstd"),
+                &invstd.tensor(),
+                &st.invstd,
+                1e-12,
+            );
             assert_close(&format!("{name} new shift"), &kb.tensor(), &st.mean, 1e-12);
             let blend = |old: &Tensor, new: &Tensor| {
                 ((old.to_dtype(DType::F64).unwrap() * (1.0 - momentum)).unwrap()
@@ -382,8 +503,18 @@ fn finalize_matches_gather_stats_and_updates_running_stats() {
                 .unwrap()
             };
             let tol = tol_elem(dtype);
-            assert_close(&format!("{name} running_mean"), &rmb.tensor(), &blend(&rm, &st.mean), tol);
-            assert_close(&format!("{name} running_var"), &rvb.tensor(), &blend(&rv, &st.var_unbiased), tol);
+            assert_close(
+                &format!("{name} running_mean"),
+                &rmb.tensor(),
+                &blend(&rm, &st.mean),
+                tol,
+            );
+            assert_close(
+                &format!("{name} running_var"),
+                &rvb.tensor(),
+                &blend(&rv, &st.var_unbiased),
+                tol,
+            );
         }
     }
 }
@@ -399,11 +530,21 @@ fn apply_matches_the_cpu_op() {
                 let z = case.data(8, 0.0, dtype);
                 let mean = per_channel(case.c, 9, 1.5, 2.5);
                 let invstd = per_channel(case.c, 10, 0.5, 2.0);
-                let w = per_channel(case.c, 11, 0.5, 1.5).to_dtype(acc(dtype)).unwrap();
-                let b = per_channel(case.c, 12, -0.5, 0.5).to_dtype(acc(dtype)).unwrap();
+                let w = per_channel(case.c, 11, 0.5, 1.5)
+                    .to_dtype(acc(dtype))
+                    .unwrap();
+                let b = per_channel(case.c, 12, -0.5, 0.5)
+                    .to_dtype(acc(dtype))
+                    .unwrap();
                 let want = ops::batch_norm_elemt(
-                    &x, &mean, &invstd, affine.then_some(&w), affine.then_some(&b),
-                    residual.then_some(&z), relu, case.cl,
+                    &x,
+                    &mean,
+                    &invstd,
+                    affine.then_some(&w),
+                    affine.then_some(&b),
+                    residual.then_some(&z),
+                    relu,
+                    case.cl,
                 )
                 .unwrap();
                 let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
@@ -411,8 +552,13 @@ fn apply_matches_the_cpu_op() {
                     continue;
                 };
                 let params = Tensor::stack(&[&w, &b], 0).unwrap();
-                let (mut xb, mut zb, mut mb, mut ib, mut pb) =
-                    (Buf::of(&x), Buf::of(&z), Buf::of(&mean), Buf::of(&invstd), Buf::of(&params));
+                let (mut xb, mut zb, mut mb, mut ib, mut pb) = (
+                    Buf::of(&x),
+                    Buf::of(&z),
+                    Buf::of(&mean),
+                    Buf::of(&invstd),
+                    Buf::of(&params),
+                );
                 let mut y = Buf::poisoned(dtype, &case.dims());
                 let mut args = vec![
                     xb.ptr(),
@@ -426,7 +572,12 @@ fn apply_matches_the_cpu_op() {
                 args.push(Arg::I32(relu as i32));
                 let name = format!("bn_apply_{}_{suffix}", layout(case.cl));
                 run(&name, &cfg, args, sched);
-                assert_close(&format!("{name} {case:?} {sched}"), &y.tensor(), &want, tol_elem(dtype));
+                assert_close(
+                    &format!("{name} {case:?} {sched}"),
+                    &y.tensor(),
+                    &want,
+                    tol_elem(dtype),
+                );
             }
         }
     }
@@ -443,14 +594,25 @@ fn backward_reduce_matches_the_cpu_op() {
                 // A fused-ReLU output whose sign varies: y = x − 1 (mean 0).
                 let y = case.data(14, 0.0, dtype);
                 let mean = per_channel(case.c, 15, 0.5, 1.5);
-                let want = ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl)
-                    .unwrap();
+                let want =
+                    ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl)
+                        .unwrap();
                 let (mut db, mut xb, mut yb, mut mb) =
                     (Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean));
-                let inputs = vec![db.ptr(), xb.ptr(), if relu { yb.ptr() } else { null() }, mb.ptr()];
+                let inputs = vec![
+                    db.ptr(),
+                    xb.ptr(),
+                    if relu { yb.ptr() } else { null() },
+                    mb.ptr(),
+                ];
                 let name = format!("bn_backward_reduce_{}_{suffix}", layout(case.cl));
                 let got = reduce(&name, &case, inputs, 2, sched);
-                assert_close(&format!("{name} {case:?} {sched}"), &got, &want, tol_reduce(dtype));
+                assert_close(
+                    &format!("{name} {case:?} {sched}"),
+                    &got,
+                    &want,
+                    tol_reduce(dtype),
+                );
             }
         }
     }
@@ -467,16 +629,29 @@ fn backward_elemt_matches_the_cpu_op() {
                 let y = case.data(17, 0.0, dtype);
                 let mean = per_channel(case.c, 18, 0.5, 1.5);
                 let invstd = per_channel(case.c, 19, 0.5, 2.0);
-                let w = per_channel(case.c, 20, 0.5, 1.5).to_dtype(acc(dtype)).unwrap();
+                let w = per_channel(case.c, 20, 0.5, 1.5)
+                    .to_dtype(acc(dtype))
+                    .unwrap();
                 let sums = Tensor::stack(
-                    &[per_channel(case.c, 21, -5.0, 5.0), per_channel(case.c, 22, -5.0, 5.0)],
+                    &[
+                        per_channel(case.c, 21, -5.0, 5.0),
+                        per_channel(case.c, 22, -5.0, 5.0),
+                    ],
                     0,
                 )
                 .unwrap();
                 let count = 37.0;
                 let (dx_want, dz_want) = ops::batch_norm_backward_elemt(
-                    &dy, &x, &mean, &invstd, affine.then_some(&w), &sums, count,
-                    relu.then_some(&y), want_dz, case.cl,
+                    &dy,
+                    &x,
+                    &mean,
+                    &invstd,
+                    affine.then_some(&w),
+                    &sums,
+                    count,
+                    relu.then_some(&y),
+                    want_dz,
+                    case.cl,
                 )
                 .unwrap();
                 let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
@@ -485,23 +660,46 @@ fn backward_elemt_matches_the_cpu_op() {
                 };
                 let counts = Tensor::full(count, case.c, &Device::Cpu).unwrap();
                 let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
-                    Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean), Buf::of(&invstd),
-                    Buf::of(&w), Buf::of(&sums), Buf::of(&counts),
+                    Buf::of(&dy),
+                    Buf::of(&x),
+                    Buf::of(&y),
+                    Buf::of(&mean),
+                    Buf::of(&invstd),
+                    Buf::of(&w),
+                    Buf::of(&sums),
+                    Buf::of(&counts),
                 );
                 let mut dx = Buf::poisoned(dtype, &case.dims());
                 let mut dz = Buf::poisoned(dtype, &case.dims());
                 let mut args = vec![
-                    db.ptr(), xb.ptr(), if relu { yb.ptr() } else { null() }, mb.ptr(), ib.ptr(),
-                    if affine { wb.ptr() } else { null() }, sb.ptr(), cb.ptr(), dx.ptr(),
+                    db.ptr(),
+                    xb.ptr(),
+                    if relu { yb.ptr() } else { null() },
+                    mb.ptr(),
+                    ib.ptr(),
+                    if affine { wb.ptr() } else { null() },
+                    sb.ptr(),
+                    cb.ptr(),
+                    dx.ptr(),
                     if want_dz { dz.ptr() } else { null() },
                 ];
                 args.extend(case.sizes());
                 let name = format!("bn_backward_elemt_{}_{suffix}", layout(case.cl));
                 run(&name, &cfg, args, sched);
                 let what = format!("{name} {case:?} {sched}");
-                assert_close(&format!("{what} dx"), &dx.tensor(), &dx_want, tol_elem(dtype));
+                assert_close(
+                    &format!("{what} dx"),
+                    &dx.tensor(),
+                    &dx_want,
+                    tol_elem(dtype),
+                );
                 match dz_want {
-                    Some(dz_want) => assert_close(&format!("{what} dz"), &dz.tensor(), &dz_want, tol_elem(dtype)),
+                    Some(dz_want) => assert_close(
+                        &format!("{what} dz"),
+                        &dz.tensor(),
+                        &dz_want,
+                        tol_elem(dtype),
+                    ),
                     // Without a ReLU the CPU op leaves dz = dy to the caller.
                     None if want_dz => assert_close(&format!("{what} dz"), &dz.tensor(), &dy, 0.0),
                     None => {}
@@ -517,15 +715,27 @@ fn every_entry_point_is_launched_by_a_test() {
         .iter()
         .flat_map(|r| DTYPES.iter().map(move |(_, s)| format!("{r}_{s}")))
         .collect();
-    let kernels: BTreeSet<String> =
-        registered().into_iter().filter(|n| !n.starts_with("emu_selftest_")).collect();
-    assert_eq!(kernels, tested, "entry points in kernels/ vs those the tests launch");
+    let kernels: BTreeSet<String> = registered()
+        .into_iter()
+        .filter(|n| !n.starts_with("emu_selftest_"))
+        .collect();
+    assert_eq!(
+        kernels, tested,
+        "entry points in kernels/ vs those the tests launch"
+    );
     // Every `extern "C"` stamp macro in the sources is one of the roots above.
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kernels");
     for entry in std::fs::read_dir(root).unwrap() {
         let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
         for line in text.lines().filter(|l| l.contains("__global__ void")) {
-            let name = line.split("void").nth(1).unwrap().trim().split("##").next().unwrap();
+            let name = line
+                .split("void")
+                .nth(1)
+                .unwrap()
+                .trim()
+                .split("##")
+                .next()
+                .unwrap();
             let name = name.trim_end_matches('_');
             assert!(ROOTS.contains(&name), "kernel root {name} is not tested");
         }
