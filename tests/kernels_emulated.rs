@@ -431,26 +431,34 @@ fn reduce(name: &str, case: &Case, inputs: Vec<Arg>, rows: usize, sched: &str) -
     first.unwrap()
 }
 
-#[test]
-fn statistics_match_the_cpu_op() {
+/// Runs `body(dtype, suffix, case, k, schedule)` for every dtype, test shape and schedule
+/// (`k` indexes the schedule, used to vary the optional parts of a kernel across launches).
+fn for_each_launch(mut body: impl FnMut(DType, &str, Case, usize, &str)) {
     for (dtype, suffix) in DTYPES {
         for case in cases() {
-            for sched in SCHEDULES {
-                let x = case.data(1, 3.0, dtype);
-                let shift = per_channel(case.c, 2, 2.5, 3.5);
-                let want = ops::batch_norm_stats(&x, &shift, case.cl).unwrap();
-                let (mut xb, mut kb) = (Buf::of(&x), Buf::of(&shift));
-                let name = format!("bn_stats_{}_{suffix}", layout(case.cl));
-                let got = reduce(&name, &case, vec![xb.ptr(), kb.ptr()], 3, sched);
-                assert_close(
-                    &format!("{name} {case:?} {sched}"),
-                    &got,
-                    &want,
-                    tol_reduce(dtype),
-                );
+            for (k, sched) in SCHEDULES.iter().enumerate() {
+                body(dtype, suffix, case, k, sched);
             }
         }
     }
+}
+
+#[test]
+fn statistics_match_the_cpu_op() {
+    for_each_launch(|dtype, suffix, case, _, sched| {
+        let x = case.data(1, 3.0, dtype);
+        let shift = per_channel(case.c, 2, 2.5, 3.5);
+        let want = ops::batch_norm_stats(&x, &shift, case.cl).unwrap();
+        let (mut xb, mut kb) = (Buf::of(&x), Buf::of(&shift));
+        let name = format!("bn_stats_{}_{suffix}", layout(case.cl));
+        let got = reduce(&name, &case, vec![xb.ptr(), kb.ptr()], 3, sched);
+        assert_close(
+            &format!("{name} {case:?} {sched}"),
+            &got,
+            &want,
+            tol_reduce(dtype),
+        );
+    });
 }
 
 #[test]
@@ -521,192 +529,179 @@ fn finalize_matches_gather_stats_and_updates_running_stats() {
 
 #[test]
 fn apply_matches_the_cpu_op() {
-    for (dtype, suffix) in DTYPES {
-        for case in cases() {
-            for (k, sched) in SCHEDULES.iter().enumerate() {
-                // Alternate the optional parts across schedules: residual, ReLU, parameters.
-                let (residual, relu, affine) = (k != 1, k != 0, k != 2);
-                let x = case.data(7, 2.0, dtype);
-                let z = case.data(8, 0.0, dtype);
-                let mean = per_channel(case.c, 9, 1.5, 2.5);
-                let invstd = per_channel(case.c, 10, 0.5, 2.0);
-                let w = per_channel(case.c, 11, 0.5, 1.5)
-                    .to_dtype(acc(dtype))
-                    .unwrap();
-                let b = per_channel(case.c, 12, -0.5, 0.5)
-                    .to_dtype(acc(dtype))
-                    .unwrap();
-                let want = ops::batch_norm_elemt(
-                    &x,
-                    &mean,
-                    &invstd,
-                    affine.then_some(&w),
-                    affine.then_some(&b),
-                    residual.then_some(&z),
-                    relu,
-                    case.cl,
-                )
-                .unwrap();
-                let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
-                    assert_eq!(want.elem_count(), 0);
-                    continue;
-                };
-                let params = Tensor::stack(&[&w, &b], 0).unwrap();
-                let (mut xb, mut zb, mut mb, mut ib, mut pb) = (
-                    Buf::of(&x),
-                    Buf::of(&z),
-                    Buf::of(&mean),
-                    Buf::of(&invstd),
-                    Buf::of(&params),
-                );
-                let mut y = Buf::poisoned(dtype, &case.dims());
-                let mut args = vec![
-                    xb.ptr(),
-                    if residual { zb.ptr() } else { null() },
-                    mb.ptr(),
-                    ib.ptr(),
-                    if affine { pb.ptr() } else { null() },
-                    y.ptr(),
-                ];
-                args.extend(case.sizes());
-                args.push(Arg::I32(relu as i32));
-                let name = format!("bn_apply_{}_{suffix}", layout(case.cl));
-                run(&name, &cfg, args, sched);
-                assert_close(
-                    &format!("{name} {case:?} {sched}"),
-                    &y.tensor(),
-                    &want,
-                    tol_elem(dtype),
-                );
-            }
-        }
-    }
+    for_each_launch(|dtype, suffix, case, k, sched| {
+        // Alternate the optional parts across schedules: residual, ReLU, parameters.
+        let (residual, relu, affine) = (k != 1, k != 0, k != 2);
+        let x = case.data(7, 2.0, dtype);
+        let z = case.data(8, 0.0, dtype);
+        let mean = per_channel(case.c, 9, 1.5, 2.5);
+        let invstd = per_channel(case.c, 10, 0.5, 2.0);
+        let w = per_channel(case.c, 11, 0.5, 1.5)
+            .to_dtype(acc(dtype))
+            .unwrap();
+        let b = per_channel(case.c, 12, -0.5, 0.5)
+            .to_dtype(acc(dtype))
+            .unwrap();
+        let want = ops::batch_norm_elemt(
+            &x,
+            &mean,
+            &invstd,
+            affine.then_some(&w),
+            affine.then_some(&b),
+            residual.then_some(&z),
+            relu,
+            case.cl,
+        )
+        .unwrap();
+        let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
+            assert_eq!(want.elem_count(), 0);
+            return;
+        };
+        let params = Tensor::stack(&[&w, &b], 0).unwrap();
+        let (mut xb, mut zb, mut mb, mut ib, mut pb) = (
+            Buf::of(&x),
+            Buf::of(&z),
+            Buf::of(&mean),
+            Buf::of(&invstd),
+            Buf::of(&params),
+        );
+        let mut y = Buf::poisoned(dtype, &case.dims());
+        let mut args = vec![
+            xb.ptr(),
+            if residual { zb.ptr() } else { null() },
+            mb.ptr(),
+            ib.ptr(),
+            if affine { pb.ptr() } else { null() },
+            y.ptr(),
+        ];
+        args.extend(case.sizes());
+        args.push(Arg::I32(relu as i32));
+        let name = format!("bn_apply_{}_{suffix}", layout(case.cl));
+        run(&name, &cfg, args, sched);
+        assert_close(
+            &format!("{name} {case:?} {sched}"),
+            &y.tensor(),
+            &want,
+            tol_elem(dtype),
+        );
+    });
 }
 
 #[test]
 fn backward_reduce_matches_the_cpu_op() {
-    for (dtype, suffix) in DTYPES {
-        for case in cases() {
-            for (k, sched) in SCHEDULES.iter().enumerate() {
-                let relu = k != 1;
-                let dy = case.data(13, 0.0, dtype);
-                let x = case.data(14, 1.0, dtype);
-                // A fused-ReLU output whose sign varies: y = x − 1 (mean 0).
-                let y = case.data(14, 0.0, dtype);
-                let mean = per_channel(case.c, 15, 0.5, 1.5);
-                let want =
-                    ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl)
-                        .unwrap();
-                let (mut db, mut xb, mut yb, mut mb) =
-                    (Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean));
-                let inputs = vec![
-                    db.ptr(),
-                    xb.ptr(),
-                    if relu { yb.ptr() } else { null() },
-                    mb.ptr(),
-                ];
-                let name = format!("bn_backward_reduce_{}_{suffix}", layout(case.cl));
-                let got = reduce(&name, &case, inputs, 2, sched);
-                assert_close(
-                    &format!("{name} {case:?} {sched}"),
-                    &got,
-                    &want,
-                    tol_reduce(dtype),
-                );
-            }
-        }
-    }
+    for_each_launch(|dtype, suffix, case, k, sched| {
+        let relu = k != 1;
+        let dy = case.data(13, 0.0, dtype);
+        let x = case.data(14, 1.0, dtype);
+        // A fused-ReLU output whose sign varies: y = x − 1 (mean 0).
+        let y = case.data(14, 0.0, dtype);
+        let mean = per_channel(case.c, 15, 0.5, 1.5);
+        let want =
+            ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl).unwrap();
+        let (mut db, mut xb, mut yb, mut mb) =
+            (Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean));
+        let inputs = vec![
+            db.ptr(),
+            xb.ptr(),
+            if relu { yb.ptr() } else { null() },
+            mb.ptr(),
+        ];
+        let name = format!("bn_backward_reduce_{}_{suffix}", layout(case.cl));
+        let got = reduce(&name, &case, inputs, 2, sched);
+        assert_close(
+            &format!("{name} {case:?} {sched}"),
+            &got,
+            &want,
+            tol_reduce(dtype),
+        );
+    });
 }
 
 #[test]
 fn backward_elemt_matches_the_cpu_op() {
-    for (dtype, suffix) in DTYPES {
-        for case in cases() {
-            for (k, sched) in SCHEDULES.iter().enumerate() {
-                let (relu, want_dz, affine) = (k != 1, k != 2, k != 0);
-                let dy = case.data(16, 0.0, dtype);
-                let x = case.data(17, 1.0, dtype);
-                let y = case.data(17, 0.0, dtype);
-                let mean = per_channel(case.c, 18, 0.5, 1.5);
-                let invstd = per_channel(case.c, 19, 0.5, 2.0);
-                let w = per_channel(case.c, 20, 0.5, 1.5)
-                    .to_dtype(acc(dtype))
-                    .unwrap();
-                let sums = Tensor::stack(
-                    &[
-                        per_channel(case.c, 21, -5.0, 5.0),
-                        per_channel(case.c, 22, -5.0, 5.0),
-                    ],
-                    0,
-                )
-                .unwrap();
-                let count = 37.0;
-                let (dx_want, dz_want) = ops::batch_norm_backward_elemt(
-                    &dy,
-                    &x,
-                    &mean,
-                    &invstd,
-                    affine.then_some(&w),
-                    &sums,
-                    count,
-                    relu.then_some(&y),
-                    want_dz,
-                    case.cl,
-                )
-                .unwrap();
-                let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
-                    assert_eq!(dx_want.elem_count(), 0);
-                    continue;
-                };
-                let counts = Tensor::full(count, case.c, &Device::Cpu).unwrap();
-                let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
-                    Buf::of(&dy),
-                    Buf::of(&x),
-                    Buf::of(&y),
-                    Buf::of(&mean),
-                    Buf::of(&invstd),
-                    Buf::of(&w),
-                    Buf::of(&sums),
-                    Buf::of(&counts),
-                );
-                let mut dx = Buf::poisoned(dtype, &case.dims());
-                let mut dz = Buf::poisoned(dtype, &case.dims());
-                let mut args = vec![
-                    db.ptr(),
-                    xb.ptr(),
-                    if relu { yb.ptr() } else { null() },
-                    mb.ptr(),
-                    ib.ptr(),
-                    if affine { wb.ptr() } else { null() },
-                    sb.ptr(),
-                    cb.ptr(),
-                    dx.ptr(),
-                    if want_dz { dz.ptr() } else { null() },
-                ];
-                args.extend(case.sizes());
-                let name = format!("bn_backward_elemt_{}_{suffix}", layout(case.cl));
-                run(&name, &cfg, args, sched);
-                let what = format!("{name} {case:?} {sched}");
-                assert_close(
-                    &format!("{what} dx"),
-                    &dx.tensor(),
-                    &dx_want,
-                    tol_elem(dtype),
-                );
-                match dz_want {
-                    Some(dz_want) => assert_close(
-                        &format!("{what} dz"),
-                        &dz.tensor(),
-                        &dz_want,
-                        tol_elem(dtype),
-                    ),
-                    // Without a ReLU the CPU op leaves dz = dy to the caller.
-                    None if want_dz => assert_close(&format!("{what} dz"), &dz.tensor(), &dy, 0.0),
-                    None => {}
-                }
-            }
+    for_each_launch(|dtype, suffix, case, k, sched| {
+        let (relu, want_dz, affine) = (k != 1, k != 2, k != 0);
+        let dy = case.data(16, 0.0, dtype);
+        let x = case.data(17, 1.0, dtype);
+        let y = case.data(17, 0.0, dtype);
+        let mean = per_channel(case.c, 18, 0.5, 1.5);
+        let invstd = per_channel(case.c, 19, 0.5, 2.0);
+        let w = per_channel(case.c, 20, 0.5, 1.5)
+            .to_dtype(acc(dtype))
+            .unwrap();
+        let sums = Tensor::stack(
+            &[
+                per_channel(case.c, 21, -5.0, 5.0),
+                per_channel(case.c, 22, -5.0, 5.0),
+            ],
+            0,
+        )
+        .unwrap();
+        let count = 37.0;
+        let (dx_want, dz_want) = ops::batch_norm_backward_elemt(
+            &dy,
+            &x,
+            &mean,
+            &invstd,
+            affine.then_some(&w),
+            &sums,
+            count,
+            relu.then_some(&y),
+            want_dz,
+            case.cl,
+        )
+        .unwrap();
+        let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
+            assert_eq!(dx_want.elem_count(), 0);
+            return;
+        };
+        let counts = Tensor::full(count, case.c, &Device::Cpu).unwrap();
+        let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
+            Buf::of(&dy),
+            Buf::of(&x),
+            Buf::of(&y),
+            Buf::of(&mean),
+            Buf::of(&invstd),
+            Buf::of(&w),
+            Buf::of(&sums),
+            Buf::of(&counts),
+        );
+        let mut dx = Buf::poisoned(dtype, &case.dims());
+        let mut dz = Buf::poisoned(dtype, &case.dims());
+        let mut args = vec![
+            db.ptr(),
+            xb.ptr(),
+            if relu { yb.ptr() } else { null() },
+            mb.ptr(),
+            ib.ptr(),
+            if affine { wb.ptr() } else { null() },
+            sb.ptr(),
+            cb.ptr(),
+            dx.ptr(),
+            if want_dz { dz.ptr() } else { null() },
+        ];
+        args.extend(case.sizes());
+        let name = format!("bn_backward_elemt_{}_{suffix}", layout(case.cl));
+        run(&name, &cfg, args, sched);
+        let what = format!("{name} {case:?} {sched}");
+        assert_close(
+            &format!("{what} dx"),
+            &dx.tensor(),
+            &dx_want,
+            tol_elem(dtype),
+        );
+        match dz_want {
+            Some(dz_want) => assert_close(
+                &format!("{what} dz"),
+                &dz.tensor(),
+                &dz_want,
+                tol_elem(dtype),
+            ),
+            // Without a ReLU the CPU op leaves dz = dy to the caller.
+            None if want_dz => assert_close(&format!("{what} dz"), &dz.tensor(), &dy, 0.0),
+            None => {}
         }
-    }
+    });
 }
 
 #[test]
