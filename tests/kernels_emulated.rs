@@ -108,6 +108,7 @@ fn emu() -> &'static Emu {
 }
 
 /// One kernel argument, held where the emulator can read it (as cuLaunchKernel takes them).
+#[derive(Clone, Copy)]
 enum Arg {
     Ptr(*mut c_void),
     I64(i64),
@@ -394,15 +395,7 @@ fn reduce(name: &str, case: &Case, inputs: Vec<Arg>, rows: usize, sched: &str) -
     let mut first = None;
     for _ in 0..2 {
         let mut out = Buf::poisoned(DType::F64, &[rows, case.c]);
-        let mut args = inputs
-            .iter()
-            .map(|a| match a {
-                Arg::Ptr(p) => Arg::Ptr(*p),
-                Arg::I64(v) => Arg::I64(*v),
-                Arg::I32(v) => Arg::I32(*v),
-                Arg::F64(v) => Arg::F64(*v),
-            })
-            .collect::<Vec<_>>();
+        let mut args = inputs.clone();
         args.extend([out.ptr(), work.ptr(), counters.ptr()]);
         args.extend(case.sizes());
         run(name, &r.launch, args, sched);

@@ -229,13 +229,8 @@ void run_block(Launch& l, const Schedule& sched, std::mt19937_64& rng) {
         bool all_done = std::all_of(l.fibers.begin(), l.fibers.end(),
                                     [](const Fiber& f) { return f.state == State::Done; });
         if (all_done) return;
-        bool progressed = false;
-        try {
-            progressed = resolve_warps(l) || resolve_barrier(l);
-        } catch (Abort&) {
-            throw;
-        }
-        if (l.failed) throw Abort{};
+        // Both throw Abort (through fail) on an operation that can never complete.
+        const bool progressed = resolve_warps(l) || resolve_barrier(l);
         if (!progressed) {
             l.failed = true;
             l.error = "deadlock: no thread of block can make progress (a warp operation or "
