@@ -85,7 +85,7 @@ fn bench(c: &mut Criterion) {
                         &st.invstd,
                         Some(&weight),
                         &red,
-                        1e3,
+                        &st.count,
                         None,
                         false,
                         channels_last,

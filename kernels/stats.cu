@@ -66,38 +66,35 @@ __device__ void stats_nhwc(const T* x, const double* shift, double* out, double*
     EMU_REGISTER(bn_stats_nhwc_##suffix)
 STAMP(STATS_ENTRIES)
 
-// Reduced sums [3, C] → mean [C], invstd [C] (f64); the shift becomes the new mean (the next
-// step's K) when the batch is not empty; with `momentum > 0` and running statistics (P, [C]):
-// running_mean ← (1−m)·running_mean + m·mean, running_var ← (1−m)·running_var + m·M2/(n−1).
-// The caller passes m (momentum, or 1/num_batches_tracked): no value is read back to the host.
-// Grid ceil(C/BN_THREADS), block BN_THREADS.
-template <typename P>
-__device__ void finalize(const double* sums, double* shift, double* mean, double* invstd,
-                         P* running_mean, P* running_var, double momentum, double eps,
-                         long long C) {
+// Reduced sums [3, C] → per-channel rows of `out` [6, C] (f64), all on the device:
+//   0 n, the global count;          1 mean = K + A/n (K when n = 0: the next step's shift);
+//   2 invstd = 1/sqrt(M2/n + eps)   (NaN when n = 1, a batch that cannot be normalised;
+//                                    1 when n = 0, an empty batch);
+//   3 biased var M2/n;              4 unbiased var M2/(n − 1) (0 when n ≤ 1);
+//   5 w, the running-statistics blend weight: `momentum` when n > 1, else 0, so that
+//     running ← running + w·(batch − running) leaves the running statistics bitwise
+//     untouched by a batch that cannot update them.
+// The caller passes momentum (or 1/num_batches_tracked, known on the host): nothing is read
+// back. Grid ceil(C/BN_THREADS), block BN_THREADS.
+__device__ void finalize(const double* sums, const double* shift, double* out, double momentum,
+                         double eps, long long C) {
     const long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (c >= C) return;
-    const double n = sums[c], a = sums[C + c], b = sums[2 * C + c], k = shift[c];
+    const double n = sums[c], a = sums[C + c], b = sums[2 * C + c];
     const double d = n > 0 ? a / n : 0.0;
     double m2 = b - a * d;
     m2 = m2 > 0 ? m2 : 0.0;
-    const double mu = k + d;
-    mean[c] = mu;
-    invstd[c] = n > 0 ? rsqrt(m2 / n + eps) : 1.0;
-    if (n > 0) shift[c] = mu;
-    if (running_mean != nullptr && momentum > 0 && n > 1) {
-        const double rm = (double)to_acc(running_mean[c]), rv = (double)to_acc(running_var[c]);
-        running_mean[c] = store_as<P>((typename AccOf<P>::type)((1 - momentum) * rm + momentum * mu));
-        running_var[c] = store_as<P>(
-            (typename AccOf<P>::type)((1 - momentum) * rv + momentum * m2 / (n - 1)));
-    }
+    const double var = n > 0 ? m2 / n : 0.0;
+    out[c] = n;
+    out[C + c] = shift[c] + d;
+    out[2 * C + c] = n == 1 ? nan("") : (n > 0 ? rsqrt(var + eps) : 1.0);
+    out[3 * C + c] = var;
+    out[4 * C + c] = n > 1 ? m2 / (n - 1) : 0.0;
+    out[5 * C + c] = n > 1 ? momentum : 0.0;
 }
 
-#define FINALIZE_ENTRY(suffix, P)                                                             \
-    extern "C" __global__ void bn_finalize_##suffix(                                          \
-        const double* sums, double* shift, double* mean, double* invstd, P* running_mean,     \
-        P* running_var, double momentum, double eps, long long c) {                           \
-        finalize<P>(sums, shift, mean, invstd, running_mean, running_var, momentum, eps, c); \
-    }                                                                                         \
-    EMU_REGISTER(bn_finalize_##suffix)
-STAMP(FINALIZE_ENTRY)
+extern "C" __global__ void bn_finalize_f64(const double* sums, const double* shift, double* out,
+                                           double momentum, double eps, long long c) {
+    finalize(sums, shift, out, momentum, eps, c);
+}
+EMU_REGISTER(bn_finalize_f64)

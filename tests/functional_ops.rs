@@ -56,7 +56,6 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
         )?;
         let local = batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), channels_last)?;
         let red = comm.all_reduce(&local, ReduceOp::Sum)?;
-        let n = st.count.get(0)?.to_scalar::<f64>()?;
         let (dx, dz) = batch_norm_backward_elemt(
             &dy,
             &x,
@@ -64,7 +63,7 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
             &st.invstd,
             Some(&w),
             &red,
-            n,
+            &st.count,
             Some(&y),
             true,
             channels_last,

@@ -17,12 +17,12 @@ use crate::ops::{apply_cpu, batch_norm_backward_elemt, batch_norm_backward_reduc
 #[derive(Debug, Clone)]
 pub(crate) struct NormFn {
     pub geometry: Geometry,
-    /// `[C]` mean (f64).
-    pub mean: Vec<f64>,
-    /// `[C]` inverse standard deviation (f64).
-    pub invstd: Vec<f64>,
-    /// Global values per channel (`n`).
-    pub count: f64,
+    /// `[C]` mean, f64 on the input's device.
+    pub mean: Tensor,
+    /// `[C]` inverse standard deviation, f64 on the input's device.
+    pub invstd: Tensor,
+    /// `[C]` global values per channel (`n`), f64 on the input's device.
+    pub count: Tensor,
     /// The statistics are batch statistics (their gradient flows into dx).
     pub batch_stats: bool,
     /// All-reduce the backward sums with this communicator (training).
@@ -31,6 +31,9 @@ pub(crate) struct NormFn {
     /// `[γ; β]` carries learnable parameters (else a constant `[1; 0]`).
     pub affine: bool,
 }
+
+// `[γ; β]` reaches the ops as `[2, C]` in the accumulation dtype of the input (f32, or f64 for
+// f64 inputs): the layer converts it before applying the op.
 
 impl NormFn {
     fn forward(
@@ -55,14 +58,27 @@ impl NormFn {
                 .collect(),
             _ => candle_core::bail!("{OP}: weight and bias must be f32, f64, f16 or bf16"),
         };
-        let c = self.geometry.c;
-        let coef = ApplyCoef::new(
-            self.mean.clone(),
-            &self.invstd,
-            Some(&p[..c]),
-            Some(&p[c..]),
-        );
+        let coef = ApplyCoef::from_tensors(&self.mean, &self.invstd, Some(&p))?;
         let out = apply_cpu(x.0, x.1, z, &self.geometry, &coef, self.relu)?;
+        Ok((out, x.1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forward_cuda(
+        &self,
+        x: (&candle_core::CudaStorage, &Layout),
+        params: (&candle_core::CudaStorage, &Layout),
+        z: Option<(&candle_core::CudaStorage, &Layout)>,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::ops::apply_cuda(
+            x,
+            z,
+            &self.geometry,
+            &self.mean,
+            &self.invstd,
+            Some(params),
+            self.relu,
+        )?;
         Ok((out, x.1.shape().clone()))
     }
 
@@ -75,13 +91,10 @@ impl NormFn {
         y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let c = self.geometry.c;
-        let dev = x.device();
         let cl = self.geometry.channels_last;
-        let mean = Tensor::from_slice(&self.mean, c, dev)?;
-        let invstd = Tensor::from_slice(&self.invstd, c, dev)?;
+        let (mean, invstd) = (&self.mean, &self.invstd);
         let relu_y = self.relu.then_some(y);
-        let local = batch_norm_backward_reduce(dy, x, &mean, relu_y, cl)?;
+        let local = batch_norm_backward_reduce(dy, x, mean, relu_y, cl)?;
         let sums = match (&self.comm, self.batch_stats) {
             // Issued on every rank, whatever its local batch: the others wait for it.
             (Some(comm), _) => comm.all_reduce(&local, ReduceOp::Sum)?,
@@ -93,11 +106,11 @@ impl NormFn {
         let (dx, dz) = batch_norm_backward_elemt(
             dy,
             x,
-            &mean,
-            &invstd,
+            mean,
+            invstd,
             Some(&weight),
             &sums,
-            self.count,
+            &self.count,
             relu_y,
             want_dz,
             cl,
@@ -108,7 +121,7 @@ impl NormFn {
             (true, None) => Some(dy.clone()),
         };
         let dparams = if self.affine {
-            let dgamma = (local.get(1)? * &invstd)?;
+            let dgamma = (local.get(1)? * invstd)?;
             let dbeta = local.get(0)?;
             Some(Tensor::stack(&[dgamma, dbeta], 0)?.to_dtype(params.dtype())?)
         } else {
@@ -132,7 +145,17 @@ impl CustomOp2 for NormFn {
     ) -> Result<(CpuStorage, Shape)> {
         self.forward((s1, l1), (s2, l2), None)
     }
-    // cuda_fwd: the `cuda` feature launches `kernels/apply.cu` here.
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.forward_cuda((s1, l1), (s2, l2), None)
+    }
 
     fn bwd(
         &self,
@@ -162,7 +185,19 @@ impl CustomOp3 for NormFn {
     ) -> Result<(CpuStorage, Shape)> {
         self.forward((s1, l1), (s2, l2), Some((s3, l3)))
     }
-    // cuda_fwd: the `cuda` feature launches `kernels/apply.cu` here.
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.forward_cuda((s1, l1), (s2, l2), Some((s3, l3)))
+    }
 
     fn bwd(
         &self,

@@ -13,7 +13,7 @@ use candle_nn::{Init, ModuleT, VarBuilder};
 
 use crate::collective::{Collective, ReduceOp};
 use crate::ops::cpu::Geometry;
-use crate::ops::{batch_norm_stats, combine_host, HostStats, OP};
+use crate::ops::{acc_dtype, batch_norm_stats, finalize, host_count, row, OP};
 use autograd::{identity_params, NormFn};
 
 /// Running statistics, stored in `Var`s shared with the `VarBuilder`'s `VarMap` (when it has
@@ -30,9 +30,10 @@ struct Running {
 #[derive(Debug, Default)]
 struct State {
     num_batches_tracked: u64,
-    /// Global batch mean of the previous training step: the shift of the next one's sums
-    /// (bitwise identical on every rank, as it comes from all-reduced values).
-    shift: Option<Vec<f64>>,
+    /// Global batch mean of the previous training step (`[C]` f64 on the layer's device): the
+    /// shift of the next one's sums (bitwise identical on every rank, as it comes from
+    /// all-reduced values).
+    shift: Option<Tensor>,
 }
 
 /// Synchronized batch normalisation (PyTorch's `nn.SyncBatchNorm`).
@@ -121,11 +122,13 @@ pub fn sync_batch_norm(
     })
 }
 
-/// Statistics a forward normalises with, and the running-statistics update it commits.
+/// Statistics a forward normalises with (`[C]` f64 tensors on the input's device), and the
+/// running-statistics update it commits.
 struct Plan {
-    mean: Vec<f64>,
-    invstd: Vec<f64>,
-    count: f64,
+    mean: Tensor,
+    invstd: Tensor,
+    /// Global values per channel (`[C]`).
+    count: Tensor,
     update: Option<(Tensor, Tensor, u64)>,
 }
 
@@ -225,81 +228,83 @@ impl SyncBatchNorm {
         Ok(g)
     }
 
-    /// Global (or local) batch statistics: exactly one all-reduce of `3·C` f64 when `sync`.
+    /// Global (or local) batch statistics `[ROWS, C]` f64 (see [`row`]), on the input's device:
+    /// exactly one all-reduce of `3·C` f64 when `sync`, nothing read back to the host.
     ///
     /// The sums are shifted by the previous training step's global mean (0 on a layer's first
     /// step): every rank holds it bitwise identical because it comes from all-reduced values.
     /// The new shift is stored as soon as the reduced sums are known, before anything that can
     /// fail on one rank only, so the ranks' shifts never diverge.
-    fn batch_stats(&self, x: &Tensor, g: &Geometry, sync: bool) -> Result<HostStats> {
-        let c = g.c;
-        let k = self.lock().shift.clone().unwrap_or_else(|| vec![0.0; c]);
-        let kt = Tensor::from_slice(&k, c, x.device())?;
-        let mut sums = batch_norm_stats(x, &kt, self.config.channels_last)?;
+    fn batch_stats(&self, x: &Tensor, g: &Geometry, sync: bool, momentum: f64) -> Result<Tensor> {
+        let k = match self.lock().shift.clone() {
+            Some(k) => k,
+            None => Tensor::zeros(g.c, DType::F64, x.device())?,
+        };
+        let mut sums = batch_norm_stats(x, &k, self.config.channels_last)?;
         if sync {
             sums = self.comm.all_reduce(&sums, ReduceOp::Sum)?;
         }
-        let host = combine_host(&sums.flatten_all()?.to_vec1::<f64>()?, &k);
-        if sync && host.count > 0.0 {
-            self.lock().shift = Some(host.mean.clone());
+        let stats = finalize(&sums, &k, momentum, self.config.eps)?;
+        if sync {
+            // Row MEAN is K itself for an empty global batch, so storing it is always right.
+            self.lock().shift = Some(stats.get(row::MEAN)?);
         }
-        Ok(host)
+        Ok(stats)
     }
 
     fn plan(&self, x: &Tensor, g: &Geometry, train: bool) -> Result<Plan> {
-        let eps = self.config.eps;
+        let (eps, c, dev) = (self.config.eps, g.c, x.device());
         let use_batch = train || self.running.is_none();
         if !use_batch {
             let r = self
                 .running
                 .as_ref()
                 .expect("running statistics are tracked here");
-            let mean = r.mean.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
-            let var = r.var.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
-            let invstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+            let var = r.var.as_tensor().to_dtype(DType::F64)?;
             return Ok(Plan {
-                mean,
-                invstd,
-                count: g.count() as f64,
+                mean: r.mean.as_tensor().to_dtype(DType::F64)?,
+                invstd: (var + eps)?.sqrt()?.recip()?,
+                count: Tensor::zeros(c, DType::F64, dev)?,
                 update: None,
             });
         }
-        let stats = self.batch_stats(x, g, train)?;
-        let n = stats.count;
-        if n <= 1.0 && (train || n == 1.0) {
-            bail!(
-                "{OP}: expected more than 1 value per channel when training, got {n} in the {} batch (input shape {:?})",
-                if train { "global" } else { "local" },
-                x.dims()
-            )
-        }
-        let invstd = if n > 0.0 {
-            stats.invstd(eps)
-        } else {
-            vec![1.0; g.c]
+        let done = self.lock().num_batches_tracked + 1;
+        let momentum = match (train, &self.running) {
+            (true, Some(_)) => self.config.momentum.unwrap_or(1.0 / done as f64),
+            _ => 0.0,
         };
+        let stats = self.batch_stats(x, g, train, momentum)?;
+        // On the CPU the count is at hand; on a GPU reading it would stall the stream, and the
+        // statistics kernel turns an unusable batch into NaN outputs and untouched running
+        // statistics instead (see the README).
+        if let Some(n) = host_count(&stats)? {
+            if n <= 1.0 && (train || n == 1.0) {
+                bail!(
+                    "{OP}: expected more than 1 value per channel when training, got {n} in the {} batch (input shape {:?})",
+                    if train { "global" } else { "local" },
+                    x.dims()
+                )
+            }
+        }
         let mut update = None;
         if let (true, Some(r)) = (train, &self.running) {
-            let done = self.lock().num_batches_tracked + 1;
-            let m = self.config.momentum.unwrap_or(1.0 / done as f64);
-            let dev = r.mean.device();
-            let batch_mean = Tensor::from_slice(&stats.mean, g.c, dev)?;
-            let unbiased: Vec<f64> = stats.m2.iter().map(|v| v / (n - 1.0)).collect();
-            let batch_var = Tensor::from_slice(&unbiased, g.c, dev)?;
+            // running + w·(batch − running), w = momentum (0 for a batch that cannot update):
+            // all on the device.
+            let w = stats.get(row::BLEND)?;
             let blend = |old: &Tensor, new: Tensor| -> Result<Tensor> {
                 let old64 = old.to_dtype(DType::F64)?;
-                ((old64 * (1.0 - m))? + (new * m)?)?.to_dtype(old.dtype())
+                (&old64 + (new - &old64)?.mul(&w)?)?.to_dtype(old.dtype())
             };
             update = Some((
-                blend(r.mean.as_tensor(), batch_mean)?,
-                blend(r.var.as_tensor(), batch_var)?,
+                blend(r.mean.as_tensor(), stats.get(row::MEAN)?)?,
+                blend(r.var.as_tensor(), stats.get(row::VAR_UNBIASED)?)?,
                 done,
             ));
         }
         Ok(Plan {
-            mean: stats.mean,
-            invstd,
-            count: n,
+            mean: stats.get(row::MEAN)?,
+            invstd: stats.get(row::INVSTD)?,
+            count: stats.get(row::COUNT)?,
             update,
         })
     }
@@ -311,7 +316,8 @@ impl SyncBatchNorm {
         let params = match (&self.weight, &self.bias) {
             (Some(w), Some(b)) => Tensor::stack(&[w, b], 0)?,
             _ => identity_params(g.c, x.device())?,
-        };
+        }
+        .to_dtype(acc_dtype(x.dtype()))?;
         let op = NormFn {
             geometry: g,
             mean: plan.mean,

@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
-use super::{check_same_shape, host_f64, OP};
+use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
 
 /// Per-channel coefficients of the normalisation, on the host.
 #[derive(Debug, Clone)]
@@ -32,6 +32,18 @@ impl ApplyCoef {
         };
         let shift = bias.map_or_else(|| vec![0.0; mean.len()], <[f64]>::to_vec);
         Self { mean, scale, shift }
+    }
+
+    /// Coefficients from CPU tensors `mean`, `invstd` (`[C]` f64) and `[γ; β]` (`2·C` values,
+    /// or `None` for 1 and 0).
+    pub fn from_tensors(mean: &Tensor, invstd: &Tensor, params: Option<&[f64]>) -> Result<Self> {
+        let c = mean.elem_count();
+        Ok(Self::new(
+            mean.to_vec1::<f64>()?,
+            &invstd.to_vec1::<f64>()?,
+            params.map(|p| &p[..c]),
+            params.map(|p| &p[c..]),
+        ))
     }
 }
 
@@ -180,10 +192,115 @@ pub(crate) fn apply_cpu(
     })
 }
 
+/// `bn_apply_{nchw,nhwc}_<dtype>` of `kernels/apply.cu` on a contiguous input.
+///
+/// `mean`, `invstd`: `[C]` f64 views; `params`: `[2, C]` = `[γ; β]` in the accumulation dtype
+/// (f64 for f64 inputs, else f32), or `None`.
+#[cfg(feature = "cuda")]
+pub(crate) fn apply_cuda(
+    x: (&candle_core::CudaStorage, &Layout),
+    z: Option<(&candle_core::CudaStorage, &Layout)>,
+    g: &Geometry,
+    mean: &Tensor,
+    invstd: &Tensor,
+    params: Option<(&candle_core::CudaStorage, &Layout)>,
+    relu: bool,
+) -> Result<candle_core::CudaStorage> {
+    use super::cuda::{dispatch, kernel_name, launch_kernel, view, Aux, KernelElem, Module, Opt};
+    use candle_core::CudaStorage;
+
+    fn run<T: KernelElem>(
+        x: (&CudaStorage, &Layout),
+        z: Option<(&CudaStorage, &Layout)>,
+        g: &Geometry,
+        mean: &Tensor,
+        invstd: &Tensor,
+        params: Option<(&CudaStorage, &Layout)>,
+        relu: bool,
+    ) -> Result<CudaStorage> {
+        let dev = &x.0.device;
+        let (mean, invstd) = (
+            Aux::of(mean, dev, DType::F64, "mean")?,
+            Aux::of(invstd, dev, DType::F64, "invstd")?,
+        );
+        let (mean, invstd) = (mean.view::<f64>("mean")?, invstd.view::<f64>("invstd")?);
+        let xv = view::<T>(x.0, x.1, "input")?;
+        let zv = z.map(|(s, l)| view::<T>(s, l, "residual")).transpose()?;
+        let pv = params
+            .map(|(s, l)| view::<T::Acc>(s, l, "weight and bias"))
+            .transpose()?;
+        // SAFETY: the kernel writes every element of y.
+        let mut y = unsafe { dev.alloc::<T>(g.len())? };
+        let rows = g.rows();
+        let name = kernel_name(
+            if rows {
+                "bn_apply_nhwc"
+            } else {
+                "bn_apply_nchw"
+            },
+            x.0.dtype(),
+        )?;
+        let (n, c, hw, relu) = (g.n as i64, g.c as i64, g.s as i64, i32::from(relu));
+        if let Some(l) = crate::launch::elementwise(g.n, g.c, g.s, rows) {
+            let (z, p) = (Opt(zv.as_ref()), Opt(pv.as_ref()));
+            launch_kernel!(
+                dev,
+                Module::Apply,
+                name,
+                l,
+                [&xv, &z, &mean, &invstd, &p, &mut y, &n, &c, &hw, &relu]
+            );
+        }
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    }
+    dispatch!(x.0.dtype(), run(x, z, g, mean, invstd, params, relu))
+}
+
+/// Normalisation with statistics and parameters held by the op (no autograd).
 struct ApplyOp {
     geometry: Geometry,
-    coef: ApplyCoef,
+    /// `[C]` f64 on the input's device.
+    mean: Tensor,
+    /// `[C]` f64 on the input's device.
+    invstd: Tensor,
+    /// `[2, C]` = `[γ; β]` in the accumulation dtype, or `None`.
+    params: Option<Tensor>,
     relu: bool,
+}
+
+impl ApplyOp {
+    fn coef_cpu(&self) -> Result<ApplyCoef> {
+        let p = match &self.params {
+            Some(p) => Some(p.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?),
+            None => None,
+        };
+        ApplyCoef::from_tensors(&self.mean, &self.invstd, p.as_deref())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        x: (&candle_core::CudaStorage, &Layout),
+        z: Option<(&candle_core::CudaStorage, &Layout)>,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dev = &x.0.device;
+        let acc = super::acc_dtype(x.0.dtype());
+        let params = self
+            .params
+            .as_ref()
+            .map(|p| super::cuda::Aux::of(p, dev, acc, "weight and bias"))
+            .transpose()?;
+        let out = apply_cuda(
+            x,
+            z,
+            &self.geometry,
+            &self.mean,
+            &self.invstd,
+            params.as_ref().map(|p| p.parts()),
+            self.relu,
+        )?;
+        Ok((out, x.1.shape().clone()))
+    }
 }
 
 impl CustomOp1 for ApplyOp {
@@ -192,10 +309,18 @@ impl CustomOp1 for ApplyOp {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = apply_cpu(s, l, None, &self.geometry, &self.coef, self.relu)?;
+        let out = apply_cpu(s, l, None, &self.geometry, &self.coef_cpu()?, self.relu)?;
         Ok((out, l.shape().clone()))
     }
-    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/apply.cu` here.
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda((s, l), None)
+    }
 }
 
 impl CustomOp2 for ApplyOp {
@@ -210,15 +335,20 @@ impl CustomOp2 for ApplyOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = apply_cpu(
-            s1,
-            l1,
-            Some((s2, l2)),
-            &self.geometry,
-            &self.coef,
-            self.relu,
-        )?;
+        let coef = self.coef_cpu()?;
+        let out = apply_cpu(s1, l1, Some((s2, l2)), &self.geometry, &coef, self.relu)?;
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda((s1, l1), Some((s2, l2)))
     }
 }
 
@@ -226,7 +356,7 @@ impl CustomOp2 for ApplyOp {
 ///
 /// # Arguments
 /// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
-/// * `mean`, `invstd` - `[C]` (any float dtype; read as f64).
+/// * `mean`, `invstd` - `[C]` on `x`'s device (any float dtype; used as f64).
 /// * `weight`, `bias` - `[C]` or `None` (1 and 0).
 /// * `residual` - same shape and dtype as `x`, added before the activation, or `None`.
 /// * `relu` - apply ReLU to the result.
@@ -246,17 +376,37 @@ pub fn batch_norm_elemt(
 ) -> Result<Tensor> {
     let geometry = Geometry::of(OP, x.dims(), channels_last)?;
     let c = geometry.c;
-    let weight = weight.map(|w| host_f64("weight", w, c)).transpose()?;
-    let bias = bias.map(|b| host_f64("bias", b, c)).transpose()?;
-    let coef = ApplyCoef::new(
-        host_f64("mean", mean, c)?,
-        &host_f64("invstd", invstd, c)?,
-        weight.as_deref(),
-        bias.as_deref(),
-    );
+    let dev = x.device();
+    for (what, t) in [
+        ("mean", Some(mean)),
+        ("invstd", Some(invstd)),
+        ("weight", weight),
+        ("bias", bias),
+    ] {
+        if let Some(t) = t {
+            check_device(what, t, dev)?;
+        }
+    }
+    let acc = acc_dtype(x.dtype());
+    let params = match (weight, bias) {
+        (None, None) => None,
+        (w, b) => {
+            let w = match w {
+                Some(w) => per_channel_f64("weight", w, c)?,
+                None => Tensor::ones(c, DType::F64, dev)?,
+            };
+            let b = match b {
+                Some(b) => per_channel_f64("bias", b, c)?,
+                None => Tensor::zeros(c, DType::F64, dev)?,
+            };
+            Some(Tensor::stack(&[w, b], 0)?.to_dtype(acc)?)
+        }
+    };
     let op = ApplyOp {
         geometry,
-        coef,
+        mean: per_channel_f64("mean", mean, c)?,
+        invstd: per_channel_f64("invstd", invstd, c)?,
+        params,
         relu,
     };
     let x = x.contiguous()?;

@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
-use super::{check_same_shape, host_f64, OP};
+use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
 #[derive(Debug, Clone)]
@@ -39,6 +39,25 @@ impl ElemtCoef {
             .map(|j| invstd[j] * invstd[j] * sums[c + j] / n)
             .collect();
         Self { mean, a, b, k }
+    }
+
+    /// From the CPU tensors an op holds.
+    fn from_op(op: &BackwardElemtOp) -> Result<Self> {
+        let weight = match &op.weight {
+            Some(w) => Some(w.to_dtype(DType::F64)?.to_vec1::<f64>()?),
+            None => None,
+        };
+        let count = match op.count.to_vec1::<f64>()?.first() {
+            Some(&n) => n,
+            None => 0.0,
+        };
+        Ok(Self::new(
+            op.mean.to_vec1::<f64>()?,
+            &op.invstd.to_vec1::<f64>()?,
+            weight.as_deref(),
+            &op.sums.flatten_all()?.to_vec1::<f64>()?,
+            count,
+        ))
     }
 }
 
@@ -184,9 +203,87 @@ fn backward_elemt_cpu(
     })
 }
 
+/// `bn_backward_elemt_{nchw,nhwc}_<dtype>` of `kernels/backward_elemt.cu`: dx, then dz when
+/// `want_dz`, in one buffer.
+#[cfg(feature = "cuda")]
+fn backward_elemt_cuda(
+    dy: (&candle_core::CudaStorage, &Layout),
+    x: (&candle_core::CudaStorage, &Layout),
+    y: Option<(&candle_core::CudaStorage, &Layout)>,
+    op: &BackwardElemtOp,
+) -> Result<candle_core::CudaStorage> {
+    use super::cuda::{
+        dispatch, kernel_name, launch_kernel, view, Aux, KernelElem, Module, Opt, OptMut,
+    };
+    use candle_core::CudaStorage;
+
+    fn run<T: KernelElem>(
+        dy: (&CudaStorage, &Layout),
+        x: (&CudaStorage, &Layout),
+        y: Option<(&CudaStorage, &Layout)>,
+        op: &BackwardElemtOp,
+    ) -> Result<CudaStorage> {
+        let dev = &x.0.device;
+        let f64_aux = |t, what| Aux::of(t, dev, DType::F64, what);
+        let (mean, invstd) = (f64_aux(&op.mean, "mean")?, f64_aux(&op.invstd, "invstd")?);
+        let (sums, count) = (f64_aux(&op.sums, "sums")?, f64_aux(&op.count, "count")?);
+        let acc = super::acc_dtype(x.0.dtype());
+        let weight = op
+            .weight
+            .as_ref()
+            .map(|w| Aux::of(w, dev, acc, "weight"))
+            .transpose()?;
+        let (mean, invstd) = (mean.view::<f64>("mean")?, invstd.view::<f64>("invstd")?);
+        let (sums, count) = (sums.view::<f64>("sums")?, count.view::<f64>("count")?);
+        let wv = weight
+            .as_ref()
+            .map(|w| w.view::<T::Acc>("weight"))
+            .transpose()?;
+        let dyv = view::<T>(dy.0, dy.1, "gradient")?;
+        let xv = view::<T>(x.0, x.1, "input")?;
+        let yv = y.map(|(s, l)| view::<T>(s, l, "relu output")).transpose()?;
+        let g = &op.geometry;
+        let len = g.len();
+        // SAFETY: the kernel writes every element of dx, and of dz when asked.
+        let mut out = unsafe { dev.alloc::<T>(if op.want_dz { 2 * len } else { len })? };
+        let rows = g.rows();
+        let root = if rows {
+            "bn_backward_elemt_nhwc"
+        } else {
+            "bn_backward_elemt_nchw"
+        };
+        let name = kernel_name(root, x.0.dtype())?;
+        let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
+        if let Some(l) = crate::launch::elementwise(g.n, g.c, g.s, rows) {
+            let (mut dx, mut dz) = out.split_at_mut(len);
+            let (y, w) = (Opt(yv.as_ref()), Opt(wv.as_ref()));
+            let mut dz = OptMut(op.want_dz.then_some(&mut dz));
+            launch_kernel!(
+                dev,
+                Module::BackwardElemt,
+                name,
+                l,
+                [&dyv, &xv, &y, &mean, &invstd, &w, &sums, &count, &mut dx, &mut dz, &n, &c, &hw]
+            );
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    dispatch!(x.0.dtype(), run(dy, x, y, op))
+}
+
+/// The backward element-wise op; per-channel tensors on the input's device.
 struct BackwardElemtOp {
     geometry: Geometry,
-    coef: ElemtCoef,
+    /// `[C]` f64.
+    mean: Tensor,
+    /// `[C]` f64.
+    invstd: Tensor,
+    /// `[C]` in the accumulation dtype, or `None` (1).
+    weight: Option<Tensor>,
+    /// `[2, C]` f64, all-reduced `[Σg, Σg·(x − mean)]`.
+    sums: Tensor,
+    /// `[C]` f64, the global count.
+    count: Tensor,
     want_dz: bool,
 }
 
@@ -212,17 +309,29 @@ impl CustomOp2 for BackwardElemtOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let coef = ElemtCoef::from_op(self)?;
         let out = backward_elemt_cpu(
             (s1, l1),
             (s2, l2),
             None,
             &self.geometry,
-            &self.coef,
+            &coef,
             self.want_dz,
         )?;
         Ok((out, self.shape(l2)))
     }
-    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/backward.cu` here.
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = backward_elemt_cuda((s1, l1), (s2, l2), None, self)?;
+        Ok((out, self.shape(l2)))
+    }
 }
 
 impl CustomOp3 for BackwardElemtOp {
@@ -239,14 +348,29 @@ impl CustomOp3 for BackwardElemtOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let coef = ElemtCoef::from_op(self)?;
         let out = backward_elemt_cpu(
             (s1, l1),
             (s2, l2),
             Some((s3, l3)),
             &self.geometry,
-            &self.coef,
+            &coef,
             self.want_dz,
         )?;
+        Ok((out, self.shape(l2)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = backward_elemt_cuda((s1, l1), (s2, l2), Some((s3, l3)), self)?;
         Ok((out, self.shape(l2)))
     }
 }
@@ -261,10 +385,12 @@ impl CustomOp3 for BackwardElemtOp {
 /// * `sums` - `[2, C]`: `[Σg, Σg·(x − mean)]` summed over **all ranks** (from
 ///   [`super::batch_norm_backward_reduce`] and an all-reduce). Pass zeros when the statistics
 ///   were constants (eval with running statistics): then `dx = g·γ·invstd`.
-/// * `count` - values per channel in the global batch (`n`).
+/// * `count` - values per channel in the global batch (`n`): one value, or `[C]` (as
+///   [`super::BatchStats::count`]).
 /// * `relu_output` - the forward output when ReLU was fused, else `None`.
 /// * `want_dz` - also return `dz = g` (the residual's gradient).
 ///
+/// Every per-channel tensor lives on `x`'s device; nothing is read back to the host.
 /// Returns `(dx, dz)`: `dx` of `x`'s shape and dtype; `dz` the same when `want_dz`.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_backward_elemt(
@@ -274,7 +400,7 @@ pub fn batch_norm_backward_elemt(
     invstd: &Tensor,
     weight: Option<&Tensor>,
     sums: &Tensor,
-    count: f64,
+    count: &Tensor,
     relu_output: Option<&Tensor>,
     want_dz: bool,
     channels_last: bool,
@@ -282,18 +408,36 @@ pub fn batch_norm_backward_elemt(
     let geometry = Geometry::of(OP, x.dims(), channels_last)?;
     let c = geometry.c;
     check_same_shape("gradient", x.dims(), dy)?;
-    let weight = weight.map(|w| host_f64("weight", w, c)).transpose()?;
-    let sums = host_f64("sums", sums, 2 * c)?;
-    let coef = ElemtCoef::new(
-        host_f64("mean", mean, c)?,
-        &host_f64("invstd", invstd, c)?,
-        weight.as_deref(),
-        &sums,
-        count,
-    );
+    let dev = x.device();
+    for (what, t) in [
+        ("mean", Some(mean)),
+        ("invstd", Some(invstd)),
+        ("weight", weight),
+        ("sums", Some(sums)),
+        ("count", Some(count)),
+    ] {
+        if let Some(t) = t {
+            check_device(what, t, dev)?;
+        }
+    }
+    let count = match count.elem_count() {
+        1 => count
+            .flatten_all()?
+            .to_dtype(DType::F64)?
+            .broadcast_as(c)?
+            .contiguous()?,
+        _ => per_channel_f64("count", count, c)?,
+    };
+    let weight = weight
+        .map(|w| per_channel_f64("weight", w, c).and_then(|w| w.to_dtype(acc_dtype(x.dtype()))))
+        .transpose()?;
     let op = BackwardElemtOp {
         geometry,
-        coef,
+        mean: per_channel_f64("mean", mean, c)?,
+        invstd: per_channel_f64("invstd", invstd, c)?,
+        weight,
+        sums: per_channel_f64("sums", sums, 2 * c)?,
+        count,
         want_dz,
     };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);

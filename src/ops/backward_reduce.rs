@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu::{hsum2, reduce2, simd_fn, slice, split, Elem, Geometry, Real, LANES};
-use super::{check_same_shape, host_f64, OP};
+use super::{check_device, check_same_shape, per_channel_f64, OP};
 
 /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
 #[inline(always)]
@@ -165,9 +165,67 @@ fn backward_reduce_cpu(
     })
 }
 
+/// `bn_backward_reduce_{nchw,nhwc}_<dtype>` of `kernels/backward_reduce.cu`: `[2, C]` f64.
+#[cfg(feature = "cuda")]
+fn backward_reduce_cuda(
+    dy: (&candle_core::CudaStorage, &Layout),
+    x: (&candle_core::CudaStorage, &Layout),
+    y: Option<(&candle_core::CudaStorage, &Layout)>,
+    g: &Geometry,
+    mean: &Tensor,
+) -> Result<candle_core::CudaStorage> {
+    use super::cuda::{
+        dispatch, kernel_name, launch_kernel, view, with_counters, workspace, Aux, KernelElem,
+        Module, Opt,
+    };
+    use candle_core::CudaStorage;
+
+    fn run<T: KernelElem>(
+        dy: (&CudaStorage, &Layout),
+        x: (&CudaStorage, &Layout),
+        y: Option<(&CudaStorage, &Layout)>,
+        g: &Geometry,
+        mean: &Tensor,
+    ) -> Result<CudaStorage> {
+        let dev = &x.0.device;
+        let mean = Aux::of(mean, dev, DType::F64, "mean")?;
+        let mean = mean.view::<f64>("mean")?;
+        let dyv = view::<T>(dy.0, dy.1, "gradient")?;
+        let xv = view::<T>(x.0, x.1, "input")?;
+        let yv = y.map(|(s, l)| view::<T>(s, l, "relu output")).transpose()?;
+        // SAFETY: the kernel writes all 2·C values (zeros for an empty batch).
+        let mut out = unsafe { dev.alloc::<f64>(2 * g.c)? };
+        let rows = g.rows();
+        let root = if rows {
+            "bn_backward_reduce_nhwc"
+        } else {
+            "bn_backward_reduce_nchw"
+        };
+        let name = kernel_name(root, x.0.dtype())?;
+        let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
+        if let Some(r) = crate::launch::reduction(g.n, g.c, g.s, rows) {
+            let mut work = workspace(dev, r.work_len)?;
+            with_counters(dev, r.counters, |counters| {
+                let y = Opt(yv.as_ref());
+                launch_kernel!(
+                    dev,
+                    Module::BackwardReduce,
+                    name,
+                    r.launch,
+                    [&dyv, &xv, &y, &mean, &mut out, &mut work, counters, &n, &c, &hw]
+                );
+                Ok(())
+            })?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    dispatch!(x.0.dtype(), run(dy, x, y, g, mean))
+}
+
 struct BackwardReduceOp {
     geometry: Geometry,
-    mean: Vec<f64>,
+    /// `[C]` f64 on the input's device.
+    mean: Tensor,
 }
 
 impl BackwardReduceOp {
@@ -188,10 +246,22 @@ impl CustomOp2 for BackwardReduceOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let v = backward_reduce_cpu((s1, l1), (s2, l2), None, &self.geometry, &self.mean)?;
+        let mean = self.mean.to_vec1::<f64>()?;
+        let v = backward_reduce_cpu((s1, l1), (s2, l2), None, &self.geometry, &mean)?;
         Ok(self.finish(v))
     }
-    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/backward.cu` here.
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = backward_reduce_cuda((s1, l1), (s2, l2), None, &self.geometry, &self.mean)?;
+        Ok((out, Shape::from((2, self.geometry.c))))
+    }
 }
 
 impl CustomOp3 for BackwardReduceOp {
@@ -208,14 +278,29 @@ impl CustomOp3 for BackwardReduceOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let v = backward_reduce_cpu(
+        let mean = self.mean.to_vec1::<f64>()?;
+        let v = backward_reduce_cpu((s1, l1), (s2, l2), Some((s3, l3)), &self.geometry, &mean)?;
+        Ok(self.finish(v))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = backward_reduce_cuda(
             (s1, l1),
             (s2, l2),
             Some((s3, l3)),
             &self.geometry,
             &self.mean,
         )?;
-        Ok(self.finish(v))
+        Ok((out, Shape::from((2, self.geometry.c))))
     }
 }
 
@@ -224,12 +309,12 @@ impl CustomOp3 for BackwardReduceOp {
 /// # Arguments
 /// * `dy` - gradient of the output, shape and dtype of `x`.
 /// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`.
-/// * `mean` - `[C]`, the mean used in the forward.
+/// * `mean` - `[C]` on `x`'s device, the mean used in the forward.
 /// * `relu_output` - the forward output `y` when ReLU was fused (`dy` counts only where `y > 0`),
 ///   else `None`.
 ///
-/// Returns `[2, C]` f64: row 0 `Σg`, row 1 `Σg·(x − mean)`. Summed over ranks it feeds
-/// [`super::batch_norm_backward_elemt`]; locally, row 0 is dβ and row 1 times invstd is dγ.
+/// Returns `[2, C]` f64 on `x`'s device: row 0 `Σg`, row 1 `Σg·(x − mean)`. Summed over ranks it
+/// feeds [`super::batch_norm_backward_elemt`]; locally, row 0 is dβ and row 1 times invstd is dγ.
 pub fn batch_norm_backward_reduce(
     dy: &Tensor,
     x: &Tensor,
@@ -239,9 +324,10 @@ pub fn batch_norm_backward_reduce(
 ) -> Result<Tensor> {
     let geometry = Geometry::of(OP, x.dims(), channels_last)?;
     check_same_shape("gradient", x.dims(), dy)?;
+    check_device("mean", mean, x.device())?;
     let op = BackwardReduceOp {
         geometry,
-        mean: host_f64("mean", mean, geometry.c)?,
+        mean: per_channel_f64("mean", mean, geometry.c)?,
     };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);
     match relu_output {

@@ -1,50 +1,139 @@
-//! Turns all-reduced shifted sums into the global mean, variance and inverse std.
+//! Turns all-reduced shifted sums into the global mean, variance and inverse std, on the device
+//! of the sums (`bn_finalize_f64` of `kernels/stats.cu` on CUDA): nothing is read to the host.
 
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::{host_f64, OP};
+use super::cpu::slice;
+use super::{per_channel_f64, OP};
 
-/// Global statistics of one layer's batch, on the host.
-#[derive(Debug, Clone)]
-pub(crate) struct HostStats {
-    /// Values per channel over all ranks.
-    pub count: f64,
-    /// Global mean per channel.
-    pub mean: Vec<f64>,
-    /// Global sum of squared deviations per channel.
-    pub m2: Vec<f64>,
+/// Rows of the finalize output `[ROWS, C]` f64.
+pub(crate) mod row {
+    /// Global count `n`.
+    pub const COUNT: usize = 0;
+    /// Global mean `K + A/n` (`K` for an empty batch).
+    pub const MEAN: usize = 1;
+    /// `1/sqrt(M2/n + eps)`; NaN when `n = 1`, 1 when `n = 0`.
+    pub const INVSTD: usize = 2;
+    /// Biased variance `M2/n`.
+    pub const VAR: usize = 3;
+    /// Unbiased variance `M2/(n − 1)`, 0 when `n ≤ 1`.
+    pub const VAR_UNBIASED: usize = 4;
+    /// Running-statistics blend weight: the momentum when `n > 1`, else 0.
+    pub const BLEND: usize = 5;
+    /// Number of rows.
+    pub const ROWS: usize = 6;
 }
 
-impl HostStats {
-    /// Biased variance `M2 / n`.
-    pub fn var(&self) -> Vec<f64> {
-        self.m2.iter().map(|m| m / self.count).collect()
+/// The finalize arithmetic of one channel (the CPU twin of `finalize` in `kernels/stats.cu`).
+fn finalize_channel(n: f64, a: f64, b: f64, k: f64, momentum: f64, eps: f64) -> [f64; row::ROWS] {
+    let d = if n > 0.0 { a / n } else { 0.0 };
+    let m2 = (b - a * d).max(0.0);
+    let var = if n > 0.0 { m2 / n } else { 0.0 };
+    let invstd = if n == 1.0 {
+        f64::NAN
+    } else if n > 0.0 {
+        1.0 / (var + eps).sqrt()
+    } else {
+        1.0
+    };
+    let (unbiased, blend) = if n > 1.0 {
+        (m2 / (n - 1.0), momentum)
+    } else {
+        (0.0, 0.0)
+    };
+    [n, k + d, invstd, var, unbiased, blend]
+}
+
+/// Sums `[3, C]` and shift `[C]` (both f64) → `[ROWS, C]` f64.
+pub(crate) struct FinalizeOp {
+    pub c: usize,
+    /// Running-statistics momentum (the blend weight of row `BLEND` when `n > 1`).
+    pub momentum: f64,
+    pub eps: f64,
+}
+
+impl CustomOp2 for FinalizeOp {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-finalize"
     }
 
-    /// `1 / sqrt(M2 / n + eps)`.
-    pub fn invstd(&self, eps: f64) -> Vec<f64> {
-        self.m2
-            .iter()
-            .map(|m| 1.0 / (m / self.count + eps).sqrt())
-            .collect()
+    fn cpu_fwd(
+        &self,
+        ss: &CpuStorage,
+        sl: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let c = self.c;
+        let (sums, shift) = (slice::<f64>(OP, ss, sl)?, slice::<f64>(OP, ks, kl)?);
+        let mut out = vec![0f64; row::ROWS * c];
+        for j in 0..c {
+            let r = finalize_channel(
+                sums[j],
+                sums[c + j],
+                sums[2 * c + j],
+                shift[j],
+                self.momentum,
+                self.eps,
+            );
+            for (i, v) in r.into_iter().enumerate() {
+                out[i * c + j] = v;
+            }
+        }
+        Ok((CpuStorage::F64(out), Shape::from((row::ROWS, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::cuda::{launch_kernel, view, Module};
+        let dev = &ss.device;
+        let (sums, shift) = (view::<f64>(ss, sl, "sums")?, view::<f64>(ks, kl, "shift")?);
+        // SAFETY: the kernel writes all ROWS·C values.
+        let mut out = unsafe { dev.alloc::<f64>(row::ROWS * self.c)? };
+        let (momentum, eps, c) = (self.momentum, self.eps, self.c as i64);
+        if let Some(l) = crate::launch::finalize(self.c) {
+            launch_kernel!(
+                dev,
+                Module::Stats,
+                "bn_finalize_f64",
+                l,
+                [&sums, &shift, &mut out, &momentum, &eps, &c]
+            );
+        }
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((row::ROWS, self.c)),
+        ))
     }
 }
 
-/// Combines `[n, A, B]` (`3·C` values, already summed over ranks) with the shift `K`:
-/// `mean = K + A/n`, `M2 = B − A²/n` (clamped at 0).
-pub(crate) fn combine_host(sums: &[f64], shift: &[f64]) -> HostStats {
-    let c = shift.len();
-    let count = if c == 0 { 0.0 } else { sums[0] };
-    let (a, b) = (&sums[c..2 * c], &sums[2 * c..3 * c]);
-    let mut mean = Vec::with_capacity(c);
-    let mut m2 = Vec::with_capacity(c);
-    for j in 0..c {
-        let d = if count > 0.0 { a[j] / count } else { 0.0 };
-        let m = (b[j] - a[j] * d).max(0.0);
-        mean.push(shift[j] + d);
-        m2.push(m);
+/// `[ROWS, C]` f64 statistics from all-reduced sums, on the sums' device.
+pub(crate) fn finalize(sums: &Tensor, shift: &Tensor, momentum: f64, eps: f64) -> Result<Tensor> {
+    let c = shift.elem_count();
+    if sums.dims() != [3, c] {
+        bail!(
+            "{OP} gather_stats: expected sums of shape [3, {c}], got {:?}",
+            sums.dims()
+        )
     }
-    HostStats { count, mean, m2 }
+    let shift = per_channel_f64("shift", shift, c)?;
+    let sums = sums.to_dtype(DType::F64)?.contiguous()?;
+    sums.apply_op2_no_bwd(&shift, &FinalizeOp { c, momentum, eps })
+}
+
+/// The global count of finalized statistics, when it can be read without waiting for a GPU
+/// (CPU tensors); `None` on other devices.
+pub(crate) fn host_count(stats: &Tensor) -> Result<Option<f64>> {
+    if !stats.device().is_cpu() || stats.dim(1)? == 0 {
+        return Ok(None);
+    }
+    Ok(Some(stats.get(row::COUNT)?.get(0)?.to_scalar::<f64>()?))
 }
 
 /// Global batch statistics, each `[C]` f64 on the device of the sums.
@@ -56,7 +145,7 @@ pub struct BatchStats {
     pub mean: Tensor,
     /// Biased variance `M2 / n` (what normalises the batch).
     pub var: Tensor,
-    /// Unbiased variance `M2 / (n − 1)` (what running statistics track).
+    /// Unbiased variance `M2 / (n − 1)` (what running statistics track; 0 when `n ≤ 1`).
     pub var_unbiased: Tensor,
     /// `1 / sqrt(var + eps)`.
     pub invstd: Tensor,
@@ -69,38 +158,24 @@ pub struct BatchStats {
 /// * `shift` - `[C]`, the same shift `K` every rank passed to `batch_norm_stats`.
 /// * `eps` - added to the biased variance before the inverse square root.
 ///
-/// Errors when a channel has fewer than 2 values in total (as PyTorch does in training).
+/// Computed on the sums' device (a CUDA kernel on a GPU), nothing read back to the host.
+/// A channel with fewer than 2 values in total cannot be normalised (as in PyTorch's training
+/// mode): on the CPU this is an error; on a GPU, where checking would stall the stream, `invstd`
+/// is NaN for `n = 1` (the output of the layer becomes NaN) and 1 for `n = 0`.
 pub fn batch_norm_gather_stats(sums: &Tensor, shift: &Tensor, eps: f64) -> Result<BatchStats> {
-    let c = shift.elem_count();
-    if sums.dims() != [3, c] {
-        bail!(
-            "{OP} gather_stats: expected sums of shape [3, {c}], got {:?}",
-            sums.dims()
-        )
+    let stats = finalize(sums, shift, 0.0, eps)?;
+    if let Some(n) = host_count(&stats)? {
+        if n <= 1.0 {
+            bail!(
+                "{OP}: expected more than 1 value per channel when training, got {n} in the global batch"
+            )
+        }
     }
-    let host = combine_host(
-        &sums
-            .flatten_all()?
-            .to_dtype(candle_core::DType::F64)?
-            .to_vec1()?,
-        &host_f64("shift", shift, c)?,
-    );
-    if host.count <= 1.0 {
-        bail!(
-            "{OP}: expected more than 1 value per channel when training, got {} in the global batch",
-            host.count
-        )
-    }
-    let dev = sums.device();
-    let vec = |v: Vec<f64>, d: &Device| Tensor::from_vec(v, c, d);
     Ok(BatchStats {
-        count: vec(vec![host.count; c], dev)?,
-        mean: vec(host.mean.clone(), dev)?,
-        var: vec(host.var(), dev)?,
-        var_unbiased: vec(
-            host.m2.iter().map(|m| m / (host.count - 1.0)).collect(),
-            dev,
-        )?,
-        invstd: vec(host.invstd(eps), dev)?,
+        count: stats.get(row::COUNT)?,
+        mean: stats.get(row::MEAN)?,
+        var: stats.get(row::VAR)?,
+        var_unbiased: stats.get(row::VAR_UNBIASED)?,
+        invstd: stats.get(row::INVSTD)?,
     })
 }

@@ -24,6 +24,8 @@ mod backward_elemt;
 mod backward_reduce;
 mod combine;
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 mod stats;
 
 pub use apply::batch_norm_elemt;
@@ -32,23 +34,48 @@ pub use backward_reduce::batch_norm_backward_reduce;
 pub use combine::{batch_norm_gather_stats, BatchStats};
 pub use stats::batch_norm_stats;
 
+#[cfg(feature = "cuda")]
+pub(crate) use apply::apply_cuda;
 pub(crate) use apply::{apply_cpu, ApplyCoef};
-pub(crate) use combine::{combine_host, HostStats};
+pub(crate) use combine::{finalize, host_count, row};
 
 use candle_core::{bail, DType, Result, Tensor};
 
 /// Name used in error messages.
 pub(crate) const OP: &str = "sync-batch-norm";
 
-/// A per-channel tensor of `len` values read to the host as f64.
-pub(crate) fn host_f64(what: &str, t: &Tensor, len: usize) -> Result<Vec<f64>> {
+/// A per-channel tensor of `len` values as a contiguous `[len]` f64 tensor on its own device
+/// (a no-op for one that already is).
+pub(crate) fn per_channel_f64(what: &str, t: &Tensor, len: usize) -> Result<Tensor> {
     if t.elem_count() != len {
         bail!(
             "{OP}: expected {what} with {len} values, got shape {:?}",
             t.dims()
         )
     }
-    t.flatten_all()?.to_dtype(DType::F64)?.to_vec1()
+    t.flatten_all()?.to_dtype(DType::F64)?.contiguous()
+}
+
+/// Accumulation dtype of the element-wise kernels for an input dtype: f64 for f64, else f32.
+/// Per-channel affine parameters are passed to the ops in this dtype.
+pub(crate) fn acc_dtype(input: DType) -> DType {
+    if input == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// Errors unless `t` lives on `dev`.
+pub(crate) fn check_device(what: &str, t: &Tensor, dev: &candle_core::Device) -> Result<()> {
+    if !t.device().same_device(dev) {
+        bail!(
+            "{OP}: {what} is on {:?} but the input on {:?}",
+            t.device(),
+            dev
+        )
+    }
+    Ok(())
 }
 
 /// Errors unless `t` has shape `dims`.

@@ -4,10 +4,10 @@
 //! (one all-reduce of 3C values, whatever the world size); see [`super::batch_norm_gather_stats`].
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu::{hsum2, reduce2, simd_fn, slice, Elem, Geometry, Real, LANES};
-use super::{host_f64, OP};
+use super::{per_channel_f64, OP};
 
 simd_fn! {
     /// `(Σ(x − k), Σ(x − k)²)` of one channels-first segment.
@@ -103,19 +103,93 @@ fn stats_cpu(xs: &CpuStorage, xl: &Layout, g: &Geometry, shift: &[f64]) -> Resul
 
 struct StatsOp {
     geometry: Geometry,
-    shift: Vec<f64>,
 }
 
-impl CustomOp1 for StatsOp {
+impl CustomOp2 for StatsOp {
     fn name(&self) -> &'static str {
         "sync-batch-norm-stats"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = stats_cpu(s, l, &self.geometry, &self.shift)?;
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shift = slice::<f64>(OP, ks, kl)?;
+        let out = stats_cpu(xs, xl, &self.geometry, shift)?;
         Ok((CpuStorage::F64(out), Shape::from((3, self.geometry.c))))
     }
-    // cuda_fwd: the `cuda` feature adds the kernels of `kernels/stats.cu` here.
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = stats_cuda(xs, xl, ks, kl, &self.geometry)?;
+        Ok((out, Shape::from((3, self.geometry.c))))
+    }
+}
+
+/// `bn_stats_{nchw,nhwc}_<dtype>` of `kernels/stats.cu`: `[3, C]` f64 on the input's device.
+#[cfg(feature = "cuda")]
+fn stats_cuda(
+    xs: &candle_core::CudaStorage,
+    xl: &Layout,
+    ks: &candle_core::CudaStorage,
+    kl: &Layout,
+    g: &Geometry,
+) -> Result<candle_core::CudaStorage> {
+    use super::cuda::{kernel_name, launch_kernel, view, with_counters, workspace, Module};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::CudaStorage;
+
+    fn run<T: CudaDType>(
+        xs: &CudaStorage,
+        xl: &Layout,
+        ks: &CudaStorage,
+        kl: &Layout,
+        g: &Geometry,
+    ) -> Result<CudaStorage> {
+        let dev = &xs.device;
+        let rows = g.rows();
+        let root = if rows {
+            "bn_stats_nhwc"
+        } else {
+            "bn_stats_nchw"
+        };
+        let name = kernel_name(root, xs.dtype())?;
+        let x = view::<T>(xs, xl, "input")?;
+        let shift = view::<f64>(ks, kl, "shift")?;
+        // SAFETY: the kernel writes all 3·C values (zeros for an empty batch).
+        let mut out = unsafe { dev.alloc::<f64>(3 * g.c)? };
+        let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
+        if let Some(r) = crate::launch::reduction(g.n, g.c, g.s, rows) {
+            let mut work = workspace(dev, r.work_len)?;
+            with_counters(dev, r.counters, |counters| {
+                launch_kernel!(
+                    dev,
+                    Module::Stats,
+                    name,
+                    r.launch,
+                    [&x, &shift, &mut out, &mut work, counters, &n, &c, &hw]
+                );
+                Ok(())
+            })?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    match xs.dtype() {
+        DType::F32 => run::<f32>(xs, xl, ks, kl, g),
+        DType::F64 => run::<f64>(xs, xl, ks, kl, g),
+        DType::F16 => run::<half::f16>(xs, xl, ks, kl, g),
+        DType::BF16 => run::<half::bf16>(xs, xl, ks, kl, g),
+        d => bail!("{OP} stats: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
+    }
 }
 
 /// Local shifted sums of `x` per channel, the input of the cross-rank all-reduce.
@@ -123,14 +197,16 @@ impl CustomOp1 for StatsOp {
 /// # Arguments
 /// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
 ///   `N` may be 0 (an empty local batch gives zero sums).
-/// * `shift` - `[C]`, the shift `K` (any float dtype, read as f64); must be identical on every
-///   rank, ideally close to the channel means (e.g. the previous step's global mean).
+/// * `shift` - `[C]` on `x`'s device, the shift `K` (any float dtype, used as f64); must be
+///   identical on every rank, ideally close to the channel means (e.g. the previous step's
+///   global mean).
 ///
-/// Returns `[3, C]` f64: row 0 the local count `n_r` (values per channel), row 1 `Σ(x − K)`,
-/// row 2 `Σ(x − K)²`. Sum it over ranks and pass it to [`super::batch_norm_gather_stats`].
+/// Returns `[3, C]` f64 on `x`'s device: row 0 the local count `n_r` (values per channel), row 1
+/// `Σ(x − K)`, row 2 `Σ(x − K)²`. Sum it over ranks and pass it to
+/// [`super::batch_norm_gather_stats`]. Nothing is read back to the host.
 pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, channels_last: bool) -> Result<Tensor> {
     let geometry = Geometry::of(OP, x.dims(), channels_last)?;
-    let shift = host_f64("shift", shift, geometry.c)?;
+    let shift = per_channel_f64("shift", shift, geometry.c)?;
     x.contiguous()?
-        .apply_op1_no_bwd(&StatsOp { geometry, shift })
+        .apply_op2_no_bwd(&shift, &StatsOp { geometry })
 }

@@ -1,0 +1,233 @@
+//! Shared plumbing of the ops' CUDA paths (feature `cuda`): the PTX modules compiled from
+//! `kernels/*.cu` by `build.rs`, kernel lookup by `<root>_<dtype>` name, launch configurations
+//! from [`crate::launch`], device views of inputs, and the persistent arrival counters of the
+//! grid-split reductions. Every kernel is enqueued on the candle device's stream; nothing here
+//! waits for the GPU.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, DeviceId};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
+
+use super::OP;
+use crate::launch::Launch;
+
+/// PTX of every `kernels/<file>.cu`, as `pub const <FILE>: &str`.
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// One compiled kernel file.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Module {
+    Stats,
+    Apply,
+    BackwardReduce,
+    BackwardElemt,
+}
+
+impl Module {
+    /// `(module name in candle's cache, PTX)`.
+    pub fn ptx(self) -> (&'static str, &'static str) {
+        match self {
+            Module::Stats => ("candle_distributed_stats", ptx::STATS),
+            Module::Apply => ("candle_distributed_apply", ptx::APPLY),
+            Module::BackwardReduce => ("candle_distributed_backward_reduce", ptx::BACKWARD_REDUCE),
+            Module::BackwardElemt => ("candle_distributed_backward_elemt", ptx::BACKWARD_ELEMT),
+        }
+    }
+}
+
+/// Entry point `<root>_<dtype>` of a kernel family.
+pub(crate) fn kernel_name(root: &str, dtype: DType) -> Result<String> {
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        d => bail!("{OP}: unsupported dtype {d:?} on CUDA (expected f32, f64, f16 or bf16)"),
+    };
+    Ok(format!("{root}_{suffix}"))
+}
+
+/// cudarc's launch configuration of one of our launches.
+pub(crate) fn config(l: Launch) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+        block_dim: (l.block[0], l.block[1], l.block[2]),
+        shared_mem_bytes: l.shared_mem_bytes,
+    }
+}
+
+/// Launches `module`'s entry point `name` on `dev`'s stream with the arguments listed in the
+/// kernel's parameter order: device buffers as `&CudaSlice`/`&CudaView` (outputs `&mut`),
+/// optional ones as `&Opt`/`&mut OptMut`, scalars as references to `i64`/`i32`/`f64`.
+macro_rules! launch_kernel {
+    ($dev:expr, $module:expr, $name:expr, $launch:expr, [$($arg:expr),* $(,)?]) => {{
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        use candle_core::cuda_backend::WrapErr;
+        let (module, ptx) = $module.ptx();
+        let func = $dev.get_or_load_custom_func(&$name, module, ptx)?;
+        let mut builder = func.builder();
+        $(builder.arg($arg);)*
+        // SAFETY: every call site passes exactly the parameters of the `extern "C"` entry point
+        // `$name` in `kernels/*.cu`, in order and with the same types (device pointers for
+        // pointers, i64 for `long long`, i32 for `int`, f64 for `double`); every buffer holds at
+        // least the elements the launch configuration `$launch` makes the kernel touch, which
+        // `crate::launch` derives from the same (n, c, hw) the kernel receives.
+        unsafe { builder.launch($crate::ops::cuda::config($launch)) }.w()?;
+    }};
+}
+pub(crate) use launch_kernel;
+
+/// A null device pointer, for the optional pointer parameters (`z`, `y`, `params`, `dz`).
+static NULL: u64 = 0;
+
+/// An optional read-only kernel argument: the view's device pointer, or null.
+pub(crate) struct Opt<'v, 'c, T>(pub Option<&'v CudaView<'c, T>>);
+
+// SAFETY: pushes exactly one pointer-sized argument through cudarc's own implementations (the
+// view's, which also records the stream events, or a null `u64` that lives forever).
+unsafe impl<'a, 'b: 'a, 'v: 'a, 'c: 'v, T> PushKernelArg<&'b Opt<'v, 'c, T>> for LaunchArgs<'a> {
+    fn arg(&mut self, arg: &'b Opt<'v, 'c, T>) -> &mut Self {
+        match arg.0 {
+            Some(v) => self.arg(v),
+            None => self.arg(&NULL),
+        }
+    }
+}
+
+/// An optional written kernel argument: the view's device pointer, or null.
+pub(crate) struct OptMut<'v, 'c, T>(pub Option<&'v mut CudaViewMut<'c, T>>);
+
+// SAFETY: as for `Opt`, through cudarc's implementation for mutable views.
+unsafe impl<'a, 'b: 'a, 'v: 'a, 'c: 'v, T> PushKernelArg<&'b mut OptMut<'v, 'c, T>>
+    for LaunchArgs<'a>
+{
+    fn arg(&mut self, arg: &'b mut OptMut<'v, 'c, T>) -> &mut Self {
+        match arg.0.as_mut() {
+            Some(v) => self.arg(&mut **v),
+            None => self.arg(&NULL),
+        }
+    }
+}
+
+/// The contiguous elements of a CUDA input as a view (the ops make their inputs contiguous).
+pub(crate) fn view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((lo, hi)) => Ok(s.as_cuda_slice::<T>()?.slice(lo..hi)),
+        None => bail!("{OP}: {what} must be contiguous on CUDA"),
+    }
+}
+
+/// The CUDA storage of a tensor an op holds besides its inputs (per-channel statistics and
+/// parameters), locked for reading while the launch is enqueued.
+pub(crate) struct Aux<'a> {
+    guard: candle_core::StorageRef<'a>,
+    layout: &'a Layout,
+}
+
+impl<'a> Aux<'a> {
+    /// `t` must be a `dtype` tensor on the op's CUDA device.
+    pub fn of(t: &'a Tensor, dev: &CudaDevice, dtype: DType, what: &str) -> Result<Self> {
+        let (guard, layout) = t.storage_and_layout();
+        match &*guard {
+            Storage::Cuda(s) if s.device.id() == dev.id() && t.dtype() == dtype => {}
+            _ => bail!(
+                "{OP}: {what} must be a {dtype:?} tensor on the input's CUDA device, got {:?} on {:?}",
+                t.dtype(),
+                t.device()
+            ),
+        }
+        Ok(Self { guard, layout })
+    }
+
+    /// The storage and layout, as a custom op receives its inputs.
+    pub fn parts(&self) -> (&CudaStorage, &Layout) {
+        match &*self.guard {
+            Storage::Cuda(s) => (s, self.layout),
+            _ => unreachable!("checked in Aux::of"),
+        }
+    }
+
+    /// The tensor's values as a device view.
+    pub fn view<T: CudaDType>(&self, what: &str) -> Result<CudaView<'_, T>> {
+        let (s, l) = self.parts();
+        view(s, l, what)
+    }
+}
+
+/// A storage type of the kernels with its accumulation type (`AccOf<T>` in
+/// `kernels/compat.cuh`): the dtype of the per-channel parameters the kernels read.
+pub(crate) trait KernelElem: CudaDType + DeviceRepr {
+    type Acc: CudaDType;
+}
+impl KernelElem for f32 {
+    type Acc = f32;
+}
+impl KernelElem for f64 {
+    type Acc = f64;
+}
+impl KernelElem for half::f16 {
+    type Acc = f32;
+}
+impl KernelElem for half::bf16 {
+    type Acc = f32;
+}
+
+/// Calls `$run::<T>(args…)` with the storage type `T` of `$dtype`.
+macro_rules! dispatch {
+    ($dtype:expr, $run:ident($($arg:expr),* $(,)?)) => {
+        match $dtype {
+            candle_core::DType::F32 => $run::<f32>($($arg),*),
+            candle_core::DType::F64 => $run::<f64>($($arg),*),
+            candle_core::DType::F16 => $run::<half::f16>($($arg),*),
+            candle_core::DType::BF16 => $run::<half::bf16>($($arg),*),
+            d => candle_core::bail!(
+                "{}: unsupported dtype {d:?} on CUDA (expected f32, f64, f16 or bf16)",
+                $crate::ops::OP
+            ),
+        }
+    };
+}
+pub(crate) use dispatch;
+
+/// Zeroed `u32` arrival counters per CUDA device, reused by every reduction launched on it.
+///
+/// The kernels leave them zero again (the last block of a channel resets its counter), so they
+/// are allocated and zeroed once per device and size, never per call. All launches of one
+/// candle device go to its single stream, so two reductions never use the counters at once.
+static COUNTERS: Mutex<Option<HashMap<DeviceId, CudaSlice<u32>>>> = Mutex::new(None);
+
+/// Runs `f` with at least `len` zeroed counters of `dev`.
+pub(crate) fn with_counters<R>(
+    dev: &CudaDevice,
+    len: usize,
+    f: impl FnOnce(&mut CudaSlice<u32>) -> Result<R>,
+) -> Result<R> {
+    let mut guard = COUNTERS.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let entry = match map.entry(dev.id()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(dev.alloc_zeros::<u32>(len)?),
+    };
+    if entry.len() < len {
+        *entry = dev.alloc_zeros::<u32>(len)?;
+    }
+    f(entry)
+}
+
+/// Scratch of a reduction's partial sums (`[splits, 2, C]` f64), written before it is read:
+/// not zeroed. At least one element, so that the pointer is valid even without a split.
+pub(crate) fn workspace(dev: &CudaDevice, len: usize) -> Result<CudaSlice<f64>> {
+    // SAFETY: the kernels write every partial before the last block of its channel reads it.
+    unsafe { dev.alloc::<f64>(len.max(1)) }
+}

@@ -1,0 +1,340 @@
+//! The CPU tests' computations on `Device::Cuda(0)`, compared with the CPU path on the same
+//! inputs: every functional op, forward and backward, and the layer through candle's autograd
+//! (one rank, and two thread ranks with an empty one sharing the GPU); f32, f64, f16, bf16;
+//! NCHW and NHWC; C = 1, 3, 65, 2048; an empty batch; sizes that take the grid-split path.
+//!
+//! Needs an NVIDIA GPU: `cargo test --release --features cuda --test cuda` (see the README).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::ops;
+use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
+use candle_nn::{ModuleT, VarBuilder, VarMap};
+use common::{randn, split_batch};
+
+const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+/// Shapes `(N, C, *)` (read as `(N, *, C)` for channels-last): C = 1 with a large batch (grid
+/// split), odd sizes, C = 65 (not a multiple of 32), C = 2048, an empty batch.
+const SHAPES: [&[usize]; 6] = [
+    &[64, 1, 96, 96],
+    &[4, 3, 5, 7],
+    &[2, 65, 9],
+    &[3, 2048, 2, 2],
+    &[0, 8, 4, 4],
+    &[512, 16],
+];
+
+/// Relative tolerance (to max(1, |value|)) between the GPU and the CPU path: f32 arithmetic on
+/// both sides for f32/f16/bf16 in different summation orders, then one rounding to the storage
+/// type; f64 throughout for f64.
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-10,
+        DType::F32 => 1e-4,
+        DType::F16 => 4e-3,
+        _ => 3e-2,
+    }
+}
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("tests/cuda.rs needs CUDA device 0")
+}
+
+#[track_caller]
+fn close(what: &str, gpu: &Tensor, cpu: &Tensor, tol: f64) {
+    assert_eq!(gpu.dims(), cpu.dims(), "{what}: shapes");
+    if cpu.elem_count() == 0 {
+        return;
+    }
+    let g = gpu
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
+    let c = cpu.to_dtype(DType::F64).unwrap();
+    let g = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let c = c.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let scale = c.iter().fold(1f64, |m, v| m.max(v.abs()));
+    for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * scale && a.is_finite() == b.is_finite(),
+            "{what}: element {i}: GPU {a} vs CPU {b} (tolerance {tol:e} × {scale:e})"
+        );
+    }
+}
+
+fn on(t: &Tensor, dev: &Device) -> Tensor {
+    t.to_device(dev).unwrap()
+}
+
+/// Every functional op on the GPU against the CPU op, each fed the CPU's inputs.
+#[test]
+fn functional_ops_match_the_cpu() {
+    let dev = gpu();
+    for dtype in DTYPES {
+        for (k, dims) in SHAPES.iter().enumerate() {
+            for cl in [false, true] {
+                let c = if cl { dims[dims.len() - 1] } else { dims[1] };
+                let what = format!("{dtype:?} {dims:?} channels_last={cl}");
+                let seed = 100 * k as u64;
+                let x = randn(seed, dims, 3.0, 2.0).to_dtype(dtype).unwrap();
+                let z = randn(seed + 1, dims, 0.0, 1.0).to_dtype(dtype).unwrap();
+                let dy = randn(seed + 2, dims, 0.0, 1.0).to_dtype(dtype).unwrap();
+                let shift = randn(seed + 3, &[c], 3.0, 0.5);
+                let w = randn(seed + 4, &[c], 1.0, 0.25);
+                let b = randn(seed + 5, &[c], 0.0, 0.25);
+                let t = tol(dtype);
+
+                let sums = ops::batch_norm_stats(&x, &shift, cl).unwrap();
+                let sums_gpu = ops::batch_norm_stats(&on(&x, &dev), &on(&shift, &dev), cl).unwrap();
+                close(&format!("stats {what}"), &sums_gpu, &sums, t);
+                if sums
+                    .get(0)
+                    .unwrap()
+                    .get(0)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
+                    <= 1.0
+                {
+                    continue;
+                }
+                let st = ops::batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
+                let st_gpu =
+                    ops::batch_norm_gather_stats(&on(&sums, &dev), &on(&shift, &dev), 1e-5)
+                        .unwrap();
+                close(
+                    &format!("gather mean {what}"),
+                    &st_gpu.mean,
+                    &st.mean,
+                    1e-12,
+                );
+                close(
+                    &format!("gather invstd {what}"),
+                    &st_gpu.invstd,
+                    &st.invstd,
+                    1e-12,
+                );
+
+                let y = ops::batch_norm_elemt(
+                    &x,
+                    &st.mean,
+                    &st.invstd,
+                    Some(&w),
+                    Some(&b),
+                    Some(&z),
+                    true,
+                    cl,
+                )
+                .unwrap();
+                let y_gpu = ops::batch_norm_elemt(
+                    &on(&x, &dev),
+                    &on(&st.mean, &dev),
+                    &on(&st.invstd, &dev),
+                    Some(&on(&w, &dev)),
+                    Some(&on(&b, &dev)),
+                    Some(&on(&z, &dev)),
+                    true,
+                    cl,
+                )
+                .unwrap();
+                close(&format!("elemt {what}"), &y_gpu, &y, t);
+
+                let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), cl).unwrap();
+                let red_gpu = ops::batch_norm_backward_reduce(
+                    &on(&dy, &dev),
+                    &on(&x, &dev),
+                    &on(&st.mean, &dev),
+                    Some(&on(&y, &dev)),
+                    cl,
+                )
+                .unwrap();
+                close(&format!("backward_reduce {what}"), &red_gpu, &red, t);
+
+                let (dx, dz) = ops::batch_norm_backward_elemt(
+                    &dy,
+                    &x,
+                    &st.mean,
+                    &st.invstd,
+                    Some(&w),
+                    &red,
+                    &st.count,
+                    Some(&y),
+                    true,
+                    cl,
+                )
+                .unwrap();
+                let (dx_gpu, dz_gpu) = ops::batch_norm_backward_elemt(
+                    &on(&dy, &dev),
+                    &on(&x, &dev),
+                    &on(&st.mean, &dev),
+                    &on(&st.invstd, &dev),
+                    Some(&on(&w, &dev)),
+                    &on(&red, &dev),
+                    &on(&st.count, &dev),
+                    Some(&on(&y, &dev)),
+                    true,
+                    cl,
+                )
+                .unwrap();
+                close(&format!("backward_elemt dx {what}"), &dx_gpu, &dx, t);
+                close(
+                    &format!("backward_elemt dz {what}"),
+                    &dz_gpu.unwrap(),
+                    &dz.unwrap(),
+                    t,
+                );
+            }
+        }
+    }
+}
+
+/// A layer on `dev` with parameters γ, β given by `seed`, over `comm`.
+fn layer(
+    c: usize,
+    config: SyncBatchNormConfig,
+    comm: Arc<dyn Collective>,
+    dev: &Device,
+    seed: u64,
+) -> (SyncBatchNorm, VarMap) {
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().unwrap();
+        for (i, name) in ["weight", "bias"].into_iter().enumerate() {
+            let t = randn(seed + i as u64, &[c], 1.0 - i as f64, 0.25).to_dtype(DType::F32);
+            let t = t.unwrap().to_device(dev).unwrap();
+            data.insert(name.to_string(), Var::from_tensor(&t).unwrap());
+        }
+    }
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, dev);
+    (sync_batch_norm(c, config, vb, comm).unwrap(), vm)
+}
+
+/// Outputs and gradients of `STEPS` training steps then one eval step of a layer on `dev` that
+/// rank `rank` of `comm` feeds with its slice of the global batch.
+fn train_steps(
+    dev: &Device,
+    comm: Arc<dyn Collective>,
+    batches: &[usize],
+    dims: &[usize],
+    config: SyncBatchNormConfig,
+    dtype: DType,
+) -> Vec<Tensor> {
+    const STEPS: u64 = 3;
+    let rank = comm.rank();
+    let cl = config.channels_last;
+    let c = if cl { dims[dims.len() - 1] } else { dims[1] };
+    let (bn, vm) = layer(c, config, comm, dev, 7);
+    let mut out = Vec::new();
+    for step in 0..STEPS {
+        let mut global = dims.to_vec();
+        global[0] = batches.iter().sum();
+        let mine = |seed: u64, mean: f64| {
+            let t = randn(seed + 10 * step, &global, mean, 2.0)
+                .to_dtype(dtype)
+                .unwrap();
+            on(&split_batch(&t, batches)[rank], dev)
+        };
+        let x = Var::from_tensor(&mine(1, 5.0)).unwrap();
+        let z = Var::from_tensor(&mine(2, 0.0)).unwrap();
+        let w = mine(3, 0.0);
+        let y = bn
+            .forward_residual(x.as_tensor(), z.as_tensor(), true)
+            .unwrap();
+        let loss = (y.to_dtype(DType::F32).unwrap() * w.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        out.push(y);
+        out.push(grads.get(x.as_tensor()).unwrap().clone());
+        out.push(grads.get(z.as_tensor()).unwrap().clone());
+        for name in ["weight", "bias"] {
+            let v = common::var(&vm, name);
+            out.push(grads.get(v.as_tensor()).unwrap().copy().unwrap());
+        }
+    }
+    out.push(bn.running_mean().unwrap().copy().unwrap());
+    out.push(bn.running_var().unwrap().copy().unwrap());
+    let x = randn(99, dims, 5.0, 2.0).to_dtype(dtype).unwrap();
+    out.push(bn.forward_t(&on(&x, dev), false).unwrap());
+    out
+}
+
+/// The layer trained on the GPU takes the same steps as on the CPU: outputs, dx, dz, dγ, dβ,
+/// running statistics, then eval outputs; both layouts, all dtypes.
+#[test]
+fn layer_training_matches_the_cpu() {
+    let dev = gpu();
+    for dtype in DTYPES {
+        for (dims, cl) in [(&[6usize, 5, 4, 3][..], false), (&[6, 4, 3, 65][..], true)] {
+            let config = SyncBatchNormConfig {
+                channels_last: cl,
+                fuse_relu: true,
+                ..Default::default()
+            };
+            let run = |d: &Device| {
+                ThreadGroup::run(1, |comm| {
+                    Ok(train_steps(d, comm, &[dims[0]], dims, config, dtype))
+                })
+                .unwrap()
+                .remove(0)
+            };
+            let (g, c) = (run(&dev), run(&Device::Cpu));
+            for (i, (g, c)) in g.iter().zip(&c).enumerate() {
+                // Parameter gradients are sums over the batch: f32 accumulation both sides.
+                close(
+                    &format!("{dtype:?} {dims:?} output {i}"),
+                    g,
+                    c,
+                    tol(dtype).max(1e-4),
+                );
+            }
+        }
+    }
+}
+
+/// Two thread ranks sharing the GPU, one of them with an empty batch, against the same on the
+/// CPU: the collectives and the empty-rank path on device tensors.
+#[test]
+fn two_ranks_with_an_empty_one_match_the_cpu() {
+    let dev = gpu();
+    let dims = [5usize, 3, 4, 4];
+    let config = SyncBatchNormConfig::default();
+    let batches = [5usize, 0];
+    let run = |d: &Device| {
+        ThreadGroup::run(2, |comm| {
+            Ok(train_steps(d, comm, &batches, &dims, config, DType::F32))
+        })
+        .unwrap()
+    };
+    let (g, c) = (run(&dev), run(&Device::Cpu));
+    for (rank, (g, c)) in g.iter().zip(&c).enumerate() {
+        for (i, (g, c)) in g.iter().zip(c).enumerate() {
+            close(&format!("rank {rank} output {i}"), g, c, 1e-4);
+        }
+    }
+}
+
+/// A global batch of one value per channel cannot be normalised. On the GPU, where checking
+/// would wait for the device, the output is NaN and the running statistics stay untouched.
+#[test]
+fn one_value_per_channel_gives_nan_and_keeps_running_stats() {
+    let dev = gpu();
+    ThreadGroup::run(1, |comm| {
+        let (bn, _vm) = layer(3, SyncBatchNormConfig::default(), comm, &dev, 1);
+        let before = bn.running_var().unwrap().to_vec1::<f32>()?;
+        let x = on(&randn(5, &[1, 3], 1.0, 1.0).to_dtype(DType::F32)?, &dev);
+        let y = bn.forward_t(&x, true)?.to_vec2::<f32>()?;
+        assert!(y[0].iter().all(|v| v.is_nan()), "got {y:?}");
+        assert_eq!(bn.running_var().unwrap().to_vec1::<f32>()?, before);
+        Ok(())
+    })
+    .unwrap();
+}
