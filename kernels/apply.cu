@@ -14,16 +14,18 @@ template <typename A> struct Coef {
         scale = (A)(g * invstd[c]);
         shift = params ? params[C + c] : (A)0;
     }
+    // act((x − mean)·scale + shift [+ zv]); zv is read only when `has_z`.
     template <typename T>
-    __device__ __forceinline__ T apply(T x, const T* z, long long i, int relu) const {
+    __device__ __forceinline__ T apply(T x, bool has_z, T zv, int relu) const {
         A y = mean.centre(to_acc(x)) * scale + shift;
-        if (z) y += to_acc(z[i]);
+        if (has_z) y += to_acc(zv);
         if (relu && !(y > (A)0)) y = (A)0;
         return store_as<T>(y);
     }
 };
 
-// x, z?, y: [N, C, HW]. Grid (N·C planes, chunks of HW), block BN_THREADS.
+// x, z?, y: [N, C, HW]. Grid (N·C planes, chunks of HW), block BN_THREADS; 16-byte loads and
+// stores where the buffers are aligned and HW is a multiple of the pack length.
 template <typename T>
 __device__ void apply_nchw(const T* x, const T* z, const double* mean, const double* invstd,
                            const typename AccOf<T>::type* params, T* y, long long C, long long HW,
@@ -31,9 +33,23 @@ __device__ void apply_nchw(const T* x, const T* z, const double* mean, const dou
     const long long plane = blockIdx.x, c = plane % C;
     const Coef<typename AccOf<T>::type> k(mean, invstd, params, C, c);
     const long long base = plane * HW;
-    for (long long p = blockIdx.y * (long long)blockDim.x + threadIdx.x; p < HW;
-         p += (long long)blockDim.x * gridDim.y)
-        y[base + p] = k.apply(x[base + p], z, base + p, relu);
+    const long long first = blockIdx.y * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)blockDim.x * gridDim.y;
+    constexpr int V = Pack<T>::N;
+    // Whole planes of 16-byte packs when every plane starts aligned (HW a multiple of V).
+    if (HW % V == 0 && aligned16(x) && aligned16(y) && (!z || aligned16(z))) {
+        for (long long p = first; p < HW / V; p += stride) {
+            const long long i = base + p * V;
+            const Pack<T> xv = load_pack(x + i);
+            const Pack<T> zv = z ? load_pack(z + i) : xv;
+            Pack<T> yv;
+            for (int j = 0; j < V; j++) yv.v[j] = k.apply(xv.v[j], z != nullptr, zv.v[j], relu);
+            store_pack(y + i, yv);
+        }
+        return;
+    }
+    for (long long p = first; p < HW; p += stride)
+        y[base + p] = k.apply(x[base + p], z != nullptr, z ? z[base + p] : x[base + p], relu);
 }
 
 // x, z?, y: [rows, C]. Grid (ceil(C/32), row blocks), block (32, BN_ROWS).
@@ -46,7 +62,7 @@ __device__ void apply_nhwc(const T* x, const T* z, const double* mean, const dou
     const Coef<typename AccOf<T>::type> k(mean, invstd, params, C, c);
     for (long long r = blockIdx.y * (long long)BN_ROWS + threadIdx.y; r < rows;
          r += (long long)BN_ROWS * gridDim.y)
-        y[r * C + c] = k.apply(x[r * C + c], z, r * C + c, relu);
+        y[r * C + c] = k.apply(x[r * C + c], z != nullptr, z ? z[r * C + c] : x[r * C + c], relu);
 }
 
 #define APPLY_ENTRIES(suffix, T)                                                                \

@@ -16,17 +16,23 @@ template <typename A> struct BwdCoef {
         k1 = (A)(n > 0 ? sums[c] / n : 0.0);
         k2 = (A)(n > 0 ? is * is * sums[C + c] / n : 0.0);
     }
+    // g = dy, zeroed where the fused ReLU's output y is not positive (when masked).
+    template <typename T> __device__ __forceinline__ A grad(T dy, bool masked, T y) const {
+        return masked && !(to_acc(y) > (A)0) ? (A)0 : to_acc(dy);
+    }
+    template <typename T> __device__ __forceinline__ T dx(A g, T x) const {
+        return store_as<T>(w * (g - k1 - mean.centre(to_acc(x)) * k2));
+    }
     template <typename T>
-    __device__ __forceinline__ void run(const T* dy, const T* x, const T* y, T* dx, T* dz,
+    __device__ __forceinline__ void run(const T* dy, const T* x, const T* y, T* dx_, T* dz,
                                         long long i) const {
-        A g = to_acc(dy[i]);
-        if (y && !(to_acc(y[i]) > (A)0)) g = (A)0;
-        dx[i] = store_as<T>(w * (g - k1 - mean.centre(to_acc(x[i])) * k2));
+        const A g = grad(dy[i], y != nullptr, y ? y[i] : dy[i]);
+        dx_[i] = dx(g, x[i]);
         if (dz) dz[i] = store_as<T>(g);
     }
 };
 
-// Grid (N·C planes, chunks of HW), block BN_THREADS (as bn_apply_nchw).
+// Grid (N·C planes, chunks of HW), block BN_THREADS (as bn_apply_nchw, 16-byte packs likewise).
 template <typename T>
 __device__ void backward_elemt_nchw(const T* dy, const T* x, const T* y, const double* mean,
                                     const double* invstd, const typename AccOf<T>::type* weight,
@@ -35,9 +41,27 @@ __device__ void backward_elemt_nchw(const T* dy, const T* x, const T* y, const d
     const long long plane = blockIdx.x, c = plane % C;
     const BwdCoef<typename AccOf<T>::type> k(mean, invstd, weight, sums, count, C, c);
     const long long base = plane * HW;
-    for (long long p = blockIdx.y * (long long)blockDim.x + threadIdx.x; p < HW;
-         p += (long long)blockDim.x * gridDim.y)
-        k.run(dy, x, y, dx, dz, base + p);
+    const long long first = blockIdx.y * (long long)blockDim.x + threadIdx.x;
+    const long long stride = (long long)blockDim.x * gridDim.y;
+    constexpr int V = Pack<T>::N;
+    if (HW % V == 0 && aligned16(dy) && aligned16(x) && aligned16(dx) && (!y || aligned16(y)) &&
+        (!dz || aligned16(dz))) {
+        for (long long p = first; p < HW / V; p += stride) {
+            const long long i = base + p * V;
+            const Pack<T> dyv = load_pack(dy + i), xv = load_pack(x + i);
+            Pack<T> yv, dxv, dzv;
+            if (y) yv = load_pack(y + i);
+            for (int j = 0; j < V; j++) {
+                const auto g = k.grad(dyv.v[j], y != nullptr, y ? yv.v[j] : dyv.v[j]);
+                dxv.v[j] = k.dx(g, xv.v[j]);
+                dzv.v[j] = store_as<T>(g);
+            }
+            store_pack(dx + i, dxv);
+            if (dz) store_pack(dz + i, dzv);
+        }
+        return;
+    }
+    for (long long p = first; p < HW; p += stride) k.run(dy, x, y, dx, dz, base + p);
 }
 
 // Grid (ceil(C/32), row blocks), block (32, BN_ROWS) (as bn_apply_nhwc).

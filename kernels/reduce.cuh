@@ -152,3 +152,19 @@ template <typename A> struct SplitMean {
     }
     __device__ __forceinline__ A centre(A x) const { return (x - hi) - lo; }
 };
+
+// 16 bytes of T, read or written in one access (ld/st.global.v4 under nvcc) where the address
+// is 16-byte aligned: the vectorised path of the channels-first element-wise kernels.
+template <typename T> struct alignas(16) Pack {
+    static constexpr int N = 16 / sizeof(T);
+    T v[N];
+};
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ULL) == 0;
+}
+template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p) {
+    return *reinterpret_cast<const Pack<T>*>(p);
+}
+template <typename T> __device__ __forceinline__ void store_pack(T* p, const Pack<T>& v) {
+    *reinterpret_cast<Pack<T>*>(p) = v;
+}

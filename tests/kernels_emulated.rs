@@ -243,8 +243,16 @@ impl Buf {
         }
     }
 
+    /// The buffer's address. Buffers of 16 bytes or more come from malloc, 16-byte aligned on
+    /// our platforms, so the kernels' 16-byte paths run; asserted, so that they cannot silently
+    /// fall back to the scalar path.
     fn ptr(&mut self) -> Arg {
-        Arg::Ptr(self.bytes.as_mut_ptr() as *mut c_void)
+        let p = self.bytes.as_mut_ptr();
+        assert!(
+            self.bytes.len() < 16 || (p as usize) % 16 == 0,
+            "test buffer not 16-byte aligned"
+        );
+        Arg::Ptr(p as *mut c_void)
     }
 
     fn tensor(&self) -> Tensor {
@@ -299,7 +307,7 @@ impl Case {
 }
 
 /// Shapes: C = 1, 3, 32, 65, 2048; one element per channel; an empty batch; sizes that take the
-/// grid-split path; odd HW; both layouts.
+/// grid-split path; odd HW (scalar path) and HW a multiple of 8 (16-byte packs); both layouts.
 fn cases() -> Vec<Case> {
     let mut v = Vec::new();
     for cl in [false, true] {
@@ -311,6 +319,9 @@ fn cases() -> Vec<Case> {
             (1, 2048, 1),
             (1, 5, 1),
             (0, 3, 4),
+            // HW a multiple of every pack length (4 f32, 2 f64, 8 f16/bf16): 16-byte path.
+            (2, 3, 16),
+            (2, 2, 4104),
         ] {
             v.push(Case { n, c, hw, cl });
         }
