@@ -17,6 +17,8 @@ mod threads;
 pub use error::CollectiveError;
 pub use threads::ThreadGroup;
 
+use std::sync::Arc;
+
 use candle_core::{Result, Tensor};
 
 /// Reduction applied element-wise by [`Collective::all_reduce`].
@@ -62,4 +64,60 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
 
     /// Returns once every rank has called `barrier`.
     fn barrier(&self) -> Result<()>;
+
+    /// Element-wise reduction over ranks, scattered along dimension 0: rank `r` receives rows
+    /// `r·k .. (r+1)·k` of the reduced tensor.
+    ///
+    /// `t`: `(W·k, *rest)` with `W = world_size()`, identical shape and dtype on every rank.
+    /// Returns `(k, *rest)`, bitwise identical to the same rows of [`Collective::all_reduce`].
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
+    /// Splits the group into disjoint subgroups (MPI's `MPI_Comm_split`, NCCL's
+    /// `ncclCommSplit`): ranks passing the same `color` form one group, ordered by `key`, then
+    /// by their rank here. A rank passing `None` joins no group and gets `None`.
+    ///
+    /// Collective over this group: every rank calls it, in the same order as the other
+    /// collectives. The new communicators are independent of this one (their own call order,
+    /// their own failures).
+    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>>;
+
+    /// The subgroup of the listed ranks (PyTorch's `new_group(ranks)`), ranked in list order;
+    /// `None` on the ranks not listed. Every rank must call it with the same list.
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn Collective>>> {
+        let world = self.world_size();
+        let mut seen = vec![false; world];
+        for &r in ranks {
+            if r >= world || std::mem::replace(&mut seen[r], true) {
+                candle_core::bail!(
+                    "new_group: ranks {ranks:?} must be distinct and below the world size {world}"
+                )
+            }
+        }
+        let me = ranks.iter().position(|&r| r == self.rank());
+        self.split(me.map(|_| 0), me.unwrap_or(0) as u32)
+    }
+}
+
+/// The rows `[rank·k, (rank+1)·k)` of a `(W·k, *rest)` tensor, `W = world`: the part of a
+/// reduce-scatter that `rank` receives. Errors when the rows do not divide evenly.
+pub(crate) fn scatter_rows(t: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
+    let rows = t.dims().first().copied().unwrap_or(0);
+    if t.rank() == 0 || rows % world != 0 {
+        candle_core::bail!(
+            "reduce_scatter: dimension 0 of shape {:?} must be a multiple of the world size {world}",
+            t.dims()
+        )
+    }
+    let k = rows / world;
+    t.narrow(0, rank * k, k)
+}
+
+/// Members of `color`'s subgroup in a split, from every rank's `(color, key)` in rank order:
+/// ranks ordered by `(key, rank)`.
+pub(crate) fn split_members(all: &[(Option<u32>, u32)], color: u32) -> Vec<usize> {
+    let mut m: Vec<usize> = (0..all.len())
+        .filter(|&r| all[r].0 == Some(color))
+        .collect();
+    m.sort_by_key(|&r| (all[r].1, r));
+    m
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{Collective, CollectiveError, ReduceOp};
+use super::{scatter_rows, split_members, Collective, CollectiveError, ReduceOp};
 
 const BACKEND: &str = "ThreadGroup";
 
@@ -56,12 +56,7 @@ impl ThreadGroup {
             }
             .into());
         }
-        let shared = Arc::new(Shared {
-            world: world_size,
-            timeout,
-            state: Mutex::new(State::default()),
-            cv: Condvar::new(),
-        });
+        let shared = Shared::new(world_size, timeout);
         Ok((0..world_size)
             .map(|rank| {
                 Arc::new(ThreadRank {
@@ -108,6 +103,21 @@ struct Shared {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// Subgroups being handed out by a split: `(split call, color)` → the subgroup and how
+    /// many of its members have not taken it yet.
+    subgroups: Mutex<HashMap<(u64, u32), (Arc<Shared>, usize)>>,
+}
+
+impl Shared {
+    fn new(world: usize, timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            world,
+            timeout,
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            subgroups: Mutex::new(HashMap::new()),
+        })
+    }
 }
 
 #[derive(Debug, Default)]
@@ -129,15 +139,19 @@ struct Finished {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
     AllGather,
     Broadcast(usize),
     Barrier,
+    Split,
 }
 
 impl Kind {
     fn name(self) -> &'static str {
         match self {
             Kind::AllReduce(_) => "all_reduce",
+            Kind::ReduceScatter(_) => "reduce_scatter",
+            Kind::Split => "split",
             Kind::AllGather => "all_gather",
             Kind::Broadcast(_) => "broadcast",
             Kind::Barrier => "barrier",
@@ -155,6 +169,7 @@ impl Contribution {
     fn describe(&self) -> String {
         let kind = match self.kind {
             Kind::AllReduce(op) => format!("all_reduce({op:?})"),
+            Kind::ReduceScatter(op) => format!("reduce_scatter({op:?})"),
             Kind::Broadcast(root) => format!("broadcast(root={root})"),
             k => k.name().to_string(),
         };
@@ -282,7 +297,7 @@ impl Drop for ThreadRank {
 fn combine(call: u64, cs: &[Contribution]) -> std::result::Result<Tensor, CollectiveError> {
     let first = &cs[0];
     let same_rest = |c: &Contribution| match first.kind {
-        Kind::AllGather => {
+        Kind::AllGather | Kind::Split => {
             c.tensor.rank() >= 1
                 && first.tensor.rank() >= 1
                 && c.tensor.dims()[1..] == first.tensor.dims()[1..]
@@ -317,7 +332,14 @@ fn combine(call: u64, cs: &[Contribution]) -> std::result::Result<Tensor, Collec
     let tensors: Vec<&Tensor> = cs.iter().map(|c| &c.tensor).collect();
     let result = match first.kind {
         Kind::AllReduce(op) => reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?,
-        Kind::AllGather => Tensor::cat(&tensors, 0).map_err(|e| invalid(e.to_string()))?,
+        Kind::ReduceScatter(op) => {
+            // Checked here, once, so that every rank gets the same error.
+            scatter_rows(&first.tensor, 0, cs.len()).map_err(|e| invalid(e.to_string()))?;
+            reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?
+        }
+        Kind::AllGather | Kind::Split => {
+            Tensor::cat(&tensors, 0).map_err(|e| invalid(e.to_string()))?
+        }
         Kind::Broadcast(root) => {
             if root >= cs.len() {
                 return Err(invalid(format!(
@@ -381,5 +403,54 @@ impl Collective for ThreadRank {
     fn barrier(&self) -> Result<()> {
         let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
         self.call(Kind::Barrier, &token).map(|_| ())
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let full = self.call(Kind::ReduceScatter(op), t)?;
+        scatter_rows(&full, self.rank, self.shared.world)
+    }
+
+    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
+        // Every rank's (color, key), gathered in rank order; u32::MAX + 1 stands for no color.
+        let mine = [color.map_or(1 << 32, i64::from), i64::from(key)];
+        let call = self.next_call.load(Ordering::SeqCst);
+        let all = self.call(Kind::Split, &Tensor::new(&[mine], &Device::Cpu)?)?;
+        let all: Vec<(Option<u32>, u32)> = all
+            .to_vec2::<i64>()?
+            .into_iter()
+            .map(|v| (u32::try_from(v[0]).ok(), v[1] as u32))
+            .collect();
+        let Some(color) = color else {
+            return Ok(None);
+        };
+        let members = split_members(&all, color);
+        let rank = members
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("a rank with a color is a member of its subgroup");
+        let shared = {
+            let mut subs = self
+                .shared
+                .subgroups
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let entry = subs.entry((call, color)).or_insert_with(|| {
+                (
+                    Shared::new(members.len(), self.shared.timeout),
+                    members.len(),
+                )
+            });
+            let shared = entry.0.clone();
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                subs.remove(&(call, color));
+            }
+            shared
+        };
+        Ok(Some(Arc::new(ThreadRank {
+            rank,
+            shared,
+            next_call: AtomicU64::new(0),
+        })))
     }
 }

@@ -224,4 +224,16 @@ impl Collective for Counting {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.barrier()
     }
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.reduce_scatter(t, op)
+    }
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: u32,
+    ) -> candle_core::Result<Option<Arc<dyn Collective>>> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.split(color, key)
+    }
 }
