@@ -105,8 +105,11 @@ struct Shared {
     cv: Condvar,
     /// Subgroups being handed out by a split: `(split call, color)` → the subgroup and how
     /// many of its members have not taken it yet.
-    subgroups: Mutex<HashMap<(u64, u32), (Arc<Shared>, usize)>>,
+    subgroups: Mutex<HashMap<(u64, u32), Handout>>,
 }
+
+/// A subgroup created by a split and the number of its members yet to take it.
+type Handout = (Arc<Shared>, usize);
 
 impl Shared {
     fn new(world: usize, timeout: Duration) -> Arc<Self> {
