@@ -9,12 +9,17 @@
 //! - a collective that cannot complete (timeout, a rank that left, mismatched arguments)
 //!   returns an error on every rank that can still run; nothing hangs forever.
 //!
-//! Backends: [`ThreadGroup`] (ranks are threads of one process).
+//! Backends: [`ThreadGroup`] (ranks are threads of one process); `Mpi` (feature `mpi`: ranks are
+//! MPI processes).
 
 mod error;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod threads;
 
 pub use error::CollectiveError;
+#[cfg(feature = "mpi")]
+pub use mpi::Mpi;
 pub use threads::ThreadGroup;
 
 use std::sync::Arc;

@@ -1,0 +1,479 @@
+//! `MpiCollective` (feature `mpi`): ranks are MPI processes, on one or many machines, started by
+//! `mpirun`; CPU tensors (tensors on another device are copied to the CPU and back).
+//!
+//! Every collective is preceded by an all-gather of a 4-value descriptor (operation, dtype, shape)
+//! so that ranks calling different collectives or passing different shapes get an error naming
+//! every rank's call, instead of MPI combining buffers of different sizes (the price: a second,
+//! 32-byte collective per call). Waiting uses MPI's nonblocking collectives polled against the
+//! timeout; an MPI collective cannot be cancelled, so on timeout the rank prints the reason and
+//! calls `MPI_Abort`, which ends every process of the job: nothing hangs forever, and the error
+//! is on stderr rather than returned.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Result, Tensor};
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::request::{Request, Scope};
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+use mpi::Threading;
+
+use super::{scatter_rows, Collective, CollectiveError, ReduceOp};
+
+const BACKEND: &str = "MPI";
+
+/// Default time a rank waits for the others inside one collective (5 minutes).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One process's MPI environment: initialised by [`Mpi::init`], finalised when the last of
+/// [`Mpi`] and the communicators made from it is dropped.
+struct Env {
+    _universe: Universe,
+}
+
+/// Serialises this process's MPI calls: MPI is initialised with `MPI_THREAD_SERIALIZED`.
+static MPI_CALLS: Mutex<()> = Mutex::new(());
+
+fn serialised() -> MutexGuard<'static, ()> {
+    MPI_CALLS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The MPI environment of this process.
+///
+/// ```no_run
+/// # fn main() -> candle_core::Result<()> {
+/// let mpi = candle_distributed::collective::Mpi::init()?;
+/// let comm = mpi.world()?; // Arc<dyn Collective>, rank = MPI rank
+/// # Ok(()) }
+/// ```
+pub struct Mpi {
+    env: Arc<Env>,
+}
+
+impl std::fmt::Debug for Mpi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Mpi")
+    }
+}
+
+impl Mpi {
+    /// Initialises MPI (`MPI_Init_thread` asking for `MPI_THREAD_SERIALIZED`). Errors when MPI
+    /// was already initialised in this process, or provides less than serialised threading.
+    pub fn init() -> Result<Self> {
+        let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| invalid("init", "MPI is already initialised in this process".into()))?;
+        if provided < Threading::Serialized {
+            return Err(invalid(
+                "init",
+                format!("the MPI library provides only {provided:?} threading; SyncBatchNorm needs Serialized"),
+            ));
+        }
+        Ok(Self {
+            env: Arc::new(Env {
+                _universe: universe,
+            }),
+        })
+    }
+
+    /// `MPI_COMM_WORLD` as a communicator, with the default timeout ([`DEFAULT_TIMEOUT`]).
+    pub fn world(&self) -> Result<Arc<dyn Collective>> {
+        self.world_with_timeout(DEFAULT_TIMEOUT)
+    }
+
+    /// `MPI_COMM_WORLD` with the time a rank waits for the others in one collective.
+    pub fn world_with_timeout(&self, timeout: Duration) -> Result<Arc<dyn Collective>> {
+        let comm = {
+            let _g = serialised();
+            self.env._universe.world()
+        };
+        Ok(Arc::new(MpiCollective::new(
+            comm,
+            self.env.clone(),
+            timeout,
+        )))
+    }
+}
+
+/// One rank's handle on an MPI communicator.
+struct MpiCollective {
+    /// Dropped before `env`, so a communicator is freed before MPI is finalised.
+    comm: SimpleCommunicator,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    _env: Arc<Env>,
+}
+
+// SAFETY: MPI handles may be used from any thread of a process initialised with
+// MPI_THREAD_SERIALIZED as long as no two threads call MPI at once; every MPI call of this
+// module happens while `MPI_CALLS` is held.
+unsafe impl Send for MpiCollective {}
+// SAFETY: as for `Send`: `&self` methods reach MPI only through `MPI_CALLS`.
+unsafe impl Sync for MpiCollective {}
+// SAFETY: the universe is only dropped (MPI_Finalize), once, by whichever thread drops the last
+// reference; no other MPI call can run then, since every communicator holds a reference.
+unsafe impl Send for Env {}
+// SAFETY: `Env` has no `&self` methods that call MPI.
+unsafe impl Sync for Env {}
+
+impl std::fmt::Debug for MpiCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MpiCollective(rank {} of {})", self.rank, self.world)
+    }
+}
+
+fn invalid(op: &'static str, detail: String) -> candle_core::Error {
+    CollectiveError::InvalidArgument {
+        backend: BACKEND,
+        op,
+        detail,
+    }
+    .into()
+}
+
+/// A tensor's values on the host in a type MPI knows (f16 and bf16 travel as f32, exactly).
+enum HostBuf {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    U32(Vec<u32>),
+    U8(Vec<u8>),
+}
+
+/// Runs `$body` with `$v` bound to the vector inside a `HostBuf`.
+macro_rules! with_buf {
+    ($buf:expr, $v:ident => $body:expr) => {
+        match $buf {
+            HostBuf::F32($v) => $body,
+            HostBuf::F64($v) => $body,
+            HostBuf::I64($v) => $body,
+            HostBuf::U32($v) => $body,
+            HostBuf::U8($v) => $body,
+        }
+    };
+}
+
+impl HostBuf {
+    fn of(t: &Tensor) -> Result<Self> {
+        let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+        Ok(match t.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => {
+                HostBuf::F32(t.to_dtype(DType::F32)?.to_vec1()?)
+            }
+            DType::F64 => HostBuf::F64(t.to_vec1()?),
+            DType::I64 => HostBuf::I64(t.to_vec1()?),
+            DType::U32 => HostBuf::U32(t.to_vec1()?),
+            DType::U8 => HostBuf::U8(t.to_vec1()?),
+            d => return Err(invalid("collective", format!("unsupported dtype {d:?}"))),
+        })
+    }
+
+    /// A zeroed buffer of the same type and `len` values.
+    fn zeros_like(&self, len: usize) -> Self {
+        match self {
+            HostBuf::F32(_) => HostBuf::F32(vec![0.0; len]),
+            HostBuf::F64(_) => HostBuf::F64(vec![0.0; len]),
+            HostBuf::I64(_) => HostBuf::I64(vec![0; len]),
+            HostBuf::U32(_) => HostBuf::U32(vec![0; len]),
+            HostBuf::U8(_) => HostBuf::U8(vec![0; len]),
+        }
+    }
+
+    /// Back to a tensor of `dtype`, `dims`, on `device`.
+    fn into_tensor(self, dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        let t = with_buf!(self, v => Tensor::from_vec(v, dims, &Device::Cpu)?);
+        t.to_dtype(dtype)?.to_device(device)
+    }
+}
+
+/// Operation codes of the descriptor every rank exchanges before a collective.
+fn op_code(kind: &str, op: Option<ReduceOp>) -> i64 {
+    let base = match kind {
+        "all_reduce" => 10,
+        "reduce_scatter" => 20,
+        "all_gather" => 30,
+        "broadcast" => 40,
+        _ => 50,
+    };
+    base + op.map_or(0, |o| o as i64 + 1)
+}
+
+fn dtype_code(d: DType) -> i64 {
+    d as i64
+}
+
+/// A stable 63-bit fingerprint of a shape (all dims, or all but the first for all_gather).
+fn shape_code(dims: &[usize]) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &d in dims {
+        h = (h ^ d as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h >> 1) as i64
+}
+
+impl MpiCollective {
+    fn new(comm: SimpleCommunicator, env: Arc<Env>, timeout: Duration) -> Self {
+        let (rank, world) = (comm.rank() as usize, comm.size() as usize);
+        Self {
+            comm,
+            rank,
+            world,
+            timeout,
+            _env: env,
+        }
+    }
+
+    /// Polls `req` until it completes; on timeout prints why and aborts the MPI job.
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, op: &str, mut req: Request<'a, D, S>) {
+        let deadline = Instant::now() + self.timeout;
+        let mut spins = 0u32;
+        loop {
+            match req.test() {
+                Ok(_) => return,
+                Err(r) => req = r,
+            }
+            if Instant::now() >= deadline {
+                eprintln!(
+                    "candle-distributed: MPI rank {} timed out after {:?} in {op}; aborting the MPI job (a collective cannot be cancelled)",
+                    self.rank, self.timeout
+                );
+                self.comm.abort(1);
+            }
+            spins += 1;
+            if spins > 1000 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Every rank's descriptor `[op, dtype, shape, extra]`; errors on every rank unless all agree.
+    fn agree(
+        &self,
+        op: &'static str,
+        desc: [i64; 4],
+        describe: impl Fn(&[i64]) -> String,
+    ) -> Result<()> {
+        let mut all = vec![0i64; 4 * self.world];
+        mpi::request::scope(|scope| {
+            let req = self
+                .comm
+                .immediate_all_gather_into(scope, &desc[..], &mut all[..]);
+            self.wait(op, req);
+        });
+        let first = &all[..4];
+        if all.chunks(4).any(|d| d != first) {
+            let detail = all
+                .chunks(4)
+                .enumerate()
+                .map(|(r, d)| format!("rank {r}: {}", describe(d)))
+                .collect::<Vec<_>>()
+                .join("; ");
+            return Err(CollectiveError::Mismatch {
+                backend: BACKEND,
+                call: 0,
+                detail: format!(
+                    "every rank must call the same collective with the same dtype and shape: {detail}"
+                ),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    fn descriptor(
+        op: &'static str,
+        rop: Option<ReduceOp>,
+        t: &Tensor,
+        dims: &[usize],
+        extra: i64,
+    ) -> [i64; 4] {
+        [
+            op_code(op, rop),
+            dtype_code(t.dtype()),
+            shape_code(dims),
+            extra,
+        ]
+    }
+
+    fn describe(d: &[i64]) -> String {
+        format!(
+            "op code {}, dtype code {}, shape code {}, argument {}",
+            d[0], d[1], d[2], d[3]
+        )
+    }
+
+    fn reduce(&self, op: &'static str, t: &Tensor, rop: ReduceOp) -> Result<Tensor> {
+        if rop == ReduceOp::Avg && !t.dtype().is_float() {
+            return Err(invalid(
+                op,
+                format!("ReduceOp::Avg needs a float dtype, got {:?}", t.dtype()),
+            ));
+        }
+        let _g = serialised();
+        let desc = Self::descriptor(op, Some(rop), t, t.dims(), 0);
+        self.agree(op, desc, Self::describe)?;
+        let send = HostBuf::of(t)?;
+        let n = t.elem_count();
+        let mut recv = send.zeros_like(n);
+        let mpi_op = match rop {
+            ReduceOp::Sum | ReduceOp::Avg => SystemOperation::sum(),
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Min => SystemOperation::min(),
+        };
+        match (&send, &mut recv) {
+            (HostBuf::F32(s), HostBuf::F32(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostBuf::F64(s), HostBuf::F64(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostBuf::I64(s), HostBuf::I64(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostBuf::U32(s), HostBuf::U32(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostBuf::U8(s), HostBuf::U8(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            _ => unreachable!("zeros_like keeps the variant"),
+        }
+        let out = recv.into_tensor(t.dims(), t.dtype(), t.device())?;
+        if rop == ReduceOp::Avg {
+            return out
+                .to_dtype(DType::F64)?
+                .affine(1.0 / self.world as f64, 0.0)?
+                .to_dtype(t.dtype());
+        }
+        Ok(out)
+    }
+
+    fn all_reduce_into<T: Equivalence>(
+        &self,
+        op: &str,
+        s: &[T],
+        r: &mut [T],
+        mpi_op: SystemOperation,
+    ) {
+        mpi::request::scope(|scope| {
+            let req = self.comm.immediate_all_reduce_into(scope, s, r, mpi_op);
+            self.wait(op, req);
+        });
+    }
+}
+
+impl Collective for MpiCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.reduce("all_reduce", t, op)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        // Checked on every rank before any communication (the shape is agreed on below).
+        scatter_rows(t, self.rank, self.world)?;
+        let full = self.reduce("reduce_scatter", t, op)?;
+        scatter_rows(&full, self.rank, self.world)
+    }
+
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        if t.rank() == 0 {
+            return Err(invalid(OP, "expected a tensor of rank ≥ 1".into()));
+        }
+        let _g = serialised();
+        let rest = &t.dims()[1..];
+        self.agree(OP, Self::descriptor(OP, None, t, rest, 0), Self::describe)?;
+        let row: usize = rest.iter().product();
+        let mut rows = vec![0i64; self.world];
+        let mine = [t.dims()[0] as i64];
+        mpi::request::scope(|scope| {
+            let req = self
+                .comm
+                .immediate_all_gather_into(scope, &mine[..], &mut rows[..]);
+            self.wait(OP, req);
+        });
+        let counts: Vec<i32> = rows.iter().map(|&n| (n as usize * row) as i32).collect();
+        let displs: Vec<i32> = counts
+            .iter()
+            .scan(0i32, |acc, &c| {
+                let d = *acc;
+                *acc += c;
+                Some(d)
+            })
+            .collect();
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        let send = HostBuf::of(t)?;
+        let mut recv = send.zeros_like(total);
+        macro_rules! gather {
+            ($s:expr, $r:expr) => {{
+                let mut part = PartitionMut::new(&mut $r[..], &counts[..], &displs[..]);
+                mpi::request::scope(|scope| {
+                    let req =
+                        self.comm
+                            .immediate_all_gather_varcount_into(scope, &$s[..], &mut part);
+                    self.wait(OP, req);
+                });
+            }};
+        }
+        match (&send, &mut recv) {
+            (HostBuf::F32(s), HostBuf::F32(r)) => gather!(s, r),
+            (HostBuf::F64(s), HostBuf::F64(r)) => gather!(s, r),
+            (HostBuf::I64(s), HostBuf::I64(r)) => gather!(s, r),
+            (HostBuf::U32(s), HostBuf::U32(r)) => gather!(s, r),
+            (HostBuf::U8(s), HostBuf::U8(r)) => gather!(s, r),
+            _ => unreachable!("zeros_like keeps the variant"),
+        }
+        let mut dims = t.dims().to_vec();
+        dims[0] = rows.iter().sum::<i64>() as usize;
+        recv.into_tensor(&dims, t.dtype(), t.device())
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        const OP: &str = "broadcast";
+        if root >= self.world {
+            return Err(invalid(
+                OP,
+                format!("root {root} out of range for world size {}", self.world),
+            ));
+        }
+        let _g = serialised();
+        self.agree(
+            OP,
+            Self::descriptor(OP, None, t, t.dims(), root as i64),
+            Self::describe,
+        )?;
+        let mut buf = HostBuf::of(t)?;
+        let root_proc = self.comm.process_at_rank(root as i32);
+        with_buf!(&mut buf, v => mpi::request::scope(|scope| {
+            let req = root_proc.immediate_broadcast_into(scope, &mut v[..]);
+            self.wait(OP, req);
+        }));
+        buf.into_tensor(t.dims(), t.dtype(), t.device())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let _g = serialised();
+        let req = self.comm.immediate_barrier();
+        self.wait("barrier", req);
+        Ok(())
+    }
+
+    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
+        let color = match color {
+            Some(c) => Color::with_value(
+                i32::try_from(c).map_err(|_| invalid("split", format!("color {c} exceeds i32")))?,
+            ),
+            None => Color::undefined(),
+        };
+        let key =
+            i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;
+        let _g = serialised();
+        // MPI_Comm_split is blocking: this one call waits without the timeout.
+        let sub = self.comm.split_by_color_with_key(color, key);
+        Ok(sub.map(|c| {
+            Arc::new(MpiCollective::new(c, self._env.clone(), self.timeout)) as Arc<dyn Collective>
+        }))
+    }
+}

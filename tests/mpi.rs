@@ -1,0 +1,226 @@
+//! The MPI backend under `mpirun -np 4` (`scripts/test-mpi.sh`): every collective's values,
+//! argument and mismatch errors, process groups, and SyncBatchNorm training steps on 4
+//! processes against single-process batch norm on the concatenated batch, with unequal and
+//! empty per-rank batches. Every process runs this binary; a failed check panics, the process
+//! exits non-zero and mpirun reports the job as failed.
+
+mod common;
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_distributed::collective::{Collective, Mpi, ReduceOp};
+use candle_distributed::SyncBatchNormConfig;
+use common::*;
+
+/// f64 throughout: rounding only.
+const TOL_F64: f64 = 1e-10;
+const WORLD: usize = 4;
+
+/// One check of the suite, run on every rank.
+type Check = fn(&Arc<dyn Collective>) -> Result<()>;
+
+fn main() -> Result<()> {
+    let mpi = Mpi::init()?;
+    let comm = mpi.world()?;
+    ensure!(
+        comm.world_size() == WORLD,
+        "run under mpirun -np {WORLD} (got {} processes)",
+        comm.world_size()
+    );
+    let checks: [(&str, Check); 6] = [
+        ("collective values", collective_values),
+        (
+            "mismatched calls fail on every rank",
+            mismatches_fail_everywhere,
+        ),
+        ("split and new_group", process_groups),
+        ("SyncBatchNorm NCHW, batches [3, 0, 5, 2]", |c| {
+            sync_bn_matches_one_process(c, false)
+        }),
+        ("SyncBatchNorm NHWC, batches [3, 0, 5, 2]", |c| {
+            sync_bn_matches_one_process(c, true)
+        }),
+        ("SyncBatchNorm within subgroups", sync_bn_in_subgroups),
+    ];
+    for (name, check) in checks {
+        check(&comm).map_err(|e| anyhow::anyhow!("rank {}: {name}: {e:?}", comm.rank()))?;
+        comm.barrier()?;
+        if comm.rank() == 0 {
+            println!("ok   {name}");
+        }
+    }
+    Ok(())
+}
+
+fn collective_values(comm: &Arc<dyn Collective>) -> Result<()> {
+    let r = comm.rank() as f64;
+    let t = Tensor::new(&[r + 1.0, 10.0 - r, -r], &Device::Cpu)?;
+    let expect = [
+        (ReduceOp::Sum, [10.0, 34.0, -6.0]),
+        (ReduceOp::Avg, [2.5, 8.5, -1.5]),
+        (ReduceOp::Max, [4.0, 10.0, 0.0]),
+        (ReduceOp::Min, [1.0, 7.0, -3.0]),
+    ];
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        for (op, want) in expect {
+            let got = comm.all_reduce(&t.to_dtype(dtype)?, op)?;
+            ensure!(got.dtype() == dtype, "{op:?} changed the dtype");
+            let got = got.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            ensure!(got == want, "{dtype:?} {op:?}: {got:?} != {want:?}");
+        }
+    }
+    let ints = Tensor::new(&[comm.rank() as i64 * 5], &Device::Cpu)?;
+    ensure!(comm.all_reduce(&ints, ReduceOp::Max)?.to_vec1::<i64>()? == [15]);
+    // reduce_scatter: rank r gets rows 2r, 2r+1 of the sum.
+    let big = randn(comm.rank() as u64, &[8, 3], 0.0, 1.0);
+    let full = comm.all_reduce(&big, ReduceOp::Sum)?;
+    let part = comm.reduce_scatter(&big, ReduceOp::Sum)?;
+    let mine = full.narrow(0, 2 * comm.rank(), 2)?;
+    ensure!(
+        part.to_vec2::<f64>()? == mine.to_vec2::<f64>()?,
+        "reduce_scatter rows"
+    );
+    // all_gather with unequal (and empty) rows.
+    let n = [2usize, 0, 3, 1][comm.rank()];
+    let rows = Tensor::full(comm.rank() as f32, (n, 2), &Device::Cpu)?;
+    let g = comm.all_gather(&rows)?;
+    ensure!(g.dims() == [6, 2], "all_gather shape {:?}", g.dims());
+    let col: Vec<f32> = g.to_vec2::<f32>()?.into_iter().map(|r| r[0]).collect();
+    ensure!(
+        col == [0.0, 0.0, 2.0, 2.0, 2.0, 3.0],
+        "all_gather order {col:?}"
+    );
+    // broadcast from rank 2.
+    let b = comm.broadcast(&Tensor::new(&[r * 7.0], &Device::Cpu)?, 2)?;
+    ensure!(b.to_vec1::<f64>()? == [14.0]);
+    Ok(())
+}
+
+fn mismatches_fail_everywhere(comm: &Arc<dyn Collective>) -> Result<()> {
+    let len = if comm.rank() == 1 { 4 } else { 3 };
+    let t = Tensor::ones(len, DType::F32, &Device::Cpu)?;
+    let err = comm.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string();
+    ensure!(err.contains("same dtype and shape"), "{err}");
+    let bad_root = comm.broadcast(&t, 9).unwrap_err().to_string();
+    ensure!(bad_root.contains("out of range"), "{bad_root}");
+    let odd = Tensor::ones((3, 2), DType::F32, &Device::Cpu)?;
+    let err = comm
+        .reduce_scatter(&odd, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    ensure!(err.contains("multiple of the world size"), "{err}");
+    Ok(())
+}
+
+fn process_groups(comm: &Arc<dyn Collective>) -> Result<()> {
+    let r = comm.rank();
+    // Colors by parity, keys reversing the order; rank 3 joins nothing.
+    let color = (r != 3).then_some((r % 2) as u32);
+    let sub = comm.split(color, (10 - r) as u32)?;
+    match sub {
+        None => ensure!(r == 3, "rank {r} got no group"),
+        Some(sub) => {
+            let t = Tensor::new(&[r as f32], &Device::Cpu)?;
+            let order = sub.all_gather(&t)?.to_vec1::<f32>()?;
+            let want: &[f32] = if r % 2 == 0 { &[2.0, 0.0] } else { &[1.0] };
+            ensure!(order == want, "rank {r}: group order {order:?}");
+        }
+    }
+    let g = comm.new_group(&[3, 1])?;
+    ensure!(g.as_ref().map(|g| g.rank()) == [None, Some(1), None, Some(0)][r]);
+    Ok(())
+}
+
+/// Three training steps of one layer (momentum 0.1, fused residual + ReLU) on this rank's slice
+/// of seeded global batches, against the single-process reference on the whole batch, which
+/// every rank computes itself.
+fn sync_bn_matches_one_process(comm: &Arc<dyn Collective>, channels_last: bool) -> Result<()> {
+    let batches = [3usize, 0, 5, 2];
+    let (c, h, w) = (5, 3, 4);
+    let r = comm.rank();
+    let config = SyncBatchNormConfig {
+        channels_last,
+        ..Default::default()
+    };
+    let params = Params::random(17, c);
+    let (bn, vm) = layer(c, config, comm.clone(), Some(&params), DType::F64);
+    let wt = Tensor::new(params.weight.as_slice(), &Device::Cpu)?;
+    let bt = Tensor::new(params.bias.as_slice(), &Device::Cpu)?;
+    let mut running = Tensor::zeros(c, DType::F64, &Device::Cpu)?;
+    for step in 0..3u64 {
+        let x = randn(100 + step, &[10, c, h, w], 4.0, 2.0);
+        let dy = randn(200 + step, &[10, c, h, w], 0.0, 1.0);
+        // Reference: plain f64 tensor ops on the whole batch, gradients by candle autograd.
+        let xv = Var::from_tensor(&x)?;
+        let (yref, mean, _) = reference_bn(xv.as_tensor(), Some(&wt), Some(&bt), None, false, 1e-5);
+        let gref = (&yref * &dy)?.sum_all()?.backward()?;
+        let dxref = gref.get(xv.as_tensor()).expect("dx").clone();
+        running = ((running * 0.9)? + (mean * 0.1)?)?;
+
+        let lay = |t: &Tensor| -> Result<Tensor> {
+            let t = split_batch(t, &batches)[r].clone();
+            Ok(if channels_last {
+                to_channels_last(&t)
+            } else {
+                t
+            })
+        };
+        let xr = Var::from_tensor(&lay(&x)?)?;
+        let y = candle_nn::ModuleT::forward_t(&bn, xr.as_tensor(), true)?;
+        let grads = (&y * &lay(&dy)?)?.sum_all()?.backward()?;
+        let dx = grads.get(xr.as_tensor()).expect("dx").clone();
+        let unlay = |t: &Tensor| {
+            if channels_last {
+                to_channels_first(t)
+            } else {
+                t.clone()
+            }
+        };
+        let want_y = &split_batch(&yref, &batches)[r];
+        let want_dx = &split_batch(&dxref, &batches)[r];
+        ensure!(
+            max_abs_diff(&unlay(&y), want_y) <= TOL_F64,
+            "step {step}: output"
+        );
+        ensure!(
+            max_abs_diff(&unlay(&dx), want_dx) <= TOL_F64,
+            "step {step}: dx"
+        );
+        let dgamma = grads
+            .get(var(&vm, "weight").as_tensor())
+            .expect("dγ")
+            .clone();
+        let dgamma = comm.all_reduce(&dgamma, ReduceOp::Sum)?;
+        let want_dgamma = (&yref - bt.reshape((1, c, 1, 1))?.broadcast_as(yref.shape())?)?;
+        let want_dgamma = ((want_dgamma * &dy)?.sum((0, 2, 3))? / &wt)?;
+        ensure!(
+            max_abs_diff(&dgamma, &want_dgamma) <= 1e-8,
+            "step {step}: Σ dγ"
+        );
+    }
+    let got = bn.running_mean().expect("running stats");
+    ensure!(max_abs_diff(got, &running) <= TOL_F64, "running mean");
+    Ok(())
+}
+
+/// Ranks {0, 1} and {2, 3} normalise over their own subgroup's batch.
+fn sync_bn_in_subgroups(comm: &Arc<dyn Collective>) -> Result<()> {
+    let batches = [3usize, 0, 2, 5];
+    let c = 4;
+    let r = comm.rank();
+    let global = randn(11, &[10, c, 3, 2], 2.0, 1.5);
+    let pieces = split_batch(&global, &batches);
+    let low = comm.new_group(&[0, 1])?;
+    let high = comm.new_group(&[2, 3])?;
+    let sub = low.or(high).expect("every rank is in a subgroup");
+    let (bn, _vm) = layer(c, SyncBatchNormConfig::default(), sub, None, DType::F64);
+    let y = candle_nn::ModuleT::forward_t(&bn, &pieces[r], true)?;
+    let group = if r < 2 { [0, 1] } else { [2, 3] };
+    let x = Tensor::cat(&[&pieces[group[0]], &pieces[group[1]]], 0)?;
+    let (want, _, _) = reference_bn(&x, None, None, None, false, 1e-5);
+    let want = &split_batch(&want, &[batches[group[0]], batches[group[1]]])[r % 2];
+    ensure!(max_abs_diff(&y, want) <= TOL_F64, "subgroup output");
+    Ok(())
+}
