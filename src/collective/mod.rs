@@ -12,6 +12,7 @@
 //! Backends: [`ThreadGroup`] (ranks are threads of one process); `Mpi` (feature `mpi`: ranks are
 //! MPI processes).
 
+pub mod bootstrap;
 mod error;
 #[cfg(feature = "mpi")]
 mod mpi;
