@@ -152,7 +152,6 @@ fn serve(env: &DistEnv, payload: &[u8], deadline: Instant, timeout: Duration) ->
 
 fn fetch(env: &DistEnv, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
     let addr = (env.master_addr.as_str(), env.master_port);
-    let mut last_err = String::from("no attempt");
     loop {
         let attempt = (|| -> std::io::Result<Vec<u8>> {
             let sock = addr
@@ -178,10 +177,10 @@ fn fetch(env: &DistEnv, deadline: Instant, timeout: Duration) -> Result<Vec<u8>>
             stream.read_exact(&mut payload)?;
             Ok(payload)
         })();
-        match attempt {
+        let last_err = match attempt {
             Ok(p) => return Ok(p),
-            Err(e) => last_err = e.to_string(),
-        }
+            Err(e) => e,
+        };
         if Instant::now() >= deadline {
             bail!(
                 "bootstrap: rank {} timed out after {timeout:?} reaching rank 0 at {}:{} (last error: {last_err})",
