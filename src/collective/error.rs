@@ -45,6 +45,20 @@ pub enum CollectiveError {
         /// Per-rank description of what each rank passed.
         detail: String,
     },
+    /// The communication library reported an error (NCCL's code and text).
+    #[error("{backend} {op} on rank {rank}: {code}: {detail}")]
+    Library {
+        /// Backend name.
+        backend: &'static str,
+        /// Operation name.
+        op: &'static str,
+        /// Rank that observed the failure.
+        rank: usize,
+        /// The library's error code, by name.
+        code: String,
+        /// The library's description (and its last error message, when it has one).
+        detail: String,
+    },
     /// An argument is invalid on this rank alone (bad root, unsupported dtype, ...).
     #[error("{backend} {op}: {detail}")]
     InvalidArgument {

@@ -10,22 +10,30 @@
 //!   returns an error on every rank that can still run; nothing hangs forever.
 //!
 //! Backends: [`ThreadGroup`] (ranks are threads of one process); `Mpi` (feature `mpi`: ranks are
-//! MPI processes).
+//! MPI processes); `NcclCollective` (feature `nccl`: ranks are GPUs).
 
 pub mod bootstrap;
 mod error;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod threads;
 
 pub use error::CollectiveError;
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclCollective, NcclGroup};
 pub use threads::ThreadGroup;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use candle_core::{Result, Tensor};
+
+/// Default time a collective may take before it fails (every backend; 5 minutes).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Reduction applied element-wise by [`Collective::all_reduce`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -21,12 +21,9 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use super::{scatter_rows, Collective, CollectiveError, ReduceOp};
+use super::{scatter_rows, Collective, CollectiveError, ReduceOp, DEFAULT_TIMEOUT};
 
 const BACKEND: &str = "MPI";
-
-/// Default time a rank waits for the others inside one collective (5 minutes).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One process's MPI environment: initialised by [`Mpi::init`], finalised when the last of
 /// [`Mpi`] and the communicators made from it is dropped.

@@ -13,12 +13,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{scatter_rows, split_members, Collective, CollectiveError, ReduceOp};
+use super::{scatter_rows, split_members, Collective, CollectiveError, ReduceOp, DEFAULT_TIMEOUT};
 
 const BACKEND: &str = "ThreadGroup";
-
-/// Default time a rank waits for the others inside one collective (5 minutes).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Constructor of in-process thread ranks (the backend for tests and multi-core CPU training).
 ///

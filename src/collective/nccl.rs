@@ -1,0 +1,639 @@
+//! `NcclCollective` (feature `nccl`): ranks are GPUs, tensors live on the rank's GPU, and every
+//! collective is enqueued on the candle device's stream with no host synchronisation (except
+//! `all_gather`, which reads the per-rank row counts, and `barrier`, which waits by definition).
+//!
+//! NCCL through candle's re-export of cudarc, at the level of its `result` API: the raw
+//! communicator is wrapped once, in [`RawComm`]. Bootstrap: [`NcclGroup::new`] (one process, one
+//! thread per GPU), [`NcclCollective::from_env`] (one process per GPU, torchrun's environment,
+//! rank 0 hands out NCCL's unique id over TCP), [`NcclCollective::from_collective`] (the id
+//! broadcast over another communicator, e.g. MPI under `mpirun`).
+//!
+//! Timeouts: every collective records a CUDA event after its NCCL call; a watchdog thread per
+//! communicator polls the oldest pending event every 10 ms and, when one is older than the
+//! timeout, aborts the communicator (`ncclCommAbort`, which also unblocks the stream). Every later
+//! call on it fails with the reason. The cost: one event record per collective and one mostly
+//! sleeping thread per communicator.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    sys as cu, CudaContext, CudaEvent, DevicePtr, DevicePtrMut, DeviceRepr,
+};
+use candle_core::cuda_backend::cudarc::nccl::{result, sys, NcclType};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor,
+};
+
+use super::bootstrap::{share_bytes, DistEnv};
+use super::{Collective, CollectiveError, ReduceOp, DEFAULT_TIMEOUT};
+use crate::ops::cuda::view;
+
+const BACKEND: &str = "NCCL";
+
+/// A raw NCCL communicator.
+///
+/// NCCL's rule: a communicator may be used from any thread, but by one thread at a time
+/// (`ncclCommAbort` excepted, which exists to be called while another thread is stuck).
+/// [`NcclCollective`] keeps it behind a mutex for every call but the watchdog's abort.
+#[derive(Debug, Clone, Copy)]
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: the handle is an opaque pointer NCCL allows to be used from any thread; the calls are
+// serialised by `NcclCollective::comm` (see the rule above).
+unsafe impl Send for RawComm {}
+// SAFETY: as for `Send`; shared references only hand the handle to serialised calls or to
+// ncclCommAbort, which NCCL permits concurrently.
+unsafe impl Sync for RawComm {}
+
+/// An NCCL error with its code, NCCL's text and the communicator's last error message.
+fn nccl_error(
+    op: &'static str,
+    rank: usize,
+    e: result::NcclError,
+    comm: Option<RawComm>,
+) -> candle_core::Error {
+    // SAFETY: ncclGetErrorString returns a static string for any code; ncclGetLastError returns a
+    // string owned by NCCL, valid until the next NCCL call on this thread, copied at once.
+    let (text, last) = unsafe {
+        let text = std::ffi::CStr::from_ptr(sys::ncclGetErrorString(e.0))
+            .to_string_lossy()
+            .into_owned();
+        let last = match comm {
+            Some(c) => {
+                let p = sys::ncclGetLastError(c.0);
+                if p.is_null() {
+                    String::new()
+                } else {
+                    std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+                }
+            }
+            None => String::new(),
+        };
+        (text, last)
+    };
+    CollectiveError::Library {
+        backend: BACKEND,
+        op,
+        rank,
+        code: format!("{:?}", e.0),
+        detail: if last.is_empty() {
+            text
+        } else {
+            format!("{text}; {last}")
+        },
+    }
+    .into()
+}
+
+fn invalid(op: &'static str, detail: String) -> candle_core::Error {
+    CollectiveError::InvalidArgument {
+        backend: BACKEND,
+        op,
+        detail,
+    }
+    .into()
+}
+
+/// Collectives waiting for completion, watched against the timeout.
+struct Watch {
+    comm: RawComm,
+    rank: usize,
+    timeout: Duration,
+    pending: Mutex<VecDeque<(CudaEvent, Instant, &'static str)>>,
+    broken: Mutex<Option<String>>,
+}
+
+impl Watch {
+    fn lock_pending(&self) -> MutexGuard<'_, VecDeque<(CudaEvent, Instant, &'static str)>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.broken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// One pass of the watchdog: drops completed events; aborts when the oldest is overdue.
+    fn check(&self, ctx: &CudaContext) {
+        let mut pending = self.lock_pending();
+        if self.broken().is_some() {
+            pending.clear();
+            return;
+        }
+        while let Some((event, started, op)) = pending.front() {
+            // SAFETY: the event is alive (owned by the queue) and its context is bound below.
+            let status = unsafe {
+                let _ = ctx.bind_to_thread();
+                cu::cuEventQuery(event.cu_event())
+            };
+            if status == cu::CUresult::CUDA_SUCCESS {
+                pending.pop_front();
+                continue;
+            }
+            if started.elapsed() > self.timeout {
+                let why = format!(
+                    "rank {}: {op} did not complete within {:?}; the communicator was aborted",
+                    self.rank, self.timeout
+                );
+                // SAFETY: ncclCommAbort may be called while another thread is blocked in NCCL;
+                // the handle stays valid (RawComm is only destroyed after the watchdog stops).
+                unsafe {
+                    let _ = result::comm_abort(self.comm.0);
+                }
+                *self.broken.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+                pending.clear();
+            }
+            break;
+        }
+    }
+}
+
+/// One rank's NCCL communicator on its GPU. Build it with [`NcclGroup::new`],
+/// [`NcclCollective::from_env`] or [`NcclCollective::from_collective`]; use it as an
+/// `Arc<dyn Collective>`.
+pub struct NcclCollective {
+    comm: Mutex<RawComm>,
+    device: CudaDevice,
+    rank: usize,
+    world: usize,
+    watch: Arc<Watch>,
+}
+
+impl std::fmt::Debug for NcclCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclCollective(rank {} of {} on {:?})",
+            self.rank, self.world, self.device
+        )
+    }
+}
+
+/// Constructor of the communicators of one process driving several GPUs.
+#[derive(Debug, Clone, Copy)]
+pub struct NcclGroup;
+
+// `new` returns every rank's communicator, as `ThreadGroup::new` does.
+#[allow(clippy::new_ret_no_self)]
+impl NcclGroup {
+    /// One communicator per listed GPU ordinal (`result[i]` has rank `i`, on GPU
+    /// `ordinals[i]`), for one thread per GPU. NCCL refuses two ranks on one GPU.
+    pub fn new(ordinals: &[usize]) -> Result<Vec<Arc<NcclCollective>>> {
+        Self::with_timeout(ordinals, DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`NcclGroup::new`], with the time a collective may take before its communicator is
+    /// aborted.
+    pub fn with_timeout(ordinals: &[usize], timeout: Duration) -> Result<Vec<Arc<NcclCollective>>> {
+        let mut seen = ordinals.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if ordinals.is_empty() || seen.len() != ordinals.len() {
+            return Err(invalid(
+                "new",
+                format!("GPU ordinals {ordinals:?} must be distinct and not empty (NCCL allows one rank per GPU)"),
+            ));
+        }
+        let devices: Vec<CudaDevice> = ordinals
+            .iter()
+            .map(|&o| CudaDevice::new_with_stream(o))
+            .collect::<Result<_>>()?;
+        let list: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
+        let mut raw = vec![std::ptr::null_mut(); ordinals.len()];
+        // SAFETY: `raw` has room for one handle per device in `list`.
+        unsafe { result::comm_init_all(raw.as_mut_ptr(), list.len() as i32, list.as_ptr()) }
+            .map_err(|e| nccl_error("new", 0, e, None))?;
+        let world = ordinals.len();
+        Ok(raw
+            .into_iter()
+            .zip(devices)
+            .enumerate()
+            .map(|(rank, (comm, device))| {
+                NcclCollective::wrap(RawComm(comm), device, rank, world, timeout)
+            })
+            .collect())
+    }
+}
+
+impl NcclCollective {
+    fn wrap(
+        comm: RawComm,
+        device: CudaDevice,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Arc<Self> {
+        let watch = Arc::new(Watch {
+            comm,
+            rank,
+            timeout,
+            pending: Mutex::new(VecDeque::new()),
+            broken: Mutex::new(None),
+        });
+        let weak: Weak<Watch> = Arc::downgrade(&watch);
+        let ctx = device.cuda_stream().context().clone();
+        std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{rank}"))
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(10));
+                match weak.upgrade() {
+                    Some(w) => w.check(&ctx),
+                    None => return,
+                }
+            })
+            .expect("spawning the NCCL watchdog thread");
+        Arc::new(Self {
+            comm: Mutex::new(comm),
+            device,
+            rank,
+            world,
+            watch,
+        })
+    }
+
+    /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `MASTER_ADDR`, `MASTER_PORT`): this rank runs on GPU `LOCAL_RANK`; rank 0 creates NCCL's
+    /// unique id and hands it to the others over TCP. Default timeout ([`DEFAULT_TIMEOUT`]) for
+    /// the start-up and for every collective.
+    pub fn from_env() -> Result<Arc<Self>> {
+        Self::from_env_with_timeout(DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`NcclCollective::from_env`], with the timeout.
+    pub fn from_env_with_timeout(timeout: Duration) -> Result<Arc<Self>> {
+        let env = DistEnv::from_env()?;
+        let device = CudaDevice::new_with_stream(env.local_rank)?;
+        let id = if env.rank == 0 {
+            Some(unique_id()?)
+        } else {
+            None
+        };
+        let bytes = share_bytes(&env, id.as_ref().map(|b| &b[..]), timeout)?;
+        Self::init_rank(device, env.rank, env.world_size, &bytes, timeout)
+    }
+
+    /// A communicator with the same ranks as `bootstrap` (any backend working on CPU tensors,
+    /// e.g. MPI under `mpirun`), on GPU `ordinal`: rank 0 creates NCCL's unique id and broadcasts
+    /// it over `bootstrap`. Default timeout ([`DEFAULT_TIMEOUT`]) for every collective.
+    pub fn from_collective(bootstrap: &dyn Collective, ordinal: usize) -> Result<Arc<Self>> {
+        Self::from_collective_with_timeout(bootstrap, ordinal, DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`NcclCollective::from_collective`], with the timeout.
+    pub fn from_collective_with_timeout(
+        bootstrap: &dyn Collective,
+        ordinal: usize,
+        timeout: Duration,
+    ) -> Result<Arc<Self>> {
+        let device = CudaDevice::new_with_stream(ordinal)?;
+        let id = if bootstrap.rank() == 0 {
+            unique_id()?
+        } else {
+            [0u8; 128]
+        };
+        let t = Tensor::new(&id[..], &Device::Cpu)?;
+        let bytes = bootstrap.broadcast(&t, 0)?.to_vec1::<u8>()?;
+        Self::init_rank(
+            device,
+            bootstrap.rank(),
+            bootstrap.world_size(),
+            &bytes,
+            timeout,
+        )
+    }
+
+    fn init_rank(
+        device: CudaDevice,
+        rank: usize,
+        world: usize,
+        id: &[u8],
+        timeout: Duration,
+    ) -> Result<Arc<Self>> {
+        let internal: [std::ffi::c_char; 128] = match <[u8; 128]>::try_from(id) {
+            Ok(b) => b.map(|v| v as std::ffi::c_char),
+            Err(_) => {
+                return Err(invalid(
+                    "init",
+                    format!("expected a 128-byte NCCL id, got {} bytes", id.len()),
+                ))
+            }
+        };
+        device.cuda_stream().context().bind_to_thread().w()?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` receives the new handle; the id comes from ncclGetUniqueId on rank 0.
+        unsafe {
+            result::comm_init_rank(
+                &mut comm,
+                world as i32,
+                sys::ncclUniqueId { internal },
+                rank as i32,
+            )
+        }
+        .map_err(|e| nccl_error("init", rank, e, None))?;
+        Ok(Self::wrap(RawComm(comm), device, rank, world, timeout))
+    }
+
+    /// The GPU this rank's tensors must live on.
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.device.clone())
+    }
+
+    fn check_usable(&self, op: &'static str) -> Result<()> {
+        match self.watch.broken() {
+            Some(why) => Err(CollectiveError::RankLeft {
+                backend: BACKEND,
+                op,
+                call: 0,
+                rank: self.rank,
+                reason: why,
+            }
+            .into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Enqueues one collective on `t` (on this rank's GPU) and returns its output tensor.
+    fn enqueue(&self, what: What, t: &Tensor) -> Result<Tensor> {
+        let op = what.name();
+        self.check_usable(op)?;
+        if !t.device().same_device(&self.device()) {
+            return Err(invalid(
+                op,
+                format!(
+                    "tensor on {:?}, the communicator on {:?}",
+                    t.device(),
+                    self.device()
+                ),
+            ));
+        }
+        let out = t
+            .contiguous()?
+            .apply_op1_no_bwd(&Enqueue { c: self, what })?;
+        let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let event = self.device.cuda_stream().record_event(Some(flags)).w()?;
+        self.watch
+            .lock_pending()
+            .push_back((event, Instant::now(), op));
+        Ok(out)
+    }
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        let comm = *self.comm.get_mut().unwrap_or_else(|e| e.into_inner());
+        // The watchdog checks under the pending-queue lock and skips a broken communicator:
+        // holding that lock while marking it closed and destroying it keeps the two apart.
+        let _pending = self.watch.lock_pending();
+        let mut broken = self.watch.broken.lock().unwrap_or_else(|e| e.into_inner());
+        if broken.is_none() {
+            *broken = Some("the communicator was dropped".into());
+            // SAFETY: last use of the handle, which was not aborted (ncclCommAbort frees it).
+            unsafe {
+                let _ = result::comm_destroy(comm.0);
+            }
+        }
+    }
+}
+
+fn unique_id() -> Result<[u8; 128]> {
+    let id = result::get_uniqueid().map_err(|e| nccl_error("init", 0, e, None))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+#[derive(Debug, Clone, Copy)]
+enum What {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
+    Broadcast(usize),
+}
+
+impl What {
+    fn name(self) -> &'static str {
+        match self {
+            What::AllReduce(_) => "all_reduce",
+            What::ReduceScatter(_) => "reduce_scatter",
+            What::AllGather => "all_gather",
+            What::Broadcast(_) => "broadcast",
+        }
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+    }
+}
+
+/// The collective as a candle op, so that its output is an ordinary device tensor.
+struct Enqueue<'a> {
+    c: &'a NcclCollective,
+    what: What,
+}
+
+impl CustomOp1 for Enqueue<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-collective"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(invalid(
+            self.what.name(),
+            "NCCL needs tensors on the communicator's GPU, got a CPU tensor".into(),
+        ))
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        fn run<T: NcclType + DeviceRepr + CudaDType>(
+            e: &Enqueue,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let (c, op) = (e.c, e.what.name());
+            let dev = &c.device;
+            let src = view::<T>(s, l, "input")?;
+            let n = l.shape().elem_count();
+            let dims = l.dims();
+            let (out_len, out_dims) = match e.what {
+                What::AllReduce(_) | What::Broadcast(_) => (n, dims.to_vec()),
+                What::ReduceScatter(_) => {
+                    let mut d = dims.to_vec();
+                    d[0] /= c.world;
+                    (n / c.world, d)
+                }
+                What::AllGather => {
+                    let mut d = dims.to_vec();
+                    d[0] *= c.world;
+                    (n * c.world, d)
+                }
+            };
+            // SAFETY: NCCL writes every element of the output.
+            let mut out = unsafe { dev.alloc::<T>(out_len)? };
+            let stream = dev.cuda_stream();
+            // Held for the whole enqueue: one thread at a time per communicator.
+            let guard = c.comm.lock().unwrap_or_else(|e| e.into_inner());
+            let comm = *guard;
+            {
+                let (sp, _read) = src.device_ptr(&stream);
+                let (dp, _write) = out.device_ptr_mut(&stream);
+                let (sp, dp) = (sp as *const std::ffi::c_void, dp as *mut std::ffi::c_void);
+                let (ty, cs) = (T::as_nccl_type(), stream.cu_stream() as sys::cudaStream_t);
+                // SAFETY: both buffers live on this communicator's GPU and hold the counts
+                // passed (the input `n` values, the output `out_len`); the call is serialised by
+                // the communicator's mutex (`guard`).
+                let res = unsafe {
+                    match e.what {
+                        What::AllReduce(o) => {
+                            result::all_reduce(sp, dp, n, ty, nccl_op(o), comm.0, cs)
+                        }
+                        What::ReduceScatter(o) => {
+                            result::reduce_scatter(sp, dp, out_len, ty, nccl_op(o), comm.0, cs)
+                        }
+                        What::AllGather => result::all_gather(sp, dp, n, ty, comm.0, cs),
+                        What::Broadcast(root) => {
+                            result::broadcast(sp, dp, n, ty, root as i32, comm.0, cs)
+                        }
+                    }
+                };
+                res.map_err(|err| nccl_error(op, c.rank, err, Some(comm)))?;
+            }
+            Ok((
+                CudaStorage::wrap_cuda_slice(out, dev.clone()),
+                Shape::from(out_dims),
+            ))
+        }
+        if s.device().id() != self.c.device.id() {
+            return Err(invalid(
+                self.what.name(),
+                "the tensor is on another CUDA device than the communicator".into(),
+            ));
+        }
+        match s.dtype() {
+            DType::F32 => run::<f32>(self, s, l),
+            DType::F64 => run::<f64>(self, s, l),
+            DType::F16 => run::<half::f16>(self, s, l),
+            DType::BF16 => run::<half::bf16>(self, s, l),
+            DType::I64 => run::<i64>(self, s, l),
+            DType::U32 => run::<u32>(self, s, l),
+            DType::U8 => run::<u8>(self, s, l),
+            d => Err(invalid(
+                self.what.name(),
+                format!("unsupported dtype {d:?}"),
+            )),
+        }
+    }
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.enqueue(What::AllReduce(op), t)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::scatter_rows(t, self.rank, self.world)?;
+        self.enqueue(What::ReduceScatter(op), t)
+    }
+
+    /// Unequal row counts are supported: the counts are all-gathered and read back to the host
+    /// (one synchronisation), every rank's rows padded to the largest, gathered, then unpadded.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        if t.rank() == 0 {
+            return Err(invalid(
+                "all_gather",
+                "expected a tensor of rank ≥ 1".into(),
+            ));
+        }
+        let n = t.dims()[0];
+        let counts = Tensor::new(&[n as i64], &self.device())?;
+        let counts = self.enqueue(What::AllGather, &counts)?.to_vec1::<i64>()?;
+        let max = counts.iter().copied().max().unwrap_or(0) as usize;
+        if counts.iter().all(|&c| c as usize == max) {
+            return self.enqueue(What::AllGather, t);
+        }
+        let mut pad_dims = t.dims().to_vec();
+        pad_dims[0] = max - n;
+        let padded = Tensor::cat(&[t, &Tensor::zeros(pad_dims, t.dtype(), t.device())?], 0)?;
+        let all = self.enqueue(What::AllGather, &padded)?;
+        let pieces: Vec<Tensor> = counts
+            .iter()
+            .enumerate()
+            .map(|(r, &c)| all.narrow(0, r * max, c as usize))
+            .collect::<Result<_>>()?;
+        Tensor::cat(&pieces, 0)
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        if root >= self.world {
+            return Err(invalid(
+                "broadcast",
+                format!("root {root} out of range for world size {}", self.world),
+            ));
+        }
+        self.enqueue(What::Broadcast(root), t)
+    }
+
+    /// An all-reduce of one value, then a wait for the stream: returns once every rank arrived.
+    fn barrier(&self) -> Result<()> {
+        let token = Tensor::zeros(1, DType::F32, &self.device())?;
+        self.enqueue(What::AllReduce(ReduceOp::Sum), &token)?;
+        self.device.cuda_stream().synchronize().w()?;
+        self.check_usable("barrier")
+    }
+
+    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
+        self.check_usable("split")?;
+        // NCCL_SPLIT_NOCOLOR is -1.
+        let color = match color {
+            Some(c) => {
+                i32::try_from(c).map_err(|_| invalid("split", format!("color {c} exceeds i32")))?
+            }
+            None => -1,
+        };
+        let key =
+            i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;
+        let comm = *self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let mut new = std::ptr::null_mut();
+        // SAFETY: `new` receives the handle (null for NCCL_SPLIT_NOCOLOR); a null config asks for
+        // the parent's configuration.
+        unsafe { sys::ncclCommSplit(comm.0, color, key, &mut new, std::ptr::null_mut()).result() }
+            .map_err(|e| nccl_error("split", self.rank, e, Some(comm)))?;
+        if new.is_null() {
+            return Ok(None);
+        }
+        let raw = RawComm(new);
+        // SAFETY: queries on the new, valid handle.
+        let (rank, world) = unsafe {
+            (
+                result::comm_user_rank(raw.0)
+                    .map_err(|e| nccl_error("split", self.rank, e, Some(raw)))?,
+                result::comm_count(raw.0)
+                    .map_err(|e| nccl_error("split", self.rank, e, Some(raw)))?,
+            )
+        };
+        let sub = Self::wrap(
+            raw,
+            self.device.clone(),
+            rank as usize,
+            world as usize,
+            self.watch.timeout,
+        );
+        Ok(Some(sub as Arc<dyn Collective>))
+    }
+}

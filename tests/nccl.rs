@@ -1,0 +1,183 @@
+//! The NCCL backend on every visible GPU (world size = GPU count; NCCL allows one rank per GPU):
+//! collective values, process groups, SyncBatchNorm across GPUs against single-process batch norm
+//! on the CPU, the bootstrap over another communicator, and the watchdog's timeout.
+//!
+//! `cargo test --release --features nccl --test nccl` on a machine with NVIDIA GPUs and NCCL.
+#![cfg(feature = "nccl")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use candle_core::cuda_backend::cudarc::driver::CudaContext;
+use candle_core::{DType, Device, Tensor};
+use candle_distributed::collective::{
+    Collective, NcclCollective, NcclGroup, ReduceOp, ThreadGroup,
+};
+use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+use candle_nn::{ModuleT, VarBuilder, VarMap};
+use common::*;
+
+fn gpus() -> usize {
+    let n = CudaContext::device_count().expect("the CUDA driver") as usize;
+    assert!(n >= 1, "tests/nccl.rs needs at least one GPU");
+    n
+}
+
+/// Runs `f` on one thread per communicator, results in rank order.
+fn on_ranks<R: Send>(
+    comms: Vec<Arc<NcclCollective>>,
+    f: impl Fn(Arc<NcclCollective>) -> Result<R> + Sync,
+) -> Vec<R> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    })
+}
+
+#[test]
+fn collectives_on_every_gpu() {
+    let n = gpus();
+    let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+    let outs = on_ranks(comms, |c| {
+        let dev = c.device();
+        let r = c.rank() as f32;
+        let t = Tensor::new(&[r + 1.0, -r], &dev)?;
+        let mut got = Vec::new();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+                let v = c.all_reduce(&t.to_dtype(dtype)?, op)?;
+                assert_eq!(v.dtype(), dtype);
+                got.push(v.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            }
+        }
+        let rows = Tensor::full(r, (c.rank() % 3, 2), &dev)?;
+        let gathered = c.all_gather(&rows)?.to_device(&Device::Cpu)?;
+        let big = Tensor::arange(0f32, (2 * n) as f32, &dev)?.reshape((2 * n, 1))?;
+        let scattered = c.reduce_scatter(&big, ReduceOp::Sum)?.to_vec2::<f32>()?;
+        let b = c
+            .broadcast(&Tensor::new(&[r * 3.0], &dev)?, n - 1)?
+            .to_vec1::<f32>()?;
+        c.barrier()?;
+        Ok((got, gathered, scattered, b))
+    });
+    let nf = n as f32;
+    let sum = [nf * (nf + 1.0) / 2.0, -nf * (nf - 1.0) / 2.0];
+    for (rank, (got, gathered, scattered, b)) in outs.into_iter().enumerate() {
+        for (i, want) in [sum, [sum[0] / nf, sum[1] / nf], [nf, 0.0], [1.0, 1.0 - nf]]
+            .iter()
+            .enumerate()
+        {
+            for v in &got[4 * i..4 * i + 4] {
+                assert_eq!(v, want, "rank {rank} op {i}");
+            }
+        }
+        let rows: usize = (0..n).map(|r| r % 3).sum();
+        assert_eq!(gathered.dims(), [rows, 2]);
+        let want_scatter = vec![
+            vec![nf * (2 * rank) as f32],
+            vec![nf * (2 * rank + 1) as f32],
+        ];
+        assert_eq!(scattered, want_scatter);
+        assert_eq!(b, vec![(n - 1) as f32 * 3.0]);
+    }
+}
+
+#[test]
+fn split_by_parity() {
+    let n = gpus();
+    let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+    let outs = on_ranks(comms, |c| {
+        let sub = c
+            .split(Some((c.rank() % 2) as u32), c.rank() as u32)?
+            .expect("a color");
+        let t = Tensor::new(&[1f32], &c.device())?;
+        Ok(sub.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?[0])
+    });
+    for (r, size) in outs.into_iter().enumerate() {
+        let want = (0..n).filter(|q| q % 2 == r % 2).count() as f32;
+        assert_eq!(size, want);
+    }
+}
+
+/// SyncBatchNorm with one rank per GPU, unequal and empty per-rank batches, against the CPU
+/// reference over the concatenated batch (f32 on the GPU: f32 rounding tolerance).
+#[test]
+fn sync_batch_norm_across_gpus_matches_one_process() {
+    const TOL_F32: f64 = 1e-4;
+    let n = gpus();
+    // Rank 0 always has 3 rows, so the global batch can be normalised whatever n is.
+    let batches: Vec<usize> = (0..n).map(|r| [3, 0, 5, 2][r % 4]).collect();
+    let c = 6;
+    let x = randn(3, &[batches.iter().sum(), c, 4, 5], 3.0, 2.0);
+    let pieces = split_batch(&x, &batches);
+    let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+    let outs = on_ranks(comms, |comm| {
+        let dev = comm.device();
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+        let bn = sync_batch_norm(
+            c,
+            SyncBatchNormConfig::default(),
+            vb,
+            comm.clone() as Arc<dyn Collective>,
+        )?;
+        let xr = pieces[comm.rank()].to_dtype(DType::F32)?.to_device(&dev)?;
+        let y = bn.forward_t(&xr, true)?;
+        Ok((
+            y.to_device(&Device::Cpu)?,
+            bn.running_var().unwrap().to_device(&Device::Cpu)?,
+        ))
+    });
+    let (want, _, var) = reference_bn(&x, None, None, None, false, 1e-5);
+    let want = split_batch(&want, &batches);
+    let m = x.elem_count() / c;
+    let unbiased = (((var * (m as f64 / (m as f64 - 1.0))).unwrap() * 0.1).unwrap() + 0.9).unwrap();
+    for (r, (y, rv)) in outs.iter().enumerate() {
+        assert_close(&format!("rank {r} output"), y, &want[r], TOL_F32);
+        assert_close(&format!("rank {r} running var"), rv, &unbiased, TOL_F32);
+    }
+}
+
+/// NCCL started over a ThreadGroup (as under mpirun, where MPI broadcasts the id).
+#[test]
+fn bootstrap_over_another_communicator() {
+    let n = gpus();
+    let sums = ThreadGroup::run(n, |boot| {
+        let c = NcclCollective::from_collective(&*boot, boot.rank())
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let t = Tensor::new(&[2f32], &c.device())?;
+        c.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()
+    })
+    .unwrap();
+    for s in sums {
+        assert_eq!(s, vec![2.0 * n as f32]);
+    }
+}
+
+/// A rank that skips a collective: the other's watchdog aborts the communicator after the
+/// timeout and its next call fails with the reason, instead of hanging.
+#[test]
+fn a_missing_rank_aborts_after_the_timeout() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("a_missing_rank_aborts_after_the_timeout: skipped, needs 2 GPUs (found {n})");
+        return;
+    }
+    let comms = NcclGroup::with_timeout(&[0, 1], Duration::from_secs(2)).unwrap();
+    let errs = on_ranks(comms, |c| {
+        if c.rank() == 1 {
+            return Ok(None);
+        }
+        let t = Tensor::new(&[1f32], &c.device())?;
+        c.all_reduce(&t, ReduceOp::Sum)?;
+        std::thread::sleep(Duration::from_secs(4));
+        Ok(Some(
+            c.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string(),
+        ))
+    });
+    let e = errs[0].as_ref().unwrap();
+    assert!(e.contains("did not complete within"), "{e}");
+}
