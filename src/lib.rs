@@ -9,10 +9,16 @@
 //!   batches, one all-reduce of `3·C` values in the forward and `2·C` in the backward whatever
 //!   the number of ranks.
 //! - [`collective`]: the [`collective::Collective`] trait and its backends
-//!   ([`collective::ThreadGroup`]: ranks as threads of one process).
+//!   ([`collective::ThreadGroup`]: ranks as threads of one process; `Mpi` with the `mpi`
+//!   feature; `NcclCollective` with the `nccl` feature), process groups, start-up helpers.
+//! - [`DataParallel`]: replicas that train as one model (broadcast at start, bucketed gradient
+//!   averaging).
 //! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
 //! - [`launch`]: the launch configurations of the CUDA kernels in `kernels/` (shared by the
 //!   CUDA path and the kernels' emulation tests).
+//!
+//! Features: `cuda` (the CUDA kernels; nvcc and `CUDA_COMPUTE_CAP` at build time), `nccl`
+//! (implies `cuda`), `mpi` (an MPI library at build and run time).
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -39,7 +45,9 @@
 
 pub mod batch_norm;
 pub mod collective;
+pub mod data_parallel;
 pub mod launch;
 pub mod ops;
 
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
+pub use data_parallel::DataParallel;

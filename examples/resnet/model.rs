@@ -1,0 +1,290 @@
+//! ResNets with torchvision's layout and variable names (ResNet-18/34/50) and the CIFAR ResNets
+//! of He et al. (ResNet-20/56), built from candle-nn convolutions and a norm factory, so that
+//! `candle_nn::BatchNorm` and `SyncBatchNorm` swap with one argument.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use candle_core::{Module, ModuleT, Tensor, D};
+use candle_distributed::collective::Collective;
+use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
+use candle_nn::{conv2d_no_bias, linear, BatchNorm, Conv2d, Conv2dConfig, Linear, VarBuilder};
+
+/// Which batch norm the model uses.
+#[derive(Debug, Clone)]
+pub enum NormKind {
+    /// `candle_nn::BatchNorm`: statistics of this rank's batch.
+    Bn,
+    /// `SyncBatchNorm` over `comm`: statistics of the global batch.
+    SyncBn(Arc<dyn Collective>),
+}
+
+/// A batch norm followed by nothing, by a ReLU, or by a residual add and a ReLU; fused into
+/// one op for `SyncBatchNorm`.
+enum Norm {
+    Bn(BatchNorm, bool),
+    Sync(SyncBatchNorm),
+}
+
+impl Norm {
+    fn new(kind: &NormKind, c: usize, relu: bool, vb: VarBuilder) -> Result<Self> {
+        Ok(match kind {
+            NormKind::Bn => Norm::Bn(candle_nn::batch_norm(c, 1e-5, vb)?, relu),
+            NormKind::SyncBn(comm) => {
+                let cfg = SyncBatchNormConfig {
+                    fuse_relu: relu,
+                    ..Default::default()
+                };
+                Norm::Sync(sync_batch_norm(c, cfg, vb, comm.clone())?)
+            }
+        })
+    }
+
+    /// `act(bn(x))`.
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        Ok(match self {
+            Norm::Bn(bn, relu) => {
+                let y = bn.forward_t(x, train)?;
+                if *relu {
+                    y.relu()?
+                } else {
+                    y
+                }
+            }
+            Norm::Sync(bn) => bn.forward_t(x, train)?,
+        })
+    }
+
+    /// `relu(bn(x) + z)`.
+    fn forward_add_relu(&self, x: &Tensor, z: &Tensor, train: bool) -> Result<Tensor> {
+        Ok(match self {
+            Norm::Bn(bn, _) => (bn.forward_t(x, train)? + z)?.relu()?,
+            Norm::Sync(bn) => bn.forward_residual(x, z, train)?,
+        })
+    }
+}
+
+fn conv(cin: usize, cout: usize, k: usize, stride: usize, vb: VarBuilder) -> Result<Conv2d> {
+    let cfg = Conv2dConfig {
+        padding: k / 2,
+        stride,
+        ..Default::default()
+    };
+    Ok(conv2d_no_bias(cin, cout, k, cfg, vb)?)
+}
+
+/// `downsample.0` (1×1 conv) and `downsample.1` (bn) when the shape changes.
+struct Downsample {
+    conv: Conv2d,
+    bn: Norm,
+}
+
+impl Downsample {
+    fn maybe(
+        kind: &NormKind,
+        cin: usize,
+        cout: usize,
+        stride: usize,
+        vb: VarBuilder,
+    ) -> Result<Option<Self>> {
+        if stride == 1 && cin == cout {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            conv: conv(cin, cout, 1, stride, vb.pp("0"))?,
+            bn: Norm::new(kind, cout, false, vb.pp("1"))?,
+        }))
+    }
+
+    fn shortcut(ds: &Option<Self>, x: &Tensor, train: bool) -> Result<Tensor> {
+        match ds {
+            Some(d) => d.bn.forward(&d.conv.forward(x)?, train),
+            None => Ok(x.clone()),
+        }
+    }
+}
+
+/// torchvision's `BasicBlock`: 3×3 conv, bn+ReLU, 3×3 conv, bn + shortcut + ReLU.
+struct Basic {
+    conv1: Conv2d,
+    bn1: Norm,
+    conv2: Conv2d,
+    bn2: Norm,
+    down: Option<Downsample>,
+}
+
+/// torchvision's `Bottleneck` (stride on the 3×3 conv): 1×1, 3×3, 1×1 (×4 channels).
+struct Bottleneck {
+    conv1: Conv2d,
+    bn1: Norm,
+    conv2: Conv2d,
+    bn2: Norm,
+    conv3: Conv2d,
+    bn3: Norm,
+    down: Option<Downsample>,
+}
+
+enum Block {
+    Basic(Basic),
+    Bottleneck(Bottleneck),
+}
+
+impl Block {
+    fn basic(kind: &NormKind, cin: usize, c: usize, stride: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Block::Basic(Basic {
+            conv1: conv(cin, c, 3, stride, vb.pp("conv1"))?,
+            bn1: Norm::new(kind, c, true, vb.pp("bn1"))?,
+            conv2: conv(c, c, 3, 1, vb.pp("conv2"))?,
+            bn2: Norm::new(kind, c, true, vb.pp("bn2"))?,
+            down: Downsample::maybe(kind, cin, c, stride, vb.pp("downsample"))?,
+        }))
+    }
+
+    fn bottleneck(
+        kind: &NormKind,
+        cin: usize,
+        c: usize,
+        stride: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        Ok(Block::Bottleneck(Bottleneck {
+            conv1: conv(cin, c, 1, 1, vb.pp("conv1"))?,
+            bn1: Norm::new(kind, c, true, vb.pp("bn1"))?,
+            conv2: conv(c, c, 3, stride, vb.pp("conv2"))?,
+            bn2: Norm::new(kind, c, true, vb.pp("bn2"))?,
+            conv3: conv(c, 4 * c, 1, 1, vb.pp("conv3"))?,
+            bn3: Norm::new(kind, 4 * c, true, vb.pp("bn3"))?,
+            down: Downsample::maybe(kind, cin, 4 * c, stride, vb.pp("downsample"))?,
+        }))
+    }
+
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match self {
+            Block::Basic(b) => {
+                let y = b.bn1.forward(&b.conv1.forward(x)?, train)?;
+                let short = Downsample::shortcut(&b.down, x, train)?;
+                b.bn2.forward_add_relu(&b.conv2.forward(&y)?, &short, train)
+            }
+            Block::Bottleneck(b) => {
+                let y = b.bn1.forward(&b.conv1.forward(x)?, train)?;
+                let y = b.bn2.forward(&b.conv2.forward(&y)?, train)?;
+                let short = Downsample::shortcut(&b.down, x, train)?;
+                b.bn3.forward_add_relu(&b.conv3.forward(&y)?, &short, train)
+            }
+        }
+    }
+}
+
+/// The architectures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// CIFAR ResNet-20: 3 stages × 3 basic blocks, 16/32/64 channels, 3×3 stem.
+    ResNet20,
+    /// CIFAR ResNet-56: 3 stages × 9 basic blocks.
+    ResNet56,
+    /// torchvision ResNet-18.
+    ResNet18,
+    /// torchvision ResNet-34.
+    ResNet34,
+    /// torchvision ResNet-50.
+    ResNet50,
+}
+
+impl Arch {
+    /// From `resnet20`, `resnet56`, `resnet18`, `resnet34` or `resnet50`.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "resnet20" => Arch::ResNet20,
+            "resnet56" => Arch::ResNet56,
+            "resnet18" => Arch::ResNet18,
+            "resnet34" => Arch::ResNet34,
+            "resnet50" => Arch::ResNet50,
+            _ => bail!("unknown model {s:?} (resnet20, resnet56, resnet18, resnet34, resnet50)"),
+        })
+    }
+}
+
+/// A ResNet classifier: `(N, 3, H, W)` images → `(N, classes)` logits.
+pub struct ResNet {
+    conv1: Conv2d,
+    bn1: Norm,
+    /// torchvision's stem max-pool (ImageNet models only).
+    maxpool: bool,
+    layers: Vec<Vec<Block>>,
+    fc: Linear,
+}
+
+impl ResNet {
+    /// Builds `arch` for `classes` classes with the given norm, variables in `vb` under
+    /// torchvision's names (`conv1`, `bn1`, `layer1.0.conv1`, …, `fc`).
+    pub fn new(arch: Arch, classes: usize, norm: &NormKind, vb: VarBuilder) -> Result<Self> {
+        let (stem, maxpool, widths, depths, bottleneck): (
+            usize,
+            bool,
+            Vec<usize>,
+            Vec<usize>,
+            bool,
+        ) = match arch {
+            Arch::ResNet20 => (16, false, vec![16, 32, 64], vec![3, 3, 3], false),
+            Arch::ResNet56 => (16, false, vec![16, 32, 64], vec![9, 9, 9], false),
+            Arch::ResNet18 => (64, true, vec![64, 128, 256, 512], vec![2, 2, 2, 2], false),
+            Arch::ResNet34 => (64, true, vec![64, 128, 256, 512], vec![3, 4, 6, 3], false),
+            Arch::ResNet50 => (64, true, vec![64, 128, 256, 512], vec![3, 4, 6, 3], true),
+        };
+        let conv1 = if maxpool {
+            let cfg = Conv2dConfig {
+                padding: 3,
+                stride: 2,
+                ..Default::default()
+            };
+            conv2d_no_bias(3, stem, 7, cfg, vb.pp("conv1"))?
+        } else {
+            conv(3, stem, 3, 1, vb.pp("conv1"))?
+        };
+        let bn1 = Norm::new(norm, stem, true, vb.pp("bn1"))?;
+        let mut cin = stem;
+        let mut layers = Vec::new();
+        for (i, (&w, &d)) in widths.iter().zip(&depths).enumerate() {
+            let vbl = vb.pp(format!("layer{}", i + 1));
+            let mut blocks = Vec::new();
+            for j in 0..d {
+                let stride = if j == 0 && i > 0 { 2 } else { 1 };
+                let block = if bottleneck {
+                    Block::bottleneck(norm, cin, w, stride, vbl.pp(j.to_string()))?
+                } else {
+                    Block::basic(norm, cin, w, stride, vbl.pp(j.to_string()))?
+                };
+                cin = if bottleneck { 4 * w } else { w };
+                blocks.push(block);
+            }
+            layers.push(blocks);
+        }
+        let fc = linear(cin, classes, vb.pp("fc"))?;
+        Ok(Self {
+            conv1,
+            bn1,
+            maxpool,
+            layers,
+            fc,
+        })
+    }
+
+    /// Logits `(N, classes)`; `train` selects batch statistics (and their synchronisation).
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let mut y = self.bn1.forward(&self.conv1.forward(x)?, train)?;
+        if self.maxpool {
+            // 3×3, stride 2, padding 1; after a ReLU zero padding equals −∞ padding.
+            y = y
+                .pad_with_zeros(2, 1, 1)?
+                .pad_with_zeros(3, 1, 1)?
+                .max_pool2d_with_stride(3, 2)?;
+        }
+        for blocks in &self.layers {
+            for b in blocks {
+                y = b.forward(&y, train)?;
+            }
+        }
+        let pooled = y.mean(D::Minus1)?.mean(D::Minus1)?;
+        Ok(self.fc.forward(&pooled)?)
+    }
+}

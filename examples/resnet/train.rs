@@ -1,0 +1,494 @@
+//! One rank's training loop, the run over all ranks of a backend, and the `--check` comparison.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::DataParallel;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::data::{self, Dataset};
+use crate::model::{Arch, NormKind, ResNet};
+use crate::report::{self, EpochMetrics, Progress};
+
+/// Everything a run needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub arch: Arch,
+    pub sync_bn: bool,
+    pub backend: String,
+    pub world_size: usize,
+    pub epochs: usize,
+    /// Global batch size, split across the ranks.
+    pub batch_size: usize,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub data_dir: Option<PathBuf>,
+    /// Side of the synthetic images.
+    pub image_size: usize,
+    pub train_size: usize,
+    pub val_size: usize,
+    pub seed: u64,
+    pub out_dir: PathBuf,
+    pub resume: Option<PathBuf>,
+    pub dtype: DType,
+    /// Random crop padding and flips (off in `--check`).
+    pub augment: bool,
+    /// Stop after this many steps in total (`--check`), else run every epoch.
+    pub max_steps: Option<usize>,
+    /// Write the CSV, plot and checkpoint (rank 0).
+    pub write_outputs: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            arch: Arch::ResNet20,
+            sync_bn: true,
+            backend: "threads".into(),
+            world_size: 4,
+            epochs: 3,
+            batch_size: 128,
+            lr: 4e-3,
+            weight_decay: 5e-4,
+            data_dir: None,
+            image_size: 16,
+            train_size: 8000,
+            val_size: 2000,
+            seed: 0,
+            out_dir: PathBuf::from("out/resnet"),
+            resume: None,
+            dtype: DType::F32,
+            augment: true,
+            max_steps: None,
+            write_outputs: true,
+        }
+    }
+}
+
+/// What a run ends with (rank 0's view; every rank computes the same global numbers).
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// The rank that produced it.
+    pub rank: usize,
+    pub epochs: Vec<EpochMetrics>,
+    pub world_size: usize,
+    pub seconds: f64,
+    pub images_per_sec: f64,
+    /// Trainable variables at the end, by name, on the CPU.
+    pub params: Vec<(String, Tensor)>,
+}
+
+impl Summary {
+    /// The one-line JSON summary.
+    pub fn json(&self) -> String {
+        let last = self.epochs.last();
+        format!(
+            "{{\"epochs\":{},\"world_size\":{},\"train_loss\":{:.6},\"val_acc\":{:.4},\"images_per_sec\":{:.1},\"seconds\":{:.1}}}",
+            self.epochs.len(),
+            self.world_size,
+            last.map_or(f64::NAN, |m| m.train_loss),
+            last.map_or(f64::NAN, |m| m.val_acc),
+            self.images_per_sec,
+            self.seconds
+        )
+    }
+}
+
+/// The datasets: CIFAR-10 from `data_dir`, else the synthetic set.
+pub fn datasets(cfg: &Config) -> Result<(Dataset, Dataset)> {
+    match &cfg.data_dir {
+        Some(dir) => data::cifar10(dir),
+        None => Ok((
+            data::synthetic(cfg.train_size, cfg.image_size, cfg.seed),
+            data::synthetic(cfg.val_size, cfg.image_size, cfg.seed + 1_000_003),
+        )),
+    }
+}
+
+/// Deterministic initial weights from `seed` (every rank and every run alike): convolutions
+/// Kaiming-normal (fan-out, as torchvision), the classifier uniform ±1/sqrt(fan-in); batch-norm
+/// parameters and buffers keep their construction values (γ = 1, β = 0, mean 0, var 1).
+pub fn init_weights(vm: &VarMap, seed: u64) -> Result<()> {
+    let data = vm.data().lock().expect("VarMap lock");
+    for name in data.keys() {
+        let v = &data[name];
+        let dims = v.dims().to_vec();
+        // Seeded by name: models with other buffers (plain vs synchronized batch norm) get the
+        // same weights.
+        let by_name = name
+            .bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+        let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(1_000_003) ^ by_name);
+        let n = v.elem_count();
+        let vals: Vec<f64> = if dims.len() == 4 {
+            let std = (2.0 / (dims[0] * dims[2] * dims[3]) as f64).sqrt();
+            (0..n).map(|_| std * gauss(&mut rng)).collect()
+        } else if name.starts_with("fc.") {
+            let fan_in = if dims.len() == 2 {
+                dims[1]
+            } else {
+                data["fc.weight"].dims()[1]
+            };
+            let b = 1.0 / (fan_in as f64).sqrt();
+            (0..n).map(|_| rng.gen_range(-b..b)).collect()
+        } else {
+            continue;
+        };
+        let t = Tensor::from_vec(vals, dims, &Device::Cpu)?
+            .to_dtype(v.dtype())?
+            .to_device(v.device())?;
+        v.set(&t)?;
+    }
+    Ok(())
+}
+
+fn gauss(rng: &mut StdRng) -> f64 {
+    let (u, v): (f64, f64) = (rng.gen_range(1e-12..1.0), rng.gen());
+    (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+}
+
+/// `total` split into `parts` contiguous sizes differing by at most one.
+pub fn split_sizes(total: usize, parts: usize) -> Vec<usize> {
+    (0..parts)
+        .map(|r| total / parts + usize::from(r < total % parts))
+        .collect()
+}
+
+/// The learning rate at `step` of `total`: linear warm-up over the first 3 %, then cosine decay.
+fn lr_at(base: f64, step: usize, total: usize) -> f64 {
+    let warm = (total / 33).max(1);
+    if step < warm {
+        return base * (step + 1) as f64 / warm as f64;
+    }
+    let p = (step - warm) as f64 / (total - warm).max(1) as f64;
+    base * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
+}
+
+/// Trains on this rank; every rank returns the same summary.
+pub fn train_rank(
+    comm: Arc<dyn Collective>,
+    device: Device,
+    cfg: &Config,
+    train: &Dataset,
+    val: &Dataset,
+) -> Result<Summary> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    if cfg.batch_size < world {
+        bail!(
+            "the global batch ({}) must have at least one image per rank ({world} ranks)",
+            cfg.batch_size
+        );
+    }
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, cfg.dtype, &device);
+    let norm = if cfg.sync_bn {
+        NormKind::SyncBn(comm.clone())
+    } else {
+        NormKind::Bn
+    };
+    let model = ResNet::new(cfg.arch, train.classes, &norm, vb)?;
+    init_weights(&vm, cfg.seed)?;
+    let mut first_epoch = 0;
+    if let Some(path) = &cfg.resume {
+        let mut vm_load = vm.clone();
+        vm_load
+            .load(path)
+            .with_context(|| format!("resuming from {}", path.display()))?;
+        first_epoch = read_epoch(path)?;
+    }
+    let dp = DataParallel::new(&vm, comm.clone())?;
+    let mut opt = AdamW::new(
+        dp.trainable(),
+        ParamsAdamW {
+            lr: cfg.lr,
+            weight_decay: cfg.weight_decay,
+            ..Default::default()
+        },
+    )?;
+    let stats = data::channel_stats(train);
+    let steps_per_epoch = train.len() / cfg.batch_size;
+    if steps_per_epoch == 0 {
+        bail!(
+            "the training set ({}) is smaller than one global batch ({})",
+            train.len(),
+            cfg.batch_size
+        );
+    }
+    let total_steps = cfg.max_steps.unwrap_or(steps_per_epoch * cfg.epochs);
+    let mine = split_sizes(cfg.batch_size, world);
+    let offset: usize = mine[..rank].iter().sum();
+    let start = Instant::now();
+    let mut metrics: Vec<EpochMetrics> = Vec::new();
+    let mut images_seen = 0usize;
+    let mut step = first_epoch * steps_per_epoch;
+    for epoch in first_epoch..cfg.epochs {
+        let epoch_start = Instant::now();
+        let mut order: Vec<usize> = (0..train.len()).collect();
+        order.shuffle(&mut StdRng::seed_from_u64(
+            cfg.seed ^ ((epoch as u64 + 1) * 0x9e37_79b9),
+        ));
+        let progress = Progress::new(steps_per_epoch);
+        let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0.0);
+        for s in 0..steps_per_epoch {
+            if step >= total_steps {
+                break;
+            }
+            let global = &order[s * cfg.batch_size..(s + 1) * cfg.batch_size];
+            let idx = &global[offset..offset + mine[rank]];
+            let mut aug_rng = StdRng::seed_from_u64(
+                cfg.seed ^ (((step * world + rank) as u64 + 7) * 0x2545_f491),
+            );
+            let augment = cfg.augment.then_some((&mut aug_rng, 2usize));
+            let (x, y) = data::batch(train, idx, &stats, augment, &device)?;
+            let x = x.to_dtype(cfg.dtype)?;
+            opt.set_learning_rate(lr_at(cfg.lr, step, total_steps));
+            let logits = model.forward(&x, true)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            let grads = dp.sync_gradients(loss.backward()?)?;
+            opt.step(&grads)?;
+            // Global loss, accuracy and count of this step: one small all-reduce.
+            let hits = logits
+                .argmax(D::Minus1)?
+                .eq(&y)?
+                .to_dtype(DType::F64)?
+                .sum_all()?;
+            let n = idx.len() as f64;
+            let local = Tensor::stack(
+                &[
+                    (loss.to_dtype(DType::F64)? * n)?,
+                    hits,
+                    Tensor::new(n, &device)?,
+                ],
+                0,
+            )?;
+            let g = comm.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?;
+            loss_sum += g[0];
+            correct += g[1];
+            seen += g[2];
+            images_seen += cfg.batch_size;
+            step += 1;
+            if rank == 0 {
+                progress.update(
+                    s + 1,
+                    epoch + 1,
+                    loss_sum / seen,
+                    correct / seen,
+                    images_seen,
+                );
+            }
+        }
+        progress.finish();
+        let (val_loss, val_acc) = evaluate(&comm, &model, val, &stats, cfg, &device)?;
+        let m = EpochMetrics {
+            epoch: epoch + 1,
+            train_loss: loss_sum / seen.max(1.0),
+            train_acc: correct / seen.max(1.0),
+            val_loss,
+            val_acc,
+            images_per_sec: seen / epoch_start.elapsed().as_secs_f64(),
+            seconds: start.elapsed().as_secs_f64(),
+        };
+        metrics.push(m);
+        if rank == 0 {
+            println!(
+                "epoch {:>3}  train loss {:.4}  acc {:5.1}%  val loss {:.4}  acc {:5.1}%  {:.0} img/s  {:.1} s",
+                m.epoch,
+                m.train_loss,
+                100.0 * m.train_acc,
+                m.val_loss,
+                100.0 * m.val_acc,
+                m.images_per_sec,
+                m.seconds
+            );
+            if cfg.write_outputs {
+                write_outputs(cfg, &vm, &metrics)?;
+            }
+        }
+        if step >= total_steps {
+            break;
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let mut params: Vec<(String, Tensor)> = vm
+        .data()
+        .lock()
+        .expect("VarMap lock")
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), v.as_tensor().to_device(&Device::Cpu)?)))
+        .collect::<Result<_>>()?;
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(Summary {
+        rank,
+        epochs: metrics,
+        world_size: world,
+        seconds,
+        images_per_sec: images_seen as f64 / seconds,
+        params,
+    })
+}
+
+/// Validation loss and accuracy over the whole set, each rank evaluating its share (running
+/// statistics: no communication but the final sums).
+fn evaluate(
+    comm: &Arc<dyn Collective>,
+    model: &ResNet,
+    val: &Dataset,
+    stats: &([f32; 3], [f32; 3]),
+    cfg: &Config,
+    device: &Device,
+) -> Result<(f64, f64)> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let sizes = split_sizes(val.len(), world);
+    let lo: usize = sizes[..rank].iter().sum();
+    let idx: Vec<usize> = (lo..lo + sizes[rank]).collect();
+    let (mut loss, mut hits) = (0.0, 0.0);
+    for chunk in idx.chunks(256) {
+        let (x, y) = data::batch(val, chunk, stats, None, device)?;
+        let logits = model.forward(&x.to_dtype(cfg.dtype)?, false)?;
+        loss += candle_nn::loss::cross_entropy(&logits, &y)?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?
+            * chunk.len() as f64;
+        hits += logits
+            .argmax(D::Minus1)?
+            .eq(&y)?
+            .to_dtype(DType::F64)?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+    }
+    let g = comm
+        .all_reduce(&Tensor::new(&[loss, hits], &Device::Cpu)?, ReduceOp::Sum)?
+        .to_vec1::<f64>()?;
+    let n = val.len().max(1) as f64;
+    Ok((g[0] / n, g[1] / n))
+}
+
+/// CSV, plot and checkpoint (with the epoch reached, for `--resume`) into `cfg.out_dir`.
+fn write_outputs(cfg: &Config, vm: &VarMap, metrics: &[EpochMetrics]) -> Result<()> {
+    std::fs::create_dir_all(&cfg.out_dir)?;
+    report::write_csv(&cfg.out_dir.join("metrics.csv"), metrics)?;
+    report::write_plot(&cfg.out_dir.join("curves.png"), metrics)?;
+    let ckpt = cfg.out_dir.join("checkpoint.safetensors");
+    vm.save(&ckpt)?;
+    let epoch = metrics.last().map_or(0, |m| m.epoch);
+    std::fs::write(epoch_file(&ckpt), format!("{{\"epoch\":{epoch}}}\n"))?;
+    Ok(())
+}
+
+fn epoch_file(ckpt: &Path) -> PathBuf {
+    ckpt.with_extension("json")
+}
+
+/// The epoch a checkpoint was written after (0 when its `.json` is missing).
+fn read_epoch(ckpt: &Path) -> Result<usize> {
+    let Ok(s) = std::fs::read_to_string(epoch_file(ckpt)) else {
+        return Ok(0);
+    };
+    let digits: String = s.chars().filter(|c| c.is_ascii_digit()).collect();
+    Ok(digits.parse().unwrap_or(0))
+}
+
+/// Trains on every rank of `cfg.backend` and returns rank 0's summary.
+pub fn run(cfg: &Config) -> Result<Summary> {
+    let (train, val) = datasets(cfg)?;
+    match cfg.backend.as_str() {
+        "threads" => {
+            let mut out = ThreadGroup::run(cfg.world_size, |comm| {
+                train_rank(comm, Device::Cpu, cfg, &train, &val)
+                    .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
+            })?;
+            Ok(out.swap_remove(0))
+        }
+        "nccl" => run_nccl(cfg, &train, &val),
+        "mpi" => run_mpi(cfg, &train, &val),
+        b => bail!("unknown backend {b:?} (threads, nccl, mpi)"),
+    }
+}
+
+#[cfg(feature = "nccl")]
+fn run_nccl(cfg: &Config, train: &Dataset, val: &Dataset) -> Result<Summary> {
+    use candle_distributed::collective::NcclGroup;
+    let comms = NcclGroup::new(&(0..cfg.world_size).collect::<Vec<_>>())?;
+    let mut out: Vec<Summary> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| s.spawn(move || train_rank(c.clone(), c.device(), cfg, train, val)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect::<Result<_>>()
+    })?;
+    Ok(out.swap_remove(0))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_nccl(_: &Config, _: &Dataset, _: &Dataset) -> Result<Summary> {
+    bail!("--backend nccl needs the `nccl` feature: cargo run --release --features nccl --example resnet -- --backend nccl")
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(cfg: &Config, train: &Dataset, val: &Dataset) -> Result<Summary> {
+    let mpi = candle_distributed::collective::Mpi::init()?;
+    let comm = mpi.world()?;
+    let summary = train_rank(comm, Device::Cpu, cfg, train, val)?;
+    Ok(summary)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &Config, _: &Dataset, _: &Dataset) -> Result<Summary> {
+    bail!("--backend mpi needs the `mpi` feature: cargo build --release --features mpi --example resnet, then mpirun -np N target/release/examples/resnet --backend mpi")
+}
+
+/// `--check`: `steps` steps with `world` ranks of SyncBatchNorm (of plain per-rank batch norm
+/// when `sync` is false, to see the check fail) and with one rank of plain batch norm on the
+/// same global batches (f64, no augmentation); returns the largest absolute difference over the
+/// trainable parameters.
+pub fn check(cfg: &Config, steps: usize, sync: bool) -> Result<f64> {
+    let base = Config {
+        dtype: DType::F64,
+        augment: false,
+        max_steps: Some(steps),
+        epochs: 1,
+        write_outputs: false,
+        backend: "threads".into(),
+        resume: None,
+        ..cfg.clone()
+    };
+    let multi = run(&Config {
+        sync_bn: sync,
+        ..base.clone()
+    })?;
+    let single = run(&Config {
+        sync_bn: false,
+        world_size: 1,
+        ..base
+    })?;
+    let single: std::collections::HashMap<&str, &Tensor> =
+        single.params.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut worst = 0f64;
+    for (name, t) in &multi.params {
+        if name.ends_with("running_mean")
+            || name.ends_with("running_var")
+            || name.ends_with("num_batches_tracked")
+        {
+            continue;
+        }
+        let other = single
+            .get(name.as_str())
+            .with_context(|| format!("{name} missing from the single-process model"))?;
+        let d = (t - *other)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f64>()?;
+        worst = worst.max(d);
+    }
+    Ok(worst)
+}

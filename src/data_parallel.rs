@@ -1,0 +1,241 @@
+//! Data-parallel training: `N` replicas of one model, each on its share of the global batch,
+//! that take exactly the steps of one model.
+//!
+//! At start, every variable is broadcast from rank 0 (replicas start identical whatever their
+//! initialisation). After `loss.backward()`, [`DataParallel::sync_gradients`] averages every
+//! trainable gradient over the ranks in flattened buckets (one all-reduce per bucket, buckets in
+//! a fixed order) and returns a `GradStore` that any candle optimizer accepts.
+//!
+//! What the average is: with each rank's loss the mean over its own batch, the synchronised
+//! gradient is `(1/W) Σ_r ∇L_r`, the mean over ranks of per-rank means — PyTorch DDP's
+//! convention. With equal per-rank batches this is the gradient of the mean over the global
+//! batch, so `W` ranks take the steps of one process on the concatenated batch (with
+//! [`crate::SyncBatchNorm`] for batch norm). With unequal batches, samples of smaller batches
+//! weigh more; scale each rank's loss by `W·n_r / N` to get the global mean instead.
+
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{bail, Result, Tensor, Var};
+use candle_nn::VarMap;
+
+use crate::collective::{Collective, ReduceOp};
+
+/// Default bucket size: 25 MiB of gradients per all-reduce (PyTorch DDP's default).
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// Names of batch-norm buffers: variables of a `VarMap` that no optimizer should touch.
+const BUFFER_SUFFIXES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
+
+/// Gradient averaging across the ranks of a [`Collective`] group for one model.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_distributed::collective::ThreadGroup;
+/// use candle_distributed::DataParallel;
+/// use candle_nn::{linear, Module, Optimizer, VarBuilder, VarMap, SGD};
+///
+/// ThreadGroup::run(2, |comm| {
+///     let vm = VarMap::new();
+///     let model = linear(4, 1, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+///     let dp = DataParallel::new(&vm, comm.clone())?; // rank 0's weights everywhere
+///     let mut opt = SGD::new(dp.trainable(), 0.1)?;
+///     let x = Tensor::full(comm.rank() as f32, (3, 4), &Device::Cpu)?; // this rank's batch
+///     let loss = model.forward(&x)?.sqr()?.mean_all()?;
+///     let grads = dp.sync_gradients(loss.backward()?)?; // averaged over both ranks
+///     opt.step(&grads)
+/// })?;
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct DataParallel {
+    comm: Arc<dyn Collective>,
+    /// Trainable variables, by name (the bucket order).
+    params: Vec<(String, Var)>,
+    bucket_bytes: usize,
+}
+
+impl DataParallel {
+    /// Every variable of `varmap` is broadcast from rank 0; the trainable ones are those of a
+    /// float dtype whose name does not end in `running_mean`, `running_var` or
+    /// `num_batches_tracked` (batch-norm buffers). Collective: every rank calls it with a
+    /// `VarMap` of the same names and shapes (checked: a difference is an error on every rank).
+    pub fn new(varmap: &VarMap, comm: Arc<dyn Collective>) -> Result<Self> {
+        let mut all: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| {
+                candle_core::Error::Msg("data_parallel: the VarMap's lock is poisoned".into())
+            })?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = all
+            .iter()
+            .filter(|(name, v)| {
+                v.dtype().is_float() && !BUFFER_SUFFIXES.iter().any(|s| name.ends_with(s))
+            })
+            .cloned()
+            .collect();
+        Self::from_vars(all, params, comm)
+    }
+
+    /// Explicit lists: `all` (name, variable) pairs broadcast from rank 0, `trainable` those
+    /// whose gradients are averaged. Both are put in name order.
+    pub fn from_vars(
+        mut all: Vec<(String, Var)>,
+        mut trainable: Vec<(String, Var)>,
+        comm: Arc<dyn Collective>,
+    ) -> Result<Self> {
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        trainable.sort_by(|a, b| a.0.cmp(&b.0));
+        check_same_model(&*comm, &all)?;
+        for (_, v) in &all {
+            let from_root = comm.broadcast(v.as_tensor(), 0)?;
+            // Rank 0 keeps its own values (a backend may hand the very same tensor back).
+            if comm.rank() != 0 {
+                v.set(&from_root)?;
+            }
+        }
+        Ok(Self {
+            comm,
+            params: trainable,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+        })
+    }
+
+    /// Sets the bytes of gradients per all-reduce (at least one variable per bucket).
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes.max(1);
+        self
+    }
+
+    /// The trainable variables, to hand to an optimizer.
+    pub fn trainable(&self) -> Vec<Var> {
+        self.params.iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Arc<dyn Collective> {
+        &self.comm
+    }
+
+    /// Averages the gradient of every trainable variable over the ranks: `grads` (this rank's,
+    /// from `loss.backward()`) comes back with each trainable variable's gradient replaced by
+    /// the mean over ranks. A variable without a gradient on some rank counts as zero there, and
+    /// every rank issues the same all-reduces whatever gradients it has.
+    pub fn sync_gradients(&self, mut grads: GradStore) -> Result<GradStore> {
+        for bucket in self.buckets() {
+            let parts: Vec<Tensor> = bucket
+                .iter()
+                .map(|(_, v)| match grads.get(v.as_tensor()) {
+                    Some(g) => g.to_dtype(v.dtype())?.flatten_all(),
+                    None => Tensor::zeros(v.elem_count(), v.dtype(), v.device()),
+                })
+                .collect::<Result<_>>()?;
+            let flat = Tensor::cat(&parts, 0)?;
+            let avg = self.comm.all_reduce(&flat, ReduceOp::Avg)?;
+            let mut at = 0;
+            for (_, v) in bucket {
+                let n = v.elem_count();
+                let g = avg.narrow(0, at, n)?.reshape(v.shape())?;
+                grads.insert(v.as_tensor(), g);
+                at += n;
+            }
+        }
+        Ok(grads)
+    }
+
+    /// Consecutive runs of same-dtype, same-device variables of at most `bucket_bytes` (or one).
+    fn buckets(&self) -> Vec<&[(String, Var)]> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        let mut bytes = 0;
+        for (i, (_, v)) in self.params.iter().enumerate() {
+            let size = v.elem_count() * v.dtype().size_in_bytes();
+            let first = &self.params[start].1;
+            let compatible = v.dtype() == first.dtype() && v.device().same_device(first.device());
+            if i > start && (!compatible || bytes + size > self.bucket_bytes) {
+                out.push(&self.params[start..i]);
+                start = i;
+                bytes = 0;
+            }
+            bytes += size;
+        }
+        if start < self.params.len() {
+            out.push(&self.params[start..]);
+        }
+        out
+    }
+}
+
+/// Errors on every rank unless every rank has the same variable names, shapes and dtypes.
+fn check_same_model(comm: &dyn Collective, all: &[(String, Var)]) -> Result<()> {
+    // FNV-1a over names, dims and dtypes; compared through an all-gather, so that every rank
+    // sees every fingerprint and fails alike.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for (name, v) in all {
+        eat(name.as_bytes());
+        for &d in v.dims() {
+            eat(&(d as u64).to_le_bytes());
+        }
+        eat(v.dtype().as_str().as_bytes());
+    }
+    let mine = Tensor::new(
+        &[[all.len() as i64, (h >> 1) as i64]],
+        &candle_core::Device::Cpu,
+    )?;
+    let every = comm.all_gather(&mine)?.to_vec2::<i64>()?;
+    if every.iter().any(|f| f != &every[0]) {
+        bail!(
+            "data_parallel: the ranks' models differ (variable count and fingerprint per rank: {:?}); every rank must build the same model",
+            every
+        )
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::ThreadGroup;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn buckets_respect_size_dtype_and_order() {
+        let comm = ThreadGroup::new(1).unwrap().remove(0);
+        let v = |n: usize, d: DType| Var::zeros(n, d, &Device::Cpu).unwrap();
+        let vars = vec![
+            ("a".to_string(), v(4, DType::F32)),
+            ("b".to_string(), v(4, DType::F32)),
+            ("c".to_string(), v(100, DType::F32)),
+            ("d".to_string(), v(2, DType::F64)),
+        ];
+        let dp = DataParallel::from_vars(vars.clone(), vars, comm)
+            .unwrap()
+            .with_bucket_bytes(40);
+        let names: Vec<Vec<&str>> = dp
+            .buckets()
+            .iter()
+            .map(|b| b.iter().map(|(n, _)| n.as_str()).collect())
+            .collect();
+        assert_eq!(names, vec![vec!["a", "b"], vec!["c"], vec!["d"]]);
+    }
+
+    #[test]
+    fn batch_norm_buffers_are_not_trainable() {
+        let vm = VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        candle_nn::batch_norm(3, candle_nn::BatchNormConfig::default(), vb.pp("bn")).unwrap();
+        let comm = ThreadGroup::new(1).unwrap().remove(0);
+        let dp = DataParallel::new(&vm, comm).unwrap();
+        let names: Vec<&str> = dp.params.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, vec!["bn.bias", "bn.weight"]);
+    }
+}

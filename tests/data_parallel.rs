@@ -1,0 +1,279 @@
+//! Data-parallel training: N thread ranks with gradient averaging (and SyncBatchNorm) take the
+//! steps of one process on the concatenated batch, with SGD and AdamW; missing gradients count
+//! as zero; bucketing does not change the result; unequal batches follow DDP's convention.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
+use candle_nn::{
+    conv2d, linear, AdamW, Conv2dConfig, ModuleT, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD,
+};
+use common::*;
+
+/// f64 throughout: rounding-level differences after several steps.
+const TOL_F64: f64 = 1e-9;
+const STEPS: u64 = 3;
+
+/// conv → bn+ReLU → global mean → linear; `comm` None = plain candle-nn batch norm.
+struct Net {
+    conv: candle_nn::Conv2d,
+    bn: Box<dyn ModuleT + Send + Sync>,
+    fc: candle_nn::Linear,
+}
+
+fn net(vm: &VarMap, comm: Option<Arc<dyn Collective>>) -> Net {
+    let vb = VarBuilder::from_varmap(vm, DType::F64, &Device::Cpu);
+    let conv = conv2d(3, 6, 3, Conv2dConfig::default(), vb.pp("conv")).unwrap();
+    let bn: Box<dyn ModuleT + Send + Sync> = match comm {
+        Some(c) => {
+            let cfg = SyncBatchNormConfig {
+                fuse_relu: true,
+                ..Default::default()
+            };
+            Box::new(sync_batch_norm(6, cfg, vb.pp("bn"), c).unwrap())
+        }
+        None => Box::new(Relu(candle_nn::batch_norm(6, 1e-5, vb.pp("bn")).unwrap())),
+    };
+    let fc = linear(6, 4, vb.pp("fc")).unwrap();
+    Net { conv, bn, fc }
+}
+
+struct Relu(candle_nn::BatchNorm);
+impl ModuleT for Relu {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        self.0.forward_t(x, train)?.relu()
+    }
+}
+
+impl Net {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let y = self
+            .bn
+            .forward_t(&self.conv.forward(x).unwrap(), true)
+            .unwrap();
+        self.fc
+            .forward(&y.mean(D::Minus1).unwrap().mean(D::Minus1).unwrap())
+            .unwrap()
+    }
+}
+
+/// Overwrites every variable with seeded values (`salt` differs per rank to show that the
+/// broadcast from rank 0 makes replicas identical).
+fn seed_vars(vm: &VarMap, salt: u64) {
+    let data = vm.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for name in names {
+        if name.contains("running") || name.contains("num_batches") {
+            continue;
+        }
+        // Seeded by name, so that models with other buffers get the same parameters.
+        let by_name = name
+            .bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+        let v = &data[name];
+        let t = randn(1000 * salt + by_name % 1000, v.dims(), 0.0, 0.3);
+        v.set(&t).unwrap();
+    }
+}
+
+fn params(vm: &VarMap) -> Vec<(String, Tensor)> {
+    let mut v: Vec<(String, Tensor)> = vm
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| !k.contains("running") && !k.contains("num_batches"))
+        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+enum Opt {
+    Sgd,
+    AdamW,
+}
+
+fn optimizer(
+    kind: &Opt,
+    vars: Vec<candle_core::Var>,
+) -> Box<dyn FnMut(&candle_core::backprop::GradStore)> {
+    match kind {
+        Opt::Sgd => {
+            let mut o = SGD::new(vars, 0.1).unwrap();
+            Box::new(move |g| o.step(g).unwrap())
+        }
+        Opt::AdamW => {
+            let p = ParamsAdamW {
+                lr: 0.01,
+                weight_decay: 0.01,
+                ..Default::default()
+            };
+            let mut o = AdamW::new(vars, p).unwrap();
+            Box::new(move |g| o.step(g).unwrap())
+        }
+    }
+}
+
+/// Global batch of step `s`: 12 images, labels 0..4.
+fn global_batch(s: u64) -> (Tensor, Tensor) {
+    let x = randn(50 + s, &[12, 3, 5, 5], 1.0, 1.0);
+    let y: Vec<u32> = (0..12).map(|i| ((i as u64 * 7 + s) % 4) as u32).collect();
+    (x, Tensor::new(y.as_slice(), &Device::Cpu).unwrap())
+}
+
+/// `world` ranks, equal batches, SyncBatchNorm + DataParallel, against one process with plain
+/// batch norm on the whole batch.
+fn equivalence(opt: Opt, world: usize, bucket_bytes: usize) {
+    let sizes = vec![12 / world; world];
+    let dist = run_ranks(world, |comm| {
+        let vm = VarMap::new();
+        let model = net(&vm, Some(comm.clone()));
+        seed_vars(&vm, comm.rank() as u64 + 1);
+        let dp = DataParallel::new(&vm, comm.clone())?.with_bucket_bytes(bucket_bytes);
+        let mut step = optimizer(&opt, dp.trainable());
+        for s in 0..STEPS {
+            let (x, y) = global_batch(s);
+            let (x, y) = (
+                &split_batch(&x, &sizes)[comm.rank()],
+                &split_batch(&y, &sizes)[comm.rank()],
+            );
+            let loss = candle_nn::loss::cross_entropy(&model.forward(x), y)?;
+            step(&dp.sync_gradients(loss.backward()?)?);
+        }
+        Ok(params(&vm))
+    });
+    let vm = VarMap::new();
+    let model = net(&vm, None);
+    seed_vars(&vm, 1);
+    let mut step = optimizer(
+        &opt,
+        vm.all_vars()
+            .into_iter()
+            .filter(|v| v.dtype() == DType::F64)
+            .collect(),
+    );
+    for s in 0..STEPS {
+        let (x, y) = global_batch(s);
+        let loss = candle_nn::loss::cross_entropy(&model.forward(&x), &y).unwrap();
+        step(&loss.backward().unwrap());
+    }
+    let want = params(&vm);
+    for (rank, got) in dist.iter().enumerate() {
+        assert_eq!(got.len(), want.len());
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            assert_close(&format!("rank {rank} {name}"), g, w, TOL_F64);
+        }
+    }
+}
+
+#[test]
+fn sgd_steps_match_one_process() {
+    equivalence(Opt::Sgd, 4, usize::MAX);
+}
+
+#[test]
+fn adamw_steps_match_one_process() {
+    equivalence(Opt::AdamW, 3, usize::MAX);
+}
+
+#[test]
+fn small_buckets_give_the_same_steps() {
+    equivalence(Opt::AdamW, 2, 64);
+}
+
+/// A model without batch norm, unequal batches [5, 3, 4]: each rank's loss is the mean over its
+/// batch, and the averaged gradient is `(1/W) Σ_r ∇L_r` (DDP's convention), i.e. the gradient of
+/// `Σ_r mean_r / W` on one process.
+#[test]
+fn unequal_batches_average_per_rank_means() {
+    let sizes = [5usize, 3, 4];
+    let x = randn(7, &[12, 6], 0.0, 1.0);
+    let t = randn(8, &[12, 2], 0.0, 1.0);
+    let dist = run_ranks(3, |comm| {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+        let model = linear(6, 2, vb.pp("fc"))?;
+        seed_vars(&vm, 1);
+        let dp = DataParallel::new(&vm, comm.clone())?;
+        let mut opt = SGD::new(dp.trainable(), 0.5)?;
+        let (xr, tr) = (
+            &split_batch(&x, &sizes)[comm.rank()],
+            &split_batch(&t, &sizes)[comm.rank()],
+        );
+        let loss = (model.forward(xr)? - tr)?.sqr()?.mean_all()?;
+        opt.step(&dp.sync_gradients(loss.backward()?)?)?;
+        Ok(params(&vm))
+    });
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+    let model = linear(6, 2, vb.pp("fc")).unwrap();
+    seed_vars(&vm, 1);
+    let mut opt = SGD::new(vm.all_vars(), 0.5).unwrap();
+    let mut loss = Tensor::new(0f64, &Device::Cpu).unwrap();
+    for (xr, tr) in split_batch(&x, &sizes).iter().zip(split_batch(&t, &sizes)) {
+        let l = (model.forward(xr).unwrap() - tr)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        loss = (loss + (l / 3.0).unwrap()).unwrap();
+    }
+    opt.step(&loss.backward().unwrap()).unwrap();
+    let want = params(&vm);
+    for got in &dist {
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            assert_close(name, g, w, TOL_F64);
+        }
+    }
+}
+
+/// A variable used only on rank 0 gets `g0 / W` on every rank (zero elsewhere), and every rank
+/// issued the same collectives.
+#[test]
+fn a_missing_gradient_counts_as_zero() {
+    let outs = run_ranks(4, |comm| {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+        let a = linear(3, 1, vb.pp("a"))?;
+        let b = linear(3, 1, vb.pp("b"))?;
+        seed_vars(&vm, 2);
+        let dp = DataParallel::new(&vm, comm.clone())?;
+        let x = Tensor::ones((2, 3), DType::F64, &Device::Cpu)?;
+        let mut loss = a.forward(&x)?.sum_all()?;
+        if comm.rank() == 0 {
+            loss = (loss + b.forward(&x)?.sum_all()?)?;
+        }
+        let grads = dp.sync_gradients(loss.backward()?)?;
+        let wb = vm.data().lock().unwrap()["b.weight"].clone();
+        Ok(grads
+            .get(wb.as_tensor())
+            .map(|g| g.to_vec2::<f64>().unwrap()))
+    });
+    for g in outs {
+        // d(sum of 2 rows of x·wᵀ)/dw = [2, 2, 2] on rank 0, averaged over 4 ranks.
+        assert_eq!(g, Some(vec![vec![0.5, 0.5, 0.5]]));
+    }
+}
+
+#[test]
+fn different_models_fail_on_every_rank() {
+    let errs = ThreadGroup::run(2, |comm| {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        linear(3, 1 + comm.rank(), vb.pp("fc"))?;
+        Ok(DataParallel::new(&vm, comm.clone())
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    for e in errs {
+        assert!(e.contains("models differ"), "{e}");
+    }
+}

@@ -1,0 +1,197 @@
+//! The ResNet example's pieces: models build with both norms under torchvision's names and
+//! parameter counts, a checkpoint round-trips, data and plots are well-formed, and `--check`
+//! (N-rank SyncBatchNorm against 1-rank batch norm) passes for a tiny model.
+
+#[allow(dead_code)]
+#[path = "../examples/resnet/data.rs"]
+mod data;
+#[allow(dead_code)]
+#[path = "../examples/resnet/model.rs"]
+mod model;
+#[allow(dead_code)]
+#[path = "../examples/resnet/report.rs"]
+mod report;
+#[allow(dead_code)]
+#[path = "../examples/resnet/train.rs"]
+mod train;
+
+use candle_core::{DType, Device, Tensor};
+use candle_distributed::collective::ThreadGroup;
+use candle_nn::{VarBuilder, VarMap};
+use model::{Arch, NormKind, ResNet};
+
+/// Builds `arch` and returns its VarMap (names → variables).
+fn build(arch: Arch, norm: &NormKind, classes: usize) -> VarMap {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    ResNet::new(arch, classes, norm, vb).unwrap();
+    vm
+}
+
+fn trainable_count(vm: &VarMap) -> usize {
+    let data = vm.data().lock().unwrap();
+    data.iter()
+        .filter(|(k, _)| {
+            !(k.ends_with("running_mean")
+                || k.ends_with("running_var")
+                || k.ends_with("num_batches_tracked"))
+        })
+        .map(|(_, v)| v.elem_count())
+        .sum()
+}
+
+/// torchvision's parameter counts (1000 classes) and state-dict sizes (with
+/// `num_batches_tracked`): ResNet-18 11,689,512 / 122, ResNet-34 21,797,672 / 218,
+/// ResNet-50 25,557,032 / 320.
+#[test]
+fn torchvision_models_have_torchvisions_names_and_sizes() {
+    let comm = ThreadGroup::new(1).unwrap().remove(0);
+    for (arch, params, entries) in [
+        (Arch::ResNet18, 11_689_512, 122),
+        (Arch::ResNet34, 21_797_672, 218),
+        (Arch::ResNet50, 25_557_032, 320),
+    ] {
+        let vm = build(arch, &NormKind::SyncBn(comm.clone()), 1000);
+        assert_eq!(trainable_count(&vm), params, "{arch:?} parameters");
+        assert_eq!(
+            vm.data().lock().unwrap().len(),
+            entries,
+            "{arch:?} state-dict entries"
+        );
+        let data = vm.data().lock().unwrap();
+        for name in [
+            "conv1.weight",
+            "bn1.running_var",
+            "bn1.num_batches_tracked",
+            "layer1.0.conv1.weight",
+            "layer2.0.downsample.0.weight",
+            "layer2.0.downsample.1.bias",
+            "layer4.1.bn2.weight",
+            "fc.weight",
+            "fc.bias",
+        ] {
+            assert!(data.contains_key(name), "{arch:?} lacks {name}");
+        }
+        assert_eq!(data["conv1.weight"].dims(), [64, 3, 7, 7]);
+        if arch == Arch::ResNet50 {
+            assert_eq!(data["layer1.0.conv3.weight"].dims(), [256, 64, 1, 1]);
+            assert_eq!(data["fc.weight"].dims(), [1000, 2048]);
+        }
+    }
+}
+
+/// CIFAR ResNet-20 has 0.27 M parameters (He et al.), ResNet-56 0.85 M; here with 1×1
+/// projection shortcuts (option B), which add a few thousand.
+#[test]
+fn cifar_models_build_with_both_norms_and_run() {
+    let comm = ThreadGroup::new(1).unwrap().remove(0);
+    for norm in [NormKind::Bn, NormKind::SyncBn(comm)] {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let model = ResNet::new(Arch::ResNet20, 10, &norm, vb).unwrap();
+        let n = trainable_count(&vm);
+        assert!((270_000..285_000).contains(&n), "ResNet-20 parameters: {n}");
+        let x = Tensor::randn(0f32, 1f32, (3, 3, 16, 16), &Device::Cpu).unwrap();
+        for train in [true, false] {
+            let y = model.forward(&x, train).unwrap();
+            assert_eq!(y.dims(), [3, 10]);
+            assert!(y
+                .to_vec2::<f32>()
+                .unwrap()
+                .iter()
+                .flatten()
+                .all(|v| v.is_finite()));
+        }
+    }
+    let n56 = trainable_count(&build(Arch::ResNet56, &NormKind::Bn, 10));
+    assert!(
+        (850_000..870_000).contains(&n56),
+        "ResNet-56 parameters: {n56}"
+    );
+}
+
+#[test]
+fn a_checkpoint_round_trips() {
+    let vm = build(Arch::ResNet20, &NormKind::Bn, 10);
+    train::init_weights(&vm, 3).unwrap();
+    let dir = std::env::temp_dir().join(format!("resnet-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("checkpoint.safetensors");
+    vm.save(&path).unwrap();
+    let mut other = build(Arch::ResNet20, &NormKind::Bn, 10);
+    train::init_weights(&other, 4).unwrap();
+    other.load(&path).unwrap();
+    let (a, b) = (vm.data().lock().unwrap(), other.data().lock().unwrap());
+    assert_eq!(a.len(), b.len());
+    for (k, v) in a.iter() {
+        let d = (v.as_tensor() - b[k].as_tensor())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap();
+        let d = d.max(0).unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(d, 0.0, "{k} differs after loading");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn synthetic_data_is_deterministic_balanced_and_not_constant() {
+    let a = data::synthetic(50, 16, 9);
+    let b = data::synthetic(50, 16, 9);
+    assert_eq!(a.images, b.images);
+    assert_eq!(a.labels, b.labels);
+    for c in 0..10u8 {
+        assert_eq!(a.labels.iter().filter(|&&l| l == c).count(), 5);
+    }
+    let (mean, std) = data::channel_stats(&a);
+    assert!(mean.iter().all(|m| (0.2..0.8).contains(m)) && std.iter().all(|s| *s > 0.1));
+    let c = data::synthetic(50, 16, 10);
+    assert_ne!(a.images, c.images, "another seed, other images");
+}
+
+#[test]
+fn plot_is_a_valid_png() {
+    let rows: Vec<report::EpochMetrics> = (1..=4)
+        .map(|e| report::EpochMetrics {
+            epoch: e,
+            train_loss: 2.0 / e as f64,
+            train_acc: 0.2 * e as f64,
+            val_loss: 2.1 / e as f64,
+            val_acc: 0.19 * e as f64,
+            images_per_sec: 100.0,
+            seconds: e as f64,
+        })
+        .collect();
+    let path = std::env::temp_dir().join(format!("curves-{}.png", std::process::id()));
+    report::write_plot(&path, &rows).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(&bytes[12..16], b"IHDR");
+    assert_eq!(&bytes[bytes.len() - 8..bytes.len() - 4], b"IEND");
+    std::fs::remove_file(&path).unwrap();
+}
+
+/// `--check` for a tiny model: 4 ranks of SyncBatchNorm with data-parallel averaging take the
+/// steps of one process with plain batch norm (f64, rounding-level differences).
+#[test]
+fn check_passes_for_a_tiny_model() {
+    let cfg = train::Config {
+        arch: Arch::ResNet20,
+        world_size: 4,
+        batch_size: 16,
+        image_size: 8,
+        train_size: 64,
+        val_size: 16,
+        ..Default::default()
+    };
+    let diff = train::check(&cfg, 3, true).unwrap();
+    assert!(diff <= 1e-6, "largest parameter difference {diff:e}");
+    // The comparison can fail: per-rank batch norm (statistics of 4 images) drifts away.
+    let unsynced = train::check(&cfg, 3, false).unwrap();
+    assert!(
+        unsynced > 1e-3,
+        "plain batch norm on 4 ranks differs by only {unsynced:e}"
+    );
+}
