@@ -14,6 +14,8 @@
 //! - [`DataParallel`]: replicas that train as one model (broadcast at start, bucketed gradient
 //!   averaging).
 //! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
+//! - [`parallel`]: differentiable collectives (each documented with the objective its gradient
+//!   is exact for) and tensor-parallel linear layers whose backward overlaps communication.
 //! - [`launch`]: the launch configurations of the CUDA kernels in `kernels/` (shared by the
 //!   CUDA path and the kernels' emulation tests).
 //!
@@ -48,6 +50,7 @@ pub mod collective;
 pub mod data_parallel;
 pub mod launch;
 pub mod ops;
+pub mod parallel;
 
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 pub use data_parallel::DataParallel;

@@ -18,6 +18,7 @@ mod error;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod pending;
 mod threads;
 
 pub use error::CollectiveError;
@@ -25,6 +26,8 @@ pub use error::CollectiveError;
 pub use mpi::Mpi;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCollective, NcclGroup};
+pub use pending::Pending;
+pub(crate) use pending::Worker;
 pub use threads::ThreadGroup;
 
 use std::sync::Arc;
@@ -85,6 +88,20 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// `t`: `(W·k, *rest)` with `W = world_size()`, identical shape and dtype on every rank.
     /// Returns `(k, *rest)`, bitwise identical to the same rows of [`Collective::all_reduce`].
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
+    /// Starts [`Collective::all_reduce`] and returns at once; [`Pending::wait`] gives the result.
+    ///
+    /// The call takes its place in the group's call order when it is started: every rank must
+    /// start it at the same position relative to its other collectives. Progress happens while
+    /// the caller computes (a communication thread on `ThreadGroup` and MPI, a side stream on
+    /// NCCL).
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
+
+    /// Starts [`Collective::all_gather`]; see [`Collective::all_reduce_async`].
+    fn all_gather_async(&self, t: &Tensor) -> Result<Pending>;
+
+    /// Starts [`Collective::reduce_scatter`]; see [`Collective::all_reduce_async`].
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
 
     /// Splits the group into disjoint subgroups (MPI's `MPI_Comm_split`, NCCL's
     /// `ncclCommSplit`): ranks passing the same `color` form one group, ordered by `key`, then

@@ -21,7 +21,9 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use super::{scatter_rows, Collective, CollectiveError, ReduceOp, DEFAULT_TIMEOUT};
+use super::{
+    scatter_rows, Collective, CollectiveError, Pending, ReduceOp, Worker, DEFAULT_TIMEOUT,
+};
 
 const BACKEND: &str = "MPI";
 
@@ -36,6 +38,14 @@ static MPI_CALLS: Mutex<()> = Mutex::new(());
 
 fn serialised() -> MutexGuard<'static, ()> {
     MPI_CALLS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs one MPI call with `MPI_CALLS` held. Waits poll with the lock released in between, so
+/// that another thread of this process (the communication thread of the `*_async` calls) can
+/// make progress on its own communicator meanwhile.
+fn locked<R>(f: impl FnOnce() -> R) -> R {
+    let _g = serialised();
+    f()
 }
 
 /// The MPI environment of this process.
@@ -90,18 +100,33 @@ impl Mpi {
             comm,
             self.env.clone(),
             timeout,
+            true,
         )))
     }
 }
 
 /// One rank's handle on an MPI communicator.
 struct MpiCollective {
-    /// Dropped before `env`, so a communicator is freed before MPI is finalised.
-    comm: SimpleCommunicator,
+    /// Freed (under `MPI_CALLS`) before `env` is dropped, so before MPI is finalised.
+    comm: std::mem::ManuallyDrop<SimpleCommunicator>,
     rank: usize,
     world: usize,
     timeout: Duration,
+    /// A duplicate of `comm` for the `*_async` calls, which run on `worker` in their own order
+    /// (MPI matches collectives per communicator); `None` on that duplicate itself.
+    async_comm: Option<Arc<MpiCollective>>,
+    worker: Worker,
     _env: Arc<Env>,
+}
+
+impl Drop for MpiCollective {
+    fn drop(&mut self) {
+        // The worker (and with it the duplicate's last user) stops first.
+        self.async_comm.take();
+        let _g = serialised();
+        // SAFETY: `comm` is not used after this point.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.comm) };
+    }
 }
 
 // SAFETY: MPI handles may be used from any thread of a process initialised with
@@ -212,15 +237,37 @@ fn shape_code(dims: &[usize]) -> i64 {
 }
 
 impl MpiCollective {
-    fn new(comm: SimpleCommunicator, env: Arc<Env>, timeout: Duration) -> Self {
-        let (rank, world) = (comm.rank() as usize, comm.size() as usize);
+    /// Wraps `comm`; with `with_async`, also duplicates it for the `*_async` calls (collective:
+    /// every rank of `comm` constructs at the same point).
+    fn new(comm: SimpleCommunicator, env: Arc<Env>, timeout: Duration, with_async: bool) -> Self {
+        let (rank, world, dup) = locked(|| {
+            let dup = with_async.then(|| comm.duplicate());
+            (comm.rank() as usize, comm.size() as usize, dup)
+        });
+        let async_comm = dup.map(|d| Arc::new(MpiCollective::new(d, env.clone(), timeout, false)));
         Self {
-            comm,
+            comm: std::mem::ManuallyDrop::new(comm),
             rank,
             world,
             timeout,
+            async_comm,
+            worker: Worker::default(),
             _env: env,
         }
+    }
+
+    /// Runs `f` on the duplicate communicator in the communication thread.
+    fn start(
+        &self,
+        f: impl FnOnce(&MpiCollective) -> Result<Tensor> + Send + 'static,
+    ) -> Result<Pending> {
+        let Some(dup) = self.async_comm.clone() else {
+            return Err(invalid(
+                "async",
+                "no duplicate communicator for asynchronous calls".into(),
+            ));
+        };
+        self.worker.submit(BACKEND, move || f(&dup))
     }
 
     /// Polls `req` until it completes; on timeout prints why and aborts the MPI job.
@@ -228,7 +275,7 @@ impl MpiCollective {
         let deadline = Instant::now() + self.timeout;
         let mut spins = 0u32;
         loop {
-            match req.test() {
+            match locked(|| req.test()) {
                 Ok(_) => return,
                 Err(r) => req = r,
             }
@@ -257,9 +304,10 @@ impl MpiCollective {
     ) -> Result<()> {
         let mut all = vec![0i64; 4 * self.world];
         mpi::request::scope(|scope| {
-            let req = self
-                .comm
-                .immediate_all_gather_into(scope, &desc[..], &mut all[..]);
+            let req = locked(|| {
+                self.comm
+                    .immediate_all_gather_into(scope, &desc[..], &mut all[..])
+            });
             self.wait(op, req);
         });
         let first = &all[..4];
@@ -311,7 +359,6 @@ impl MpiCollective {
                 format!("ReduceOp::Avg needs a float dtype, got {:?}", t.dtype()),
             ));
         }
-        let _g = serialised();
         let desc = Self::descriptor(op, Some(rop), t, t.dims(), 0);
         self.agree(op, desc, Self::describe)?;
         let send = HostBuf::of(t)?;
@@ -348,7 +395,7 @@ impl MpiCollective {
         mpi_op: SystemOperation,
     ) {
         mpi::request::scope(|scope| {
-            let req = self.comm.immediate_all_reduce_into(scope, s, r, mpi_op);
+            let req = locked(|| self.comm.immediate_all_reduce_into(scope, s, r, mpi_op));
             self.wait(op, req);
         });
     }
@@ -379,16 +426,16 @@ impl Collective for MpiCollective {
         if t.rank() == 0 {
             return Err(invalid(OP, "expected a tensor of rank ≥ 1".into()));
         }
-        let _g = serialised();
         let rest = &t.dims()[1..];
         self.agree(OP, Self::descriptor(OP, None, t, rest, 0), Self::describe)?;
         let row: usize = rest.iter().product();
         let mut rows = vec![0i64; self.world];
         let mine = [t.dims()[0] as i64];
         mpi::request::scope(|scope| {
-            let req = self
-                .comm
-                .immediate_all_gather_into(scope, &mine[..], &mut rows[..]);
+            let req = locked(|| {
+                self.comm
+                    .immediate_all_gather_into(scope, &mine[..], &mut rows[..])
+            });
             self.wait(OP, req);
         });
         let counts: Vec<i32> = rows.iter().map(|&n| (n as usize * row) as i32).collect();
@@ -407,9 +454,10 @@ impl Collective for MpiCollective {
             ($s:expr, $r:expr) => {{
                 let mut part = PartitionMut::new(&mut $r[..], &counts[..], &displs[..]);
                 mpi::request::scope(|scope| {
-                    let req =
+                    let req = locked(|| {
                         self.comm
-                            .immediate_all_gather_varcount_into(scope, &$s[..], &mut part);
+                            .immediate_all_gather_varcount_into(scope, &$s[..], &mut part)
+                    });
                     self.wait(OP, req);
                 });
             }};
@@ -435,7 +483,6 @@ impl Collective for MpiCollective {
                 format!("root {root} out of range for world size {}", self.world),
             ));
         }
-        let _g = serialised();
         self.agree(
             OP,
             Self::descriptor(OP, None, t, t.dims(), root as i64),
@@ -444,15 +491,14 @@ impl Collective for MpiCollective {
         let mut buf = HostBuf::of(t)?;
         let root_proc = self.comm.process_at_rank(root as i32);
         with_buf!(&mut buf, v => mpi::request::scope(|scope| {
-            let req = root_proc.immediate_broadcast_into(scope, &mut v[..]);
+            let req = locked(|| root_proc.immediate_broadcast_into(scope, &mut v[..]));
             self.wait(OP, req);
         }));
         buf.into_tensor(t.dims(), t.dtype(), t.device())
     }
 
     fn barrier(&self) -> Result<()> {
-        let _g = serialised();
-        let req = self.comm.immediate_barrier();
+        let req = locked(|| self.comm.immediate_barrier());
         self.wait("barrier", req);
         Ok(())
     }
@@ -466,11 +512,27 @@ impl Collective for MpiCollective {
         };
         let key =
             i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;
-        let _g = serialised();
         // MPI_Comm_split is blocking: this one call waits without the timeout.
-        let sub = self.comm.split_by_color_with_key(color, key);
+        let sub = locked(|| self.comm.split_by_color_with_key(color, key));
         Ok(sub.map(|c| {
-            Arc::new(MpiCollective::new(c, self._env.clone(), self.timeout)) as Arc<dyn Collective>
+            Arc::new(MpiCollective::new(c, self._env.clone(), self.timeout, true))
+                as Arc<dyn Collective>
         }))
+    }
+
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        let t = t.clone();
+        self.start(move |c| c.all_reduce(&t, op))
+    }
+
+    fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
+        let t = t.clone();
+        self.start(move |c| c.all_gather(&t))
+    }
+
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        scatter_rows(t, self.rank, self.world)?;
+        let t = t.clone();
+        self.start(move |c| c.reduce_scatter(&t, op))
     }
 }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys as cu, CudaContext, CudaEvent, DevicePtr, DevicePtrMut, DeviceRepr,
+    sys as cu, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 };
 use candle_core::cuda_backend::cudarc::nccl::{result, sys, NcclType};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -29,7 +29,7 @@ use candle_core::{
 };
 
 use super::bootstrap::{share_bytes, DistEnv};
-use super::{Collective, CollectiveError, ReduceOp, DEFAULT_TIMEOUT};
+use super::{Collective, CollectiveError, Pending, ReduceOp, DEFAULT_TIMEOUT};
 use crate::ops::cuda::view;
 
 const BACKEND: &str = "NCCL";
@@ -160,6 +160,8 @@ impl Watch {
 pub struct NcclCollective {
     comm: Mutex<RawComm>,
     device: CudaDevice,
+    /// The stream of the `*_async` collectives (forked from the device's stream).
+    side: Arc<CudaStream>,
     rank: usize,
     world: usize,
     watch: Arc<Watch>,
@@ -236,6 +238,10 @@ impl NcclCollective {
             pending: Mutex::new(VecDeque::new()),
             broken: Mutex::new(None),
         });
+        let side = device
+            .cuda_stream()
+            .fork()
+            .expect("creating the NCCL side stream");
         let weak: Weak<Watch> = Arc::downgrade(&watch);
         let ctx = device.cuda_stream().context().clone();
         std::thread::Builder::new()
@@ -251,6 +257,7 @@ impl NcclCollective {
         Arc::new(Self {
             comm: Mutex::new(comm),
             device,
+            side,
             rank,
             world,
             watch,
@@ -358,8 +365,37 @@ impl NcclCollective {
         }
     }
 
-    /// Enqueues one collective on `t` (on this rank's GPU) and returns its output tensor.
+    /// Enqueues one collective on `t` (on this rank's GPU) on the device's stream and returns
+    /// its output tensor.
     fn enqueue(&self, what: What, t: &Tensor) -> Result<Tensor> {
+        self.enqueue_on(what, t, None)
+    }
+
+    /// Enqueues one collective on the side stream, after the work already on the device's
+    /// stream (its input); `wait` makes the device's stream wait for it.
+    fn start(
+        &self,
+        what: What,
+        t: &Tensor,
+        finish: impl FnOnce(Tensor) -> Result<Tensor> + Send + 'static,
+    ) -> Result<Pending> {
+        let main = self.device.cuda_stream();
+        self.side.join(&main).w()?;
+        let out = self.enqueue_on(what, t, Some(self.side.clone()))?;
+        let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let done = self.side.record_event(Some(flags)).w()?;
+        Ok(Pending::new(move || {
+            main.wait(&done).w()?;
+            finish(out)
+        }))
+    }
+
+    fn enqueue_on(
+        &self,
+        what: What,
+        t: &Tensor,
+        stream: Option<Arc<CudaStream>>,
+    ) -> Result<Tensor> {
         let op = what.name();
         self.check_usable(op)?;
         if !t.device().same_device(&self.device()) {
@@ -372,16 +408,61 @@ impl NcclCollective {
                 ),
             ));
         }
-        let out = t
-            .contiguous()?
-            .apply_op1_no_bwd(&Enqueue { c: self, what })?;
+        let out = t.contiguous()?.apply_op1_no_bwd(&Enqueue {
+            c: self,
+            what,
+            stream: stream.clone(),
+        })?;
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-        let event = self.device.cuda_stream().record_event(Some(flags)).w()?;
+        let on = stream.unwrap_or_else(|| self.device.cuda_stream());
+        let event = on.record_event(Some(flags)).w()?;
         self.watch
             .lock_pending()
             .push_back((event, Instant::now(), op));
         Ok(out)
     }
+}
+
+impl NcclCollective {
+    /// Every rank's row count (read back: one synchronisation) and `t` padded with zero rows to
+    /// the largest count, as NCCL's all-gather needs equal sizes.
+    fn pad_for_gather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>, usize)> {
+        if t.rank() == 0 {
+            return Err(invalid(
+                "all_gather",
+                "expected a tensor of rank ≥ 1".into(),
+            ));
+        }
+        let n = t.dims()[0];
+        let counts = Tensor::new(&[n as i64], &self.device())?;
+        let counts: Vec<usize> = self
+            .enqueue(What::AllGather, &counts)?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .map(|c| c as usize)
+            .collect();
+        let max = counts.iter().copied().max().unwrap_or(0);
+        if n == max {
+            return Ok((t.clone(), counts, max));
+        }
+        let mut pad = t.dims().to_vec();
+        pad[0] = max - n;
+        let padded = Tensor::cat(&[t, &Tensor::zeros(pad, t.dtype(), t.device())?], 0)?;
+        Ok((padded, counts, max))
+    }
+}
+
+/// Rank r's `counts[r]` rows out of each block of `max` rows of a padded all-gather.
+fn unpad(all: &Tensor, counts: &[usize], max: usize) -> Result<Tensor> {
+    if counts.iter().all(|&c| c == max) {
+        return Ok(all.clone());
+    }
+    let pieces: Vec<Tensor> = counts
+        .iter()
+        .enumerate()
+        .map(|(r, &c)| all.narrow(0, r * max, c))
+        .collect::<Result<_>>()?;
+    Tensor::cat(&pieces, 0)
 }
 
 impl Drop for NcclCollective {
@@ -438,6 +519,8 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 struct Enqueue<'a> {
     c: &'a NcclCollective,
     what: What,
+    /// The stream to enqueue on; `None` for the device's stream.
+    stream: Option<Arc<CudaStream>>,
 }
 
 impl CustomOp1 for Enqueue<'_> {
@@ -478,7 +561,7 @@ impl CustomOp1 for Enqueue<'_> {
             };
             // SAFETY: NCCL writes every element of the output.
             let mut out = unsafe { dev.alloc::<T>(out_len)? };
-            let stream = dev.cuda_stream();
+            let stream = e.stream.clone().unwrap_or_else(|| dev.cuda_stream());
             // Held for the whole enqueue: one thread at a time per communicator.
             let guard = c.comm.lock().unwrap_or_else(|e| e.into_inner());
             let comm = *guard;
@@ -554,29 +637,8 @@ impl Collective for NcclCollective {
     /// Unequal row counts are supported: the counts are all-gathered and read back to the host
     /// (one synchronisation), every rank's rows padded to the largest, gathered, then unpadded.
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        if t.rank() == 0 {
-            return Err(invalid(
-                "all_gather",
-                "expected a tensor of rank ≥ 1".into(),
-            ));
-        }
-        let n = t.dims()[0];
-        let counts = Tensor::new(&[n as i64], &self.device())?;
-        let counts = self.enqueue(What::AllGather, &counts)?.to_vec1::<i64>()?;
-        let max = counts.iter().copied().max().unwrap_or(0) as usize;
-        if counts.iter().all(|&c| c as usize == max) {
-            return self.enqueue(What::AllGather, t);
-        }
-        let mut pad_dims = t.dims().to_vec();
-        pad_dims[0] = max - n;
-        let padded = Tensor::cat(&[t, &Tensor::zeros(pad_dims, t.dtype(), t.device())?], 0)?;
-        let all = self.enqueue(What::AllGather, &padded)?;
-        let pieces: Vec<Tensor> = counts
-            .iter()
-            .enumerate()
-            .map(|(r, &c)| all.narrow(0, r * max, c as usize))
-            .collect::<Result<_>>()?;
-        Tensor::cat(&pieces, 0)
+        let (padded, counts, max) = self.pad_for_gather(t)?;
+        unpad(&self.enqueue(What::AllGather, &padded)?, &counts, max)
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -595,6 +657,23 @@ impl Collective for NcclCollective {
         self.enqueue(What::AllReduce(ReduceOp::Sum), &token)?;
         self.device.cuda_stream().synchronize().w()?;
         self.check_usable("barrier")
+    }
+
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        self.start(What::AllReduce(op), t, Ok)
+    }
+
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        super::scatter_rows(t, self.rank, self.world)?;
+        self.start(What::ReduceScatter(op), t, Ok)
+    }
+
+    /// The row counts are exchanged (and read back) before the gather is started.
+    fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
+        let (padded, counts, max) = self.pad_for_gather(t)?;
+        self.start(What::AllGather, &padded, move |all| {
+            unpad(&all, &counts, max)
+        })
     }
 
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {

@@ -13,7 +13,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{scatter_rows, split_members, Collective, CollectiveError, ReduceOp, DEFAULT_TIMEOUT};
+use super::{
+    scatter_rows, split_members, Collective, CollectiveError, Pending, ReduceOp, Worker,
+    DEFAULT_TIMEOUT,
+};
 
 const BACKEND: &str = "ThreadGroup";
 
@@ -60,6 +63,7 @@ impl ThreadGroup {
                     rank,
                     shared: shared.clone(),
                     next_call: AtomicU64::new(0),
+                    worker: Worker::default(),
                 }) as Arc<dyn Collective>
             })
             .collect())
@@ -183,6 +187,8 @@ struct ThreadRank {
     rank: usize,
     shared: Arc<Shared>,
     next_call: AtomicU64,
+    /// Runs the `*_async` collectives.
+    worker: Worker,
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -193,87 +199,105 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 
 impl ThreadRank {
     fn call(&self, kind: Kind, t: &Tensor) -> Result<Tensor> {
-        let sh = &*self.shared;
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        let device = t.device().clone();
-        let tensor = t.to_device(&Device::Cpu)?;
-        let mut st = lock(&sh.state);
-        if let Some(reason) = &st.broken {
-            return Err(self.left(kind, call, reason.clone()).into());
-        }
-        let slots = st
-            .pending
-            .entry(call)
-            .or_insert_with(|| (0..sh.world).map(|_| None).collect());
-        slots[self.rank] = Some(Contribution { kind, tensor });
-        if slots.iter().all(Option::is_some) {
-            let slots = st.pending.remove(&call).unwrap_or_default();
-            let contributions: Vec<Contribution> = slots.into_iter().flatten().collect();
-            let result = combine(call, &contributions);
-            st.done.insert(
-                call,
-                Finished {
-                    result,
-                    readers_left: sh.world,
-                },
-            );
-            sh.cv.notify_all();
-        }
-        let deadline = Instant::now() + sh.timeout;
-        loop {
-            if let Some(fin) = st.done.get_mut(&call) {
-                let result = fin.result.clone();
-                fin.readers_left -= 1;
-                if fin.readers_left == 0 {
-                    st.done.remove(&call);
-                }
-                return result
-                    .map_err(Into::into)
-                    .and_then(|t| t.to_device(&device));
-            }
-            if let Some(reason) = &st.broken {
-                return Err(self.left(kind, call, reason.clone()).into());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing: Vec<usize> = st
-                    .pending
-                    .get(&call)
-                    .map(|s| (0..sh.world).filter(|&r| s[r].is_none()).collect())
-                    .unwrap_or_default();
-                st.broken = Some(format!(
-                    "rank {} timed out after {:?} in {} call #{call} waiting for ranks {missing:?}",
-                    self.rank,
-                    sh.timeout,
-                    kind.name()
-                ));
-                sh.cv.notify_all();
-                return Err(CollectiveError::Timeout {
-                    backend: BACKEND,
-                    op: kind.name(),
-                    call,
-                    rank: self.rank,
-                    timeout: sh.timeout,
-                    missing,
-                }
-                .into());
-            }
-            st = sh
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        complete(&self.shared, self.rank, call, kind, t)
     }
 
-    fn left(&self, kind: Kind, call: u64, reason: String) -> CollectiveError {
-        CollectiveError::RankLeft {
-            backend: BACKEND,
-            op: kind.name(),
+    /// Takes the call's place in the order now and completes it on the communication thread.
+    fn call_async(&self, kind: Kind, t: &Tensor) -> Result<Pending> {
+        let call = self.next_call.fetch_add(1, Ordering::SeqCst);
+        let (shared, rank, t) = (self.shared.clone(), self.rank, t.clone());
+        let world = self.shared.world;
+        self.worker.submit(BACKEND, move || {
+            let out = complete(&shared, rank, call, kind, &t)?;
+            match kind {
+                Kind::ReduceScatter(_) => scatter_rows(&out, rank, world),
+                _ => Ok(out),
+            }
+        })
+    }
+}
+
+/// Deposits rank `rank`'s tensor in slot `call`, computes the result if it is the last to
+/// arrive, and waits for it (or for the timeout, or for the group to break).
+fn complete(sh: &Shared, rank: usize, call: u64, kind: Kind, t: &Tensor) -> Result<Tensor> {
+    let device = t.device().clone();
+    let tensor = t.to_device(&Device::Cpu)?;
+    let mut st = lock(&sh.state);
+    if let Some(reason) = &st.broken {
+        return Err(left(rank, kind, call, reason.clone()).into());
+    }
+    let slots = st
+        .pending
+        .entry(call)
+        .or_insert_with(|| (0..sh.world).map(|_| None).collect());
+    slots[rank] = Some(Contribution { kind, tensor });
+    if slots.iter().all(Option::is_some) {
+        let slots = st.pending.remove(&call).unwrap_or_default();
+        let contributions: Vec<Contribution> = slots.into_iter().flatten().collect();
+        let result = combine(call, &contributions);
+        st.done.insert(
             call,
-            rank: self.rank,
-            reason: format!("the group is broken: {reason}"),
+            Finished {
+                result,
+                readers_left: sh.world,
+            },
+        );
+        sh.cv.notify_all();
+    }
+    let deadline = Instant::now() + sh.timeout;
+    loop {
+        if let Some(fin) = st.done.get_mut(&call) {
+            let result = fin.result.clone();
+            fin.readers_left -= 1;
+            if fin.readers_left == 0 {
+                st.done.remove(&call);
+            }
+            return result
+                .map_err(Into::into)
+                .and_then(|t| t.to_device(&device));
         }
+        if let Some(reason) = &st.broken {
+            return Err(left(rank, kind, call, reason.clone()).into());
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let missing: Vec<usize> = st
+                .pending
+                .get(&call)
+                .map(|s| (0..sh.world).filter(|&r| s[r].is_none()).collect())
+                .unwrap_or_default();
+            st.broken = Some(format!(
+                "rank {rank} timed out after {:?} in {} call #{call} waiting for ranks {missing:?}",
+                sh.timeout,
+                kind.name()
+            ));
+            sh.cv.notify_all();
+            return Err(CollectiveError::Timeout {
+                backend: BACKEND,
+                op: kind.name(),
+                call,
+                rank,
+                timeout: sh.timeout,
+                missing,
+            }
+            .into());
+        }
+        st = sh
+            .cv
+            .wait_timeout(st, deadline - now)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+fn left(rank: usize, kind: Kind, call: u64, reason: String) -> CollectiveError {
+    CollectiveError::RankLeft {
+        backend: BACKEND,
+        op: kind.name(),
+        call,
+        rank,
+        reason: format!("the group is broken: {reason}"),
     }
 }
 
@@ -410,6 +434,18 @@ impl Collective for ThreadRank {
         scatter_rows(&full, self.rank, self.shared.world)
     }
 
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        self.call_async(Kind::AllReduce(op), t)
+    }
+
+    fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
+        self.call_async(Kind::AllGather, t)
+    }
+
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        self.call_async(Kind::ReduceScatter(op), t)
+    }
+
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
         // Every rank's (color, key), gathered in rank order; u32::MAX + 1 stands for no color.
         let mine = [color.map_or(1 << 32, i64::from), i64::from(key)];
@@ -451,6 +487,7 @@ impl Collective for ThreadRank {
             rank,
             shared,
             next_call: AtomicU64::new(0),
+            worker: Worker::default(),
         })))
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::collective::{Collective, Pending, ReduceOp, ThreadGroup};
 use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
@@ -235,5 +235,17 @@ impl Collective for Counting {
     ) -> candle_core::Result<Option<Arc<dyn Collective>>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.split(color, key)
+    }
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.all_reduce_async(t, op)
+    }
+    fn all_gather_async(&self, t: &Tensor) -> candle_core::Result<Pending> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.all_gather_async(t)
+    }
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.reduce_scatter_async(t, op)
     }
 }

@@ -1,0 +1,103 @@
+//! Collectives in flight: [`Pending`] handles and the communication thread that backends
+//! without device streams use to make progress while the caller computes.
+
+use std::sync::mpsc;
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+
+use candle_core::{Result, Tensor};
+
+/// A started collective. [`Pending::wait`] returns its result (blocking until it is there).
+///
+/// Dropping a handle without waiting does not cancel the collective: it completes, and its
+/// result is discarded.
+#[must_use = "a pending collective's result is only available through wait()"]
+pub struct Pending {
+    finish: Box<dyn FnOnce() -> Result<Tensor> + Send>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pending")
+    }
+}
+
+impl Pending {
+    /// A handle whose `wait` runs `finish`.
+    pub fn new(finish: impl FnOnce() -> Result<Tensor> + Send + 'static) -> Self {
+        Self {
+            finish: Box::new(finish),
+        }
+    }
+
+    /// Waits for the collective and returns its result.
+    pub fn wait(self) -> Result<Tensor> {
+        (self.finish)()
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// One thread that runs submitted collectives in submission order (so the ranks' call orders
+/// stay aligned), started on first use and stopped when dropped.
+#[derive(Default)]
+pub(crate) struct Worker {
+    inner: Mutex<Option<(mpsc::Sender<Job>, JoinHandle<()>)>>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Worker")
+    }
+}
+
+impl Worker {
+    /// Runs `job` on the communication thread; the returned handle waits for its result.
+    pub fn submit(
+        &self,
+        name: &str,
+        job: impl FnOnce() -> Result<Tensor> + Send + 'static,
+    ) -> Result<Pending> {
+        let (tx, rx) = mpsc::channel();
+        let boxed: Job = Box::new(move || {
+            let _ = tx.send(job());
+        });
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if inner.is_none() {
+            let (jtx, jrx) = mpsc::channel::<Job>();
+            let handle = std::thread::Builder::new()
+                .name(format!("{name}-comm"))
+                .spawn(move || {
+                    for job in jrx {
+                        job();
+                    }
+                })?;
+            *inner = Some((jtx, handle));
+        }
+        let (jtx, _) = inner.as_ref().expect("started above");
+        jtx.send(boxed).map_err(|_| {
+            candle_core::Error::Msg(format!("{name}: the communication thread has stopped"))
+        })?;
+        Ok(Pending::new(move || {
+            rx.recv().map_err(|_| {
+                candle_core::Error::Msg(
+                    "the communication thread stopped before finishing a collective".into(),
+                )
+            })?
+        }))
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let inner = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((tx, handle)) = inner {
+            drop(tx);
+            let _ = handle.join();
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! Differentiable collectives and tensor-parallel linear layers, on any [`Collective`] backend.
+//!
+//! Every op's documentation states the objective its gradient is exact for. Two conventions:
+//! - **sum of per-rank losses** (`Σ_r L_r`): each rank may compute a different loss `L_r`, and the
+//!   gradient a rank receives is that of the sum. [`all_gather`], [`reduce_scatter`],
+//!   [`all_reduce`] follow it.
+//! - **replicated loss**: every rank computes the same loss `L` (from replicated or gathered
+//!   tensors), and the gradient is that of `L` once. The tensor-parallel ops
+//!   [`copy_to_parallel`], [`reduce_from_parallel`], [`scatter_to_parallel`] and
+//!   [`gather_from_parallel`] follow it.
+//!
+//! With data-parallel gradient averaging ([`crate::DataParallel`], the mean over ranks), the
+//! first convention gives exactly the single-process gradient for a loss computed, identically on
+//! every rank, from gathered features: `all_gather` hands each rank `Σ_r ∂L/∂x_mine = W·∂L/∂x_mine`
+//! and the average over ranks divides the `W` back out. For example, a contrastive loss over
+//! the global batch:
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor, Var};
+//! use candle_distributed::collective::ThreadGroup;
+//! use candle_distributed::parallel::all_gather;
+//!
+//! let grads = ThreadGroup::run(2, |comm| {
+//!     let local = Var::from_tensor(&Tensor::full(comm.rank() as f32 + 1.0, (2, 3), &Device::Cpu)?)?;
+//!     let global = all_gather(local.as_tensor(), &comm, 0)?; // (4, 3), rank order
+//!     let loss = global.sqr()?.sum_all()?;                   // the same L on every rank
+//!     let g = loss.backward()?;
+//!     // Σ_r ∂L/∂local = 2·(2·local): DataParallel's average over the 2 ranks gives ∂L/∂local.
+//!     g.get(local.as_tensor()).unwrap().to_vec2::<f32>()
+//! })?;
+//! assert_eq!(grads[1][0], vec![8.0; 3]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+
+mod linear;
+
+pub use linear::{gather_features, ColumnParallelLinear, ParallelMode, RowParallelLinear};
+
+use std::sync::Arc;
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+
+use crate::collective::{Collective, ReduceOp};
+
+/// A gradient function of the output gradient.
+type Backward = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// `y`'s values in `x`'s place in the graph: the forward copies `y` (computed outside the graph),
+/// the backward hands the output gradient to `backward` and its result to `x`.
+struct Attach {
+    name: &'static str,
+    backward: Backward,
+}
+
+/// A fresh contiguous copy of a storage's elements under `l`.
+fn copy<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let mut dst = s.device().zeros_impl(l.shape(), s.dtype())?;
+    s.copy_strided_src(&mut dst, 0, l)?;
+    Ok((dst, l.shape().clone()))
+}
+
+impl CustomOp2 for Attach {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        copy(s2, l2)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        copy(s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some((self.backward)(grad)?), None))
+    }
+}
+
+/// Like [`Attach`] for two differentiable inputs (`x`, `w`) and the value `y`.
+pub(crate) struct Attach2 {
+    pub name: &'static str,
+    #[allow(clippy::type_complexity)]
+    pub backward: Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Send + Sync>,
+}
+
+impl CustomOp3 for Attach2 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        copy(s3, l3)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        copy(s3, l3)
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = (self.backward)(grad)?;
+        Ok((Some(dx), Some(dw), None))
+    }
+}
+
+fn attach(x: &Tensor, y: Tensor, name: &'static str, backward: Backward) -> Result<Tensor> {
+    x.apply_op2(&y, Attach { name, backward })
+}
+
+/// `f` applied with `dim` moved to the front (collectives work along dimension 0).
+fn along(t: &Tensor, dim: usize, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    if dim >= t.rank() {
+        bail!(
+            "parallel: dimension {dim} out of range for shape {:?}",
+            t.dims()
+        )
+    }
+    if dim == 0 {
+        return f(&t.contiguous()?);
+    }
+    f(&t.transpose(0, dim)?.contiguous()?)?
+        .transpose(0, dim)?
+        .contiguous()
+}
+
+/// Every rank's size along `dim` (one small all-gather).
+fn sizes_along(t: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Vec<usize>> {
+    let mine = Tensor::new(&[t.dims()[dim] as i64], &candle_core::Device::Cpu)?;
+    Ok(comm
+        .all_gather(&mine)?
+        .to_vec1::<i64>()?
+        .into_iter()
+        .map(|v| v as usize)
+        .collect())
+}
+
+/// This rank's rows of a tensor reduced over ranks along `dim`: a reduce-scatter when the
+/// sizes are equal, else an all-reduce and a slice.
+fn sum_and_take(
+    g: &Tensor,
+    comm: &Arc<dyn Collective>,
+    dim: usize,
+    sizes: &[usize],
+) -> Result<Tensor> {
+    let r = comm.rank();
+    if sizes.iter().all(|&s| s == sizes[0]) {
+        return along(g, dim, |t| comm.reduce_scatter(t, ReduceOp::Sum));
+    }
+    let start: usize = sizes[..r].iter().sum();
+    comm.all_reduce(&g.contiguous()?, ReduceOp::Sum)?
+        .narrow(dim, start, sizes[r])
+}
+
+/// Concatenation of every rank's `x` along `dim`, in rank order.
+///
+/// `x`: any shape; every rank's must agree except along `dim` (unequal sizes allowed).
+/// Returns the concatenation, identical on every rank.
+///
+/// Gradient, exact for the **sum of per-rank losses** `Σ_r L_r`: the incoming gradients are
+/// summed over ranks and each rank receives the part for its own `x` (a reduce-scatter).
+/// Cost: one small all-gather of the sizes, then the gather; the backward one reduce-scatter
+/// (an all-reduce when the sizes differ).
+pub fn all_gather(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
+    if dim >= x.rank() {
+        bail!(
+            "parallel all_gather: dimension {dim} out of range for shape {:?}",
+            x.dims()
+        )
+    }
+    let sizes = sizes_along(x, comm, dim)?;
+    let y = along(&x.detach(), dim, |t| comm.all_gather(t))?;
+    let comm = comm.clone();
+    attach(
+        x,
+        y,
+        "all-gather",
+        Box::new(move |g| sum_and_take(g, &comm, dim, &sizes)),
+    )
+}
+
+/// Sum over ranks of `x`, scattered along `dim`: rank `r` receives the `r`-th of `W` equal parts.
+///
+/// `x`: identical shape on every rank, size along `dim` a multiple of the world size `W`.
+/// Gradient, exact for `Σ_r L_r`: the all-gather of every rank's incoming gradient.
+pub fn reduce_scatter(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
+    let y = along(&x.detach(), dim, |t| comm.reduce_scatter(t, ReduceOp::Sum))?;
+    let comm = comm.clone();
+    attach(
+        x,
+        y,
+        "reduce-scatter",
+        Box::new(move |g| along(g, dim, |t| comm.all_gather(t))),
+    )
+}
+
+/// Sum over ranks of `x` (identical shape on every rank).
+///
+/// Gradient, exact for `Σ_r L_r`: the sum over ranks of the incoming gradients (an all-reduce).
+pub fn all_reduce(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
+    let y = comm.all_reduce(&x.detach().contiguous()?, ReduceOp::Sum)?;
+    let comm = comm.clone();
+    attach(
+        x,
+        y,
+        "all-reduce",
+        Box::new(move |g| comm.all_reduce(&g.contiguous()?, ReduceOp::Sum)),
+    )
+}
+
+/// Identity forward; the backward sums the gradient over ranks. Put it before a
+/// column-parallel computation on a replicated `x`: each rank's shard contributes part of
+/// `∂L/∂x`. Exact for a **replicated loss** `L`.
+pub fn copy_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
+    let comm = comm.clone();
+    attach(
+        x,
+        x.detach(),
+        "copy-to-parallel",
+        Box::new(move |g| comm.all_reduce(&g.contiguous()?, ReduceOp::Sum)),
+    )
+}
+
+/// Sum over ranks forward (partial results of a row-parallel computation); identity backward.
+/// Exact for a **replicated loss** `L` computed from the (replicated) sum.
+pub fn reduce_from_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
+    let y = comm.all_reduce(&x.detach().contiguous()?, ReduceOp::Sum)?;
+    attach(x, y, "reduce-from-parallel", Box::new(|g| Ok(g.clone())))
+}
+
+/// This rank's part (the `r`-th of `W` equal parts along `dim`) of a replicated `x`; the
+/// backward all-gathers the parts' gradients. Exact for a **replicated loss** (sequence
+/// parallelism's split).
+pub fn scatter_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
+    let (w, r) = (comm.world_size(), comm.rank());
+    let n = x.dims().get(dim).copied().unwrap_or(0);
+    if dim >= x.rank() || n % w != 0 {
+        bail!("parallel scatter_to_parallel: size {n} along dimension {dim} of {:?} is not a multiple of the world size {w}", x.dims())
+    }
+    let y = x.detach().narrow(dim, r * (n / w), n / w)?.contiguous()?;
+    let comm = comm.clone();
+    attach(
+        x,
+        y,
+        "scatter-to-parallel",
+        Box::new(move |g| along(g, dim, |t| comm.all_gather(t))),
+    )
+}
+
+/// Every rank's part concatenated along `dim` (sequence parallelism's gather); the backward
+/// keeps this rank's part of the gradient. Exact for a **replicated loss** `L` computed from the
+/// gathered tensor (every rank holds the same `∂L/∂y`, so no sum is needed — compare
+/// [`all_gather`], whose gradient sums over ranks for `Σ_r L_r`).
+pub fn gather_from_parallel(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
+    if dim >= x.rank() {
+        bail!(
+            "parallel gather_from_parallel: dimension {dim} out of range for shape {:?}",
+            x.dims()
+        )
+    }
+    let sizes = sizes_along(x, comm, dim)?;
+    let y = along(&x.detach(), dim, |t| comm.all_gather(t))?;
+    let r = comm.rank();
+    let start: usize = sizes[..r].iter().sum();
+    let mine = sizes[r];
+    attach(
+        x,
+        y,
+        "gather-from-parallel",
+        Box::new(move |g| g.narrow(dim, start, mine)?.contiguous()),
+    )
+}
