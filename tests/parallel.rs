@@ -1,0 +1,519 @@
+//! Differentiable collectives and tensor-parallel layers on thread ranks: central finite
+//! differences of the stated objective for every op and both layers in both modes; a sharded
+//! 2-layer MLP against the unsharded one; a contrastive loss over all-gathered features with
+//! data-parallel averaging against one process; asynchronous collectives making progress
+//! while the caller does something else.
+
+mod common;
+
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::parallel::{
+    self, gather_features, ColumnParallelLinear, ParallelMode, RowParallelLinear,
+};
+use candle_distributed::DataParallel;
+use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use common::*;
+
+/// Central differences in f64 with step H: truncation ~H², rounding ~ε/H.
+const H: f64 = 1e-5;
+const TOL_FD: f64 = 1e-6;
+/// Exact arithmetic paths compared in f64.
+const TOL_F64: f64 = 1e-10;
+
+/// What a rank computes from its input: the op under test.
+type Forward = dyn Fn(&Arc<dyn Collective>, &Tensor) -> candle_core::Result<Tensor> + Sync;
+
+/// The objective: `Σ_r Σ(y_r·w_r)` (sum of per-rank losses), or `Σ(y·w)` once for a replicated
+/// loss (every rank's `y` and `w` identical).
+#[derive(Clone, Copy, PartialEq)]
+enum Objective {
+    SumOverRanks,
+    Replicated,
+}
+
+/// Weights of the objective for rank `r` and an output shape.
+fn weights(r: usize, dims: &[usize], obj: Objective) -> Tensor {
+    let seed = if obj == Objective::Replicated {
+        900
+    } else {
+        900 + r as u64
+    };
+    randn(seed, dims, 0.0, 1.0)
+}
+
+/// The objective's value for per-rank inputs `xs`.
+fn objective(world: usize, xs: &[Tensor], f: &Forward, obj: Objective) -> f64 {
+    let vals = run_ranks(world, |comm| {
+        let y = f(&comm, &xs[comm.rank()])?;
+        let w = weights(comm.rank(), y.dims(), obj);
+        Ok((y * w)?.sum_all()?.to_scalar::<f64>()?)
+    });
+    match obj {
+        Objective::SumOverRanks => vals.iter().sum(),
+        Objective::Replicated => vals[0],
+    }
+}
+
+/// Checks every rank's input gradient against central differences. `replicated_input`: the
+/// ranks hold one shared input (perturbed on every rank at once).
+fn fd_check(
+    what: &str,
+    world: usize,
+    xs: Vec<Tensor>,
+    f: &Forward,
+    obj: Objective,
+    replicated_input: bool,
+) {
+    let grads = run_ranks(world, |comm| {
+        let x = Var::from_tensor(&xs[comm.rank()])?;
+        let y = f(&comm, x.as_tensor())?;
+        let w = weights(comm.rank(), y.dims(), obj);
+        let g = (y * w)?.sum_all()?.backward()?;
+        Ok(g.get(x.as_tensor()).expect("a gradient").clone())
+    });
+    let ranks: Vec<usize> = if replicated_input {
+        vec![0]
+    } else {
+        (0..world).collect()
+    };
+    for q in ranks {
+        let n = xs[q].elem_count();
+        let flat: Vec<f64> = xs[q].flatten_all().unwrap().to_vec1().unwrap();
+        for i in 0..n {
+            let shifted = |d: f64| -> Vec<Tensor> {
+                let mut v = flat.clone();
+                v[i] += d;
+                let t = Tensor::from_vec(v, xs[q].dims(), &Device::Cpu).unwrap();
+                (0..world)
+                    .map(|r| {
+                        if r == q || replicated_input {
+                            t.clone()
+                        } else {
+                            xs[r].clone()
+                        }
+                    })
+                    .collect()
+            };
+            let fd = (objective(world, &shifted(H), f, obj)
+                - objective(world, &shifted(-H), f, obj))
+                / (2.0 * H);
+            let got: f64 = grads[q]
+                .flatten_all()
+                .unwrap()
+                .get(i)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(
+                (fd - got).abs() <= TOL_FD * fd.abs().max(1.0),
+                "{what}: rank {q} element {i}: backward {got} vs finite difference {fd}"
+            );
+        }
+    }
+}
+
+fn per_rank(world: usize, dims: &[usize], seed: u64) -> Vec<Tensor> {
+    (0..world)
+        .map(|r| randn(seed + r as u64, dims, 0.0, 1.0))
+        .collect()
+}
+
+fn replicated(world: usize, dims: &[usize], seed: u64) -> Vec<Tensor> {
+    vec![randn(seed, dims, 0.0, 1.0); world]
+}
+
+#[test]
+fn collectives_match_finite_differences() {
+    let sum = Objective::SumOverRanks;
+    let rep = Objective::Replicated;
+    // all_gather along dim 1 with unequal sizes (2, 1, 3) per rank.
+    let uneven: Vec<Tensor> = (0..3)
+        .map(|r| randn(10 + r, &[2, [2, 1, 3][r as usize]], 0.0, 1.0))
+        .collect();
+    fd_check(
+        "all_gather dim 1, unequal",
+        3,
+        uneven,
+        &|c, x| parallel::all_gather(x, c, 1),
+        sum,
+        false,
+    );
+    fd_check(
+        "all_gather dim 0",
+        2,
+        per_rank(2, &[2, 3], 20),
+        &|c, x| parallel::all_gather(x, c, 0),
+        sum,
+        false,
+    );
+    fd_check(
+        "reduce_scatter dim 1",
+        2,
+        per_rank(2, &[2, 4], 30),
+        &|c, x| parallel::reduce_scatter(x, c, 1),
+        sum,
+        false,
+    );
+    fd_check(
+        "all_reduce",
+        3,
+        per_rank(3, &[2, 2], 40),
+        &|c, x| parallel::all_reduce(x, c),
+        sum,
+        false,
+    );
+    fd_check(
+        "copy_to_parallel",
+        3,
+        replicated(3, &[2, 3], 50),
+        &|c, x| parallel::copy_to_parallel(x, c),
+        sum,
+        true,
+    );
+    fd_check(
+        "reduce_from_parallel",
+        3,
+        per_rank(3, &[2, 3], 60),
+        &|c, x| parallel::reduce_from_parallel(x, c),
+        rep,
+        false,
+    );
+    fd_check(
+        "scatter_to_parallel",
+        2,
+        replicated(2, &[4, 3], 70),
+        &|c, x| parallel::scatter_to_parallel(x, c, 0),
+        sum,
+        true,
+    );
+    fd_check(
+        "gather_from_parallel",
+        4,
+        per_rank(4, &[1, 3], 80),
+        &|c, x| parallel::gather_from_parallel(x, c, 0),
+        rep,
+        false,
+    );
+}
+
+/// The shard layers with weights drawn from one full matrix (same on every run and rank).
+fn column(
+    c: &Arc<dyn Collective>,
+    mode: ParallelMode,
+    regather: bool,
+) -> candle_core::Result<ColumnParallelLinear> {
+    let vm = VarMap::new();
+    let layer = ColumnParallelLinear::new(
+        3,
+        4,
+        true,
+        mode,
+        VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu),
+        c.clone(),
+    )?
+    .regather_input(regather);
+    load_shard(&vm, "weight", &randn(5, &[4, 3], 0.0, 1.0), 0, c)?;
+    load_shard(&vm, "bias", &randn(6, &[4], 0.0, 1.0), 0, c)?;
+    Ok(layer)
+}
+
+fn row(c: &Arc<dyn Collective>, mode: ParallelMode) -> candle_core::Result<RowParallelLinear> {
+    let vm = VarMap::new();
+    let layer = RowParallelLinear::new(
+        4,
+        3,
+        true,
+        mode,
+        VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu),
+        c.clone(),
+    )?;
+    load_shard(&vm, "weight", &randn(7, &[3, 4], 0.0, 1.0), 1, c)?;
+    vm.data().lock().unwrap()["bias"].set(&randn(8, &[3], 0.0, 1.0))?;
+    Ok(layer)
+}
+
+/// Sets variable `name` to this rank's part of `full` along `dim`.
+fn load_shard(
+    vm: &VarMap,
+    name: &str,
+    full: &Tensor,
+    dim: usize,
+    c: &Arc<dyn Collective>,
+) -> candle_core::Result<()> {
+    let n = full.dims()[dim] / c.world_size();
+    let part = full.narrow(dim, c.rank() * n, n)?.contiguous()?;
+    vm.data().lock().unwrap()[name].set(&part)
+}
+
+#[test]
+fn parallel_layers_match_finite_differences() {
+    let sum = Objective::SumOverRanks;
+    let rep = Objective::Replicated;
+    for regather in [false, true] {
+        fd_check(
+            "column, all-reduce mode",
+            2,
+            replicated(2, &[3, 3], 100),
+            &move |c, x| column(c, ParallelMode::AllReduce, regather)?.forward(x),
+            sum,
+            true,
+        );
+        fd_check(
+            "column, reduce-scatter mode",
+            2,
+            per_rank(2, &[2, 3], 110),
+            &move |c, x| column(c, ParallelMode::ReduceScatter, regather)?.forward(x),
+            sum,
+            false,
+        );
+    }
+    fd_check(
+        "row, all-reduce mode",
+        2,
+        per_rank(2, &[3, 2], 120),
+        &|c, x| row(c, ParallelMode::AllReduce)?.forward(x),
+        rep,
+        false,
+    );
+    fd_check(
+        "row, reduce-scatter mode",
+        2,
+        per_rank(2, &[4, 2], 130),
+        &|c, x| row(c, ParallelMode::ReduceScatter)?.forward(x),
+        sum,
+        false,
+    );
+}
+
+/// Column(8 → 16) → ReLU → Row(16 → 5) over 4 ranks against the unsharded MLP on the same global
+/// input: outputs, the input gradient, and every weight gradient (shards gathered = full).
+#[test]
+fn sharded_mlp_matches_the_unsharded_one() {
+    let (w1, b1, w2, b2) = (
+        randn(1, &[16, 8], 0.0, 0.5),
+        randn(2, &[16], 0.0, 0.5),
+        randn(3, &[5, 16], 0.0, 0.5),
+        randn(4, &[5], 0.0, 0.5),
+    );
+    let x = randn(5, &[8, 8], 0.0, 1.0);
+    let target = randn(6, &[8, 5], 0.0, 1.0);
+    // The unsharded reference with candle autograd.
+    let (xv, w1v, b1v, w2v, b2v) = (
+        Var::from_tensor(&x).unwrap(),
+        Var::from_tensor(&w1).unwrap(),
+        Var::from_tensor(&b1).unwrap(),
+        Var::from_tensor(&w2).unwrap(),
+        Var::from_tensor(&b2).unwrap(),
+    );
+    let h = xv
+        .as_tensor()
+        .matmul(&w1v.as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(b1v.as_tensor())
+        .unwrap()
+        .relu()
+        .unwrap();
+    let y = h
+        .matmul(&w2v.as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(b2v.as_tensor())
+        .unwrap();
+    let loss = (&y - &target).unwrap().sqr().unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    let want = [
+        g.get(w1v.as_tensor()).unwrap().clone(),
+        g.get(w2v.as_tensor()).unwrap().clone(),
+        g.get(xv.as_tensor()).unwrap().clone(),
+    ];
+    for mode in [ParallelMode::AllReduce, ParallelMode::ReduceScatter] {
+        let outs = run_ranks(4, |c| {
+            let vm = VarMap::new();
+            let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+            let l1 = ColumnParallelLinear::new(8, 16, true, mode, vb.pp("l1"), c.clone())?;
+            let l2 = RowParallelLinear::new(16, 5, true, mode, vb.pp("l2"), c.clone())?;
+            load_shard(&vm, "l1.weight", &w1, 0, &c)?;
+            load_shard(&vm, "l1.bias", &b1, 0, &c)?;
+            load_shard(&vm, "l2.weight", &w2, 1, &c)?;
+            vm.data().lock().unwrap()["l2.bias"].set(&b2)?;
+            let (xin, tgt) = match mode {
+                ParallelMode::AllReduce => (x.clone(), target.clone()),
+                ParallelMode::ReduceScatter => (
+                    x.narrow(0, 2 * c.rank(), 2)?,
+                    target.narrow(0, 2 * c.rank(), 2)?,
+                ),
+            };
+            let xr = Var::from_tensor(&xin)?;
+            let y = l2.forward(&l1.forward(xr.as_tensor())?.relu()?)?;
+            // AllReduce: y replicated, the loss once (replicated); ReduceScatter: each rank's
+            // rows, the loss summed over ranks. Either way the objective is the full loss.
+            let loss = (&y - &tgt)?.sqr()?.sum_all()?;
+            let g = loss.backward()?;
+            let get = |n: &str| {
+                g.get(vm.data().lock().unwrap()[n].as_tensor())
+                    .unwrap()
+                    .clone()
+            };
+            Ok((
+                y,
+                get("l1.weight"),
+                get("l2.weight"),
+                g.get(xr.as_tensor()).unwrap().clone(),
+            ))
+        });
+        let what = format!("{mode:?}");
+        let ys: Vec<&Tensor> = outs.iter().map(|o| &o.0).collect();
+        let y_all = if mode == ParallelMode::AllReduce {
+            ys[0].clone()
+        } else {
+            Tensor::cat(&ys, 0).unwrap()
+        };
+        assert_close(&format!("{what} output"), &y_all, &y, TOL_F64);
+        let gw1 = Tensor::cat(&outs.iter().map(|o| &o.1).collect::<Vec<_>>(), 0).unwrap();
+        let gw2 = Tensor::cat(&outs.iter().map(|o| &o.2).collect::<Vec<_>>(), 1).unwrap();
+        assert_close(&format!("{what} dW1"), &gw1, &want[0], TOL_F64);
+        assert_close(&format!("{what} dW2"), &gw2, &want[1], TOL_F64);
+        let dx = if mode == ParallelMode::AllReduce {
+            outs[0].3.clone()
+        } else {
+            Tensor::cat(&outs.iter().map(|o| &o.3).collect::<Vec<_>>(), 0).unwrap()
+        };
+        assert_close(&format!("{what} dx"), &dx, &want[2], TOL_F64);
+    }
+}
+
+/// InfoNCE: 4 ranks embed their 3 pairs, all-gather the embeddings, compute the same global loss
+/// and average gradients with DataParallel: the steps equal one process on the 12 pairs.
+#[test]
+fn contrastive_loss_over_gathered_features_matches_one_process() {
+    let a = randn(11, &[12, 6], 0.0, 1.0);
+    let b = (&a + randn(12, &[12, 6], 0.0, 0.3)).unwrap();
+    let w0 = randn(13, &[4, 6], 0.0, 0.5);
+    let info_nce = |za: &Tensor, zb: &Tensor| -> candle_core::Result<Tensor> {
+        let logits = (za.matmul(&zb.t()?)? / 0.5)?;
+        let labels = Tensor::arange(0u32, za.dim(0)? as u32, za.device())?;
+        candle_nn::loss::cross_entropy(&logits, &labels)
+    };
+    const STEPS: usize = 3;
+    let dist = run_ranks(4, |c| {
+        let vm = VarMap::new();
+        let w = vm.get(
+            (4, 6),
+            "w",
+            candle_nn::Init::Const(0.0),
+            DType::F64,
+            &Device::Cpu,
+        )?;
+        vm.data().lock().unwrap()["w"].set(&w0)?;
+        let dp = DataParallel::new(&vm, c.clone())?;
+        let mut opt = SGD::new(dp.trainable(), 0.5)?;
+        let (ar, br) = (a.narrow(0, 3 * c.rank(), 3)?, b.narrow(0, 3 * c.rank(), 3)?);
+        for _ in 0..STEPS {
+            let za = parallel::all_gather(&ar.matmul(&w.t()?)?, &c, 0)?;
+            let zb = parallel::all_gather(&br.matmul(&w.t()?)?, &c, 0)?;
+            let loss = info_nce(&za, &zb)?;
+            opt.step(&dp.sync_gradients(loss.backward()?)?)?;
+        }
+        Ok(w.copy()?)
+    });
+    let w = Var::from_tensor(&w0).unwrap();
+    let mut opt = SGD::new(vec![w.clone()], 0.5).unwrap();
+    for _ in 0..STEPS {
+        let loss = info_nce(
+            &a.matmul(&w.as_tensor().t().unwrap()).unwrap(),
+            &b.matmul(&w.as_tensor().t().unwrap()).unwrap(),
+        )
+        .unwrap();
+        opt.step(&loss.backward().unwrap()).unwrap();
+    }
+    for (r, got) in dist.iter().enumerate() {
+        assert_close(&format!("rank {r} weights"), got, w.as_tensor(), TOL_F64);
+    }
+}
+
+/// An async all-reduce returns before the other rank has even called its part: rank 1 only
+/// calls after rank 0 reports that its start returned (a blocking start would deadlock into
+/// the timeout).
+#[test]
+fn async_collectives_return_before_the_peers_arrive() {
+    let comms = ThreadGroup::with_timeout(2, Duration::from_secs(20)).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let rx = Mutex::new(rx);
+    let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let tx = tx.clone();
+                let rx = &rx;
+                s.spawn(move || -> candle_core::Result<Vec<f32>> {
+                    let t = Tensor::new(&[c.rank() as f32 + 1.0, 2.0], &Device::Cpu)?;
+                    if c.rank() == 0 {
+                        let sum = c.all_reduce_async(&t, ReduceOp::Sum)?;
+                        let gather = c.all_gather_async(&t.reshape((1, 2))?)?;
+                        tx.send(()).unwrap();
+                        let g = gather.wait()?.flatten_all()?.to_vec1::<f32>()?;
+                        let mut v = sum.wait()?.to_vec1::<f32>()?;
+                        v.extend(g);
+                        Ok(v)
+                    } else {
+                        rx.lock().unwrap().recv().unwrap();
+                        let mut v = c.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?;
+                        v.extend(
+                            c.all_gather(&t.reshape((1, 2))?)?
+                                .flatten_all()?
+                                .to_vec1::<f32>()?,
+                        );
+                        Ok(v)
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    for o in outs {
+        assert_eq!(o, vec![3.0, 4.0, 1.0, 2.0, 2.0, 2.0]);
+    }
+}
+
+#[test]
+fn gather_features_reassembles_column_shards() {
+    let outs = run_ranks(2, |c| {
+        let x = Tensor::new(&[[1.0f64, 2.0]], &Device::Cpu)?;
+        let y = column2(&c)?.forward(&x)?;
+        Ok(gather_features(&y, &c)?.dims().to_vec())
+    });
+    assert_eq!(outs, vec![vec![1, 4]; 2]);
+}
+
+fn column2(c: &Arc<dyn Collective>) -> candle_core::Result<ColumnParallelLinear> {
+    let vm = VarMap::new();
+    ColumnParallelLinear::new(
+        2,
+        4,
+        false,
+        ParallelMode::AllReduce,
+        VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu),
+        c.clone(),
+    )
+}
+
+#[test]
+fn uneven_shards_are_refused() {
+    let errs = run_ranks(3, |c| {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+        Ok(
+            ColumnParallelLinear::new(2, 4, false, ParallelMode::AllReduce, vb, c.clone())
+                .unwrap_err()
+                .to_string(),
+        )
+    });
+    assert!(
+        errs[0].contains("4 features do not split evenly over 3 ranks"),
+        "{}",
+        errs[0]
+    );
+}
