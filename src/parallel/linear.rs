@@ -41,6 +41,7 @@ pub struct ColumnParallelLinear {
     comm: Arc<dyn Collective>,
     mode: ParallelMode,
     regather_input: bool,
+    overlap: bool,
 }
 
 /// `y = x·Wᵀ + b` with `W` (`out × in`) split by input features: this rank holds columns
@@ -114,6 +115,7 @@ impl ColumnParallelLinear {
             comm,
             mode,
             regather_input: false,
+            overlap: true,
         })
     }
 
@@ -121,6 +123,14 @@ impl ColumnParallelLinear {
     /// the gathered input from the forward (less memory, one more collective).
     pub fn regather_input(mut self, yes: bool) -> Self {
         self.regather_input = yes;
+        self
+    }
+
+    /// Overlap the backward's input-gradient collective with the weight-gradient matmul
+    /// (default). `false` waits for the collective before the matmul: the baseline of
+    /// `benches/overlap.rs`.
+    pub fn overlap(mut self, yes: bool) -> Self {
+        self.overlap = yes;
         self
     }
 
@@ -147,7 +157,7 @@ impl Module for ColumnParallelLinear {
         let mut out_dims = full.dims().to_vec();
         *out_dims.last_mut().expect("rank ≥ 1") = w.dim(0)?;
         let y = rows2(&full)?.matmul(&w.t()?)?.reshape(out_dims)?;
-        let (mode, regather) = (self.mode, self.regather_input);
+        let (mode, regather, overlap) = (self.mode, self.regather_input, self.overlap);
         let kept = if mode == ParallelMode::ReduceScatter && regather {
             xd.clone()
         } else {
@@ -164,6 +174,12 @@ impl Module for ColumnParallelLinear {
                     comm.reduce_scatter_async(&dx_full, ReduceOp::Sum)?
                 }
             };
+            // (Without overlap, the baseline of benches/overlap.rs: wait here.)
+            let (waited, pending) = if overlap {
+                (None, Some(pending))
+            } else {
+                (Some(pending.wait()?), None)
+            };
             // ... overlapping the weight gradient.
             let input = if mode == ParallelMode::ReduceScatter && regather {
                 comm.all_gather(&kept.contiguous()?)?
@@ -171,7 +187,12 @@ impl Module for ColumnParallelLinear {
                 kept.clone()
             };
             let dw = g2.t()?.matmul(&rows2(&input)?)?;
-            let dx = pending.wait()?.reshape(x_dims.as_slice())?;
+            let dx = match (waited, pending) {
+                (Some(dx), _) => dx,
+                (None, Some(p)) => p.wait()?,
+                (None, None) => unreachable!("either waited or pending"),
+            };
+            let dx = dx.reshape(x_dims.as_slice())?;
             Ok((dx, dw))
         };
         let y = x.apply_op3(
