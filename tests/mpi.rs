@@ -29,13 +29,17 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 6] = [
+    let checks: [(&str, Check); 7] = [
         ("collective values", collective_values),
         (
             "mismatched calls fail on every rank",
             mismatches_fail_everywhere,
         ),
         ("split and new_group", process_groups),
+        (
+            "asynchronous collectives beside a synchronous one",
+            async_collectives,
+        ),
         ("SyncBatchNorm NCHW, batches [3, 0, 5, 2]", |c| {
             sync_bn_matches_one_process(c, false)
         }),
@@ -95,6 +99,23 @@ fn collective_values(comm: &Arc<dyn Collective>) -> Result<()> {
     // broadcast from rank 2.
     let b = comm.broadcast(&Tensor::new(&[r * 7.0], &Device::Cpu)?, 2)?;
     ensure!(b.to_vec1::<f64>()? == [14.0]);
+    Ok(())
+}
+
+fn async_collectives(comm: &Arc<dyn Collective>) -> Result<()> {
+    let r = comm.rank() as f64;
+    let t = Tensor::new(&[r + 1.0], &Device::Cpu)?;
+    let sum = comm.all_reduce_async(&t, ReduceOp::Sum)?;
+    let gathered = comm.all_gather_async(&t.reshape((1, 1))?)?;
+    // A synchronous collective while two asynchronous ones are in flight (another communicator).
+    let max = comm.all_reduce(&t, ReduceOp::Max)?.to_vec1::<f64>()?;
+    let rows = Tensor::ones((4, 2), DType::F64, &Device::Cpu)?;
+    let scattered = comm.reduce_scatter_async(&rows, ReduceOp::Sum)?;
+    ensure!(max == [4.0], "max {max:?}");
+    ensure!(sum.wait()?.to_vec1::<f64>()? == [10.0]);
+    let g = gathered.wait()?.flatten_all()?.to_vec1::<f64>()?;
+    ensure!(g == [1.0, 2.0, 3.0, 4.0], "gathered {g:?}");
+    ensure!(scattered.wait()?.to_vec2::<f64>()? == [[4.0, 4.0]]);
     Ok(())
 }
 

@@ -61,6 +61,10 @@ fn collectives_on_every_gpu() {
             .broadcast(&Tensor::new(&[r * 3.0], &dev)?, n - 1)?
             .to_vec1::<f32>()?;
         c.barrier()?;
+        // Asynchronous (side stream): the same sum, with a synchronous call in between.
+        let pending = c.all_reduce_async(&t, ReduceOp::Sum)?;
+        let _ = c.all_reduce(&t, ReduceOp::Max)?;
+        got.push(pending.wait()?.to_vec1::<f32>()?);
         Ok((got, gathered, scattered, b))
     });
     let nf = n as f32;
@@ -74,6 +78,7 @@ fn collectives_on_every_gpu() {
                 assert_eq!(v, want, "rank {rank} op {i}");
             }
         }
+        assert_eq!(got[16], sum, "rank {rank} async all_reduce");
         let rows: usize = (0..n).map(|r| r % 3).sum();
         assert_eq!(gathered.dims(), [rows, 2]);
         let want_scatter = vec![
