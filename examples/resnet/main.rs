@@ -43,7 +43,9 @@ Trains a ResNet on data-parallel ranks with SyncBatchNorm (or plain batch norm).
   --val-size N       synthetic validation images (default 2000)
   --seed N           data, initialisation and augmentation seed (default 0)
   --out-dir DIR      default out/resnet
-  --resume FILE      a checkpoint.safetensors written by an earlier run
+  --resume FILE      a checkpoint.safetensors written by an earlier run: weights, batch-norm
+                     statistics and the epoch reached (AdamW's moment estimates are not saved
+                     and restart from zero); the metrics CSV in --out-dir is continued
   --check            train --check-steps steps with N-rank SyncBN and with 1-rank plain BN on the
                      same global batches (f64), print the largest parameter difference, exit 1
                      above --check-tol

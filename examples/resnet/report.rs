@@ -74,6 +74,34 @@ pub fn write_csv(path: &Path, rows: &[EpochMetrics]) -> Result<()> {
     Ok(())
 }
 
+/// Reads a CSV written by [`write_csv`] (missing file: no rows).
+pub fn read_csv(path: &Path) -> Result<Vec<EpochMetrics>> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(Vec::new());
+    };
+    let mut rows = Vec::new();
+    for line in text.lines().skip(1).filter(|l| !l.trim().is_empty()) {
+        let v: Vec<f64> = line
+            .split(',')
+            .map(|f| f.trim().parse::<f64>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("{}: bad line {line:?}: {e}", path.display()))?;
+        if v.len() != 7 {
+            anyhow::bail!("{}: expected 7 columns in {line:?}", path.display());
+        }
+        rows.push(EpochMetrics {
+            epoch: v[0] as usize,
+            train_loss: v[1],
+            train_acc: v[2],
+            val_loss: v[3],
+            val_acc: v[4],
+            images_per_sec: v[5],
+            seconds: v[6],
+        });
+    }
+    Ok(rows)
+}
+
 /// Plots train/val loss (left panel) and accuracy (right panel) per epoch as a PNG.
 pub fn write_plot(path: &Path, rows: &[EpochMetrics]) -> Result<()> {
     const W: usize = 640;

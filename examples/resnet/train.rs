@@ -225,7 +225,15 @@ pub fn train_rank(
     let mine = split_sizes(cfg.batch_size, world);
     let offset: usize = mine[..rank].iter().sum();
     let start = Instant::now();
-    let mut metrics: Vec<EpochMetrics> = Vec::new();
+    // On resume, the earlier epochs' rows (the CSV of the run that wrote the checkpoint).
+    let mut metrics: Vec<EpochMetrics> = if cfg.resume.is_some() {
+        report::read_csv(&cfg.out_dir.join("metrics.csv"))?
+            .into_iter()
+            .filter(|m| m.epoch <= first_epoch)
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut images_seen = 0usize;
     let mut step = first_epoch * steps_per_epoch;
     for epoch in first_epoch..cfg.epochs {
