@@ -184,5 +184,6 @@ fn a_missing_rank_aborts_after_the_timeout() {
         ))
     });
     let e = errs[0].as_ref().unwrap();
-    assert!(e.contains("did not complete within"), "{e}");
+    // Enqueued and never completed, or blocked inside NCCL on the host: either way aborted.
+    assert!(e.contains("the communicator was aborted"), "{e}");
 }

@@ -9,10 +9,11 @@
 //! broadcast over another communicator, e.g. MPI under `mpirun`).
 //!
 //! Timeouts: every collective records a CUDA event after its NCCL call; a watchdog thread per
-//! communicator polls the oldest pending event every 10 ms and, when one is older than the
-//! timeout, aborts the communicator (`ncclCommAbort`, which also unblocks the stream). Every later
-//! call on it fails with the reason. The cost: one event record per collective and one mostly
-//! sleeping thread per communicator.
+//! communicator polls the oldest pending event every 10 ms, and the NCCL call in progress when
+//! it blocks on the host; when either is older than the timeout (or the stream reports a CUDA
+//! error) it marks the communicator broken, then aborts it (`ncclCommAbort`, which also unblocks
+//! the stream and a stuck call). Every later call on it fails with the reason. The cost: one
+//! event record per collective and one mostly sleeping thread per communicator.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -98,18 +99,29 @@ fn invalid(op: &'static str, detail: String) -> candle_core::Error {
     .into()
 }
 
-/// Collectives waiting for completion, watched against the timeout.
+/// The communicator and what its watchdog watches: collectives enqueued but not complete, and a
+/// call blocked inside NCCL on the host (a peer that never arrives can block the call itself).
 struct Watch {
-    comm: RawComm,
+    /// The communicator, locked for every NCCL call (NCCL's one-thread rule) and, when the
+    /// holder is not stuck inside NCCL, for the abort.
+    comm: Mutex<RawComm>,
     rank: usize,
     timeout: Duration,
     pending: Mutex<VecDeque<(CudaEvent, Instant, &'static str)>>,
+    /// The NCCL call in progress on the host, since when.
+    in_call: Mutex<Option<(Instant, &'static str)>>,
     broken: Mutex<Option<String>>,
+    /// A copy of the handle, for an abort while a stuck call holds `comm`.
+    handle: std::sync::OnceLock<RawComm>,
 }
 
 impl Watch {
     fn lock_pending(&self) -> MutexGuard<'_, VecDeque<(CudaEvent, Instant, &'static str)>> {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_comm(&self) -> MutexGuard<'_, RawComm> {
+        self.comm.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn broken(&self) -> Option<String> {
@@ -119,37 +131,149 @@ impl Watch {
             .clone()
     }
 
-    /// One pass of the watchdog: drops completed events; aborts when the oldest is overdue.
+    /// Runs one NCCL call with the communicator locked, visible to the watchdog while it runs;
+    /// fails without calling when the communicator was aborted or dropped.
+    fn call<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(RawComm) -> R,
+    ) -> std::result::Result<R, String> {
+        let guard = self.lock_comm();
+        if let Some(why) = self.broken() {
+            return Err(why);
+        }
+        *self.in_call.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), op));
+        let r = f(*guard);
+        *self.in_call.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        Ok(r)
+    }
+
+    /// Marks the communicator broken first (no new call starts), then aborts it: under its
+    /// lock when the lock comes within a grace period, else without (its holder is stuck inside
+    /// NCCL, which ncclCommAbort exists to unblock).
+    fn abort(&self, why: String) {
+        {
+            let mut broken = self.broken.lock().unwrap_or_else(|e| e.into_inner());
+            if broken.is_some() {
+                return;
+            }
+            *broken = Some(why);
+        }
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let guard = loop {
+            match self.comm.try_lock() {
+                Ok(g) => break Some(g),
+                Err(std::sync::TryLockError::Poisoned(e)) => break Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => break None,
+            }
+        };
+        let comm = match &guard {
+            Some(g) => **g,
+            None => self.handle_copy(),
+        };
+        // SAFETY: `broken` is set, so no new call starts on the handle; a call stuck inside NCCL
+        // is what ncclCommAbort is for; the handle is never destroyed after an abort (Drop and
+        // the group teardown skip broken communicators).
+        unsafe {
+            let _ = result::comm_abort(comm.0);
+        }
+        drop(guard);
+    }
+
+    /// The handle without the lock, for an abort while a call stuck in NCCL holds it.
+    fn handle_copy(&self) -> RawComm {
+        *self.handle.get().expect("set at construction")
+    }
+
+    /// One pass of the watchdog: drops completed events; aborts when the oldest collective or a
+    /// host-blocked call is overdue, or when the stream reports an error.
     fn check(&self, ctx: &CudaContext) {
         let mut pending = self.lock_pending();
         if self.broken().is_some() {
             pending.clear();
             return;
         }
+        let stuck = *self.in_call.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((since, op)) = stuck {
+            if since.elapsed() > self.timeout {
+                pending.clear();
+                drop(pending);
+                self.abort(format!(
+                    "rank {}: {op} blocked in NCCL for more than {:?} (a rank that never arrived?); the communicator was aborted",
+                    self.rank, self.timeout
+                ));
+                return;
+            }
+        }
         while let Some((event, started, op)) = pending.front() {
-            // SAFETY: the event is alive (owned by the queue) and its context is bound below.
+            // SAFETY: the event is alive (owned by the queue) and its context is bound first.
             let status = unsafe {
                 let _ = ctx.bind_to_thread();
                 cu::cuEventQuery(event.cu_event())
             };
-            if status == cu::CUresult::CUDA_SUCCESS {
-                pending.pop_front();
-                continue;
-            }
-            if started.elapsed() > self.timeout {
-                let why = format!(
+            let why = match status {
+                cu::CUresult::CUDA_SUCCESS => {
+                    pending.pop_front();
+                    continue;
+                }
+                cu::CUresult::CUDA_ERROR_NOT_READY if started.elapsed() <= self.timeout => break,
+                cu::CUresult::CUDA_ERROR_NOT_READY => format!(
                     "rank {}: {op} did not complete within {:?}; the communicator was aborted",
                     self.rank, self.timeout
-                );
-                // SAFETY: ncclCommAbort may be called while another thread is blocked in NCCL;
-                // the handle stays valid (RawComm is only destroyed after the watchdog stops).
-                unsafe {
-                    let _ = result::comm_abort(self.comm.0);
+                ),
+                e => format!(
+                    "rank {}: CUDA error {e:?} while waiting for {op}; the communicator was aborted",
+                    self.rank
+                ),
+            };
+            pending.clear();
+            drop(pending);
+            self.abort(why);
+            return;
+        }
+    }
+}
+
+/// The communicators of one [`NcclGroup`]: destroyed together, once the last is dropped, since
+/// destroying one communicator of a node waits for its peers (one thread dropping them one by
+/// one would hang).
+struct Teardown {
+    comms: Vec<Arc<Watch>>,
+    left: Mutex<usize>,
+}
+
+impl Teardown {
+    fn release(&self) {
+        let mut left = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        *left -= 1;
+        if *left > 0 {
+            return;
+        }
+        let live: Vec<RawComm> = self
+            .comms
+            .iter()
+            .filter_map(|w| {
+                let mut broken = w.broken.lock().unwrap_or_else(|e| e.into_inner());
+                if broken.is_some() {
+                    return None;
                 }
-                *self.broken.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
-                pending.clear();
+                *broken = Some("the communicator was dropped".into());
+                Some(*w.lock_comm())
+            })
+            .collect();
+        // SAFETY: last use of handles that were not aborted; finalize in one group, then destroy.
+        unsafe {
+            let _ = result::group_start();
+            for c in &live {
+                let _ = result::comm_finalize(c.0);
             }
-            break;
+            let _ = result::group_end();
+            for c in &live {
+                let _ = result::comm_destroy(c.0);
+            }
         }
     }
 }
@@ -158,13 +282,14 @@ impl Watch {
 /// [`NcclCollective::from_env`] or [`NcclCollective::from_collective`]; use it as an
 /// `Arc<dyn Collective>`.
 pub struct NcclCollective {
-    comm: Mutex<RawComm>,
     device: CudaDevice,
     /// The stream of the `*_async` collectives (forked from the device's stream).
     side: Arc<CudaStream>,
     rank: usize,
     world: usize,
     watch: Arc<Watch>,
+    /// Set for the communicators of an [`NcclGroup`], destroyed together.
+    teardown: Option<Arc<Teardown>>,
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -212,14 +337,22 @@ impl NcclGroup {
         unsafe { result::comm_init_all(raw.as_mut_ptr(), list.len() as i32, list.as_ptr()) }
             .map_err(|e| nccl_error("new", 0, e, None))?;
         let world = ordinals.len();
-        Ok(raw
+        let mut comms: Vec<NcclCollective> = raw
             .into_iter()
             .zip(devices)
             .enumerate()
             .map(|(rank, (comm, device))| {
                 NcclCollective::wrap(RawComm(comm), device, rank, world, timeout)
             })
-            .collect())
+            .collect();
+        let teardown = Arc::new(Teardown {
+            comms: comms.iter().map(|c| c.watch.clone()).collect(),
+            left: Mutex::new(comms.len()),
+        });
+        for c in &mut comms {
+            c.teardown = Some(teardown.clone());
+        }
+        Ok(comms.into_iter().map(Arc::new).collect())
     }
 }
 
@@ -230,13 +363,15 @@ impl NcclCollective {
         rank: usize,
         world: usize,
         timeout: Duration,
-    ) -> Arc<Self> {
+    ) -> Self {
         let watch = Arc::new(Watch {
-            comm,
+            comm: Mutex::new(comm),
             rank,
             timeout,
             pending: Mutex::new(VecDeque::new()),
+            in_call: Mutex::new(None),
             broken: Mutex::new(None),
+            handle: std::sync::OnceLock::from(comm),
         });
         let side = device
             .cuda_stream()
@@ -254,14 +389,14 @@ impl NcclCollective {
                 }
             })
             .expect("spawning the NCCL watchdog thread");
-        Arc::new(Self {
-            comm: Mutex::new(comm),
+        Self {
             device,
             side,
             rank,
             world,
             watch,
-        })
+            teardown: None,
+        }
     }
 
     /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
@@ -343,7 +478,13 @@ impl NcclCollective {
             )
         }
         .map_err(|e| nccl_error("init", rank, e, None))?;
-        Ok(Self::wrap(RawComm(comm), device, rank, world, timeout))
+        Ok(Arc::new(Self::wrap(
+            RawComm(comm),
+            device,
+            rank,
+            world,
+            timeout,
+        )))
     }
 
     /// The GPU this rank's tensors must live on.
@@ -353,16 +494,21 @@ impl NcclCollective {
 
     fn check_usable(&self, op: &'static str) -> Result<()> {
         match self.watch.broken() {
-            Some(why) => Err(CollectiveError::RankLeft {
-                backend: BACKEND,
-                op,
-                call: 0,
-                rank: self.rank,
-                reason: why,
-            }
-            .into()),
+            Some(why) => Err(self.left(op, why)),
             None => Ok(()),
         }
+    }
+
+    /// The error of a call on an aborted or dropped communicator.
+    fn left(&self, op: &'static str, why: String) -> candle_core::Error {
+        CollectiveError::RankLeft {
+            backend: BACKEND,
+            op,
+            call: 0,
+            rank: self.rank,
+            reason: why,
+        }
+        .into()
     }
 
     /// Enqueues one collective on `t` (on this rank's GPU) on the device's stream and returns
@@ -380,7 +526,6 @@ impl NcclCollective {
         finish: impl FnOnce(Tensor) -> Result<Tensor> + Send + 'static,
     ) -> Result<Pending> {
         let main = self.device.cuda_stream();
-        self.side.join(&main).w()?;
         let out = self.enqueue_on(what, t, Some(self.side.clone()))?;
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         let done = self.side.record_event(Some(flags)).w()?;
@@ -467,10 +612,14 @@ fn unpad(all: &Tensor, counts: &[usize], max: usize) -> Result<Tensor> {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        let comm = *self.comm.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = self.teardown.take() {
+            t.release();
+            return;
+        }
         // The watchdog checks under the pending-queue lock and skips a broken communicator:
         // holding that lock while marking it closed and destroying it keeps the two apart.
         let _pending = self.watch.lock_pending();
+        let comm = *self.watch.lock_comm();
         let mut broken = self.watch.broken.lock().unwrap_or_else(|e| e.into_inner());
         if broken.is_none() {
             *broken = Some("the communicator was dropped".into());
@@ -562,33 +711,41 @@ impl CustomOp1 for Enqueue<'_> {
             // SAFETY: NCCL writes every element of the output.
             let mut out = unsafe { dev.alloc::<T>(out_len)? };
             let stream = e.stream.clone().unwrap_or_else(|| dev.cuda_stream());
-            // Held for the whole enqueue: one thread at a time per communicator.
-            let guard = c.comm.lock().unwrap_or_else(|e| e.into_inner());
-            let comm = *guard;
-            {
-                let (sp, _read) = src.device_ptr(&stream);
-                let (dp, _write) = out.device_ptr_mut(&stream);
-                let (sp, dp) = (sp as *const std::ffi::c_void, dp as *mut std::ffi::c_void);
-                let (ty, cs) = (T::as_nccl_type(), stream.cu_stream() as sys::cudaStream_t);
-                // SAFETY: both buffers live on this communicator's GPU and hold the counts
-                // passed (the input `n` values, the output `out_len`); the call is serialised by
-                // the communicator's mutex (`guard`).
-                let res = unsafe {
-                    match e.what {
-                        What::AllReduce(o) => {
-                            result::all_reduce(sp, dp, n, ty, nccl_op(o), comm.0, cs)
-                        }
-                        What::ReduceScatter(o) => {
-                            result::reduce_scatter(sp, dp, out_len, ty, nccl_op(o), comm.0, cs)
-                        }
-                        What::AllGather => result::all_gather(sp, dp, n, ty, comm.0, cs),
-                        What::Broadcast(root) => {
-                            result::broadcast(sp, dp, n, ty, root as i32, comm.0, cs)
-                        }
-                    }
-                };
-                res.map_err(|err| nccl_error(op, c.rank, err, Some(comm)))?;
+            if let Some(side) = &e.stream {
+                // The side stream starts after everything on the device's stream so far: the
+                // input and the output's allocation.
+                side.join(&dev.cuda_stream()).w()?;
             }
+            let (sp, _read) = src.device_ptr(&stream);
+            let (dp, _write) = out.device_ptr_mut(&stream);
+            let (sp, dp) = (sp as *const std::ffi::c_void, dp as *mut std::ffi::c_void);
+            let (ty, cs) = (T::as_nccl_type(), stream.cu_stream() as sys::cudaStream_t);
+            let res = c
+                .watch
+                .call(op, |comm| {
+                    // SAFETY: both buffers live on this communicator's GPU and hold the counts
+                    // passed (the input `n` values, the output `out_len`); the call holds the
+                    // communicator's lock (NCCL's one-thread rule) and runs only if the
+                    // communicator was neither aborted nor dropped.
+                    let r = unsafe {
+                        match e.what {
+                            What::AllReduce(o) => {
+                                result::all_reduce(sp, dp, n, ty, nccl_op(o), comm.0, cs)
+                            }
+                            What::ReduceScatter(o) => {
+                                result::reduce_scatter(sp, dp, out_len, ty, nccl_op(o), comm.0, cs)
+                            }
+                            What::AllGather => result::all_gather(sp, dp, n, ty, comm.0, cs),
+                            What::Broadcast(root) => {
+                                result::broadcast(sp, dp, n, ty, root as i32, comm.0, cs)
+                            }
+                        }
+                    };
+                    r.map_err(|err| nccl_error(op, c.rank, err, Some(comm)))
+                })
+                .map_err(|why| c.left(op, why))?;
+            res?;
+            drop((_read, _write));
             Ok((
                 CudaStorage::wrap_cuda_slice(out, dev.clone()),
                 Shape::from(out_dims),
@@ -687,12 +844,17 @@ impl Collective for NcclCollective {
         };
         let key =
             i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;
-        let comm = *self.comm.lock().unwrap_or_else(|e| e.into_inner());
         let mut new = std::ptr::null_mut();
-        // SAFETY: `new` receives the handle (null for NCCL_SPLIT_NOCOLOR); a null config asks for
-        // the parent's configuration.
-        unsafe { sys::ncclCommSplit(comm.0, color, key, &mut new, std::ptr::null_mut()).result() }
-            .map_err(|e| nccl_error("split", self.rank, e, Some(comm)))?;
+        self.watch
+            .call("split", |comm| {
+                // SAFETY: `new` receives the handle (null for NCCL_SPLIT_NOCOLOR); a null config
+                // asks for the parent's configuration; the call holds the communicator's lock.
+                unsafe {
+                    sys::ncclCommSplit(comm.0, color, key, &mut new, std::ptr::null_mut()).result()
+                }
+                .map_err(|e| nccl_error("split", self.rank, e, Some(comm)))
+            })
+            .map_err(|why| self.left("split", why))??;
         if new.is_null() {
             return Ok(None);
         }
@@ -706,13 +868,13 @@ impl Collective for NcclCollective {
                     .map_err(|e| nccl_error("split", self.rank, e, Some(raw)))?,
             )
         };
-        let sub = Self::wrap(
+        let sub = Arc::new(Self::wrap(
             raw,
             self.device.clone(),
             rank as usize,
             world as usize,
             self.watch.timeout,
-        );
+        ));
         Ok(Some(sub as Arc<dyn Collective>))
     }
 }
