@@ -29,8 +29,9 @@ Trains a ResNet on data-parallel ranks with SyncBatchNorm (or plain batch norm).
 
   --model M          resnet20 (default), resnet56, resnet18, resnet34, resnet50
   --norm N           syncbn (default) or bn (each rank's own statistics)
-  --backend B        threads (default: CPU thread ranks), nccl (feature nccl, one rank per GPU),
-                     mpi (feature mpi, run under mpirun; one rank per process)
+  --backend B        threads (default: CPU thread ranks), nccl (feature nccl, one rank per GPU:
+                     a thread per GPU, or a process per GPU under torchrun), mpi (feature mpi,
+                     run under mpirun; one rank per process)
   --world-size N     ranks for threads and nccl (default 4)
   --epochs N         default 3
   --batch-size N     global batch, split across ranks (default 128)

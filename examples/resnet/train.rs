@@ -420,9 +420,16 @@ pub fn run(cfg: &Config) -> Result<Summary> {
     }
 }
 
+/// One rank per GPU: under torchrun (`RANK` and `WORLD_SIZE` set) this process is one rank on
+/// GPU `LOCAL_RANK`; otherwise one process drives `--world-size` GPUs, a thread each.
 #[cfg(feature = "nccl")]
 fn run_nccl(cfg: &Config, train: &Dataset, val: &Dataset) -> Result<Summary> {
-    use candle_distributed::collective::NcclGroup;
+    use candle_distributed::collective::{NcclCollective, NcclGroup};
+    if std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some() {
+        let comm = NcclCollective::from_env()?;
+        let device = comm.device();
+        return train_rank(comm, device, cfg, train, val);
+    }
     let comms = NcclGroup::new(&(0..cfg.world_size).collect::<Vec<_>>())?;
     let mut out: Vec<Summary> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
