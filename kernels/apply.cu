@@ -7,6 +7,7 @@
 template <typename A> struct Coef {
     SplitMean<A> mean;
     A scale, shift;
+    __device__ __forceinline__ Coef() : scale(0), shift(0) {}
     __device__ Coef(const double* m, const double* invstd, const A* params, long long C,
                     long long c)
         : mean(m[c]) {
@@ -52,16 +53,40 @@ __device__ void apply_nchw(const T* x, const T* z, const double* mean, const dou
         y[base + p] = k.apply(x[base + p], z != nullptr, z ? z[base + p] : x[base + p], relu);
 }
 
-// x, z?, y: [rows, C]. Grid (ceil(C/32), row blocks), block (32, BN_ROWS).
+// x, z?, y: [rows, C]. Grid (ceil(C/32), row blocks), block (32, BN_ROWS); 16-byte packs of
+// channels where aligned and C is a multiple of the pack length.
 template <typename T>
 __device__ void apply_nhwc(const T* x, const T* z, const double* mean, const double* invstd,
                            const typename AccOf<T>::type* params, T* y, long long rows,
                            long long C, int relu) {
-    const long long c = blockIdx.x * 32LL + threadIdx.x;
+    using A = typename AccOf<T>::type;
+    constexpr int V = Pack<T>::N;
+    const long long t = blockIdx.x * 32LL + threadIdx.x;
+    const long long r0 = blockIdx.y * (long long)BN_ROWS + threadIdx.y;
+    const long long rstep = (long long)BN_ROWS * gridDim.y;
+    // 16-byte packs of V consecutive channels when C is a multiple of V and the buffers are
+    // aligned: thread t then covers channels [V·t, V·t + V) (blocks past C/(32·V) exit).
+    if (C % V == 0 && aligned16(x) && aligned16(y) && (!z || aligned16(z))) {
+        const long long c0 = t * V;
+        if (c0 >= C) return;
+        Coef<A> k[V];
+BN_UNROLL
+        for (int j = 0; j < V; j++) k[j] = Coef<A>(mean, invstd, params, C, c0 + j);
+        for (long long r = r0; r < rows; r += rstep) {
+            const long long i = r * C + c0;
+            const Pack<T> xv = load_pack(x + i);
+            const Pack<T> zv = z ? load_pack(z + i) : xv;
+            Pack<T> yv;
+BN_UNROLL
+            for (int j = 0; j < V; j++) yv.v[j] = k[j].apply(xv.v[j], z != nullptr, zv.v[j], relu);
+            store_pack(y + i, yv);
+        }
+        return;
+    }
+    const long long c = t;
     if (c >= C) return;
-    const Coef<typename AccOf<T>::type> k(mean, invstd, params, C, c);
-    for (long long r = blockIdx.y * (long long)BN_ROWS + threadIdx.y; r < rows;
-         r += (long long)BN_ROWS * gridDim.y)
+    const Coef<A> k(mean, invstd, params, C, c);
+    for (long long r = r0; r < rows; r += rstep)
         y[r * C + c] = k.apply(x[r * C + c], z != nullptr, z ? z[r * C + c] : x[r * C + c], relu);
 }
 

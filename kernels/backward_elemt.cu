@@ -8,6 +8,7 @@
 template <typename A> struct BwdCoef {
     SplitMean<A> mean;
     A w, k1, k2;
+    __device__ __forceinline__ BwdCoef() : w(0), k1(0), k2(0) {}
     __device__ BwdCoef(const double* m, const double* invstd, const A* weight,
                        const double* sums, const double* count, long long C, long long c)
         : mean(m[c]) {
@@ -64,18 +65,44 @@ __device__ void backward_elemt_nchw(const T* dy, const T* x, const T* y, const d
     for (long long p = first; p < HW; p += stride) k.run(dy, x, y, dx, dz, base + p);
 }
 
-// Grid (ceil(C/32), row blocks), block (32, BN_ROWS) (as bn_apply_nhwc).
+// Grid (ceil(C/32), row blocks), block (32, BN_ROWS) (as bn_apply_nhwc, packs likewise).
 template <typename T>
 __device__ void backward_elemt_nhwc(const T* dy, const T* x, const T* y, const double* mean,
                                     const double* invstd, const typename AccOf<T>::type* weight,
                                     const double* sums, const double* count, T* dx, T* dz,
                                     long long rows, long long C) {
-    const long long c = blockIdx.x * 32LL + threadIdx.x;
+    using A = typename AccOf<T>::type;
+    constexpr int V = Pack<T>::N;
+    const long long t = blockIdx.x * 32LL + threadIdx.x;
+    const long long r0 = blockIdx.y * (long long)BN_ROWS + threadIdx.y;
+    const long long rstep = (long long)BN_ROWS * gridDim.y;
+    if (C % V == 0 && aligned16(dy) && aligned16(x) && aligned16(dx) && (!y || aligned16(y)) &&
+        (!dz || aligned16(dz))) {
+        const long long c0 = t * V;
+        if (c0 >= C) return;
+        BwdCoef<A> k[V];
+BN_UNROLL
+        for (int j = 0; j < V; j++) k[j] = BwdCoef<A>(mean, invstd, weight, sums, count, C, c0 + j);
+        for (long long r = r0; r < rows; r += rstep) {
+            const long long i = r * C + c0;
+            const Pack<T> dyv = load_pack(dy + i), xv = load_pack(x + i);
+            const Pack<T> yv = y ? load_pack(y + i) : dyv;
+            Pack<T> dxv, dzv;
+BN_UNROLL
+            for (int j = 0; j < V; j++) {
+                const A g = k[j].grad(dyv.v[j], y != nullptr, yv.v[j]);
+                dxv.v[j] = k[j].dx(g, xv.v[j]);
+                dzv.v[j] = store_as<T>(g);
+            }
+            store_pack(dx + i, dxv);
+            if (dz) store_pack(dz + i, dzv);
+        }
+        return;
+    }
+    const long long c = t;
     if (c >= C) return;
-    const BwdCoef<typename AccOf<T>::type> k(mean, invstd, weight, sums, count, C, c);
-    for (long long r = blockIdx.y * (long long)BN_ROWS + threadIdx.y; r < rows;
-         r += (long long)BN_ROWS * gridDim.y)
-        k.run(dy, x, y, dx, dz, r * C + c);
+    const BwdCoef<A> k(mean, invstd, weight, sums, count, C, c);
+    for (long long r = r0; r < rows; r += rstep) k.run(dy, x, y, dx, dz, r * C + c);
 }
 
 #define BACKWARD_ELEMT_ENTRIES(suffix, T)                                                      \

@@ -15,6 +15,13 @@
 #define DYNAMIC_SMEM(T, name) T* name = static_cast<T*>(::emu::dynamic_smem())
 #endif
 
+// Full unrolling of a short fixed-count loop (register arrays stay in registers).
+#ifdef __CUDACC__
+#define BN_UNROLL _Pragma("unroll")
+#else
+#define BN_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 // bf16 entry points exist where the hardware has bf16 arithmetic (and always under emulation).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define BN_HAS_BF16 1

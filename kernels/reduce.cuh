@@ -146,6 +146,7 @@ __device__ void reduce_nhwc(const Ctx& ctx, long long rows, long long C, double*
 // |mean| ≫ std.
 template <typename A> struct SplitMean {
     A hi, lo;
+    __device__ __forceinline__ SplitMean() : hi(0), lo(0) {}
     __device__ __forceinline__ explicit SplitMean(double m) {
         hi = (A)m;
         lo = (A)(m - (double)hi);

@@ -307,7 +307,8 @@ impl Case {
 }
 
 /// Shapes: C = 1, 3, 32, 65, 2048; one element per channel; an empty batch; sizes that take the
-/// grid-split path; odd HW (scalar path) and HW a multiple of 8 (16-byte packs); both layouts.
+/// grid-split path; odd HW and C = 65 (scalar paths), HW and C multiples of 8 (16-byte packs,
+/// channels-first and channels-last); both layouts.
 fn cases() -> Vec<Case> {
     let mut v = Vec::new();
     for cl in [false, true] {
