@@ -123,24 +123,49 @@ impl DataParallel {
 
     /// Averages the gradient of every trainable variable over the ranks: `grads` (this rank's,
     /// from `loss.backward()`) comes back with each trainable variable's gradient replaced by
-    /// the mean over ranks. A variable without a gradient on some rank counts as zero there, and
-    /// every rank issues the same all-reduces whatever gradients it has.
+    /// the mean over ranks. A variable without a gradient on some rank counts as zero there; one
+    /// without a gradient on every rank gets none. Every rank issues the same all-reduces
+    /// whatever gradients it has (one per bucket, with a flag per variable riding along; only a
+    /// rank missing a gradient reads those flags back).
     pub fn sync_gradients(&self, mut grads: GradStore) -> Result<GradStore> {
         for bucket in self.buckets() {
-            let parts: Vec<Tensor> = bucket
-                .iter()
-                .map(|(_, v)| match grads.get(v.as_tensor()) {
-                    Some(g) => g.to_dtype(v.dtype())?.flatten_all(),
-                    None => Tensor::zeros(v.elem_count(), v.dtype(), v.device()),
-                })
-                .collect::<Result<_>>()?;
+            let (dtype, device) = (bucket[0].1.dtype(), bucket[0].1.device().clone());
+            let mut missing_here = false;
+            let mut parts: Vec<Tensor> = Vec::with_capacity(bucket.len() + 1);
+            let mut flags: Vec<f32> = Vec::with_capacity(bucket.len());
+            for (_, v) in bucket {
+                match grads.get(v.as_tensor()) {
+                    Some(g) => {
+                        parts.push(g.to_dtype(dtype)?.flatten_all()?);
+                        flags.push(1.0);
+                    }
+                    None => {
+                        parts.push(Tensor::zeros(v.elem_count(), dtype, &device)?);
+                        flags.push(0.0);
+                        missing_here = true;
+                    }
+                }
+            }
+            // One flag per variable rides along in the same all-reduce: non-zero after it when
+            // some rank has a gradient. Only a rank missing a gradient reads the flags back.
+            parts.push(Tensor::new(flags.as_slice(), &device)?.to_dtype(dtype)?);
             let flat = Tensor::cat(&parts, 0)?;
             let avg = self.comm.all_reduce(&flat, ReduceOp::Avg)?;
+            let total: usize = bucket.iter().map(|(_, v)| v.elem_count()).sum();
+            let somewhere = if missing_here {
+                let f = avg.narrow(0, total, bucket.len())?;
+                Some(f.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?)
+            } else {
+                None
+            };
             let mut at = 0;
-            for (_, v) in bucket {
+            for (i, (_, v)) in bucket.iter().enumerate() {
                 let n = v.elem_count();
-                let g = avg.narrow(0, at, n)?.reshape(v.shape())?;
-                grads.insert(v.as_tensor(), g);
+                // A variable no rank has a gradient for stays without one, as in one process
+                // (an optimizer then leaves it alone, weight decay included).
+                if somewhere.as_ref().map_or(true, |f| f[i] != 0.0) {
+                    grads.insert(v.as_tensor(), avg.narrow(0, at, n)?.reshape(v.shape())?);
+                }
                 at += n;
             }
         }

@@ -262,6 +262,33 @@ fn a_missing_gradient_counts_as_zero() {
     }
 }
 
+/// A variable no rank uses gets no gradient (an optimizer then leaves it alone, as in one
+/// process), while the others are averaged.
+#[test]
+fn a_variable_unused_everywhere_gets_no_gradient() {
+    let outs = run_ranks(3, |comm| {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+        let a = linear(3, 1, vb.pp("a"))?;
+        let _unused = linear(3, 1, vb.pp("b"))?;
+        seed_vars(&vm, 3);
+        let dp = DataParallel::new(&vm, comm.clone())?;
+        let x = Tensor::ones((2, 3), DType::F64, &Device::Cpu)?;
+        let grads = dp.sync_gradients(a.forward(&x)?.sum_all()?.backward()?)?;
+        let data = vm.data().lock().unwrap();
+        Ok((
+            grads.get(data["b.weight"].as_tensor()).is_none(),
+            grads
+                .get(data["a.weight"].as_tensor())
+                .map(|g| g.to_vec2::<f64>().unwrap()),
+        ))
+    });
+    for (none, a) in outs {
+        assert!(none, "an unused variable got a gradient");
+        assert_eq!(a, Some(vec![vec![2.0, 2.0, 2.0]]));
+    }
+}
+
 #[test]
 fn different_models_fail_on_every_rank() {
     let errs = ThreadGroup::run(2, |comm| {

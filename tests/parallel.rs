@@ -328,6 +328,7 @@ fn sharded_mlp_matches_the_unsharded_one() {
         g.get(w1v.as_tensor()).unwrap().clone(),
         g.get(w2v.as_tensor()).unwrap().clone(),
         g.get(xv.as_tensor()).unwrap().clone(),
+        g.get(b2v.as_tensor()).unwrap().clone(),
     ];
     for mode in [ParallelMode::AllReduce, ParallelMode::ReduceScatter] {
         let outs = run_ranks(4, |c| {
@@ -362,6 +363,7 @@ fn sharded_mlp_matches_the_unsharded_one() {
                 get("l1.weight"),
                 get("l2.weight"),
                 g.get(xr.as_tensor()).unwrap().clone(),
+                get("l2.bias"),
             ))
         });
         let what = format!("{mode:?}");
@@ -382,6 +384,10 @@ fn sharded_mlp_matches_the_unsharded_one() {
             Tensor::cat(&outs.iter().map(|o| &o.3).collect::<Vec<_>>(), 0).unwrap()
         };
         assert_close(&format!("{what} dx"), &dx, &want[2], TOL_F64);
+        // The replicated output bias gets the full gradient on every rank, in both modes.
+        for (r, o) in outs.iter().enumerate() {
+            assert_close(&format!("{what} rank {r} db2"), &o.4, &want[3], TOL_F64);
+        }
     }
 }
 

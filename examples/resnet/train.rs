@@ -193,7 +193,7 @@ pub fn train_rank(
     } else {
         NormKind::Bn
     };
-    let model = ResNet::new(cfg.arch, train.classes, &norm, vb)?;
+    let mut model = ResNet::new(cfg.arch, train.classes, &norm, vb.clone())?;
     init_weights(&vm, cfg.seed)?;
     let mut first_epoch = 0;
     if let Some(path) = &cfg.resume {
@@ -202,6 +202,9 @@ pub fn train_rank(
             .load(path)
             .with_context(|| format!("resuming from {}", path.display()))?;
         first_epoch = read_epoch(path)?;
+        // Built again over the loaded variables: SyncBatchNorm reads `num_batches_tracked`
+        // when it is built.
+        model = ResNet::new(cfg.arch, train.classes, &norm, vb)?;
     }
     let dp = DataParallel::new(&vm, comm.clone())?;
     let mut opt = AdamW::new(
@@ -259,7 +262,10 @@ pub fn train_rank(
             opt.set_learning_rate(lr_at(cfg.lr, step, total_steps));
             let logits = model.forward(&x, true)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-            let grads = dp.sync_gradients(loss.backward()?)?;
+            // DataParallel averages per-rank gradients; with unequal per-rank batches, scale
+            // each rank's mean loss by W·n_r/N so that the average is the global batch's.
+            let scale = (world * idx.len()) as f64 / cfg.batch_size as f64;
+            let grads = dp.sync_gradients((&loss * scale)?.backward()?)?;
             opt.step(&grads)?;
             // Global loss, accuracy and count of this step: one small all-reduce.
             let hits = logits

@@ -211,6 +211,14 @@ impl HostBuf {
     }
 }
 
+/// The host type a dtype travels in (f16 and bf16 as f32).
+fn recv_dtype(d: DType) -> DType {
+    match d {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    }
+}
+
 /// Operation codes of the descriptor every rank exchanges before a collective.
 fn op_code(kind: &str, op: Option<ReduceOp>) -> i64 {
     let base = match kind {
@@ -377,14 +385,15 @@ impl MpiCollective {
             (HostBuf::U8(s), HostBuf::U8(r)) => self.all_reduce_into(op, s, r, mpi_op),
             _ => unreachable!("zeros_like keeps the variant"),
         }
-        let out = recv.into_tensor(t.dims(), t.dtype(), t.device())?;
         if rop == ReduceOp::Avg {
-            return out
-                .to_dtype(DType::F64)?
-                .affine(1.0 / self.world as f64, 0.0)?
-                .to_dtype(t.dtype());
+            // Divided in the wire type (f32 for f16/bf16) before the conversion back, so that a
+            // sum beyond the input type's range still averages correctly.
+            let wire = recv.into_tensor(t.dims(), recv_dtype(t.dtype()), &Device::Cpu)?;
+            return (wire / self.world as f64)?
+                .to_dtype(t.dtype())?
+                .to_device(t.device());
         }
-        Ok(out)
+        recv.into_tensor(t.dims(), t.dtype(), t.device())
     }
 
     fn all_reduce_into<T: Equivalence>(
@@ -498,6 +507,12 @@ impl Collective for MpiCollective {
     }
 
     fn barrier(&self) -> Result<()> {
+        let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
+        self.agree(
+            "barrier",
+            Self::descriptor("barrier", None, &token, token.dims(), 0),
+            Self::describe,
+        )?;
         let req = locked(|| self.comm.immediate_barrier());
         self.wait("barrier", req);
         Ok(())
@@ -512,7 +527,12 @@ impl Collective for MpiCollective {
         };
         let key =
             i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;
-        // MPI_Comm_split is blocking: this one call waits without the timeout.
+        // MPI_Comm_split (and the MPI_Comm_dup of the new communicator) block while holding
+        // the process's MPI lock: a polled barrier first (lock released between polls, so this
+        // process's communication thread keeps progressing), after which every rank's split
+        // returns promptly.
+        let req = locked(|| self.comm.immediate_barrier());
+        self.wait("split", req);
         let sub = locked(|| self.comm.split_by_color_with_key(color, key));
         Ok(sub.map(|c| {
             Arc::new(MpiCollective::new(c, self._env.clone(), self.timeout, true))

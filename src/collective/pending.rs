@@ -88,16 +88,19 @@ impl Worker {
     }
 }
 
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let inner = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+impl Worker {
+    /// Lets the submitted jobs finish and stops the thread (a later submit starts a new one).
+    pub fn shutdown(&self) {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some((tx, handle)) = inner {
             drop(tx);
             let _ = handle.join();
         }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.shutdown();
     }
 }

@@ -253,9 +253,12 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Kind, t: &Tensor) -> Resu
             if fin.readers_left == 0 {
                 st.done.remove(&call);
             }
+            // Detached: a fresh tensor per rank, not another rank's (the root's own tensor for
+            // a broadcast, or the input itself with one rank).
             return result
                 .map_err(Into::into)
-                .and_then(|t| t.to_device(&device));
+                .and_then(|t| t.to_device(&device))
+                .map(|t| t.detach());
         }
         if let Some(reason) = &st.broken {
             return Err(left(rank, kind, call, reason.clone()).into());
@@ -303,6 +306,11 @@ fn left(rank: usize, kind: Kind, call: u64, reason: String) -> CollectiveError {
 
 impl Drop for ThreadRank {
     fn drop(&mut self) {
+        // Started asynchronous calls complete first (a dropped `Pending` still completes),
+        // unless this rank is panicking: then its departure must reach the others at once.
+        if !std::thread::panicking() {
+            self.worker.shutdown();
+        }
         let sh = &*self.shared;
         let mut st = lock(&sh.state);
         if st.broken.is_none() {

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use candle_core::{bail, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use super::{gather_from_parallel, reduce_from_parallel, reduce_scatter, Attach2};
+use super::{
+    copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter, Attach2,
+};
 use crate::collective::{Collective, ReduceOp};
 
 /// How activations are laid out across the ranks around a tensor-parallel pair.
@@ -256,9 +258,14 @@ impl Module for RowParallelLinear {
             ParallelMode::AllReduce => reduce_from_parallel(&partial, &self.comm)?,
             ParallelMode::ReduceScatter => reduce_scatter(&partial, &self.comm, 0)?,
         };
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
+        match (&self.bias, self.mode) {
+            (Some(b), ParallelMode::AllReduce) => y.broadcast_add(b),
+            // Each rank adds the (replicated) bias to its own rows only: its gradient is the
+            // sum over every rank's rows, which copy_to_parallel's backward all-reduces.
+            (Some(b), ParallelMode::ReduceScatter) => {
+                y.broadcast_add(&copy_to_parallel(b, &self.comm)?)
+            }
+            (None, _) => Ok(y),
         }
     }
 }
