@@ -75,6 +75,13 @@ fn collective_values(comm: &Arc<dyn Collective>) -> Result<()> {
             ensure!(got == want, "{dtype:?} {op:?}: {got:?} != {want:?}");
         }
     }
+    // The average of values whose sum overflows f16 (4 × 30000 > 65504) is still exact.
+    let big = Tensor::new(&[30000f32], &Device::Cpu)?.to_dtype(DType::F16)?;
+    let avg = comm
+        .all_reduce(&big, ReduceOp::Avg)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    ensure!(avg == [30000.0], "f16 average {avg:?}");
     let ints = Tensor::new(&[comm.rank() as i64 * 5], &Device::Cpu)?;
     ensure!(comm.all_reduce(&ints, ReduceOp::Max)?.to_vec1::<i64>()? == [15]);
     // reduce_scatter: rank r gets rows 2r, 2r+1 of the sum.
