@@ -5,7 +5,9 @@
 //!
 //! Rules every backend follows (and every caller must follow):
 //! - every rank issues the same collectives, in the same order, whatever its local data;
-//! - results are bitwise identical on every rank (deterministic reduction order);
+//! - results are identical on every rank (`ThreadGroup`: bitwise, one reduction in rank order;
+//!   MPI and NCCL: the libraries' own reduction order, identical across the ranks of a
+//!   communicator in practice);
 //! - a collective that cannot complete (timeout, a rank that left, mismatched arguments)
 //!   returns an error on every rank that can still run; nothing hangs forever.
 //!
@@ -65,7 +67,7 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// Element-wise reduction of `t` over all ranks.
     ///
     /// `t`: any shape, identical on every rank. Returns a tensor of the same shape, dtype and
-    /// device, bitwise identical on every rank.
+    /// device, identical on every rank (see the module documentation).
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// Concatenation of every rank's `t` along dimension 0, in rank order.
@@ -86,7 +88,7 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// `r·k .. (r+1)·k` of the reduced tensor.
     ///
     /// `t`: `(W·k, *rest)` with `W = world_size()`, identical shape and dtype on every rank.
-    /// Returns `(k, *rest)`, bitwise identical to the same rows of [`Collective::all_reduce`].
+    /// Returns `(k, *rest)`: the same rows as [`Collective::all_reduce`] gives.
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// Starts [`Collective::all_reduce`] and returns at once; [`Pending::wait`] gives the result.
