@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use crate::collective::{Collective, ReduceOp};
@@ -42,21 +43,17 @@ impl NormFn {
         params: (&CpuStorage, &Layout),
         z: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
+        // The layer passes [γ; β] in the accumulation dtype: f32, or f64 for f64 inputs.
         let p: Vec<f64> = match params.0 {
             CpuStorage::F32(_) => slice::<f32>(OP, params.0, params.1)?
                 .iter()
                 .map(|&v| v as f64)
                 .collect(),
             CpuStorage::F64(_) => slice::<f64>(OP, params.0, params.1)?.to_vec(),
-            CpuStorage::F16(_) => slice::<half::f16>(OP, params.0, params.1)?
-                .iter()
-                .map(|v| v.to_f64())
-                .collect(),
-            CpuStorage::BF16(_) => slice::<half::bf16>(OP, params.0, params.1)?
-                .iter()
-                .map(|v| v.to_f64())
-                .collect(),
-            _ => candle_core::bail!("{OP}: weight and bias must be f32, f64, f16 or bf16"),
+            s => candle_core::bail!(
+                "{OP}: weight and bias reach the op as f32 or f64, got {:?}",
+                s.dtype()
+            ),
         };
         let coef = ApplyCoef::from_tensors(&self.mean, &self.invstd, Some(&p))?;
         let out = apply_cpu(x.0, x.1, z, &self.geometry, &coef, self.relu)?;
