@@ -90,7 +90,12 @@ impl DataParallel {
     ) -> Result<Self> {
         all.sort_by(|a, b| a.0.cmp(&b.0));
         trainable.sort_by(|a, b| a.0.cmp(&b.0));
-        check_same_model(&*comm, &all)?;
+        // The fingerprint travels on the variables' device, which is the communicator's (NCCL
+        // takes tensors on its own GPU only).
+        let device = all
+            .first()
+            .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone());
+        check_same_model(&*comm, &all, &device)?;
         for (_, v) in &all {
             let from_root = comm.broadcast(v.as_tensor(), 0)?;
             // Rank 0 keeps its own values (a backend may hand the very same tensor back).
@@ -196,7 +201,11 @@ impl DataParallel {
 }
 
 /// Errors on every rank unless every rank has the same variable names, shapes and dtypes.
-fn check_same_model(comm: &dyn Collective, all: &[(String, Var)]) -> Result<()> {
+fn check_same_model(
+    comm: &dyn Collective,
+    all: &[(String, Var)],
+    device: &candle_core::Device,
+) -> Result<()> {
     // FNV-1a over names, dims and dtypes; compared through an all-gather, so that every rank
     // sees every fingerprint and fails alike.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -212,10 +221,7 @@ fn check_same_model(comm: &dyn Collective, all: &[(String, Var)]) -> Result<()> 
         }
         eat(v.dtype().as_str().as_bytes());
     }
-    let mine = Tensor::new(
-        &[[all.len() as i64, (h >> 1) as i64]],
-        &candle_core::Device::Cpu,
-    )?;
+    let mine = Tensor::new(&[[all.len() as i64, (h >> 1) as i64]], device)?;
     let every = comm.all_gather(&mine)?.to_vec2::<i64>()?;
     if every.iter().any(|f| f != &every[0]) {
         bail!(

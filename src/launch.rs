@@ -121,6 +121,26 @@ pub fn finalize(c: usize) -> Option<Launch> {
     })
 }
 
+/// Largest grid of a grid-stride launch: enough blocks to fill any GPU many times over.
+const MAX_GRID_STRIDE_BLOCKS: u64 = 1 << 16;
+
+/// Configuration of a one-thread-per-element kernel with a grid-stride loop
+/// (`max_pool2d_{fwd,bwd}_*`): block `THREADS`, `ceil(total / THREADS)` blocks, at most
+/// 65536. `None` when `total` is 0.
+pub fn grid_stride(total: usize) -> Option<Launch> {
+    (total > 0).then(|| Launch {
+        grid: [
+            (total as u64)
+                .div_ceil(u64::from(THREADS))
+                .min(MAX_GRID_STRIDE_BLOCKS) as u32,
+            1,
+            1,
+        ],
+        block: [THREADS, 1, 1],
+        shared_mem_bytes: 0,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +155,9 @@ mod tests {
         let e = elementwise(3, 65, 5, true).unwrap();
         assert_eq!(e.grid[0], 3);
         assert_eq!(finalize(257).unwrap().grid[0], 2);
+        assert_eq!(grid_stride(257).unwrap().grid[0], 2);
+        assert_eq!(grid_stride(usize::MAX >> 8).unwrap().grid[0], 1 << 16);
+        assert!(grid_stride(0).is_none());
     }
 
     #[test]

@@ -173,12 +173,21 @@ fn plot_is_a_valid_png() {
     std::fs::remove_file(&path).unwrap();
 }
 
+/// The example's device for a test device (thread ranks on the CPU, or sharing GPU 0).
+fn device_kind(dev: &Device) -> train::DeviceKind {
+    if dev.is_cuda() {
+        train::DeviceKind::Cuda
+    } else {
+        train::DeviceKind::Cpu
+    }
+}
+
 /// `--check` for a tiny model: 4 ranks of SyncBatchNorm with data-parallel averaging take the
 /// steps of one process with plain batch norm (f64, rounding-level differences).
-#[test]
-fn check_passes_for_a_tiny_model() {
+fn check_passes_for_a_tiny_model(dev: &Device) -> anyhow::Result<()> {
     let cfg = train::Config {
         arch: Arch::ResNet20,
+        device: device_kind(dev),
         world_size: 4,
         batch_size: 16,
         image_size: 8,
@@ -186,12 +195,46 @@ fn check_passes_for_a_tiny_model() {
         val_size: 16,
         ..Default::default()
     };
-    let diff = train::check(&cfg, 3, true).unwrap();
+    let diff = train::check(&cfg, 3, true)?;
     assert!(diff <= 1e-6, "largest parameter difference {diff:e}");
     // The comparison can fail: per-rank batch norm (statistics of 4 images) drifts away.
-    let unsynced = train::check(&cfg, 3, false).unwrap();
+    let unsynced = train::check(&cfg, 3, false)?;
     assert!(
         unsynced > 1e-3,
         "plain batch norm on 4 ranks differs by only {unsynced:e}"
     );
+    Ok(())
 }
+
+/// torchvision's ResNet-18/34/50 (7×7 stem, overlapping 3×3 stride-2 max pool, bottlenecks)
+/// train end to end through the example's loop: 2 thread ranks with SyncBatchNorm fit one
+/// batch of 4 images of 32×32 for 8 steps; the last step's loss is below half the first's.
+fn torchvision_models_train(dev: &Device) -> anyhow::Result<()> {
+    for arch in [Arch::ResNet18, Arch::ResNet34, Arch::ResNet50] {
+        let cfg = train::Config {
+            arch,
+            device: device_kind(dev),
+            world_size: 2,
+            batch_size: 4,
+            image_size: 32,
+            train_size: 4,
+            val_size: 4,
+            epochs: 8,
+            lr: 2e-3,
+            augment: false,
+            write_outputs: false,
+            ..Default::default()
+        };
+        let s = train::run(&cfg)?;
+        let losses: Vec<f64> = s.epochs.iter().map(|m| m.train_loss).collect();
+        assert_eq!(losses.len(), 8, "{arch:?}: every step ran");
+        assert!(
+            losses.iter().all(|l| l.is_finite()) && losses[7] < 0.5 * losses[0],
+            "{arch:?}: training losses per epoch {losses:?} do not fall"
+        );
+    }
+    Ok(())
+}
+
+mod common;
+device_tests!(check_passes_for_a_tiny_model, torchvision_models_train);

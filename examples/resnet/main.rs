@@ -22,7 +22,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 
 use model::Arch;
-use train::Config;
+use train::{Config, DeviceKind};
 
 const HELP: &str = "\
 Trains a ResNet on data-parallel ranks with SyncBatchNorm (or plain batch norm).
@@ -32,6 +32,8 @@ Trains a ResNet on data-parallel ranks with SyncBatchNorm (or plain batch norm).
   --backend B        threads (default: CPU thread ranks), nccl (feature nccl, one rank per GPU:
                      a thread per GPU, or a process per GPU under torchrun), mpi (feature mpi,
                      run under mpirun; one rank per process)
+  --device D         cpu (default) or cuda (feature cuda): where thread and MPI ranks compute;
+                     with cuda every thread rank shares GPU 0. nccl always uses one GPU per rank
   --world-size N     ranks for threads and nccl (default 4)
   --epochs N         default 3
   --batch-size N     global batch, split across ranks (default 128)
@@ -59,6 +61,7 @@ fn parse() -> Result<(Config, Option<(usize, f64)>)> {
     let mut check = None;
     let mut steps = 3usize;
     let mut tol = 1e-6f64;
+    let mut device = None;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
@@ -76,6 +79,7 @@ fn parse() -> Result<(Config, Option<(usize, f64)>)> {
                 }
             }
             "--backend" => cfg.backend = value()?,
+            "--device" => device = Some(DeviceKind::parse(&value()?)?),
             "--world-size" => cfg.world_size = value()?.parse()?,
             "--epochs" => cfg.epochs = value()?.parse()?,
             "--batch-size" => cfg.batch_size = value()?.parse()?,
@@ -94,6 +98,11 @@ fn parse() -> Result<(Config, Option<(usize, f64)>)> {
             f => bail!("unknown flag {f:?} (see --help)"),
         }
     }
+    cfg.device = device.unwrap_or(if cfg.backend == "nccl" {
+        DeviceKind::Cuda
+    } else {
+        DeviceKind::Cpu
+    });
     if cfg.world_size == 0 {
         bail!("--world-size must be at least 1");
     }

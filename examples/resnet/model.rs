@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::{Module, ModuleT, Tensor, D};
 use candle_distributed::collective::Collective;
+use candle_distributed::ops::max_pool2d;
 use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{conv2d_no_bias, linear, BatchNorm, Conv2d, Conv2dConfig, Linear, VarBuilder};
 
@@ -273,11 +274,9 @@ impl ResNet {
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let mut y = self.bn1.forward(&self.conv1.forward(x)?, train)?;
         if self.maxpool {
-            // 3×3, stride 2, padding 1; after a ReLU zero padding equals −∞ padding.
-            y = y
-                .pad_with_zeros(2, 1, 1)?
-                .pad_with_zeros(3, 1, 1)?
-                .max_pool2d_with_stride(3, 2)?;
+            // torchvision's 3×3, stride-2, padding-1 stem pool; candle 0.11 has no backward for
+            // overlapping windows, the crate's op does.
+            y = max_pool2d(&y, 3, 2, 1)?;
         }
         for blocks in &self.layers {
             for b in blocks {

@@ -23,6 +23,8 @@ pub struct Config {
     pub arch: Arch,
     pub sync_bn: bool,
     pub backend: String,
+    /// Where thread and MPI ranks keep their tensors (NCCL ranks use their GPU).
+    pub device: DeviceKind,
     pub world_size: usize,
     pub epochs: usize,
     /// Global batch size, split across the ranks.
@@ -52,6 +54,7 @@ impl Default for Config {
             arch: Arch::ResNet20,
             sync_bn: true,
             backend: "threads".into(),
+            device: DeviceKind::Cpu,
             world_size: 4,
             epochs: 3,
             batch_size: 128,
@@ -69,6 +72,35 @@ impl Default for Config {
             max_steps: None,
             write_outputs: true,
         }
+    }
+}
+
+/// `--device`: the CPU, or GPU 0 shared by every thread rank of the process (the way to run
+/// multi-rank SyncBatchNorm on a one-GPU machine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+impl DeviceKind {
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "cpu" => DeviceKind::Cpu,
+            "cuda" => DeviceKind::Cuda,
+            _ => bail!("unknown device {s:?} (cpu, cuda)"),
+        })
+    }
+
+    /// The candle device: one `Device` for every rank of this process, so that their tensors
+    /// are on the same device (candle tells two `Device::new_cuda(0)` apart).
+    pub fn device(self) -> Result<Device> {
+        Ok(match self {
+            DeviceKind::Cpu => Device::Cpu,
+            DeviceKind::Cuda => Device::new_cuda(0).context(
+                "--device cuda needs a CUDA GPU and the example built with --features cuda",
+            )?,
+        })
     }
 }
 
@@ -378,7 +410,7 @@ fn evaluate(
             .to_scalar::<f64>()?;
     }
     let g = comm
-        .all_reduce(&Tensor::new(&[loss, hits], &Device::Cpu)?, ReduceOp::Sum)?
+        .all_reduce(&Tensor::new(&[loss, hits], device)?, ReduceOp::Sum)?
         .to_vec1::<f64>()?;
     let n = val.len().max(1) as f64;
     Ok((g[0] / n, g[1] / n))
@@ -414,8 +446,9 @@ pub fn run(cfg: &Config) -> Result<Summary> {
     let (train, val) = datasets(cfg)?;
     match cfg.backend.as_str() {
         "threads" => {
+            let device = cfg.device.device()?;
             let mut out = ThreadGroup::run(cfg.world_size, |comm| {
-                train_rank(comm, Device::Cpu, cfg, &train, &val)
+                train_rank(comm, device.clone(), cfg, &train, &val)
                     .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
             })?;
             Ok(out.swap_remove(0))
@@ -431,6 +464,9 @@ pub fn run(cfg: &Config) -> Result<Summary> {
 #[cfg(feature = "nccl")]
 fn run_nccl(cfg: &Config, train: &Dataset, val: &Dataset) -> Result<Summary> {
     use candle_distributed::collective::{NcclCollective, NcclGroup};
+    if cfg.device != DeviceKind::Cuda {
+        bail!("--backend nccl runs one rank per GPU: use --device cuda (the default with nccl)");
+    }
     if std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some() {
         let comm = NcclCollective::from_env()?;
         let device = comm.device();
@@ -458,7 +494,7 @@ fn run_nccl(_: &Config, _: &Dataset, _: &Dataset) -> Result<Summary> {
 fn run_mpi(cfg: &Config, train: &Dataset, val: &Dataset) -> Result<Summary> {
     let mpi = candle_distributed::collective::Mpi::init()?;
     let comm = mpi.world()?;
-    let summary = train_rank(comm, Device::Cpu, cfg, train, val)?;
+    let summary = train_rank(comm, cfg.device.device()?, cfg, train, val)?;
     Ok(summary)
 }
 
@@ -468,9 +504,10 @@ fn run_mpi(_: &Config, _: &Dataset, _: &Dataset) -> Result<Summary> {
 }
 
 /// `--check`: `steps` steps with `world` ranks of SyncBatchNorm (of plain per-rank batch norm
-/// when `sync` is false, to see the check fail) and with one rank of plain batch norm on the
-/// same global batches (f64, no augmentation); returns the largest absolute difference over the
-/// trainable parameters.
+/// when `sync` is false, to see the check fail) on `cfg`'s backend and device, and with one
+/// thread rank of plain batch norm on the same device and the same global batches (f64, no
+/// augmentation); returns the largest absolute difference over the trainable parameters. Under
+/// NCCL or MPI every process computes the one-rank reference itself.
 pub fn check(cfg: &Config, steps: usize, sync: bool) -> Result<f64> {
     let base = Config {
         dtype: DType::F64,
@@ -478,7 +515,6 @@ pub fn check(cfg: &Config, steps: usize, sync: bool) -> Result<f64> {
         max_steps: Some(steps),
         epochs: 1,
         write_outputs: false,
-        backend: "threads".into(),
         resume: None,
         ..cfg.clone()
     };
@@ -489,6 +525,7 @@ pub fn check(cfg: &Config, steps: usize, sync: bool) -> Result<f64> {
     let single = run(&Config {
         sync_bn: false,
         world_size: 1,
+        backend: "threads".into(),
         ..base
     })?;
     let single: std::collections::HashMap<&str, &Tensor> =

@@ -28,6 +28,7 @@ pub(crate) enum Module {
     Apply,
     BackwardReduce,
     BackwardElemt,
+    MaxPool,
 }
 
 impl Module {
@@ -38,6 +39,7 @@ impl Module {
             Module::Apply => ("candle_distributed_apply", ptx::APPLY),
             Module::BackwardReduce => ("candle_distributed_backward_reduce", ptx::BACKWARD_REDUCE),
             Module::BackwardElemt => ("candle_distributed_backward_elemt", ptx::BACKWARD_ELEMT),
+            Module::MaxPool => ("candle_distributed_max_pool", ptx::MAX_POOL),
         }
     }
 }

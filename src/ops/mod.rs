@@ -26,12 +26,14 @@ mod combine;
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod max_pool;
 mod stats;
 
 pub use apply::batch_norm_elemt;
 pub use backward_elemt::batch_norm_backward_elemt;
 pub use backward_reduce::batch_norm_backward_reduce;
 pub use combine::{batch_norm_gather_stats, BatchStats};
+pub use max_pool::max_pool2d;
 pub use stats::batch_norm_stats;
 
 #[cfg(feature = "cuda")]

@@ -171,9 +171,9 @@ fn along(t: &Tensor, dim: usize, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> R
         .contiguous()
 }
 
-/// Every rank's size along `dim` (one small all-gather).
+/// Every rank's size along `dim` (one small all-gather, on `t`'s device: the communicator's).
 fn sizes_along(t: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Vec<usize>> {
-    let mine = Tensor::new(&[t.dims()[dim] as i64], &candle_core::Device::Cpu)?;
+    let mine = Tensor::new(&[t.dims()[dim] as i64], t.device())?;
     Ok(comm
         .all_gather(&mine)?
         .to_vec1::<i64>()?

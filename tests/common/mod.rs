@@ -249,3 +249,60 @@ impl Collective for Counting {
         self.inner.reduce_scatter_async(t, op)
     }
 }
+
+/// The CUDA device the `cuda::` variants of the tests run on: GPU 0, one `Device` shared by
+/// every test and every thread rank of a process (candle treats two `Device::new_cuda(0)` as
+/// different devices).
+#[cfg(feature = "cuda")]
+pub fn cuda_device() -> Device {
+    static DEV: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEV.get_or_init(|| Device::new_cuda(0).expect("the cuda:: tests need a CUDA GPU"))
+        .clone()
+}
+
+/// One test body per behaviour, run on every device: for each `name`, a `cpu::name` test that
+/// calls `name(&Device::Cpu)` and, with the `cuda` feature, a `cuda::name` test that calls it
+/// with [`cuda_device`]. Bodies have the signature `fn(&Device) -> anyhow::Result<()>`.
+#[macro_export]
+macro_rules! device_tests {
+    ($($name:ident),* $(,)?) => {
+        mod cpu {
+            $(
+                #[test]
+                fn $name() -> anyhow::Result<()> {
+                    super::$name(&candle_core::Device::Cpu)
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda {
+            $(
+                #[test]
+                fn $name() -> anyhow::Result<()> {
+                    super::$name(&$crate::common::cuda_device())
+                }
+            )*
+        }
+    };
+}
+
+/// Step of the central finite differences (f64).
+pub const FD_H: f64 = 1e-6;
+/// Allowed |analytic − numeric| / max(1, |analytic|) of a central difference in f64:
+/// truncation O(h²) plus rounding ε·|L|/h, for the O(1)–O(100) losses of the tests.
+pub const FD_TOL: f64 = 1e-6;
+
+/// `(f(h) − f(−h)) / 2h` with `h = FD_H`: the derivative of `f` at 0.
+pub fn central_difference(f: impl Fn(f64) -> f64) -> f64 {
+    (f(FD_H) - f(-FD_H)) / (2.0 * FD_H)
+}
+
+/// Asserts that an analytic derivative matches a finite difference within [`FD_TOL`].
+#[track_caller]
+pub fn assert_fd(what: &str, analytic: f64, numeric: f64) {
+    let err = (analytic - numeric).abs() / analytic.abs().max(1.0);
+    assert!(
+        err <= FD_TOL,
+        "{what}: analytic {analytic:e} vs finite difference {numeric:e} (error {err:e})"
+    );
+}
