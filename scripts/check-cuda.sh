@@ -1,9 +1,43 @@
 #!/usr/bin/env bash
-# Type-checks and lints the `cuda` and `nccl` features, all targets (library, tests/cuda.rs,
-# examples/gpu_bench.rs), with nvcc 13.0 from PyPI: build.rs compiles kernels/*.cu to PTX on the
-# way. Linking needs libcuda (a GPU driver), so nothing is linked or run here.
+# The `cuda` and `nccl` features without a GPU: lints every target, links every test and
+# example binary against stub CUDA libraries (scripts/cuda-stubs.sh), runs the checks of the
+# embedded kernel images (the library's fatbin unit tests, with the stubs loaded; and
+# cuobjdump's list of each image), and lists the CUDA tests. nvcc 13.0 and cuobjdump come from
+# PyPI (scripts/nvcc-env.sh). Builds in target/cuda.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/nvcc-env.sh
+. scripts/cuda-stubs.sh
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
-cargo clippy --features cuda,nccl --all-targets -- -D warnings
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+features=cuda,nccl
+
+echo "-- clippy --features $features --all-targets"
+cargo clippy --features $features --all-targets -- -D warnings
+
+echo "-- link every test and example binary"
+cargo test --features $features --tests --examples --no-run
+
+echo "-- the embedded kernel images (library unit tests, stub libraries loaded)"
+LD_LIBRARY_PATH="$CUDA_STUBS" cargo test --features $features --lib fatbin
+
+echo "-- cuobjdump --list-elf --list-ptx on every image"
+out_dir=$(cargo build --features $features --lib --message-format=json |
+    python3 -c 'import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "build-script-executed" and "candle-distributed" in m["package_id"]:
+        print(m["out_dir"])')
+for k in kernels/*.cu; do
+    img="$out_dir/$(basename "$k" .cu).fatbin"
+    listing=$(cuobjdump --list-elf --list-ptx "$img")
+    for want in 'sm_80\.cubin' 'sm_90\.cubin' 'sm_90\.ptx'; do
+        grep -qE "$want" <<<"$listing" || { echo "FAIL $img lacks $want:"; echo "$listing"; exit 1; }
+    done
+    echo "ok   $(basename "$img"): $(grep -oE 'sm_[0-9]+\.(cubin|ptx)' <<<"$listing" | tr '\n' ' ')"
+done
+
+echo "-- the CUDA test binaries list their tests (they load against the stubs)"
+for t in cuda max_pool; do
+    LD_LIBRARY_PATH="$CUDA_STUBS" cargo test --features $features --test "$t" -- --list | tail -n 1
+done

@@ -168,7 +168,7 @@ impl DataParallel {
                 let n = v.elem_count();
                 // A variable no rank has a gradient for stays without one, as in one process
                 // (an optimizer then leaves it alone, weight decay included).
-                if somewhere.as_ref().map_or(true, |f| f[i] != 0.0) {
+                if somewhere.as_ref().is_none_or(|f| f[i] != 0.0) {
                     grads.insert(v.as_tensor(), avg.narrow(0, at, n)?.reshape(v.shape())?);
                 }
                 at += n;

@@ -104,7 +104,14 @@ fn channels_last_equals_permuted_channels_first() -> anyhow::Result<()> {
                 fuse_relu: true,
                 ..Default::default()
             };
-            let (bn, _) = layer(c, cfg, comm.clone(), Some(&params), DType::F64);
+            let (bn, _) = layer(
+                c,
+                cfg,
+                comm.clone(),
+                Some(&params),
+                DType::F64,
+                &Device::Cpu,
+            );
             let (xi, zi) = if cl {
                 (to_channels_last(&x), to_channels_last(&z))
             } else {

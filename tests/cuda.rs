@@ -15,7 +15,7 @@ use candle_distributed::collective::{Collective, ThreadGroup};
 use candle_distributed::ops;
 use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
-use common::{randn, split_batch};
+use common::{assert_close_rel, randn, split_batch, tol};
 
 const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
@@ -30,43 +30,8 @@ const SHAPES: [&[usize]; 6] = [
     &[512, 16],
 ];
 
-/// Relative tolerance (to max(1, |value|)) between the GPU and the CPU path: f32 arithmetic on
-/// both sides for f32/f16/bf16 in different summation orders, then one rounding to the storage
-/// type; f64 throughout for f64.
-fn tol(dtype: DType) -> f64 {
-    match dtype {
-        DType::F64 => 1e-10,
-        DType::F32 => 1e-4,
-        DType::F16 => 4e-3,
-        _ => 3e-2,
-    }
-}
-
 fn gpu() -> Device {
     Device::new_cuda(0).expect("tests/cuda.rs needs CUDA device 0")
-}
-
-#[track_caller]
-fn close(what: &str, gpu: &Tensor, cpu: &Tensor, tol: f64) {
-    assert_eq!(gpu.dims(), cpu.dims(), "{what}: shapes");
-    if cpu.elem_count() == 0 {
-        return;
-    }
-    let g = gpu
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap();
-    let c = cpu.to_dtype(DType::F64).unwrap();
-    let g = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let c = c.flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let scale = c.iter().fold(1f64, |m, v| m.max(v.abs()));
-    for (i, (a, b)) in g.iter().zip(&c).enumerate() {
-        assert!(
-            (a - b).abs() <= tol * scale && a.is_finite() == b.is_finite(),
-            "{what}: element {i}: GPU {a} vs CPU {b} (tolerance {tol:e} × {scale:e})"
-        );
-    }
 }
 
 fn on(t: &Tensor, dev: &Device) -> Tensor {
@@ -89,11 +54,11 @@ fn functional_ops_match_the_cpu() {
                 let shift = randn(seed + 3, &[c], 3.0, 0.5);
                 let w = randn(seed + 4, &[c], 1.0, 0.25);
                 let b = randn(seed + 5, &[c], 0.0, 0.25);
-                let t = tol(dtype);
+                let t = tol::gpu_vs_cpu(dtype);
 
                 let sums = ops::batch_norm_stats(&x, &shift, cl).unwrap();
                 let sums_gpu = ops::batch_norm_stats(&on(&x, &dev), &on(&shift, &dev), cl).unwrap();
-                close(&format!("stats {what}"), &sums_gpu, &sums, t);
+                assert_close_rel(&format!("stats {what}"), &sums_gpu, &sums, t);
                 if sums
                     .get(0)
                     .unwrap()
@@ -109,13 +74,13 @@ fn functional_ops_match_the_cpu() {
                 let st_gpu =
                     ops::batch_norm_gather_stats(&on(&sums, &dev), &on(&shift, &dev), 1e-5)
                         .unwrap();
-                close(
+                assert_close_rel(
                     &format!("gather mean {what}"),
                     &st_gpu.mean,
                     &st.mean,
                     1e-12,
                 );
-                close(
+                assert_close_rel(
                     &format!("gather invstd {what}"),
                     &st_gpu.invstd,
                     &st.invstd,
@@ -144,7 +109,7 @@ fn functional_ops_match_the_cpu() {
                     cl,
                 )
                 .unwrap();
-                close(&format!("elemt {what}"), &y_gpu, &y, t);
+                assert_close_rel(&format!("elemt {what}"), &y_gpu, &y, t);
 
                 let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), cl).unwrap();
                 let red_gpu = ops::batch_norm_backward_reduce(
@@ -155,7 +120,7 @@ fn functional_ops_match_the_cpu() {
                     cl,
                 )
                 .unwrap();
-                close(&format!("backward_reduce {what}"), &red_gpu, &red, t);
+                assert_close_rel(&format!("backward_reduce {what}"), &red_gpu, &red, t);
 
                 let (dx, dz) = ops::batch_norm_backward_elemt(
                     &dy,
@@ -183,8 +148,8 @@ fn functional_ops_match_the_cpu() {
                     cl,
                 )
                 .unwrap();
-                close(&format!("backward_elemt dx {what}"), &dx_gpu, &dx, t);
-                close(
+                assert_close_rel(&format!("backward_elemt dx {what}"), &dx_gpu, &dx, t);
+                assert_close_rel(
                     &format!("backward_elemt dz {what}"),
                     &dz_gpu.unwrap(),
                     &dz.unwrap(),
@@ -289,11 +254,11 @@ fn layer_training_matches_the_cpu() {
             let (g, c) = (run(&dev), run(&Device::Cpu));
             for (i, (g, c)) in g.iter().zip(&c).enumerate() {
                 // Parameter gradients are sums over the batch: f32 accumulation both sides.
-                close(
+                assert_close_rel(
                     &format!("{dtype:?} {dims:?} output {i}"),
                     g,
                     c,
-                    tol(dtype).max(1e-4),
+                    tol::gpu_vs_cpu(dtype).max(1e-4),
                 );
             }
         }
@@ -317,7 +282,7 @@ fn two_ranks_with_an_empty_one_match_the_cpu() {
     let (g, c) = (run(&dev), run(&Device::Cpu));
     for (rank, (g, c)) in g.iter().zip(&c).enumerate() {
         for (i, (g, c)) in g.iter().zip(c).enumerate() {
-            close(&format!("rank {rank} output {i}"), g, c, 1e-4);
+            assert_close_rel(&format!("rank {rank} output {i}"), g, c, 1e-4);
         }
     }
 }

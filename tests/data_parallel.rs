@@ -7,15 +7,13 @@ mod common;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::collective::Collective;
 use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
 use candle_nn::{
     conv2d, linear, AdamW, Conv2dConfig, ModuleT, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD,
 };
 use common::*;
 
-/// f64 throughout: rounding-level differences after several steps.
-const TOL_F64: f64 = 1e-9;
 const STEPS: u64 = 3;
 
 /// conv → bn+ReLU → global mean → linear; `comm` None = plain candle-nn batch norm.
@@ -25,8 +23,8 @@ struct Net {
     fc: candle_nn::Linear,
 }
 
-fn net(vm: &VarMap, comm: Option<Arc<dyn Collective>>) -> Net {
-    let vb = VarBuilder::from_varmap(vm, DType::F64, &Device::Cpu);
+fn net(vm: &VarMap, comm: Option<Arc<dyn Collective>>, dev: &Device) -> Net {
+    let vb = VarBuilder::from_varmap(vm, DType::F64, dev);
     let conv = conv2d(3, 6, 3, Conv2dConfig::default(), vb.pp("conv")).unwrap();
     let bn: Box<dyn ModuleT + Send + Sync> = match comm {
         Some(c) => {
@@ -77,7 +75,7 @@ fn seed_vars(vm: &VarMap, salt: u64) {
             .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
         let v = &data[name];
         let t = randn(1000 * salt + by_name % 1000, v.dims(), 0.0, 0.3);
-        v.set(&t).unwrap();
+        v.set(&on(v.device(), &t)).unwrap();
     }
 }
 
@@ -88,7 +86,7 @@ fn params(vm: &VarMap) -> Vec<(String, Tensor)> {
         .unwrap()
         .iter()
         .filter(|(k, _)| !k.contains("running") && !k.contains("num_batches"))
-        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+        .map(|(k, v)| (k.clone(), cpu(&v.as_tensor().copy().unwrap())))
         .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
@@ -127,21 +125,21 @@ fn global_batch(s: u64) -> (Tensor, Tensor) {
     (x, Tensor::new(y.as_slice(), &Device::Cpu).unwrap())
 }
 
-/// `world` ranks, equal batches, SyncBatchNorm + DataParallel, against one process with plain
-/// batch norm on the whole batch.
-fn equivalence(opt: Opt, world: usize, bucket_bytes: usize) {
+/// `world` ranks on `dev`, equal batches, SyncBatchNorm + DataParallel, against one process
+/// with plain batch norm on the whole batch on the CPU.
+fn equivalence(opt: Opt, world: usize, bucket_bytes: usize, dev: &Device) -> anyhow::Result<()> {
     let sizes = vec![12 / world; world];
-    let dist = run_ranks(world, |comm| {
+    let dist = run_ranks_on(world, dev, |comm| {
         let vm = VarMap::new();
-        let model = net(&vm, Some(comm.clone()));
+        let model = net(&vm, Some(comm.clone()), dev);
         seed_vars(&vm, comm.rank() as u64 + 1);
         let dp = DataParallel::new(&vm, comm.clone())?.with_bucket_bytes(bucket_bytes);
         let mut step = optimizer(&opt, dp.trainable());
         for s in 0..STEPS {
             let (x, y) = global_batch(s);
             let (x, y) = (
-                &split_batch(&x, &sizes)[comm.rank()],
-                &split_batch(&y, &sizes)[comm.rank()],
+                &on(dev, &split_batch(&x, &sizes)[comm.rank()]),
+                &on(dev, &split_batch(&y, &sizes)[comm.rank()]),
             );
             let loss = candle_nn::loss::cross_entropy(&model.forward(x), y)?;
             step(&dp.sync_gradients(loss.backward()?)?);
@@ -149,7 +147,7 @@ fn equivalence(opt: Opt, world: usize, bucket_bytes: usize) {
         Ok(params(&vm))
     });
     let vm = VarMap::new();
-    let model = net(&vm, None);
+    let model = net(&vm, None, &Device::Cpu);
     seed_vars(&vm, 1);
     let mut step = optimizer(
         &opt,
@@ -167,24 +165,22 @@ fn equivalence(opt: Opt, world: usize, bucket_bytes: usize) {
     for (rank, got) in dist.iter().enumerate() {
         assert_eq!(got.len(), want.len());
         for ((name, g), (_, w)) in got.iter().zip(&want) {
-            assert_close(&format!("rank {rank} {name}"), g, w, TOL_F64);
+            assert_close(&format!("rank {rank} {name}"), g, w, tol::F64_STEPS);
         }
     }
+    Ok(())
 }
 
-#[test]
-fn sgd_steps_match_one_process() {
-    equivalence(Opt::Sgd, 4, usize::MAX);
+fn sgd_steps_match_one_process(dev: &Device) -> anyhow::Result<()> {
+    equivalence(Opt::Sgd, 4, usize::MAX, dev)
 }
 
-#[test]
-fn adamw_steps_match_one_process() {
-    equivalence(Opt::AdamW, 3, usize::MAX);
+fn adamw_steps_match_one_process(dev: &Device) -> anyhow::Result<()> {
+    equivalence(Opt::AdamW, 3, usize::MAX, dev)
 }
 
-#[test]
-fn small_buckets_give_the_same_steps() {
-    equivalence(Opt::AdamW, 2, 64);
+fn small_buckets_give_the_same_steps(dev: &Device) -> anyhow::Result<()> {
+    equivalence(Opt::AdamW, 2, 64, dev)
 }
 
 /// A model without batch norm, unequal batches [5, 3, 4]: each rank's loss is the mean over its
@@ -229,23 +225,22 @@ fn unequal_batches_average_per_rank_means() {
     let want = params(&vm);
     for got in &dist {
         for ((name, g), (_, w)) in got.iter().zip(&want) {
-            assert_close(name, g, w, TOL_F64);
+            assert_close(name, g, w, tol::F64_STEPS);
         }
     }
 }
 
 /// A variable used only on rank 0 gets `g0 / W` on every rank (zero elsewhere), and every rank
 /// issued the same collectives.
-#[test]
-fn a_missing_gradient_counts_as_zero() {
-    let outs = run_ranks(4, |comm| {
+fn a_missing_gradient_counts_as_zero(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(4, dev, |comm| {
         let vm = VarMap::new();
-        let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+        let vb = VarBuilder::from_varmap(&vm, DType::F64, dev);
         let a = linear(3, 1, vb.pp("a"))?;
         let b = linear(3, 1, vb.pp("b"))?;
         seed_vars(&vm, 2);
         let dp = DataParallel::new(&vm, comm.clone())?;
-        let x = Tensor::ones((2, 3), DType::F64, &Device::Cpu)?;
+        let x = Tensor::ones((2, 3), DType::F64, dev)?;
         let mut loss = a.forward(&x)?.sum_all()?;
         if comm.rank() == 0 {
             loss = (loss + b.forward(&x)?.sum_all()?)?;
@@ -260,6 +255,7 @@ fn a_missing_gradient_counts_as_zero() {
         // d(sum of 2 rows of x·wᵀ)/dw = [2, 2, 2] on rank 0, averaged over 4 ranks.
         assert_eq!(g, Some(vec![vec![0.5, 0.5, 0.5]]));
     }
+    Ok(())
 }
 
 /// A variable no rank uses gets no gradient (an optimizer then leaves it alone, as in one
@@ -289,18 +285,44 @@ fn a_variable_unused_everywhere_gets_no_gradient() {
     }
 }
 
-#[test]
-fn different_models_fail_on_every_rank() {
-    let errs = ThreadGroup::run(2, |comm| {
+fn different_models_fail_on_every_rank(dev: &Device) -> anyhow::Result<()> {
+    let errs = run_ranks_on(2, dev, |comm| {
         let vm = VarMap::new();
-        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, dev);
         linear(3, 1 + comm.rank(), vb.pp("fc"))?;
         Ok(DataParallel::new(&vm, comm.clone())
             .unwrap_err()
             .to_string())
-    })
-    .unwrap();
+    });
     for e in errs {
         assert!(e.contains("models differ"), "{e}");
     }
+    Ok(())
 }
+
+/// Replicas start from rank 0's weights on every device: the broadcast and the model check
+/// travel on the variables' device (NCCL takes nothing else).
+fn replicas_start_from_rank_0(dev: &Device) -> anyhow::Result<()> {
+    let weights = run_ranks_on(3, dev, |comm| {
+        let vm = VarMap::new();
+        let _model = net(&vm, Some(comm.clone()), dev);
+        seed_vars(&vm, comm.rank() as u64 + 1);
+        DataParallel::new(&vm, comm.clone())?;
+        Ok(params(&vm))
+    });
+    for (r, w) in weights.iter().enumerate() {
+        for ((name, a), (_, b)) in w.iter().zip(&weights[0]) {
+            assert_close(&format!("rank {r} {name}"), a, b, 0.0);
+        }
+    }
+    Ok(())
+}
+
+device_tests!(
+    sgd_steps_match_one_process,
+    adamw_steps_match_one_process,
+    small_buckets_give_the_same_steps,
+    a_missing_gradient_counts_as_zero,
+    different_models_fail_on_every_rank,
+    replicas_start_from_rank_0,
+);

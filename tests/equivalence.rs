@@ -4,13 +4,11 @@
 
 mod common;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::ModuleT;
 use common::*;
 
-/// f64 everywhere: differences are rounding only.
-const TOL_F64: f64 = 1e-10;
 const STEPS: usize = 3;
 
 #[derive(Clone)]
@@ -62,7 +60,7 @@ fn step_data(case: &Case, step: usize) -> (Tensor, Tensor, Tensor) {
     )
 }
 
-fn run_case(case: &Case) {
+fn run_case(case: &Case, dev: &Device) {
     let params = Params::random(7, case.c);
     let world = case.batches.len();
     let cl = case.config.channels_last;
@@ -70,15 +68,15 @@ fn run_case(case: &Case) {
     let from_layout = |t: &Tensor| if cl { to_channels_first(t) } else { t.clone() };
     let eval_x = randn(999, &case.dims(case.batches.iter().sum()), 1.0, 2.0);
 
-    let outs = run_ranks(world, |comm| {
+    let outs = run_ranks_on(world, dev, |comm| {
         let r = comm.rank();
-        let (bn, vm) = layer(case.c, case.config, comm, Some(&params), DType::F64);
+        let (bn, vm) = layer(case.c, case.config, comm, Some(&params), DType::F64, dev);
         let mut ys = Vec::new();
         let mut last = None;
         for step in 0..STEPS {
             let (x, z, wl) = step_data(case, step);
             let (x, z, wl) = [x, z, wl]
-                .map(|t| to_layout(&split_batch(&t, &case.batches)[r]))
+                .map(|t| on(dev, &to_layout(&split_batch(&t, &case.batches)[r])))
                 .into();
             let xv = Var::from_tensor(&x)?;
             let zv = Var::from_tensor(&z)?;
@@ -87,20 +85,23 @@ fn run_case(case: &Case) {
             } else {
                 bn.forward_t(xv.as_tensor(), true)?
             };
-            ys.push(from_layout(&y));
+            ys.push(from_layout(&cpu(&y)));
             last = Some((xv, zv, y, wl));
         }
         let (xv, zv, y, wl) = last.unwrap();
-        let grads = (y * wl)?.sum_all()?.backward()?;
-        let get = |name: &str| grads.get(var(&vm, name).as_tensor()).cloned();
-        let dx = from_layout(grads.get(xv.as_tensor()).expect("dx"));
+        let grads = weighted_sum(&y, &wl)?.backward()?;
+        let get = |name: &str| grads.get(var(&vm, name).as_tensor()).map(cpu);
+        let dx = from_layout(&cpu(grads.get(xv.as_tensor()).expect("dx")));
         let dz = if case.residual {
-            Some(from_layout(grads.get(zv.as_tensor()).expect("dz")))
+            Some(from_layout(&cpu(grads.get(zv.as_tensor()).expect("dz"))))
         } else {
             None
         };
-        let x_eval = to_layout(&split_batch(&eval_x, &case.batches)[r]);
-        let z_eval = to_layout(&split_batch(&step_data(case, 0).1, &case.batches)[r]);
+        let x_eval = on(dev, &to_layout(&split_batch(&eval_x, &case.batches)[r]));
+        let z_eval = on(
+            dev,
+            &to_layout(&split_batch(&step_data(case, 0).1, &case.batches)[r]),
+        );
         let eval_y = if case.residual {
             bn.forward_residual(&x_eval, &z_eval, false)?
         } else {
@@ -127,7 +128,7 @@ fn run_case(case: &Case) {
                 )
             }),
             num_batches: bn.num_batches_tracked(),
-            eval_y: from_layout(&eval_y),
+            eval_y: from_layout(&cpu(&eval_y)),
         })
     });
 
@@ -159,7 +160,7 @@ fn run_case(case: &Case) {
                 &format!("output, step {step}, rank {r}"),
                 &out.y[step],
                 piece,
-                TOL_F64,
+                tol::F64,
             );
         }
         let n = x.elem_count() as f64 / case.c as f64;
@@ -175,7 +176,7 @@ fn run_case(case: &Case) {
         let grads = (y * wl).unwrap().sum_all().unwrap().backward().unwrap();
         let dx = split_batch(grads.get(xv.as_tensor()).unwrap(), &case.batches);
         for (r, out) in outs.iter().enumerate() {
-            assert_close(&format!("dx, rank {r}"), &out.dx, &dx[r], TOL_F64);
+            assert_close(&format!("dx, rank {r}"), &out.dx, &dx[r], tol::F64);
         }
         if case.residual {
             let dz = split_batch(grads.get(zv.as_tensor()).unwrap(), &case.batches);
@@ -184,7 +185,7 @@ fn run_case(case: &Case) {
                     &format!("dz, rank {r}"),
                     out.dz.as_ref().unwrap(),
                     &dz[r],
-                    TOL_F64,
+                    tol::F64,
                 );
             }
         }
@@ -196,13 +197,13 @@ fn run_case(case: &Case) {
                 "Σ_r dγ",
                 &sum(&|o| o.dw.clone().unwrap()),
                 grads.get(w.as_tensor()).unwrap(),
-                TOL_F64,
+                tol::F64,
             );
             assert_close(
                 "Σ_r dβ",
                 &sum(&|o| o.db.clone().unwrap()),
                 grads.get(b.as_tensor()).unwrap(),
-                TOL_F64,
+                tol::F64,
             );
         }
     }
@@ -214,8 +215,8 @@ fn run_case(case: &Case) {
                 "num_batches_tracked on rank {r}"
             );
             let t = |v: &Vec<f64>| Tensor::new(v.as_slice(), &candle_core::Device::Cpu).unwrap();
-            assert_close(&format!("running_mean rank {r}"), &t(m), &t(&rm), TOL_F64);
-            assert_close(&format!("running_var rank {r}"), &t(v), &t(&rv), TOL_F64);
+            assert_close(&format!("running_mean rank {r}"), &t(m), &t(&rm), tol::F64);
+            assert_close(&format!("running_var rank {r}"), &t(v), &t(&rv), tol::F64);
             // Every rank holds bitwise the same running statistics.
             assert_eq!(
                 out.running, outs[0].running,
@@ -256,7 +257,7 @@ fn run_case(case: &Case) {
                 &format!("eval output rank {r}"),
                 &out.eval_y,
                 piece,
-                TOL_F64,
+                tol::F64,
             );
         }
     } else {
@@ -276,7 +277,7 @@ fn run_case(case: &Case) {
                 &format!("local eval output rank {r}"),
                 &out.eval_y,
                 &y,
-                TOL_F64,
+                tol::F64,
             );
         }
     }
@@ -284,91 +285,106 @@ fn run_case(case: &Case) {
 
 const BATCHES: [usize; 4] = [3, 5, 0, 4];
 
-#[test]
-fn nchw_4d_momentum() {
-    run_case(&Case::new(&BATCHES, 3, &[4, 5]));
+fn nchw_4d_momentum(dev: &Device) -> anyhow::Result<()> {
+    run_case(&Case::new(&BATCHES, 3, &[4, 5]), dev);
+    Ok(())
 }
 
-#[test]
-fn nchw_4d_cumulative_average() {
+fn nchw_4d_cumulative_average(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 3, &[4, 5]);
     c.config.momentum = None;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn nhwc_4d() {
+fn nhwc_4d(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 6, &[3, 3]);
     c.config.channels_last = true;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn nhwc_4d_cumulative_average() {
+fn nhwc_4d_cumulative_average(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 5, &[2, 3]);
     c.config.channels_last = true;
     c.config.momentum = None;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn two_d() {
-    run_case(&Case::new(&BATCHES, 7, &[]));
+fn two_d(dev: &Device) -> anyhow::Result<()> {
+    run_case(&Case::new(&BATCHES, 7, &[]), dev);
+    Ok(())
 }
 
-#[test]
-fn three_d_nchw_and_nlc() {
-    run_case(&Case::new(&BATCHES, 4, &[9]));
+fn three_d_nchw_and_nlc(dev: &Device) -> anyhow::Result<()> {
+    run_case(&Case::new(&BATCHES, 4, &[9]), dev);
     let mut c = Case::new(&BATCHES, 4, &[9]);
     c.config.channels_last = true;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn five_d_nchw_and_ndhwc() {
-    run_case(&Case::new(&BATCHES, 2, &[2, 3, 2]));
+fn five_d_nchw_and_ndhwc(dev: &Device) -> anyhow::Result<()> {
+    run_case(&Case::new(&BATCHES, 2, &[2, 3, 2]), dev);
     let mut c = Case::new(&BATCHES, 3, &[2, 2, 3]);
     c.config.channels_last = true;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn fused_residual_relu_nchw_and_nhwc() {
+fn fused_residual_relu_nchw_and_nhwc(dev: &Device) -> anyhow::Result<()> {
     for cl in [false, true] {
         let mut c = Case::new(&BATCHES, 3, &[4, 4]);
         c.config.fuse_relu = true;
         c.config.channels_last = cl;
         c.residual = true;
-        run_case(&c);
+        run_case(&c, dev);
     }
+    Ok(())
 }
 
-#[test]
-fn residual_without_relu_and_relu_without_residual() {
+fn residual_without_relu_and_relu_without_residual(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 3, &[3, 2]);
     c.residual = true;
-    run_case(&c);
+    run_case(&c, dev);
     let mut c = Case::new(&BATCHES, 3, &[3, 2]);
     c.config.fuse_relu = true;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn no_affine() {
+fn no_affine(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 3, &[4, 5]);
     c.config.affine = false;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn no_running_stats() {
+fn no_running_stats(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 3, &[4, 5]);
     c.config.track_running_stats = false;
-    run_case(&c);
+    run_case(&c, dev);
+    Ok(())
 }
 
-#[test]
-fn many_ranks_and_one_rank() {
-    run_case(&Case::new(&[2, 1, 3, 0, 2, 4, 1, 1], 3, &[2, 2]));
-    run_case(&Case::new(&[6], 3, &[2, 2]));
+fn many_ranks_and_one_rank(dev: &Device) -> anyhow::Result<()> {
+    run_case(&Case::new(&[2, 1, 3, 0, 2, 4, 1, 1], 3, &[2, 2]), dev);
+    run_case(&Case::new(&[6], 3, &[2, 2]), dev);
+    Ok(())
 }
+
+device_tests!(
+    nchw_4d_momentum,
+    nchw_4d_cumulative_average,
+    nhwc_4d,
+    nhwc_4d_cumulative_average,
+    two_d,
+    three_d_nchw_and_nlc,
+    five_d_nchw_and_ndhwc,
+    fused_residual_relu_nchw_and_nhwc,
+    residual_without_relu_and_relu_without_residual,
+    no_affine,
+    no_running_stats,
+    many_ranks_and_one_rank,
+);

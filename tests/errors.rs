@@ -29,23 +29,37 @@ fn snapshot(bn: &SyncBatchNorm) -> (Vec<f32>, Vec<f32>, u64, Vec<f32>, Vec<f32>)
     )
 }
 
-/// A layer of 4 channels that has already taken one training step.
-fn trained_layer(comm: Arc<dyn Collective>) -> SyncBatchNorm {
+/// A layer of 4 channels on `dev` that has already taken one training step.
+fn trained_layer(comm: Arc<dyn Collective>, dev: &Device) -> SyncBatchNorm {
     let (bn, _) = layer(
         4,
         SyncBatchNormConfig::default(),
         comm,
         Some(&Params::random(2, 4)),
         DType::F32,
+        dev,
     );
-    bn.forward_t(
-        &randn(1, &[3, 4, 2, 2], 1.0, 1.0)
-            .to_dtype(DType::F32)
-            .unwrap(),
-        true,
-    )
-    .unwrap();
+    let x = randn(1, &[3, 4, 2, 2], 1.0, 1.0)
+        .to_dtype(DType::F32)
+        .unwrap();
+    bn.forward_t(&on(dev, &x), true).unwrap();
     bn
+}
+
+/// Fewer than 2 values per channel in a training batch: an error on the CPU, as in PyTorch;
+/// on a GPU, where the count is known only on the device, NaN outputs (see the README). Either
+/// way the layer is left as it was (checked by the callers).
+#[track_caller]
+fn expect_too_few_values(dev: &Device, r: candle_core::Result<Tensor>, needles: &[&str]) {
+    if dev.is_cpu() {
+        return expect_err(r, needles);
+    }
+    let y = cpu(&r.expect("on a GPU the step runs"));
+    let v = y.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+    assert!(
+        v.to_vec1::<f32>().unwrap().iter().all(|v| v.is_nan()),
+        "on a GPU, one value per channel gives NaN outputs"
+    );
 }
 
 #[track_caller]
@@ -56,12 +70,11 @@ fn expect_err(r: candle_core::Result<Tensor>, needles: &[&str]) {
     }
 }
 
-#[test]
-fn bad_inputs_are_named_and_change_nothing() {
+fn bad_inputs_are_named_and_change_nothing(dev: &Device) -> anyhow::Result<()> {
     let comm = ThreadGroup::new(1).unwrap().remove(0);
-    let bn = trained_layer(comm);
+    let bn = trained_layer(comm, dev);
     let before = snapshot(&bn);
-    let f32t = |dims: &[usize]| randn(5, dims, 0.0, 1.0).to_dtype(DType::F32).unwrap();
+    let f32t = |dims: &[usize]| on(dev, &randn(5, dims, 0.0, 1.0).to_dtype(DType::F32).unwrap());
     expect_err(
         bn.forward_t(&f32t(&[8, 3, 7, 7]), true),
         &[
@@ -75,19 +88,22 @@ fn bad_inputs_are_named_and_change_nothing() {
         bn.forward_t(&f32t(&[2, 4, 1, 1, 1, 2]), true),
         &["rank 2 to 5"],
     );
-    expect_err(
+    expect_too_few_values(
+        dev,
         bn.forward_t(&f32t(&[1, 4]), true),
         &["more than 1 value per channel", "got 1"],
     );
-    expect_err(
+    expect_too_few_values(
+        dev,
         bn.forward_t(&f32t(&[1, 4, 1, 1]), true),
         &["more than 1 value per channel"],
     );
-    expect_err(
+    expect_too_few_values(
+        dev,
         bn.forward_t(&f32t(&[0, 4, 2]), true),
         &["more than 1 value per channel", "got 0"],
     );
-    let ints = Tensor::zeros((2, 4, 3), DType::U32, &Device::Cpu).unwrap();
+    let ints = Tensor::zeros((2, 4, 3), DType::U32, dev).unwrap();
     expect_err(bn.forward_t(&ints, true), &["unsupported input dtype U32"]);
     let x = f32t(&[2, 4, 3, 3]);
     expect_err(
@@ -102,6 +118,7 @@ fn bad_inputs_are_named_and_change_nothing() {
     // Eval with one value per channel is fine (running statistics).
     bn.forward_t(&f32t(&[1, 4]), false).unwrap();
     assert_eq!(snapshot(&bn), before);
+    Ok(())
 }
 
 #[test]
@@ -146,7 +163,7 @@ fn a_missing_rank_times_out_on_every_waiting_rank() {
             .map(|comm| {
                 let comm = comm.clone();
                 s.spawn(move || {
-                    let bn = trained_layer(comm);
+                    let bn = trained_layer(comm, &Device::Cpu);
                     let before = snapshot(&bn);
                     let r = bn.forward_t(
                         &randn(3, &[2, 4, 2], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
@@ -160,7 +177,7 @@ fn a_missing_rank_times_out_on_every_waiting_rank() {
             })
             .collect();
         // Rank 2 takes part in the first step, then never calls again (but stays alive).
-        let bn2 = trained_layer(comms[2].clone());
+        let bn2 = trained_layer(comms[2].clone(), &Device::Cpu);
         let out = hs.into_iter().map(|h| h.join().unwrap()).collect();
         drop(bn2);
         out
@@ -191,7 +208,7 @@ fn a_rank_that_drops_out_or_panics_fails_the_others_promptly() {
             let hs: Vec<_> = it
                 .map(|comm| {
                     s.spawn(move || {
-                        let bn = trained_layer(comm);
+                        let bn = trained_layer(comm, &Device::Cpu);
                         let before = snapshot(&bn);
                         let r = bn.forward_t(
                             &randn(3, &[2, 4], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
@@ -205,7 +222,7 @@ fn a_rank_that_drops_out_or_panics_fails_the_others_promptly() {
                 })
                 .collect();
             let h = s.spawn(move || {
-                let bn = trained_layer(leaver);
+                let bn = trained_layer(leaver, &Device::Cpu);
                 if panics {
                     panic!("rank 0 fails on purpose");
                 }
@@ -229,22 +246,27 @@ fn a_rank_that_drops_out_or_panics_fails_the_others_promptly() {
     }
 }
 
-#[test]
-fn ranks_with_different_channel_counts_all_get_a_mismatch_error() {
-    let outs = ThreadGroup::run(2, |comm| {
+fn ranks_with_different_channel_counts_all_get_a_mismatch_error(
+    dev: &Device,
+) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |comm| {
         let c = 3 + comm.rank();
-        let (bn, _) = layer(c, SyncBatchNormConfig::default(), comm, None, DType::F32);
-        let before = snapshot(&bn);
-        let r = bn.forward_t(
-            &randn(1, &[2, c, 3], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
-            true,
+        let (bn, _) = layer(
+            c,
+            SyncBatchNormConfig::default(),
+            comm,
+            None,
+            DType::F32,
+            dev,
         );
+        let before = snapshot(&bn);
+        let x = randn(1, &[2, c, 3], 0.0, 1.0).to_dtype(DType::F32)?;
+        let r = bn.forward_t(&on(dev, &x), true);
         Ok((
             r.map(|_| ()).map_err(|e| e.to_string()),
             snapshot(&bn) == before,
         ))
-    })
-    .unwrap();
+    });
     for (res, untouched) in outs {
         let msg = res.expect_err("mismatch must fail");
         assert!(
@@ -253,47 +275,56 @@ fn ranks_with_different_channel_counts_all_get_a_mismatch_error() {
         );
         assert!(untouched);
     }
+    Ok(())
 }
 
-#[test]
-fn eval_issues_no_collective() {
-    let counts = run_ranks(2, |comm| {
+fn eval_issues_no_collective(dev: &Device) -> anyhow::Result<()> {
+    let counts = run_ranks_on(2, dev, |comm| {
         let counting = Counting::new(comm);
         let comm: Arc<dyn Collective> = counting.clone();
-        let bn = trained_layer(comm);
+        let bn = trained_layer(comm, dev);
         let before = counting.count();
-        let x = candle_core::Var::from_tensor(
-            &randn(4, &[3, 4, 2, 2], 0.0, 1.0).to_dtype(DType::F32)?,
-        )?;
+        let x = randn(4, &[3, 4, 2, 2], 0.0, 1.0).to_dtype(DType::F32)?;
+        let x = candle_core::Var::from_tensor(&on(dev, &x))?;
         bn.forward_t(x.as_tensor(), false)?.sum_all()?.backward()?;
         Ok(counting.count() - before)
     });
     assert_eq!(counts, vec![0, 0]);
+    Ok(())
 }
 
-#[test]
-fn one_value_per_channel_in_the_global_batch_fails_on_every_rank() {
+fn one_value_per_channel_in_the_global_batch_fails_on_every_rank(
+    dev: &Device,
+) -> anyhow::Result<()> {
     // Rank 0 holds the only sample: the count is known only after the all-reduce, and every
-    // rank must reach the same verdict (none may wait for a backward the others skip).
-    let outs = ThreadGroup::run(2, |comm| {
-        let bn = trained_layer(comm.clone());
+    // rank must reach the same verdict (none may wait for a backward the others skip). On a
+    // GPU the verdict is NaN outputs on every rank, with the layer untouched.
+    let outs = run_ranks_on(2, dev, |comm| {
+        let bn = trained_layer(comm.clone(), dev);
         let before = snapshot(&bn);
         let x = randn(6, &[1 - comm.rank(), 4], 0.0, 1.0).to_dtype(DType::F32)?;
-        let r = bn
-            .forward_t(&x, true)
-            .map(|_| ())
-            .map_err(|e| e.to_string());
-        Ok((r, snapshot(&bn) == before))
-    })
-    .unwrap();
+        let r = bn.forward_t(&on(dev, &x), true);
+        let verdict = match r {
+            Err(e) => Err(e.to_string()),
+            Ok(y) => Ok(cpu(&y).flatten_all()?.to_vec1::<f32>()?),
+        };
+        Ok((verdict, snapshot(&bn) == before))
+    });
     for (r, (res, untouched)) in outs.into_iter().enumerate() {
-        let msg = res.expect_err("one value per channel must fail");
-        assert!(
-            msg.contains("more than 1 value per channel") && msg.contains("got 1 in the global"),
-            "rank {r}: {msg}"
-        );
+        if dev.is_cpu() {
+            let msg = res.expect_err("one value per channel must fail");
+            assert!(
+                msg.contains("more than 1 value per channel")
+                    && msg.contains("got 1 in the global"),
+                "rank {r}: {msg}"
+            );
+        } else {
+            let y = res.expect("on a GPU the step runs");
+            assert!(y.iter().all(|v| v.is_nan()), "rank {r}: {y:?}");
+        }
         assert!(untouched, "rank {r}: a failed step changed the layer");
     }
+    Ok(())
 }
 
 #[test]
@@ -306,7 +337,7 @@ fn a_rank_that_leaves_before_the_backward_fails_the_others_promptly() {
             .map(|comm| {
                 s.spawn(move || {
                     let rank = comm.rank();
-                    let bn = trained_layer(comm);
+                    let bn = trained_layer(comm, &Device::Cpu);
                     let x = candle_core::Var::from_tensor(
                         &randn(7, &[2, 4, 3], 0.0, 1.0).to_dtype(DType::F32).unwrap(),
                     )
@@ -336,3 +367,10 @@ fn a_rank_that_leaves_before_the_backward_fails_the_others_promptly() {
         );
     }
 }
+
+device_tests!(
+    bad_inputs_are_named_and_change_nothing,
+    ranks_with_different_channel_counts_all_get_a_mismatch_error,
+    eval_issues_no_collective,
+    one_value_per_channel_in_the_global_batch_fails_on_every_rank,
+);

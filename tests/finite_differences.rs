@@ -4,15 +4,11 @@
 
 mod common;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::ModuleT;
 use common::*;
 
-/// Step of the central differences.
-const H: f64 = 1e-6;
-/// Allowed |analytic − numeric| / max(1, |analytic|): truncation O(h²) plus rounding ε·L/h.
-const FD_TOL: f64 = 1e-6;
 /// Elements of x (and z) checked per rank.
 const SAMPLES: usize = 4;
 
@@ -77,19 +73,26 @@ impl Fd {
         }
     }
 
-    /// Σ_r L_r, and when `grads`, every rank's (dx, dz, dγ, dβ).
-    fn run(&self, inp: &Inputs, grads: bool) -> (f64, Vec<[Tensor; 4]>) {
-        let outs = run_ranks(self.batches.len(), |comm| {
+    /// Σ_r L_r, and when `grads`, every rank's (dx, dz, dγ, dβ) on the CPU; computed on `dev`.
+    fn run(&self, inp: &Inputs, grads: bool, dev: &Device) -> (f64, Vec<[Tensor; 4]>) {
+        let outs = run_ranks_on(self.batches.len(), dev, |comm| {
             let r = comm.rank();
-            let (bn, vm) = layer(self.c, self.config, comm, Some(&inp.params), DType::F64);
-            let x = Var::from_tensor(&inp.x[r])?;
-            let z = Var::from_tensor(&inp.z[r])?;
+            let (bn, vm) = layer(
+                self.c,
+                self.config,
+                comm,
+                Some(&inp.params),
+                DType::F64,
+                dev,
+            );
+            let x = Var::from_tensor(&on(dev, &inp.x[r]))?;
+            let z = Var::from_tensor(&on(dev, &inp.z[r]))?;
             let y = if self.residual {
                 bn.forward_residual(x.as_tensor(), z.as_tensor(), true)?
             } else {
                 bn.forward_t(x.as_tensor(), true)?
             };
-            let loss = (y * &inp.wl[r])?.sum_all()?;
+            let loss = weighted_sum(&y, &on(dev, &inp.wl[r]))?;
             let value = loss.to_scalar::<f64>()?;
             if !grads {
                 let e = Tensor::zeros(0, DType::F64, &candle_core::Device::Cpu)?;
@@ -100,12 +103,12 @@ impl Fd {
                 Some(t) => t.clone(),
                 None => z.zeros_like()?,
             };
-            let get = |t: &Tensor| g.get(t).expect("gradient").clone();
+            let get = |t: &Tensor| cpu(g.get(t).expect("gradient"));
             Ok((
                 value,
                 [
                     get(x.as_tensor()),
-                    dz,
+                    cpu(&dz),
                     get(var(&vm, "weight").as_tensor()),
                     get(var(&vm, "bias").as_tensor()),
                 ],
@@ -115,23 +118,17 @@ impl Fd {
         (total, outs.into_iter().map(|o| o.1).collect())
     }
 
-    fn check(&self) {
+    fn check(&self, dev: &Device) {
         let inp = self.inputs();
-        let (_, grads) = self.run(&inp, true);
+        let (_, grads) = self.run(&inp, true, dev);
         let numeric = |perturb: &dyn Fn(&mut Inputs, f64)| {
-            let mut lo = self.inputs();
-            perturb(&mut lo, -H);
-            let mut hi = self.inputs();
-            perturb(&mut hi, H);
-            (self.run(&hi, false).0 - self.run(&lo, false).0) / (2.0 * H)
+            central_difference(|h| {
+                let mut p = self.inputs();
+                perturb(&mut p, h);
+                self.run(&p, false, dev).0
+            })
         };
-        let compare = |what: String, analytic: f64, num: f64| {
-            let err = (analytic - num).abs() / analytic.abs().max(1.0);
-            assert!(
-                err <= FD_TOL,
-                "{what}: analytic {analytic:e} vs finite difference {num:e} (error {err:e})"
-            );
-        };
+        let compare = |what: String, analytic: f64, num: f64| assert_fd(&what, analytic, num);
         for (r, g) in grads.iter().enumerate() {
             let len = inp.x[r].elem_count();
             for k in 0..SAMPLES.min(len) {
@@ -171,54 +168,63 @@ impl Fd {
     }
 }
 
-#[test]
-fn one_rank_nchw_2d_to_5d() {
-    Fd::new(&[6], 3, &[], false).check();
-    Fd::new(&[3], 2, &[5], false).check();
-    Fd::new(&[2], 3, &[3, 4], false).check();
-    Fd::new(&[2], 2, &[2, 3, 2], false).check();
+fn one_rank_nchw_2d_to_5d(dev: &Device) -> anyhow::Result<()> {
+    Fd::new(&[6], 3, &[], false).check(dev);
+    Fd::new(&[3], 2, &[5], false).check(dev);
+    Fd::new(&[2], 3, &[3, 4], false).check(dev);
+    Fd::new(&[2], 2, &[2, 3, 2], false).check(dev);
+    Ok(())
 }
 
-#[test]
-fn one_rank_nhwc_3d_to_5d() {
-    Fd::new(&[3], 2, &[5], true).check();
-    Fd::new(&[2], 3, &[3, 4], true).check();
-    Fd::new(&[2], 2, &[2, 3, 2], true).check();
+fn one_rank_nhwc_3d_to_5d(dev: &Device) -> anyhow::Result<()> {
+    Fd::new(&[3], 2, &[5], true).check(dev);
+    Fd::new(&[2], 3, &[3, 4], true).check(dev);
+    Fd::new(&[2], 2, &[2, 3, 2], true).check(dev);
+    Ok(())
 }
 
-#[test]
-fn three_ranks_nchw_2d_to_5d() {
-    Fd::new(&[2, 3, 4], 3, &[], false).check();
-    Fd::new(&[1, 2, 2], 2, &[5], false).check();
-    Fd::new(&[2, 1, 1], 3, &[3, 2], false).check();
-    Fd::new(&[1, 1, 2], 2, &[2, 2, 2], false).check();
+fn three_ranks_nchw_2d_to_5d(dev: &Device) -> anyhow::Result<()> {
+    Fd::new(&[2, 3, 4], 3, &[], false).check(dev);
+    Fd::new(&[1, 2, 2], 2, &[5], false).check(dev);
+    Fd::new(&[2, 1, 1], 3, &[3, 2], false).check(dev);
+    Fd::new(&[1, 1, 2], 2, &[2, 2, 2], false).check(dev);
+    Ok(())
 }
 
-#[test]
-fn three_ranks_nhwc_with_an_empty_rank() {
-    Fd::new(&[2, 0, 3], 2, &[4], true).check();
-    Fd::new(&[1, 2, 0], 3, &[2, 3], true).check();
-    Fd::new(&[0, 1, 2], 2, &[2, 2, 2], true).check();
+fn three_ranks_nhwc_with_an_empty_rank(dev: &Device) -> anyhow::Result<()> {
+    Fd::new(&[2, 0, 3], 2, &[4], true).check(dev);
+    Fd::new(&[1, 2, 0], 3, &[2, 3], true).check(dev);
+    Fd::new(&[0, 1, 2], 2, &[2, 2, 2], true).check(dev);
+    Ok(())
 }
 
-#[test]
-fn three_ranks_fused_residual_relu() {
+fn three_ranks_fused_residual_relu(dev: &Device) -> anyhow::Result<()> {
     for cl in [false, true] {
         let mut fd = Fd::new(&[2, 1, 2], 3, &[3, 3], cl);
         fd.config.fuse_relu = true;
         fd.residual = true;
-        fd.check();
+        fd.check(dev);
     }
+    Ok(())
 }
 
-#[test]
-fn one_rank_residual_2d_to_5d_with_and_without_relu() {
+fn one_rank_residual_2d_to_5d_with_and_without_relu(dev: &Device) -> anyhow::Result<()> {
     for (spatial, cl) in [(&[][..], false), (&[4][..], true), (&[2, 2, 3][..], false)] {
         for relu in [false, true] {
             let mut fd = Fd::new(&[3], 2, spatial, cl);
             fd.config.fuse_relu = relu;
             fd.residual = true;
-            fd.check();
+            fd.check(dev);
         }
     }
+    Ok(())
 }
+
+device_tests!(
+    one_rank_nchw_2d_to_5d,
+    one_rank_nhwc_3d_to_5d,
+    three_ranks_nchw_2d_to_5d,
+    three_ranks_nhwc_with_an_empty_rank,
+    three_ranks_fused_residual_relu,
+    one_rank_residual_2d_to_5d_with_and_without_relu,
+);

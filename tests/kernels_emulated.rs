@@ -3,6 +3,8 @@
 //! `candle_distributed::launch` and compared with the CPU ops on the same inputs, under the
 //! three thread orders of the emulator (forward, reverse, random). Needs g++ only; no CUDA.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::ffi::{c_char, c_void, CString};
 use std::path::PathBuf;
@@ -12,6 +14,7 @@ use std::sync::OnceLock;
 use candle_core::{DType, Device, Tensor};
 use candle_distributed::launch::{self, Launch};
 use candle_distributed::ops;
+use common::{assert_close_rel, tol};
 use rand::{Rng, SeedableRng};
 
 /// Orders in which the emulator resumes a block's threads between barriers.
@@ -39,26 +42,6 @@ const ROOTS: [&str; 10] = [
     "bn_backward_elemt_nchw",
     "bn_backward_elemt_nhwc",
 ];
-/// Reductions: f32 per-thread partial sums against the CPU's f64 ones, relative to the scale of
-/// the sums (f64 kernels accumulate in f64).
-fn tol_reduce(dtype: DType) -> f64 {
-    if dtype == DType::F64 {
-        1e-12
-    } else {
-        1e-5
-    }
-}
-/// Element-wise outputs: one rounding to the storage type apart (f32 arithmetic both sides
-/// for f32/f16/bf16, f64 for f64), relative to max(1, |value|).
-fn tol_elem(dtype: DType) -> f64 {
-    match dtype {
-        DType::F64 => 1e-12,
-        DType::F32 => 1e-5,
-        DType::F16 => 2e-3,
-        _ => 1.6e-2,
-    }
-}
-
 // ------------------------------------------------------------------------------ the emulator
 
 struct Emu {
@@ -351,31 +334,6 @@ fn cases() -> Vec<Case> {
     v
 }
 
-fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
-    let (g, w) = (
-        got.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap(),
-        want.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap(),
-    );
-    assert_eq!(g.len(), w.len(), "{what}: lengths");
-    let scale = w.iter().fold(1f64, |m, v| m.max(v.abs()));
-    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-        assert!(
-            (a - b).abs() <= tol * scale.max(1.0) && a.is_finite(),
-            "{what}: element {i}: kernel {a} vs CPU {b} (tolerance {tol:e} × {scale:e})"
-        );
-    }
-}
-
 /// Per-channel f64 vectors used as statistics.
 fn per_channel(c: usize, seed: u64, lo: f64, hi: f64) -> Tensor {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -461,11 +419,11 @@ fn statistics_match_the_cpu_op() {
         let (mut xb, mut kb) = (Buf::of(&x), Buf::of(&shift));
         let name = format!("bn_stats_{}_{suffix}", layout(case.cl));
         let got = reduce(&name, &case, vec![xb.ptr(), kb.ptr()], 3, sched);
-        assert_close(
+        assert_close_rel(
             &format!("{name} {case:?} {sched}"),
             &got,
             &want,
-            tol_reduce(dtype),
+            tol::emulated_reduce(dtype),
         );
     });
 }
@@ -511,7 +469,7 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
         let got = out.tensor();
         let row = |i: usize| got.get(i).unwrap();
         let count = (n * hw) as f64;
-        assert_close(
+        assert_close_rel(
             "count",
             &row(0),
             &Tensor::full(count, c, &Device::Cpu).unwrap(),
@@ -525,7 +483,7 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
                 (3, &st.var, "var"),
                 (4, &st.var_unbiased, "var_unbiased"),
             ] {
-                assert_close(
+                assert_close_rel(
                     &format!("bn_finalize_f64 {what} C={c}"),
                     &row(i),
                     want,
@@ -533,18 +491,18 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
                 );
             }
             let w = Tensor::full(momentum, c, &Device::Cpu).unwrap();
-            assert_close("blend weight", &row(5), &w, 0.0);
+            assert_close_rel("blend weight", &row(5), &w, 0.0);
         } else {
             let v = row(2).to_vec1::<f64>().unwrap();
             if count == 1.0 {
                 assert!(v.iter().all(|v| v.is_nan()), "n = 1: invstd NaN, got {v:?}");
             } else {
                 assert!(v.iter().all(|&v| v == 1.0), "n = 0: invstd 1, got {v:?}");
-                assert_close("n = 0: mean is the shift", &row(1), &shift, 0.0);
+                assert_close_rel("n = 0: mean is the shift", &row(1), &shift, 0.0);
             }
             let zeros = Tensor::zeros(c, DType::F64, &Device::Cpu).unwrap();
-            assert_close("n ≤ 1: unbiased var 0", &row(4), &zeros, 0.0);
-            assert_close("n ≤ 1: blend weight 0", &row(5), &zeros, 0.0);
+            assert_close_rel("n ≤ 1: unbiased var 0", &row(4), &zeros, 0.0);
+            assert_close_rel("n ≤ 1: blend weight 0", &row(5), &zeros, 0.0);
         }
     }
 }
@@ -600,11 +558,11 @@ fn apply_matches_the_cpu_op() {
         args.push(Arg::I32(relu as i32));
         let name = format!("bn_apply_{}_{suffix}", layout(case.cl));
         run(&name, &cfg, args, sched);
-        assert_close(
+        assert_close_rel(
             &format!("{name} {case:?} {sched}"),
             &y.tensor(),
             &want,
-            tol_elem(dtype),
+            tol::emulated_elem(dtype),
         );
     });
 }
@@ -630,11 +588,11 @@ fn backward_reduce_matches_the_cpu_op() {
         ];
         let name = format!("bn_backward_reduce_{}_{suffix}", layout(case.cl));
         let got = reduce(&name, &case, inputs, 2, sched);
-        assert_close(
+        assert_close_rel(
             &format!("{name} {case:?} {sched}"),
             &got,
             &want,
-            tol_reduce(dtype),
+            tol::emulated_reduce(dtype),
         );
     });
 }
@@ -706,21 +664,21 @@ fn backward_elemt_matches_the_cpu_op() {
         let name = format!("bn_backward_elemt_{}_{suffix}", layout(case.cl));
         run(&name, &cfg, args, sched);
         let what = format!("{name} {case:?} {sched}");
-        assert_close(
+        assert_close_rel(
             &format!("{what} dx"),
             &dx.tensor(),
             &dx_want,
-            tol_elem(dtype),
+            tol::emulated_elem(dtype),
         );
         match dz_want {
-            Some(dz_want) => assert_close(
+            Some(dz_want) => assert_close_rel(
                 &format!("{what} dz"),
                 &dz.tensor(),
                 &dz_want,
-                tol_elem(dtype),
+                tol::emulated_elem(dtype),
             ),
             // Without a ReLU the CPU op leaves dz = dy to the caller.
-            None if want_dz => assert_close(&format!("{what} dz"), &dz.tensor(), &dy, 0.0),
+            None if want_dz => assert_close_rel(&format!("{what} dz"), &dz.tensor(), &dy, 0.0),
             None => {}
         }
     });
@@ -788,13 +746,13 @@ fn max_pool_matches_the_cpu_op() {
                         let mut args = vec![xb.ptr(), yb.ptr()];
                         args.extend(geometry());
                         run(&format!("max_pool2d_fwd_{suffix}"), &l, args, sched);
-                        assert_close(&format!("forward {what}"), &yb.tensor(), &y_cpu, 0.0);
+                        assert_close_rel(&format!("forward {what}"), &yb.tensor(), &y_cpu, 0.0);
                     }
                     if let Some(l) = grid(dims.iter().product()) {
                         let mut args = vec![xb.ptr(), dyb.ptr(), dxb.ptr()];
                         args.extend(geometry());
                         run(&format!("max_pool2d_bwd_{suffix}"), &l, args, sched);
-                        assert_close(&format!("backward {what}"), &dxb.tensor(), &dx_cpu, 0.0);
+                        assert_close_rel(&format!("backward {what}"), &dxb.tensor(), &dx_cpu, 0.0);
                     }
                 }
             }

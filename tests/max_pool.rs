@@ -45,7 +45,7 @@ fn reference(
                         }
                         let at = plane * h * w + r as usize * w + q as usize;
                         let v = x[at];
-                        if best.map_or(true, |(m, _)| v > m || v.is_nan()) {
+                        if best.is_none_or(|(m, _)| v > m || v.is_nan()) {
                             best = Some((v, at));
                         }
                     }

@@ -173,7 +173,14 @@ fn sync_bn_matches_one_process(comm: &Arc<dyn Collective>, channels_last: bool) 
         ..Default::default()
     };
     let params = Params::random(17, c);
-    let (bn, vm) = layer(c, config, comm.clone(), Some(&params), DType::F64);
+    let (bn, vm) = layer(
+        c,
+        config,
+        comm.clone(),
+        Some(&params),
+        DType::F64,
+        &Device::Cpu,
+    );
     let wt = Tensor::new(params.weight.as_slice(), &Device::Cpu)?;
     let bt = Tensor::new(params.bias.as_slice(), &Device::Cpu)?;
     let mut running = Tensor::zeros(c, DType::F64, &Device::Cpu)?;
@@ -243,7 +250,14 @@ fn sync_bn_in_subgroups(comm: &Arc<dyn Collective>) -> Result<()> {
     let low = comm.new_group(&[0, 1])?;
     let high = comm.new_group(&[2, 3])?;
     let sub = low.or(high).expect("every rank is in a subgroup");
-    let (bn, _vm) = layer(c, SyncBatchNormConfig::default(), sub, None, DType::F64);
+    let (bn, _vm) = layer(
+        c,
+        SyncBatchNormConfig::default(),
+        sub,
+        None,
+        DType::F64,
+        &Device::Cpu,
+    );
     let y = candle_nn::ModuleT::forward_t(&bn, &pieces[r], true)?;
     let group = if r < 2 { [0, 1] } else { [2, 3] };
     let x = Tensor::cat(&[&pieces[group[0]], &pieces[group[1]]], 0)?;

@@ -53,7 +53,8 @@ fn collectives_on_every_gpu() {
                 got.push(v.to_dtype(DType::F32)?.to_vec1::<f32>()?);
             }
         }
-        let rows = Tensor::full(r, (c.rank() % 3, 2), &dev)?;
+        // Built on the CPU and moved: candle's CUDA fill rejects empty tensors (rank 0's).
+        let rows = on(&dev, &Tensor::full(r, (c.rank() % 3, 2), &Device::Cpu)?);
         let gathered = c.all_gather(&rows)?.to_device(&Device::Cpu)?;
         let big = Tensor::arange(0f32, (2 * n) as f32, &dev)?.reshape((2 * n, 1))?;
         let scattered = c.reduce_scatter(&big, ReduceOp::Sum)?.to_vec2::<f32>()?;

@@ -18,12 +18,6 @@ use candle_distributed::DataParallel;
 use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
 use common::*;
 
-/// Central differences in f64 with step H: truncation ~H², rounding ~ε/H.
-const H: f64 = 1e-5;
-const TOL_FD: f64 = 1e-6;
-/// Exact arithmetic paths compared in f64.
-const TOL_F64: f64 = 1e-10;
-
 /// What a rank computes from its input: the op under test.
 type Forward = dyn Fn(&Arc<dyn Collective>, &Tensor) -> candle_core::Result<Tensor> + Sync;
 
@@ -45,12 +39,12 @@ fn weights(r: usize, dims: &[usize], obj: Objective) -> Tensor {
     randn(seed, dims, 0.0, 1.0)
 }
 
-/// The objective's value for per-rank inputs `xs`.
-fn objective(world: usize, xs: &[Tensor], f: &Forward, obj: Objective) -> f64 {
-    let vals = run_ranks(world, |comm| {
-        let y = f(&comm, &xs[comm.rank()])?;
-        let w = weights(comm.rank(), y.dims(), obj);
-        Ok((y * w)?.sum_all()?.to_scalar::<f64>()?)
+/// The objective's value for per-rank inputs `xs` (on the CPU), computed on `dev`.
+fn objective(world: usize, xs: &[Tensor], f: &Forward, obj: Objective, dev: &Device) -> f64 {
+    let vals = run_ranks_on(world, dev, |comm| {
+        let y = f(&comm, &on(dev, &xs[comm.rank()]))?;
+        let w = on(dev, &weights(comm.rank(), y.dims(), obj));
+        Ok(weighted_sum(&y, &w)?.to_scalar::<f64>()?)
     });
     match obj {
         Objective::SumOverRanks => vals.iter().sum(),
@@ -58,8 +52,8 @@ fn objective(world: usize, xs: &[Tensor], f: &Forward, obj: Objective) -> f64 {
     }
 }
 
-/// Checks every rank's input gradient against central differences. `replicated_input`: the
-/// ranks hold one shared input (perturbed on every rank at once).
+/// Checks every rank's input gradient on `dev` against central differences.
+/// `replicated_input`: the ranks hold one shared input (perturbed on every rank at once).
 fn fd_check(
     what: &str,
     world: usize,
@@ -67,13 +61,14 @@ fn fd_check(
     f: &Forward,
     obj: Objective,
     replicated_input: bool,
+    dev: &Device,
 ) {
-    let grads = run_ranks(world, |comm| {
-        let x = Var::from_tensor(&xs[comm.rank()])?;
+    let grads = run_ranks_on(world, dev, |comm| {
+        let x = Var::from_tensor(&on(dev, &xs[comm.rank()]))?;
         let y = f(&comm, x.as_tensor())?;
-        let w = weights(comm.rank(), y.dims(), obj);
-        let g = (y * w)?.sum_all()?.backward()?;
-        Ok(g.get(x.as_tensor()).expect("a gradient").clone())
+        let w = on(dev, &weights(comm.rank(), y.dims(), obj));
+        let g = weighted_sum(&y, &w)?.backward()?;
+        Ok(cpu(g.get(x.as_tensor()).expect("a gradient")))
     });
     let ranks: Vec<usize> = if replicated_input {
         vec![0]
@@ -98,9 +93,7 @@ fn fd_check(
                     })
                     .collect()
             };
-            let fd = (objective(world, &shifted(H), f, obj)
-                - objective(world, &shifted(-H), f, obj))
-                / (2.0 * H);
+            let fd = central_difference(|h| objective(world, &shifted(h), f, obj, dev));
             let got: f64 = grads[q]
                 .flatten_all()
                 .unwrap()
@@ -108,10 +101,7 @@ fn fd_check(
                 .unwrap()
                 .to_scalar()
                 .unwrap();
-            assert!(
-                (fd - got).abs() <= TOL_FD * fd.abs().max(1.0),
-                "{what}: rank {q} element {i}: backward {got} vs finite difference {fd}"
-            );
+            assert_fd(&format!("{what}: rank {q} element {i}"), got, fd);
         }
     }
 }
@@ -126,8 +116,7 @@ fn replicated(world: usize, dims: &[usize], seed: u64) -> Vec<Tensor> {
     vec![randn(seed, dims, 0.0, 1.0); world]
 }
 
-#[test]
-fn collectives_match_finite_differences() {
+fn collectives_match_finite_differences(dev: &Device) -> anyhow::Result<()> {
     let sum = Objective::SumOverRanks;
     let rep = Objective::Replicated;
     // all_gather along dim 1 with unequal sizes (2, 1, 3) per rank.
@@ -141,6 +130,7 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::all_gather(x, c, 1),
         sum,
         false,
+        dev,
     );
     fd_check(
         "all_gather dim 0",
@@ -149,6 +139,7 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::all_gather(x, c, 0),
         sum,
         false,
+        dev,
     );
     fd_check(
         "reduce_scatter dim 1",
@@ -157,6 +148,7 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::reduce_scatter(x, c, 1),
         sum,
         false,
+        dev,
     );
     fd_check(
         "all_reduce",
@@ -165,6 +157,7 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::all_reduce(x, c),
         sum,
         false,
+        dev,
     );
     fd_check(
         "copy_to_parallel",
@@ -173,6 +166,7 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::copy_to_parallel(x, c),
         sum,
         true,
+        dev,
     );
     fd_check(
         "reduce_from_parallel",
@@ -181,6 +175,7 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::reduce_from_parallel(x, c),
         rep,
         false,
+        dev,
     );
     fd_check(
         "scatter_to_parallel",
@@ -189,6 +184,7 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::scatter_to_parallel(x, c, 0),
         sum,
         true,
+        dev,
     );
     fd_check(
         "gather_from_parallel",
@@ -197,14 +193,18 @@ fn collectives_match_finite_differences() {
         &|c, x| parallel::gather_from_parallel(x, c, 0),
         rep,
         false,
+        dev,
     );
+    Ok(())
 }
 
-/// The shard layers with weights drawn from one full matrix (same on every run and rank).
+/// The shard layers on `dev` with weights drawn from one full matrix (same on every run and
+/// rank).
 fn column(
     c: &Arc<dyn Collective>,
     mode: ParallelMode,
     regather: bool,
+    dev: &Device,
 ) -> candle_core::Result<ColumnParallelLinear> {
     let vm = VarMap::new();
     let layer = ColumnParallelLinear::new(
@@ -212,7 +212,7 @@ fn column(
         4,
         true,
         mode,
-        VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu),
+        VarBuilder::from_varmap(&vm, DType::F64, dev),
         c.clone(),
     )?
     .regather_input(regather);
@@ -221,18 +221,22 @@ fn column(
     Ok(layer)
 }
 
-fn row(c: &Arc<dyn Collective>, mode: ParallelMode) -> candle_core::Result<RowParallelLinear> {
+fn row(
+    c: &Arc<dyn Collective>,
+    mode: ParallelMode,
+    dev: &Device,
+) -> candle_core::Result<RowParallelLinear> {
     let vm = VarMap::new();
     let layer = RowParallelLinear::new(
         4,
         3,
         true,
         mode,
-        VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu),
+        VarBuilder::from_varmap(&vm, DType::F64, dev),
         c.clone(),
     )?;
     load_shard(&vm, "weight", &randn(7, &[3, 4], 0.0, 1.0), 1, c)?;
-    vm.data().lock().unwrap()["bias"].set(&randn(8, &[3], 0.0, 1.0))?;
+    vm.data().lock().unwrap()["bias"].set(&on(dev, &randn(8, &[3], 0.0, 1.0)))?;
     Ok(layer)
 }
 
@@ -246,11 +250,11 @@ fn load_shard(
 ) -> candle_core::Result<()> {
     let n = full.dims()[dim] / c.world_size();
     let part = full.narrow(dim, c.rank() * n, n)?.contiguous()?;
-    vm.data().lock().unwrap()[name].set(&part)
+    let data = vm.data().lock().unwrap();
+    data[name].set(&part.to_device(data[name].device())?)
 }
 
-#[test]
-fn parallel_layers_match_finite_differences() {
+fn parallel_layers_match_finite_differences(dev: &Device) -> anyhow::Result<()> {
     let sum = Objective::SumOverRanks;
     let rep = Objective::Replicated;
     for regather in [false, true] {
@@ -258,41 +262,45 @@ fn parallel_layers_match_finite_differences() {
             "column, all-reduce mode",
             2,
             replicated(2, &[3, 3], 100),
-            &move |c, x| column(c, ParallelMode::AllReduce, regather)?.forward(x),
+            &move |c, x| column(c, ParallelMode::AllReduce, regather, x.device())?.forward(x),
             sum,
             true,
+            dev,
         );
         fd_check(
             "column, reduce-scatter mode",
             2,
             per_rank(2, &[2, 3], 110),
-            &move |c, x| column(c, ParallelMode::ReduceScatter, regather)?.forward(x),
+            &move |c, x| column(c, ParallelMode::ReduceScatter, regather, x.device())?.forward(x),
             sum,
             false,
+            dev,
         );
     }
     fd_check(
         "row, all-reduce mode",
         2,
         per_rank(2, &[3, 2], 120),
-        &|c, x| row(c, ParallelMode::AllReduce)?.forward(x),
+        &|c, x| row(c, ParallelMode::AllReduce, x.device())?.forward(x),
         rep,
         false,
+        dev,
     );
     fd_check(
         "row, reduce-scatter mode",
         2,
         per_rank(2, &[4, 2], 130),
-        &|c, x| row(c, ParallelMode::ReduceScatter)?.forward(x),
+        &|c, x| row(c, ParallelMode::ReduceScatter, x.device())?.forward(x),
         sum,
         false,
+        dev,
     );
+    Ok(())
 }
 
 /// Column(8 → 16) → ReLU → Row(16 → 5) over 4 ranks against the unsharded MLP on the same global
 /// input: outputs, the input gradient, and every weight gradient (shards gathered = full).
-#[test]
-fn sharded_mlp_matches_the_unsharded_one() {
+fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
     let (w1, b1, w2, b2) = (
         randn(1, &[16, 8], 0.0, 0.5),
         randn(2, &[16], 0.0, 0.5),
@@ -331,15 +339,15 @@ fn sharded_mlp_matches_the_unsharded_one() {
         g.get(b2v.as_tensor()).unwrap().clone(),
     ];
     for mode in [ParallelMode::AllReduce, ParallelMode::ReduceScatter] {
-        let outs = run_ranks(4, |c| {
+        let outs = run_ranks_on(4, dev, |c| {
             let vm = VarMap::new();
-            let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+            let vb = VarBuilder::from_varmap(&vm, DType::F64, dev);
             let l1 = ColumnParallelLinear::new(8, 16, true, mode, vb.pp("l1"), c.clone())?;
             let l2 = RowParallelLinear::new(16, 5, true, mode, vb.pp("l2"), c.clone())?;
             load_shard(&vm, "l1.weight", &w1, 0, &c)?;
             load_shard(&vm, "l1.bias", &b1, 0, &c)?;
             load_shard(&vm, "l2.weight", &w2, 1, &c)?;
-            vm.data().lock().unwrap()["l2.bias"].set(&b2)?;
+            vm.data().lock().unwrap()["l2.bias"].set(&on(dev, &b2))?;
             let (xin, tgt) = match mode {
                 ParallelMode::AllReduce => (x.clone(), target.clone()),
                 ParallelMode::ReduceScatter => (
@@ -347,22 +355,19 @@ fn sharded_mlp_matches_the_unsharded_one() {
                     target.narrow(0, 2 * c.rank(), 2)?,
                 ),
             };
+            let (xin, tgt) = (on(dev, &xin), on(dev, &tgt));
             let xr = Var::from_tensor(&xin)?;
             let y = l2.forward(&l1.forward(xr.as_tensor())?.relu()?)?;
             // AllReduce: y replicated, the loss once (replicated); ReduceScatter: each rank's
             // rows, the loss summed over ranks. Either way the objective is the full loss.
             let loss = (&y - &tgt)?.sqr()?.sum_all()?;
             let g = loss.backward()?;
-            let get = |n: &str| {
-                g.get(vm.data().lock().unwrap()[n].as_tensor())
-                    .unwrap()
-                    .clone()
-            };
+            let get = |n: &str| cpu(g.get(vm.data().lock().unwrap()[n].as_tensor()).unwrap());
             Ok((
-                y,
+                cpu(&y),
                 get("l1.weight"),
                 get("l2.weight"),
-                g.get(xr.as_tensor()).unwrap().clone(),
+                cpu(g.get(xr.as_tensor()).unwrap()),
                 get("l2.bias"),
             ))
         });
@@ -373,28 +378,28 @@ fn sharded_mlp_matches_the_unsharded_one() {
         } else {
             Tensor::cat(&ys, 0).unwrap()
         };
-        assert_close(&format!("{what} output"), &y_all, &y, TOL_F64);
+        assert_close(&format!("{what} output"), &y_all, &y, tol::F64);
         let gw1 = Tensor::cat(&outs.iter().map(|o| &o.1).collect::<Vec<_>>(), 0).unwrap();
         let gw2 = Tensor::cat(&outs.iter().map(|o| &o.2).collect::<Vec<_>>(), 1).unwrap();
-        assert_close(&format!("{what} dW1"), &gw1, &want[0], TOL_F64);
-        assert_close(&format!("{what} dW2"), &gw2, &want[1], TOL_F64);
+        assert_close(&format!("{what} dW1"), &gw1, &want[0], tol::F64);
+        assert_close(&format!("{what} dW2"), &gw2, &want[1], tol::F64);
         let dx = if mode == ParallelMode::AllReduce {
             outs[0].3.clone()
         } else {
             Tensor::cat(&outs.iter().map(|o| &o.3).collect::<Vec<_>>(), 0).unwrap()
         };
-        assert_close(&format!("{what} dx"), &dx, &want[2], TOL_F64);
+        assert_close(&format!("{what} dx"), &dx, &want[2], tol::F64);
         // The replicated output bias gets the full gradient on every rank, in both modes.
         for (r, o) in outs.iter().enumerate() {
-            assert_close(&format!("{what} rank {r} db2"), &o.4, &want[3], TOL_F64);
+            assert_close(&format!("{what} rank {r} db2"), &o.4, &want[3], tol::F64);
         }
     }
+    Ok(())
 }
 
 /// InfoNCE: 4 ranks embed their 3 pairs, all-gather the embeddings, compute the same global loss
 /// and average gradients with DataParallel: the steps equal one process on the 12 pairs.
-#[test]
-fn contrastive_loss_over_gathered_features_matches_one_process() {
+fn contrastive_loss_over_gathered_features_matches_one_process(dev: &Device) -> anyhow::Result<()> {
     let a = randn(11, &[12, 6], 0.0, 1.0);
     let b = (&a + randn(12, &[12, 6], 0.0, 0.3)).unwrap();
     let w0 = randn(13, &[4, 6], 0.0, 0.5);
@@ -404,26 +409,21 @@ fn contrastive_loss_over_gathered_features_matches_one_process() {
         candle_nn::loss::cross_entropy(&logits, &labels)
     };
     const STEPS: usize = 3;
-    let dist = run_ranks(4, |c| {
+    let dist = run_ranks_on(4, dev, |c| {
         let vm = VarMap::new();
-        let w = vm.get(
-            (4, 6),
-            "w",
-            candle_nn::Init::Const(0.0),
-            DType::F64,
-            &Device::Cpu,
-        )?;
-        vm.data().lock().unwrap()["w"].set(&w0)?;
+        let w = vm.get((4, 6), "w", candle_nn::Init::Const(0.0), DType::F64, dev)?;
+        vm.data().lock().unwrap()["w"].set(&on(dev, &w0))?;
         let dp = DataParallel::new(&vm, c.clone())?;
         let mut opt = SGD::new(dp.trainable(), 0.5)?;
         let (ar, br) = (a.narrow(0, 3 * c.rank(), 3)?, b.narrow(0, 3 * c.rank(), 3)?);
+        let (ar, br) = (on(dev, &ar), on(dev, &br));
         for _ in 0..STEPS {
             let za = parallel::all_gather(&ar.matmul(&w.t()?)?, &c, 0)?;
             let zb = parallel::all_gather(&br.matmul(&w.t()?)?, &c, 0)?;
             let loss = info_nce(&za, &zb)?;
             opt.step(&dp.sync_gradients(loss.backward()?)?)?;
         }
-        Ok(w.copy()?)
+        Ok(cpu(&w.copy()?))
     });
     let w = Var::from_tensor(&w0).unwrap();
     let mut opt = SGD::new(vec![w.clone()], 0.5).unwrap();
@@ -436,8 +436,9 @@ fn contrastive_loss_over_gathered_features_matches_one_process() {
         opt.step(&loss.backward().unwrap()).unwrap();
     }
     for (r, got) in dist.iter().enumerate() {
-        assert_close(&format!("rank {r} weights"), got, w.as_tensor(), TOL_F64);
+        assert_close(&format!("rank {r} weights"), got, w.as_tensor(), tol::F64);
     }
+    Ok(())
 }
 
 /// An async all-reduce returns before the other rank has even called its part: rank 1 only
@@ -523,3 +524,10 @@ fn uneven_shards_are_refused() {
         errs[0]
     );
 }
+
+device_tests!(
+    collectives_match_finite_differences,
+    parallel_layers_match_finite_differences,
+    sharded_mlp_matches_the_unsharded_one,
+    contrastive_loss_over_gathered_features_matches_one_process,
+);

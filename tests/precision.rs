@@ -5,54 +5,41 @@ mod common;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::Collective;
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::ModuleT;
 use common::*;
 
-/// Relative precision of the storage type (outputs are rounded to it), with slack for the
-/// gradient, which goes through two rounded tensors.
-const TOL_F16: f64 = 4.0 * 9.8e-4;
-const TOL_BF16: f64 = 4.0 * 7.9e-3;
-/// f32 output of well-conditioned data of magnitude ~3.
-const TOL_F32_OUT: f64 = 1e-5;
-/// Relative error of an f32 input's statistics computed in f64 with a good shift (the input is
-/// exact in f64, so only f64 rounding remains).
-const TOL_F32_VAR: f64 = 1e-9;
-/// f64 end to end.
-const TOL_F64: f64 = 1e-9;
-
-/// Output and dx of a 2-rank training step in `dtype`, returned in f64.
-fn step_in(dtype: DType, x: &Tensor, wl: &Tensor) -> Vec<(Tensor, Tensor)> {
+/// Output and dx of a 2-rank training step in `dtype` on `dev`, returned in f64 on the CPU.
+fn step_in(dtype: DType, x: &Tensor, wl: &Tensor, dev: &Device) -> Vec<(Tensor, Tensor)> {
     let params = Params::random(3, x.dim(1).unwrap());
-    run_ranks(2, |comm| {
+    run_ranks_on(2, dev, |comm| {
         let r = comm.rank();
         let cfg = SyncBatchNormConfig {
             fuse_relu: true,
             ..Default::default()
         };
-        let (bn, _) = layer(x.dim(1)?, cfg, comm, Some(&params), DType::F32);
-        let xs = split_batch(x, &[3, 2])[r].to_dtype(dtype)?;
+        let (bn, _) = layer(x.dim(1)?, cfg, comm, Some(&params), DType::F32, dev);
+        let xs = on(dev, &split_batch(x, &[3, 2])[r].to_dtype(dtype)?);
         let xv = Var::from_tensor(&xs)?;
         let y = bn.forward_t(xv.as_tensor(), true)?;
         assert_eq!(y.dtype(), dtype, "the output keeps the input dtype");
-        let w = split_batch(wl, &[3, 2])[r].to_dtype(dtype)?;
+        let w = on(dev, &split_batch(wl, &[3, 2])[r].to_dtype(dtype)?);
         let g = (y.to_dtype(DType::F32)? * w.to_dtype(DType::F32)?)?
             .sum_all()?
             .backward()?;
-        let dx = g.get(xv.as_tensor()).unwrap().to_dtype(DType::F64)?;
-        Ok((y.to_dtype(DType::F64)?, dx))
+        let dx = cpu(g.get(xv.as_tensor()).unwrap()).to_dtype(DType::F64)?;
+        Ok((cpu(&y).to_dtype(DType::F64)?, dx))
     })
 }
 
-#[test]
-fn half_precision_inputs_match_the_f32_computation() {
+fn half_precision_inputs_match_the_f32_computation(dev: &Device) -> anyhow::Result<()> {
     let x = randn(1, &[5, 4, 6, 6], 1.0, 2.0);
     let wl = randn(2, &[5, 4, 6, 6], 0.0, 1.0);
-    let reference = step_in(DType::F32, &x, &wl);
-    for (dtype, tol) in [(DType::F16, TOL_F16), (DType::BF16, TOL_BF16)] {
-        let out = step_in(dtype, &x, &wl);
+    let reference = step_in(DType::F32, &x, &wl, dev);
+    for (dtype, tol) in [(DType::F16, tol::F16), (DType::BF16, tol::BF16)] {
+        let out = step_in(dtype, &x, &wl, dev);
         for r in 0..2 {
             // Outputs are O(3), gradients O(1): scale the relative tolerance accordingly.
             assert_close(
@@ -69,6 +56,7 @@ fn half_precision_inputs_match_the_f32_computation() {
             );
         }
     }
+    Ok(())
 }
 
 /// Relative error of the variance on a layer's first training step, whose sums are shifted by 0
@@ -82,8 +70,7 @@ fn first_step_var_tol(mean: f64, std: f64) -> f64 {
 /// Mean 1e4, spread 1e-2: Σx² − (Σx)²/n in f32 would lose everything. The first step (shift 0)
 /// is within [`first_step_var_tol`]; from the second step on, the sums are shifted by the
 /// previous global mean and the statistics are as accurate as an f64 two-pass computation.
-#[test]
-fn large_mean_small_spread_matches_f64() -> anyhow::Result<()> {
+fn large_mean_small_spread_matches_f64(dev: &Device) -> anyhow::Result<()> {
     let (c, mean, std) = (3, 1e4, 1e-2);
     for dtype in [DType::F32, DType::F64] {
         let cfg = SyncBatchNormConfig {
@@ -98,14 +85,16 @@ fn large_mean_small_spread_matches_f64() -> anyhow::Result<()> {
                     .and_then(|x| x.to_dtype(DType::F64))
             })
             .collect::<candle_core::Result<_>>()?;
-        let outs = run_ranks(3, |comm| {
+        let outs = run_ranks_on(3, dev, |comm| {
             let r = comm.rank();
-            let (bn, _) = layer(c, cfg, comm, None, DType::F64);
+            let (bn, _) = layer(c, cfg, comm, None, DType::F64, dev);
             let mut per_step = Vec::new();
             for x in &steps {
-                let y = bn.forward_t(&split_batch(x, &[1, 3, 2])[r].to_dtype(dtype)?, true)?;
-                // `copy`: the running statistics are updated in place by later steps.
-                per_step.push((y.to_dtype(DType::F64)?, bn.running_var().unwrap().copy()?));
+                let xr = on(dev, &split_batch(x, &[1, 3, 2])[r].to_dtype(dtype)?);
+                let y = bn.forward_t(&xr, true)?;
+                // A copy on the CPU: the running statistics are updated in place by later steps.
+                let running_var = cpu(&bn.running_var().unwrap().copy()?);
+                per_step.push((cpu(&y).to_dtype(DType::F64)?, running_var));
             }
             Ok(per_step)
         });
@@ -116,15 +105,15 @@ fn large_mean_small_spread_matches_f64() -> anyhow::Result<()> {
             let var_unbiased = (var_ref * (n / (n - 1.0)))?;
             let tol_var = match (step, dtype) {
                 (0, _) => first_step_var_tol(mean, std),
-                (_, DType::F32) => TOL_F32_VAR,
-                _ => TOL_F64,
+                (_, DType::F32) => tol::F32_VAR,
+                _ => tol::F64_STEPS,
             };
             // y = (x − mean)·invstd with |y| ≲ 2: invstd's relative error is half the
             // variance's; f32 outputs are also rounded to f32.
             let tol_y = 2.0 * tol_var / 2.0
                 + match dtype {
-                    DType::F32 => TOL_F32_OUT,
-                    _ => TOL_F64,
+                    DType::F32 => tol::F32_OUT,
+                    _ => tol::F64_STEPS,
                 };
             for (r, piece) in split_batch(&y_ref, &[1, 3, 2]).iter().enumerate() {
                 let (y, running_var) = &outs[r][step];
@@ -144,9 +133,8 @@ fn large_mean_small_spread_matches_f64() -> anyhow::Result<()> {
 
 /// Exactly one all-reduce in the training forward and one in the backward, also for data far
 /// from the first step's shift; none in eval.
-#[test]
-fn one_collective_per_direction() {
-    let counts = run_ranks(2, |comm| {
+fn one_collective_per_direction(dev: &Device) -> anyhow::Result<()> {
+    let counts = run_ranks_on(2, dev, |comm| {
         let counting = Counting::new(comm);
         let comm: Arc<dyn Collective> = counting.clone();
         let (bn, _) = layer(
@@ -155,11 +143,20 @@ fn one_collective_per_direction() {
             comm.clone(),
             Some(&Params::random(1, 3)),
             DType::F32,
+            dev,
         );
-        let (bn_far, _) = layer(3, SyncBatchNormConfig::default(), comm, None, DType::F32);
+        let (bn_far, _) = layer(
+            3,
+            SyncBatchNormConfig::default(),
+            comm,
+            None,
+            DType::F32,
+            dev,
+        );
         let mut seen = Vec::new();
         for step in 0..3u64 {
-            let x = Var::from_tensor(&randn(step, &[2, 3, 4, 4], 0.5, 1.0).to_dtype(DType::F32)?)?;
+            let x = randn(step, &[2, 3, 4, 4], 0.5, 1.0).to_dtype(DType::F32)?;
+            let x = Var::from_tensor(&on(dev, &x))?;
             let before = counting.count();
             let y = bn.forward_t(x.as_tensor(), true)?;
             seen.push(counting.count() - before);
@@ -168,16 +165,20 @@ fn one_collective_per_direction() {
             seen.push(counting.count() - before);
         }
         for step in 0..2u64 {
-            let x = randn(10 + step, &[2, 3, 4, 4], 1e3, 1e-1).to_dtype(DType::F32)?;
+            let x = on(
+                dev,
+                &randn(10 + step, &[2, 3, 4, 4], 1e3, 1e-1).to_dtype(DType::F32)?,
+            );
             let before = counting.count();
             bn_far.forward_t(&x, true)?;
             seen.push(counting.count() - before);
         }
         let before = counting.count();
-        bn.forward_t(
+        let x = on(
+            dev,
             &randn(20, &[2, 3, 4, 4], 0.5, 1.0).to_dtype(DType::F32)?,
-            false,
-        )?;
+        );
+        bn.forward_t(&x, false)?;
         seen.push(counting.count() - before);
         Ok(seen)
     });
@@ -185,4 +186,11 @@ fn one_collective_per_direction() {
         // 3 × (forward 1, backward 1), far data 1 and 1, eval 0.
         assert_eq!(seen, vec![1, 1, 1, 1, 1, 1, 1, 1, 0]);
     }
+    Ok(())
 }
+
+device_tests!(
+    half_precision_inputs_match_the_f32_computation,
+    large_mean_small_spread_matches_f64,
+    one_collective_per_direction,
+);

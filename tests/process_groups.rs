@@ -119,6 +119,7 @@ fn sync_batch_norm_synchronises_within_subgroups() {
             sub,
             Some(&params),
             DType::F64,
+            &Device::Cpu,
         );
         let y = bn.forward_t(&pieces[r], true)?;
         Ok((y, bn.running_mean().unwrap().copy()?))

@@ -1,28 +1,38 @@
-//! Shared plumbing of the ops' CUDA paths (feature `cuda`): the PTX modules compiled from
-//! `kernels/*.cu` by `build.rs`, kernel lookup by `<root>_<dtype>` name, launch configurations
-//! from [`crate::launch`], device views of inputs, and the persistent arrival counters of the
-//! grid-split reductions. Every kernel is enqueued on the candle device's stream; nothing here
-//! waits for the GPU.
+//! Shared plumbing of the ops' CUDA paths (feature `cuda`): the fatbin images compiled from
+//! `kernels/*.cu` by `build.rs` and loaded once per device, kernel lookup by `<root>_<dtype>`
+//! name, launch configurations from [`crate::launch`], device views of inputs, and the
+//! persistent arrival counters of the grid-split reductions. Every kernel is enqueued on the
+//! candle device's stream; nothing here waits for the GPU.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::{CudaDType, DeviceId};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
 use super::OP;
 use crate::launch::Launch;
 
-/// PTX of every `kernels/<file>.cu`, as `pub const <FILE>: &str`.
-mod ptx {
-    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+/// The fatbin of every `kernels/<file>.cu` (`pub const <FILE>: &[u8]`) and `SASS_ARCHS`.
+mod images {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+/// The architectures whose machine code every kernel image holds (`sm_XX` as `XX`: 80 and 90,
+/// and `CUDA_COMPUTE_CAP` at build time when it named another); the newest also ships as PTX,
+/// which the driver compiles for GPUs newer than all of them.
+pub(crate) fn shipped_archs() -> &'static [u32] {
+    images::SASS_ARCHS
 }
 
 /// One compiled kernel file.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Module {
     Stats,
     Apply,
@@ -32,16 +42,67 @@ pub(crate) enum Module {
 }
 
 impl Module {
-    /// `(module name in candle's cache, PTX)`.
-    pub fn ptx(self) -> (&'static str, &'static str) {
+    /// All of them, for the image checks.
+    #[cfg(test)]
+    pub const ALL: [Module; 5] = [
+        Module::Stats,
+        Module::Apply,
+        Module::BackwardReduce,
+        Module::BackwardElemt,
+        Module::MaxPool,
+    ];
+
+    /// `(kernel source, fatbin image)`.
+    pub fn image(self) -> (&'static str, &'static [u8]) {
         match self {
-            Module::Stats => ("candle_distributed_stats", ptx::STATS),
-            Module::Apply => ("candle_distributed_apply", ptx::APPLY),
-            Module::BackwardReduce => ("candle_distributed_backward_reduce", ptx::BACKWARD_REDUCE),
-            Module::BackwardElemt => ("candle_distributed_backward_elemt", ptx::BACKWARD_ELEMT),
-            Module::MaxPool => ("candle_distributed_max_pool", ptx::MAX_POOL),
+            Module::Stats => ("kernels/stats.cu", images::STATS),
+            Module::Apply => ("kernels/apply.cu", images::APPLY),
+            Module::BackwardReduce => ("kernels/backward_reduce.cu", images::BACKWARD_REDUCE),
+            Module::BackwardElemt => ("kernels/backward_elemt.cu", images::BACKWARD_ELEMT),
+            Module::MaxPool => ("kernels/max_pool.cu", images::MAX_POOL),
         }
     }
+}
+
+/// Loaded modules and kernels of each device. candle's own cache of custom kernels takes PTX
+/// text only, which the driver compiles at first use (16.6 s for these files on an H100 with
+/// an empty driver cache); the images here carry machine code and load in milliseconds.
+#[derive(Default)]
+struct Loaded {
+    modules: HashMap<(DeviceId, Module), Arc<CudaModule>>,
+    functions: HashMap<(DeviceId, String), CudaFunction>,
+}
+static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
+
+/// `module`'s entry point `name` on `dev`, loading the module's image on first use.
+pub(crate) fn function(dev: &CudaDevice, module: Module, name: &str) -> Result<CudaFunction> {
+    let mut guard = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    let loaded = guard.get_or_insert_with(Loaded::default);
+    let key = (dev.id(), name.to_string());
+    if let Some(f) = loaded.functions.get(&key) {
+        return Ok(f.clone());
+    }
+    let m = match loaded.modules.entry((dev.id(), module)) {
+        Entry::Occupied(e) => e.into_mut(),
+        Entry::Vacant(e) => {
+            let (source, image) = module.image();
+            let m = dev
+                .cuda_stream()
+                .context()
+                .load_module(Ptx::from_binary(image.to_vec()))
+                .map_err(|err| {
+                    candle_core::Error::Msg(format!(
+                        "{OP}: loading the kernels of {source} on {dev:?} failed ({err}); the \
+                         image holds machine code for sm_{:?} and PTX for newer GPUs",
+                        shipped_archs()
+                    ))
+                })?;
+            e.insert(m)
+        }
+    };
+    let f = m.load_function(name).w()?;
+    loaded.functions.insert(key, f.clone());
+    Ok(f)
 }
 
 /// Entry point `<root>_<dtype>` of a kernel family.
@@ -72,9 +133,9 @@ macro_rules! launch_kernel {
     ($dev:expr, $module:expr, $name:expr, $launch:expr, [$($arg:expr),* $(,)?]) => {{
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
-        let (module, ptx) = $module.ptx();
-        let func = $dev.get_or_load_custom_func(&$name, module, ptx)?;
-        let mut builder = func.builder();
+        let func = $crate::ops::cuda::function($dev, $module, &$name)?;
+        let stream = $dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
         $(builder.arg($arg);)*
         // SAFETY: every call site passes exactly the parameters of the `extern "C"` entry point
         // `$name` in `kernels/*.cu`, in order and with the same types (device pointers for
@@ -218,8 +279,8 @@ pub(crate) fn with_counters<R>(
     let mut guard = COUNTERS.lock().unwrap_or_else(|e| e.into_inner());
     let map = guard.get_or_insert_with(HashMap::new);
     let entry = match map.entry(dev.id()) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => e.insert(dev.alloc_zeros::<u32>(len)?),
+        Entry::Occupied(e) => e.into_mut(),
+        Entry::Vacant(e) => e.insert(dev.alloc_zeros::<u32>(len)?),
     };
     if entry.len() < len {
         *entry = dev.alloc_zeros::<u32>(len)?;

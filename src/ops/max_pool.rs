@@ -117,9 +117,9 @@ impl Pool {
                 .zip(dy.par_chunks(ohw.max(1)))
                 .for_each(|((dxp, xp), dyp)| {
                     let mut acc = vec![<T::R as Real>::ZERO; hw];
-                    for o in 0..ohw {
+                    for (o, g) in dyp.iter().enumerate().take(ohw) {
                         let at = self.argmax(xp, o / self.ow, o % self.ow);
-                        acc[at] = acc[at] + dyp[o].load();
+                        acc[at] = acc[at] + g.load();
                     }
                     for (d, a) in dxp.iter_mut().zip(acc) {
                         *d = T::store(a);

@@ -26,6 +26,8 @@ mod combine;
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+#[cfg(test)]
+mod fatbin;
 mod max_pool;
 mod stats;
 
@@ -34,6 +36,14 @@ pub use backward_elemt::batch_norm_backward_elemt;
 pub use backward_reduce::batch_norm_backward_reduce;
 pub use combine::{batch_norm_gather_stats, BatchStats};
 pub use max_pool::max_pool2d;
+
+/// The GPU architectures whose machine code the `cuda` build embeds (`sm_XX` as `XX`): 80 and
+/// 90 always, and `CUDA_COMPUTE_CAP` at build time when it named another; the newest of them
+/// also ships as PTX, which the driver compiles for newer GPUs at first use.
+#[cfg(feature = "cuda")]
+pub fn cuda_archs() -> &'static [u32] {
+    cuda::shipped_archs()
+}
 pub use stats::batch_norm_stats;
 
 #[cfg(feature = "cuda")]

@@ -39,13 +39,15 @@ impl Params {
     }
 }
 
-/// A layer whose variables live in a fresh `VarMap` (returned, to read gradients by name).
+/// A layer on `dev` whose variables live in a fresh `VarMap` (returned, to read gradients by
+/// name).
 pub fn layer(
     c: usize,
     config: SyncBatchNormConfig,
     comm: Arc<dyn Collective>,
     params: Option<&Params>,
     dtype: DType,
+    dev: &Device,
 ) -> (SyncBatchNorm, VarMap) {
     let vm = VarMap::new();
     if let Some(p) = params {
@@ -54,11 +56,13 @@ pub fn layer(
             let t = Tensor::new(v.as_slice(), &Device::Cpu)
                 .unwrap()
                 .to_dtype(dtype)
+                .unwrap()
+                .to_device(dev)
                 .unwrap();
             data.insert(name.to_string(), Var::from_tensor(&t).unwrap());
         }
     }
-    let vb = VarBuilder::from_varmap(&vm, dtype, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&vm, dtype, dev);
     let bn = sync_batch_norm(c, config, vb, comm).unwrap();
     (bn, vm)
 }
@@ -140,14 +144,14 @@ pub fn reference_bn(
     (y, mean.flatten_all().unwrap(), var.flatten_all().unwrap())
 }
 
-/// Largest absolute difference of two tensors of the same shape.
+/// Largest absolute difference of two tensors of the same shape, on any devices.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
     if a.elem_count() == 0 {
         return 0.0;
     }
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
+    let a = cpu(a).to_dtype(DType::F64).unwrap();
+    let b = cpu(b).to_dtype(DType::F64).unwrap();
     (a - b)
         .unwrap()
         .abs()
@@ -170,6 +174,52 @@ pub fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
     );
 }
 
+/// `t` on the CPU (a no-op for a CPU tensor).
+pub fn cpu(t: &Tensor) -> Tensor {
+    t.to_device(&Device::Cpu).unwrap()
+}
+
+/// `t` on `dev`; CPU tensors are moved before any dtype change, so empty ones never reach
+/// candle's CUDA kernels (which reject empty launches).
+pub fn on(dev: &Device, t: &Tensor) -> Tensor {
+    t.to_device(dev).unwrap()
+}
+
+/// `Σ y·w`, differentiable, also for empty tensors on a GPU (candle's CUDA reductions reject
+/// them; the sum is taken on the CPU then, and the gradient flows back to the GPU).
+pub fn weighted_sum(y: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let p = (y * w)?;
+    if p.elem_count() == 0 && !p.device().is_cpu() {
+        return p.to_device(&Device::Cpu)?.sum_all();
+    }
+    p.sum_all()
+}
+
+/// Asserts, element by element, `|got − want| ≤ tol · max(1, max |want|)` with `got` finite
+/// exactly where `want` is, naming what was compared and the first offending element. For
+/// results whose scale is set by the data (sums, outputs of either sign).
+#[track_caller]
+pub fn assert_close_rel(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+    let flat = |t: &Tensor| -> Vec<f64> {
+        cpu(t)
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (g, w) = (flat(got), flat(want));
+    let scale = w.iter().fold(1f64, |m, v| m.max(v.abs()));
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        assert!(
+            a.is_finite() == b.is_finite() && (!b.is_finite() || (a - b).abs() <= tol * scale),
+            "{what}: element {i}: got {a} vs {b} (tolerance {tol:e} × {scale:e})"
+        );
+    }
+}
+
 /// Splits `x` along dim 0 into consecutive pieces of the given sizes.
 pub fn split_batch(x: &Tensor, sizes: &[usize]) -> Vec<Tensor> {
     let mut out = Vec::new();
@@ -181,27 +231,66 @@ pub fn split_batch(x: &Tensor, sizes: &[usize]) -> Vec<Tensor> {
     out
 }
 
-/// A communicator that counts the collectives it forwards.
+/// A communicator that counts the collectives it forwards and, when given a device, refuses
+/// tensors on any other device, as NCCL does: thread ranks on a GPU then catch a tensor made on
+/// the wrong device, which `ThreadGroup` alone would accept.
 #[derive(Debug)]
-pub struct Counting {
+pub struct Probe {
     pub inner: Arc<dyn Collective>,
     pub calls: AtomicUsize,
+    pub device: Option<Device>,
 }
 
-impl Counting {
+/// The counting-only probe (older name).
+pub type Counting = Probe;
+
+impl Probe {
     pub fn new(inner: Arc<dyn Collective>) -> Arc<Self> {
         Arc::new(Self {
             inner,
             calls: AtomicUsize::new(0),
+            device: None,
+        })
+    }
+
+    pub fn on_device(inner: Arc<dyn Collective>, dev: &Device) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            calls: AtomicUsize::new(0),
+            device: Some(dev.clone()),
         })
     }
 
     pub fn count(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
     }
+
+    /// Counts a call and checks its tensor's device.
+    fn enter(&self, op: &str, t: Option<&Tensor>) -> candle_core::Result<()> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if let (Some(dev), Some(t)) = (&self.device, t) {
+            if !t.device().same_device(dev) {
+                candle_core::bail!(
+                    "{op}: tensor on {:?}, the communicator on {dev:?}",
+                    t.device()
+                )
+            }
+        }
+        Ok(())
+    }
+
+    fn wrap(&self, sub: Option<Arc<dyn Collective>>) -> Option<Arc<dyn Collective>> {
+        sub.map(|c| -> Arc<dyn Collective> {
+            Arc::new(Self {
+                inner: c,
+                calls: AtomicUsize::new(0),
+                device: self.device.clone(),
+            })
+        })
+    }
 }
 
-impl Collective for Counting {
+impl Collective for Probe {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
@@ -209,23 +298,23 @@ impl Collective for Counting {
         self.inner.world_size()
     }
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("all_reduce", Some(t))?;
         self.inner.all_reduce(t, op)
     }
     fn all_gather(&self, t: &Tensor) -> candle_core::Result<Tensor> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("all_gather", Some(t))?;
         self.inner.all_gather(t)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> candle_core::Result<Tensor> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("broadcast", Some(t))?;
         self.inner.broadcast(t, root)
     }
     fn barrier(&self) -> candle_core::Result<()> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("barrier", None)?;
         self.inner.barrier()
     }
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("reduce_scatter", Some(t))?;
         self.inner.reduce_scatter(t, op)
     }
     fn split(
@@ -233,21 +322,31 @@ impl Collective for Counting {
         color: Option<u32>,
         key: u32,
     ) -> candle_core::Result<Option<Arc<dyn Collective>>> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.split(color, key)
+        self.enter("split", None)?;
+        Ok(self.wrap(self.inner.split(color, key)?))
     }
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("all_reduce_async", Some(t))?;
         self.inner.all_reduce_async(t, op)
     }
     fn all_gather_async(&self, t: &Tensor) -> candle_core::Result<Pending> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("all_gather_async", Some(t))?;
         self.inner.all_gather_async(t)
     }
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.enter("reduce_scatter_async", Some(t))?;
         self.inner.reduce_scatter_async(t, op)
     }
+}
+
+/// [`run_ranks`] with every communicator a [`Probe`] pinned to `dev`: a collective handed a
+/// tensor on another device fails, as it would under NCCL.
+pub fn run_ranks_on<R: Send>(
+    world: usize,
+    dev: &Device,
+    f: impl Fn(Arc<dyn Collective>) -> Result<R> + Sync,
+) -> Vec<R> {
+    run_ranks(world, |comm| f(Probe::on_device(comm, dev)))
 }
 
 /// The CUDA device the `cuda::` variants of the tests run on: GPU 0, one `Device` shared by
@@ -284,6 +383,61 @@ macro_rules! device_tests {
             )*
         }
     };
+}
+
+/// Tolerances of the suites, by what is compared; every test takes its bound from here.
+pub mod tol {
+    /// f64 end to end against an f64 reference: rounding only (the sums of a few hundred
+    /// values in a different order).
+    pub const F64: f64 = 1e-10;
+    /// f64 through a training loop (optimizer steps amplify rounding a little).
+    pub const F64_STEPS: f64 = 1e-9;
+    /// f16 outputs and gradients against the f32 computation: 4 × f16's relative precision
+    /// (9.8e-4), as the gradient goes through two rounded tensors.
+    pub const F16: f64 = 4.0 * 9.8e-4;
+    /// bf16 likewise: 4 × bf16's relative precision (7.9e-3).
+    pub const BF16: f64 = 4.0 * 7.9e-3;
+    /// f32 outputs of well-conditioned data of magnitude ~3 against f64.
+    pub const F32_OUT: f64 = 1e-5;
+    /// Relative error of an f32 input's statistics computed in f64 with a good shift (the
+    /// input is exact in f64, so only f64 rounding remains).
+    pub const F32_VAR: f64 = 1e-9;
+
+    use candle_core::DType;
+
+    /// A GPU op against the CPU op, relative to max(1, |value|) ([`super::assert_close_rel`]):
+    /// f32 arithmetic on both sides for f32/f16/bf16 in different summation orders, then one
+    /// rounding to the storage type; f64 throughout for f64.
+    pub fn gpu_vs_cpu(dtype: DType) -> f64 {
+        match dtype {
+            DType::F64 => 1e-10,
+            DType::F32 => 1e-4,
+            DType::F16 => 4e-3,
+            _ => 3e-2,
+        }
+    }
+
+    /// An emulated reduction kernel against the CPU op, relative to the scale of the sums: f32
+    /// per-thread partial sums against the CPU's f64 ones (f64 kernels accumulate in f64).
+    pub fn emulated_reduce(dtype: DType) -> f64 {
+        if dtype == DType::F64 {
+            1e-12
+        } else {
+            1e-5
+        }
+    }
+
+    /// An emulated element-wise kernel against the CPU op, relative to max(1, |value|): one
+    /// rounding to the storage type apart (f32 arithmetic both sides for f32/f16/bf16, f64
+    /// for f64).
+    pub fn emulated_elem(dtype: DType) -> f64 {
+        match dtype {
+            DType::F64 => 1e-12,
+            DType::F32 => 1e-5,
+            DType::F16 => 2e-3,
+            _ => 1.6e-2,
+        }
+    }
 }
 
 /// Step of the central finite differences (f64).
