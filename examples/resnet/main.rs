@@ -4,6 +4,7 @@
 //! cargo run --release --example resnet                     # 4 CPU thread ranks, synthetic data
 //! cargo run --release --example resnet -- --help           # every flag
 //! cargo run --release --example resnet -- --check          # N-rank SyncBN vs 1-rank BN, exits 1 on a difference
+//! cargo run --release --features cuda --example resnet -- --device cuda --world-size 4   # 4 thread ranks on GPU 0
 //! cargo run --release --features nccl --example resnet -- --backend nccl --world-size 8 --model resnet50 --data-dir cifar-10-batches-bin
 //! ```
 //!
