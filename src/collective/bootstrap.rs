@@ -1,22 +1,48 @@
 //! Start-up of multi-process groups from the environment that `torchrun` and similar launchers
-//! set, and the TCP exchange with which rank 0 hands a small secret (NCCL's 128-byte unique id)
-//! to every other rank. Pure Rust, no GPU: the NCCL backend builds on it.
+//! set, and the exchange with which rank 0 hands a small secret (NCCL's 128-byte unique id) to
+//! every other rank. Pure Rust, no GPU: the NCCL backend builds on it.
 //!
-//! Protocol: rank 0 listens on `MASTER_PORT` (all interfaces); every other rank connects to
-//! `MASTER_ADDR:MASTER_PORT`, retrying until the timeout, and sends `MAGIC`, its rank and the
-//! world size (u32 little-endian); rank 0 checks them (world size equal, rank in range and not
-//! seen before) and answers `MAGIC` followed by the payload. Rank 0 returns once every other rank
-//! has been served.
+//! Two ways, chosen by the environment:
+//! - **Under torchrun** (`TORCHELASTIC_USE_AGENT_STORE=True`): torchrun's agent already serves a
+//!   TCPStore at `MASTER_ADDR:MASTER_PORT`; rank 0 `set`s the payload there and the others `get`
+//!   it, through [`super::store::TcpStoreClient`], under the key
+//!   `candle-distributed/<TORCHELASTIC_RUN_ID>/<restart>/<n>`, where `n` counts this process's
+//!   rendezvous (every rank creates its communicators in the same order).
+//! - **Standalone** (any other launcher, or none): rank 0 listens on `MASTER_ADDR:MASTER_PORT`
+//!   (every address the name resolves to, IPv4 and IPv6) and serves clients concurrently, each
+//!   with a short deadline of its own. A client sends `MAGIC`, the job identity, the number of
+//!   the rendezvous, its rank and the world size; rank 0 answers `MAGIC`, a status byte and a
+//!   length-prefixed payload (or, for a client of another job or an impossible rank, the reason
+//!   it is refused; for a client already at the next rendezvous, "retry"), and the client
+//!   acknowledges with one byte. Rank 0 returns once every rank has acknowledged; a
+//!   rank that retries is answered again, an idle, garbled or foreign connection is dropped
+//!   without failing the job, and every length read is bounded.
 
 use std::collections::HashSet;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
 
-/// Bytes that open every message of the exchange (protocol name and version).
-const MAGIC: &[u8; 8] = b"CDBOOT01";
+use super::store::{connect_any, TcpStoreClient};
+
+/// Bytes that open every message of the standalone exchange (protocol name and version).
+const MAGIC: &[u8; 8] = b"CDBOOT02";
+/// Longest payload either side accepts: rendezvous payloads are tiny (NCCL's id is 128 bytes).
+pub const MAX_PAYLOAD: usize = 1 << 16;
+/// Time one client connection may take on rank 0 before it is dropped: an idle or slow
+/// connection costs this much of one serving thread, never the job.
+const CLIENT_DEADLINE: Duration = Duration::from_secs(5);
+/// Answer status: the payload follows.
+const OK: u8 = 0;
+/// Answer status: refused, the reason follows.
+const REFUSED: u8 = 1;
+/// Answer status: this rank 0 serves another rendezvous of the job (the client is one ahead,
+/// the previous server has not closed yet): try again.
+const RETRY: u8 = 2;
 
 /// Where a process sits in a multi-process job, as launchers describe it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,20 +53,35 @@ pub struct DistEnv {
     pub world_size: usize,
     /// `LOCAL_RANK`: this process's index on its machine (its GPU), 0 when unset.
     pub local_rank: usize,
-    /// `MASTER_ADDR`: host name or address of rank 0.
+    /// `MASTER_ADDR`: host name or address of rank 0 (or of torchrun's agent store).
     pub master_addr: String,
-    /// `MASTER_PORT`: port rank 0 listens on.
+    /// `MASTER_PORT`: port rank 0 listens on (or torchrun's agent store).
     pub master_port: u16,
+    /// The job's identity: `TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_JOB_ID`, else `""`.
+    /// Ranks of different jobs refuse each other; launch concurrent jobs on one port with
+    /// different identities.
+    pub job_id: String,
+    /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): torchrun's restart of the job.
+    pub restart: u64,
+    /// `TORCHELASTIC_USE_AGENT_STORE=True`: torchrun's agent serves a TCPStore at
+    /// `MASTER_ADDR:MASTER_PORT`, and rank 0 must not listen there itself.
+    pub agent_store: bool,
 }
 
 impl DistEnv {
-    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `MASTER_ADDR` and `MASTER_PORT`
-    /// from the process environment.
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `MASTER_ADDR`, `MASTER_PORT` and
+    /// torchrun's `TORCHELASTIC_*` variables from the process environment.
+    ///
+    /// # Errors
+    /// When a required variable is missing or not a number, or `RANK ≥ WORLD_SIZE`.
     pub fn from_env() -> Result<Self> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
     /// Like [`DistEnv::from_env`], with the variables looked up by `get`.
+    ///
+    /// # Errors
+    /// As [`DistEnv::from_env`].
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         fn parse<T: std::str::FromStr>(name: &str, v: Option<String>) -> Result<T> {
             let v = match v {
@@ -67,118 +108,326 @@ impl DistEnv {
         if world_size == 0 || rank >= world_size {
             bail!("bootstrap: RANK={rank} must be below WORLD_SIZE={world_size}")
         }
+        let restart = match get("TORCHELASTIC_RESTART_COUNT") {
+            Some(v) => parse("TORCHELASTIC_RESTART_COUNT", Some(v))?,
+            None => 0,
+        };
+        let job_id = get("TORCHELASTIC_RUN_ID")
+            .or_else(|| get("CANDLE_DISTRIBUTED_JOB_ID"))
+            .unwrap_or_default();
+        let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true") || v.trim() == "1");
         Ok(Self {
             rank,
             world_size,
             local_rank,
             master_addr,
             master_port,
+            job_id,
+            restart,
+            agent_store,
         })
     }
 }
 
-/// Hands rank 0's `payload` to every rank of `env`'s job over TCP and returns it on every rank.
+/// Rendezvous of this process so far: numbers the store keys (see the module documentation).
+static RENDEZVOUS: AtomicU64 = AtomicU64::new(0);
+
+/// Hands rank 0's `payload` to every rank of `env`'s job and returns it on every rank: through
+/// torchrun's agent store when `env.agent_store`, else over the standalone TCP exchange.
 ///
-/// Rank 0 passes `Some(payload)`, the others `None` (what they pass is ignored). Fails on every
-/// rank that does not complete within `timeout`, naming what it waited for.
+/// Rank 0 passes `Some(payload)` (at most [`MAX_PAYLOAD`] bytes), the others `None` (what they
+/// pass is ignored). Collective: every rank calls it the same number of times, in the same
+/// order.
+///
+/// # Errors
+/// On every rank that does not complete within `timeout`, naming what it waited for; on rank 0
+/// when it cannot listen (standalone) or reach the store; on a rank refused by rank 0 (another
+/// job, an impossible rank), with the reason.
 pub fn share_bytes(env: &DistEnv, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
+    exchange(
+        env,
+        RENDEZVOUS.fetch_add(1, Ordering::SeqCst),
+        payload,
+        timeout,
+    )
+}
+
+/// [`share_bytes`] as rendezvous number `seq` of the job.
+fn exchange(env: &DistEnv, seq: u64, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
     let deadline = Instant::now() + timeout;
     if env.rank == 0 {
         let payload = match payload {
-            Some(p) => p,
+            Some(p) if p.len() <= MAX_PAYLOAD => p,
+            Some(p) => bail!(
+                "bootstrap: the payload has {} bytes, at most {MAX_PAYLOAD} are allowed",
+                p.len()
+            ),
             None => bail!("bootstrap: rank 0 must provide the payload"),
         };
-        serve(env, payload, deadline, timeout)?;
+        if env.agent_store {
+            let mut store = TcpStoreClient::connect(&env.master_addr, env.master_port, deadline)?;
+            store.set(&store_key(env, seq), payload, deadline)?;
+        } else {
+            serve(env, seq, payload, deadline, timeout)?;
+        }
         Ok(payload.to_vec())
+    } else if env.agent_store {
+        let mut store = TcpStoreClient::connect(&env.master_addr, env.master_port, deadline)
+            .map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "bootstrap: rank {} cannot reach torchrun's store: {e}",
+                    env.rank
+                ))
+            })?;
+        store.get(&store_key(env, seq), deadline).map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "bootstrap: rank {} waited {timeout:?} for rank 0's payload: {e}",
+                env.rank
+            ))
+        })
     } else {
-        fetch(env, deadline, timeout)
+        fetch(env, seq, deadline, timeout)
     }
 }
 
-fn serve(env: &DistEnv, payload: &[u8], deadline: Instant, timeout: Duration) -> Result<()> {
-    let listener = TcpListener::bind(("0.0.0.0", env.master_port)).map_err(|e| {
-        candle_core::Error::Msg(format!(
-            "bootstrap: rank 0 cannot listen on port {}: {e}",
-            env.master_port
-        ))
-    })?;
-    listener.set_nonblocking(true)?;
-    let mut served: HashSet<usize> = HashSet::new();
-    while served.len() + 1 < env.world_size {
-        match listener.accept() {
-            Ok((mut stream, peer)) => {
-                stream.set_nonblocking(false)?;
-                stream.set_read_timeout(Some(remaining(deadline)))?;
-                stream.set_write_timeout(Some(remaining(deadline)))?;
-                let mut hello = [0u8; 16];
-                if stream.read_exact(&mut hello).is_err() || &hello[..8] != MAGIC {
-                    // Not one of ours (a port scanner, a stale job): ignore it.
-                    continue;
-                }
-                let rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes")) as usize;
-                let world = u32::from_le_bytes(hello[12..16].try_into().expect("4 bytes")) as usize;
-                if world != env.world_size || rank == 0 || rank >= world {
-                    bail!(
-                        "bootstrap: {peer} says it is rank {rank} of {world}, but rank 0 runs a job of {} ranks",
-                        env.world_size
-                    )
-                }
-                if !served.insert(rank) {
-                    bail!("bootstrap: rank {rank} connected twice (the second from {peer})")
-                }
-                let mut reply = MAGIC.to_vec();
-                reply.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-                reply.extend_from_slice(payload);
-                stream.write_all(&reply)?;
+/// The store key of rendezvous `seq` of this job and restart.
+fn store_key(env: &DistEnv, seq: u64) -> String {
+    format!("candle-distributed/{}/{}/{seq}", env.job_id, env.restart)
+}
+
+/// The job identity as it travels: a 64-bit FNV-1a of the identity, the world size and the
+/// port, so that ranks of another job, or of the same job with another world size, differ.
+fn identity(env: &DistEnv) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let text = format!("{}|{}|{}", env.job_id, env.world_size, env.master_port);
+    for b in text.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT` (at least one must bind).
+fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
+    let addrs: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "bootstrap: rank 0 cannot resolve MASTER_ADDR={}: {e}",
+                env.master_addr
+            ))
+        })?
+        .collect();
+    let mut out = Vec::new();
+    let mut errors = Vec::new();
+    for a in &addrs {
+        match TcpListener::bind(a) {
+            Ok(l) => {
+                l.set_nonblocking(true)?;
+                out.push(l);
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let mut missing: Vec<usize> = (1..env.world_size)
-                        .filter(|r| !served.contains(r))
-                        .collect();
-                    missing.truncate(16);
-                    bail!(
-                        "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to port {}",
-                        env.master_port
-                    )
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => return Err(e.into()),
+            Err(e) => errors.push(format!("{a}: {e}")),
         }
     }
-    Ok(())
+    if out.is_empty() {
+        bail!(
+            "bootstrap: rank 0 cannot listen on MASTER_ADDR={}:{} ({}){}",
+            env.master_addr,
+            env.master_port,
+            errors.join("; "),
+            if env.agent_store {
+                ""
+            } else {
+                " — under torchrun, whose agent already serves a store there, set TORCHELASTIC_USE_AGENT_STORE=True (torchrun does)"
+            }
+        )
+    }
+    Ok(out)
 }
 
-fn fetch(env: &DistEnv, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
-    let addr = (env.master_addr.as_str(), env.master_port);
+/// What one client connection turned out to be.
+enum Client {
+    /// Rank `r` received the payload and acknowledged it.
+    Served(usize),
+    /// Dropped: not one of ours, another job, idle, or gone before acknowledging.
+    Dropped(String),
+}
+
+fn serve(
+    env: &DistEnv,
+    seq: u64,
+    payload: &[u8],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    let listeners = listeners(env)?;
+    let (tx, rx) = mpsc::channel::<Client>();
+    let mut served: HashSet<usize> = HashSet::new();
+    let mut dropped: Vec<String> = Vec::new();
+    let id = identity(env);
+    std::thread::scope(|s| -> Result<()> {
+        while served.len() + 1 < env.world_size {
+            let mut idle = true;
+            for l in &listeners {
+                match l.accept() {
+                    Ok((stream, peer)) => {
+                        idle = false;
+                        let tx = tx.clone();
+                        let client_deadline = (Instant::now() + CLIENT_DEADLINE).min(deadline);
+                        s.spawn(move || {
+                            let outcome = answer(stream, env, (id, seq), payload, client_deadline)
+                                .unwrap_or_else(|e| Client::Dropped(format!("{peer}: {e}")));
+                            let _ = tx.send(outcome);
+                        });
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => dropped.push(format!("accept: {e}")),
+                }
+            }
+            while let Ok(c) = rx.try_recv() {
+                match c {
+                    Client::Served(r) => {
+                        served.insert(r);
+                    }
+                    Client::Dropped(why) => dropped.push(why),
+                }
+            }
+            if served.len() + 1 >= env.world_size {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let mut missing: Vec<usize> = (1..env.world_size)
+                    .filter(|r| !served.contains(r))
+                    .collect();
+                missing.truncate(16);
+                dropped.truncate(4);
+                bail!(
+                    "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
+                    env.master_addr,
+                    env.master_port,
+                    if dropped.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (dropped connections: {})", dropped.join("; "))
+                    }
+                )
+            }
+            if idle {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        Ok(())
+    })
+    // Connections still being answered finish within their own short deadline.
+}
+
+/// Bytes of a client's hello: magic, identity, rendezvous number, rank, world size.
+const HELLO: usize = 32;
+
+/// Answers one client on rank 0; `(id, seq)`: the job identity and this rendezvous' number.
+fn answer(
+    mut stream: TcpStream,
+    env: &DistEnv,
+    (id, seq): (u64, u64),
+    payload: &[u8],
+    deadline: Instant,
+) -> std::io::Result<Client> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(remaining(deadline)))?;
+    stream.set_write_timeout(Some(remaining(deadline)))?;
+    let mut hello = [0u8; HELLO];
+    stream.read_exact(&mut hello)?;
+    if &hello[..8] != MAGIC {
+        return Ok(Client::Dropped(
+            "not a candle-distributed bootstrap client".into(),
+        ));
+    }
+    let word = |at: usize| u64::from_le_bytes(hello[at..at + 8].try_into().expect("8 bytes"));
+    let (their_id, their_seq) = (word(8), word(16));
+    let rank = u32::from_le_bytes(hello[24..28].try_into().expect("4 bytes")) as usize;
+    let world = u32::from_le_bytes(hello[28..32].try_into().expect("4 bytes")) as usize;
+    if their_id == id && their_seq != seq {
+        let msg = format!("rank 0 serves rendezvous {seq}, not {their_seq}");
+        let mut reply = MAGIC.to_vec();
+        reply.push(RETRY);
+        reply.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+        reply.extend_from_slice(msg.as_bytes());
+        stream.write_all(&reply)?;
+        return Ok(Client::Dropped(msg));
+    }
+    let refusal = if their_id != id || world != env.world_size {
+        Some(format!(
+            "rank 0 runs job {:?} of {} ranks on port {}; this rank is of another job (identity or world size {world} differs)",
+            env.job_id, env.world_size, env.master_port
+        ))
+    } else if rank == 0 || rank >= world {
+        Some(format!(
+            "rank {rank} is not a client rank of a job of {world}"
+        ))
+    } else {
+        None
+    };
+    let (status, body) = match &refusal {
+        Some(why) => (REFUSED, why.as_bytes()),
+        None => (OK, payload),
+    };
+    let mut reply = MAGIC.to_vec();
+    reply.push(status);
+    reply.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    reply.extend_from_slice(body);
+    stream.write_all(&reply)?;
+    if let Some(why) = refusal {
+        return Ok(Client::Dropped(why));
+    }
+    let mut ack = [0u8; 1];
+    stream.read_exact(&mut ack)?;
+    Ok(Client::Served(rank))
+}
+
+fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
+    let id = identity(env);
     loop {
-        let attempt = (|| -> std::io::Result<Vec<u8>> {
-            let sock = addr
-                .to_socket_addrs()?
-                .next()
-                .ok_or_else(|| std::io::Error::other("the address resolves to nothing"))?;
-            let mut stream = TcpStream::connect_timeout(&sock, remaining(deadline))?;
+        let attempt = (|| -> std::io::Result<std::result::Result<Vec<u8>, String>> {
+            let (mut stream, _) = connect_any(&env.master_addr, env.master_port, deadline)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
             stream.set_read_timeout(Some(remaining(deadline)))?;
             stream.set_write_timeout(Some(remaining(deadline)))?;
             let mut hello = MAGIC.to_vec();
+            hello.extend_from_slice(&id.to_le_bytes());
+            hello.extend_from_slice(&seq.to_le_bytes());
             hello.extend_from_slice(&(env.rank as u32).to_le_bytes());
             hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
             stream.write_all(&hello)?;
-            let mut head = [0u8; 12];
+            let mut head = [0u8; 13];
             stream.read_exact(&mut head)?;
             if &head[..8] != MAGIC {
                 return Err(std::io::Error::other(
-                    "the answer is not from candle-distributed",
+                    "the answer is not from a candle-distributed rank 0",
                 ));
             }
-            let len = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
-            let mut payload = vec![0u8; len];
-            stream.read_exact(&mut payload)?;
-            Ok(payload)
+            let len = u32::from_le_bytes(head[9..13].try_into().expect("4 bytes")) as usize;
+            if len > MAX_PAYLOAD {
+                return Err(std::io::Error::other(format!(
+                    "rank 0 announces {len} bytes (at most {MAX_PAYLOAD} accepted)"
+                )));
+            }
+            let mut body = vec![0u8; len];
+            stream.read_exact(&mut body)?;
+            match head[8] {
+                OK => {}
+                RETRY => {
+                    return Err(std::io::Error::other(
+                        String::from_utf8_lossy(&body).into_owned(),
+                    ))
+                }
+                _ => return Ok(Err(String::from_utf8_lossy(&body).into_owned())),
+            }
+            stream.write_all(&[1])?;
+            Ok(Ok(body))
         })();
         let last_err = match attempt {
-            Ok(p) => return Ok(p),
+            Ok(Ok(p)) => return Ok(p),
+            Ok(Err(refused)) => bail!("bootstrap: rank {} refused by rank 0: {refused}", env.rank),
             Err(e) => e,
         };
         if Instant::now() >= deadline {
@@ -204,14 +453,21 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env(rank: usize, world: usize, port: u16) -> DistEnv {
+    fn env_at(rank: usize, world: usize, addr: &str, port: u16, job: &str) -> DistEnv {
         DistEnv {
             rank,
             world_size: world,
             local_rank: rank,
-            master_addr: "127.0.0.1".into(),
+            master_addr: addr.into(),
             master_port: port,
+            job_id: job.into(),
+            restart: 0,
+            agent_store: false,
         }
+    }
+
+    fn env(rank: usize, world: usize, port: u16) -> DistEnv {
+        env_at(rank, world, "127.0.0.1", port, "")
     }
 
     /// A port that was free a moment ago.
@@ -223,6 +479,39 @@ mod tests {
             .port()
     }
 
+    const LONG: Duration = Duration::from_secs(20);
+
+    /// Runs `world` ranks of `share_bytes` on `addr:port`, rank 0 sharing `id`, while `meddle`
+    /// does something to rank 0 on the side; returns every rank's result and the time taken.
+    fn job(
+        world: usize,
+        addr: &str,
+        port: u16,
+        meddle: impl FnOnce() + Send,
+    ) -> (Vec<Result<Vec<u8>>>, Duration) {
+        let id: Vec<u8> = (0..128u32).map(|i| (i * 7 + 3) as u8).collect();
+        let t = Instant::now();
+        let got = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let id = id.clone();
+                    s.spawn(move || {
+                        let p = (r == 0).then_some(id.as_slice());
+                        exchange(&env_at(r, world, addr, port, "job"), 0, p, LONG)
+                    })
+                })
+                .collect();
+            s.spawn(meddle);
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for (r, g) in got.iter().enumerate() {
+            assert_eq!(g.as_ref().unwrap(), &id, "rank {r}");
+        }
+        (got, t.elapsed())
+    }
+
     #[test]
     fn reads_torchrun_variables() {
         let vars: HashMap<&str, &str> = [
@@ -231,6 +520,9 @@ mod tests {
             ("LOCAL_RANK", "1"),
             ("MASTER_ADDR", "node0"),
             ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
         ]
         .into_iter()
         .collect();
@@ -240,6 +532,11 @@ mod tests {
         assert_eq!(e.local_rank, 1);
         assert_eq!(e.master_addr, "node0");
         assert_eq!(e.master_port, 29500);
+        assert_eq!(
+            (e.job_id.as_str(), e.restart, e.agent_store),
+            ("abc", 2, true)
+        );
+        assert_eq!(store_key(&e, 4), "candle-distributed/abc/2/4");
     }
 
     #[test]
@@ -265,23 +562,7 @@ mod tests {
 
     #[test]
     fn every_rank_receives_rank_zeros_payload() {
-        let port = free_port();
-        let id: Vec<u8> = (0..128u32).map(|i| (i * 7 + 3) as u8).collect();
-        let got: Vec<Vec<u8>> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..4)
-                .map(|r| {
-                    let id = id.clone();
-                    s.spawn(move || {
-                        let p = (r == 0).then_some(id.as_slice());
-                        share_bytes(&env(r, 4, port), p, Duration::from_secs(20)).unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for g in got {
-            assert_eq!(g, id);
-        }
+        job(4, "127.0.0.1", free_port(), || {});
     }
 
     #[test]
@@ -289,27 +570,142 @@ mod tests {
         let port = free_port();
         let err = std::thread::scope(|s| {
             let root =
-                s.spawn(|| share_bytes(&env(0, 3, port), Some(b"x"), Duration::from_millis(800)));
-            let one = s.spawn(|| share_bytes(&env(1, 3, port), None, Duration::from_secs(5)));
+                s.spawn(|| exchange(&env(0, 3, port), 0, Some(b"x"), Duration::from_millis(800)));
+            let one = s.spawn(|| exchange(&env(1, 3, port), 0, None, Duration::from_secs(5)));
             assert_eq!(one.join().unwrap().unwrap(), b"x");
             root.join().unwrap().unwrap_err().to_string()
         });
         assert!(err.contains("waiting for ranks [2]"), "{err}");
-        let lonely = share_bytes(&env(1, 2, free_port()), None, Duration::from_millis(300));
+        let lonely = exchange(&env(1, 2, free_port()), 0, None, Duration::from_millis(300));
         assert!(lonely.unwrap_err().to_string().contains("timed out"));
     }
 
+    /// A rank of another job (another identity) is refused with the reason, at once; the job
+    /// on the port completes.
     #[test]
-    fn a_rank_of_another_job_is_refused() {
+    fn a_stray_from_another_job_is_refused_and_the_job_completes() {
         let port = free_port();
-        let err = std::thread::scope(|s| {
-            let root =
-                s.spawn(|| share_bytes(&env(0, 2, port), Some(b"id"), Duration::from_secs(5)));
-            let stranger =
-                s.spawn(|| share_bytes(&env(1, 3, port), None, Duration::from_millis(500)));
-            let _ = stranger.join().unwrap();
-            root.join().unwrap().unwrap_err().to_string()
+        let mut stray_err = String::new();
+        job(2, "127.0.0.1", port, || {
+            let stray = env_at(1, 2, "127.0.0.1", port, "an earlier run");
+            let t = Instant::now();
+            stray_err = exchange(&stray, 0, None, LONG).unwrap_err().to_string();
+            assert!(t.elapsed() < Duration::from_secs(5), "refused promptly");
         });
-        assert!(err.contains("rank 1 of 3"), "{err}");
+        assert!(
+            stray_err.contains("refused by rank 0") && stray_err.contains("another job"),
+            "{stray_err}"
+        );
+    }
+
+    /// A connection that says nothing holds one serving thread for at most CLIENT_DEADLINE;
+    /// the ranks behind it are served at once.
+    #[test]
+    fn an_idle_connection_does_not_stall_the_job() {
+        let port = free_port();
+        let (_, took) = job(3, "127.0.0.1", port, || {
+            let (idle, _) =
+                connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
+            std::thread::sleep(Duration::from_secs(3));
+            drop(idle);
+        });
+        assert!(
+            took < CLIENT_DEADLINE + Duration::from_secs(3),
+            "took {took:?}"
+        );
+    }
+
+    /// Garbage and a truncated hello are dropped without failing the job.
+    #[test]
+    fn garbage_is_dropped() {
+        let port = free_port();
+        job(3, "127.0.0.1", port, || {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let (mut g, _) = connect_any("127.0.0.1", port, deadline).unwrap();
+            let _ = g.write_all(&[0xAB; 100]);
+            let (mut t, _) = connect_any("127.0.0.1", port, deadline).unwrap();
+            let _ = t.write_all(&MAGIC[..5]);
+        });
+    }
+
+    /// A rank that connects twice (a retry after a lost answer) is answered twice, and counted
+    /// once: rank 0 still waits for the rank that has not come yet.
+    #[test]
+    fn a_duplicate_rank_is_answered_again() {
+        let port = free_port();
+        std::thread::scope(|s| {
+            let root = s.spawn(|| exchange(&env(0, 3, port), 0, Some(b"id"), LONG));
+            for _ in 0..2 {
+                assert_eq!(exchange(&env(1, 3, port), 0, None, LONG).unwrap(), b"id");
+            }
+            assert!(!root.is_finished(), "rank 2 has not connected yet");
+            assert_eq!(exchange(&env(2, 3, port), 0, None, LONG).unwrap(), b"id");
+            root.join().unwrap().unwrap();
+        });
+    }
+
+    /// A client already at the next rendezvous while rank 0 still serves this one is told to
+    /// retry, and gets the next payload from the next server (not this one's).
+    #[test]
+    fn a_client_one_rendezvous_ahead_waits_for_it() {
+        let port = free_port();
+        std::thread::scope(|s| {
+            let ahead = s.spawn(|| exchange(&env(1, 2, port), 1, None, LONG));
+            let root = s.spawn(|| {
+                exchange(&env(0, 2, port), 0, Some(b"first"), LONG)?;
+                exchange(&env(0, 2, port), 1, Some(b"second"), LONG)
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            assert_eq!(exchange(&env(1, 2, port), 0, None, LONG).unwrap(), b"first");
+            assert_eq!(ahead.join().unwrap().unwrap(), b"second");
+            root.join().unwrap().unwrap();
+        });
+    }
+
+    /// A server that announces a huge payload is refused by the client before any allocation.
+    #[test]
+    fn an_oversized_length_is_refused() {
+        let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = l.local_addr().unwrap().port();
+        // Detached: it answers every connection of the retrying client until the test ends.
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                let mut hello = [0u8; HELLO];
+                let _ = c.read_exact(&mut hello);
+                let mut reply = MAGIC.to_vec();
+                reply.push(OK);
+                reply.extend(u32::MAX.to_le_bytes());
+                let _ = c.write_all(&reply);
+            }
+        });
+        let err = exchange(&env(1, 2, port), 0, None, Duration::from_millis(400))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("announces 4294967295 bytes"), "{err}");
+    }
+
+    /// `localhost` (IPv4 and IPv6 addresses) and the IPv6 loopback work as MASTER_ADDR, where
+    /// this machine has IPv6.
+    #[test]
+    fn ipv6_and_localhost() {
+        job(2, "localhost", free_port(), || {});
+        if TcpListener::bind(("::1", 0)).is_ok() {
+            let port = TcpListener::bind(("::1", 0))
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            job(3, "::1", port, || {});
+        } else {
+            eprintln!("no IPv6 loopback on this machine: the ::1 case did not run");
+        }
+    }
+
+    #[test]
+    fn rank_zero_checks_its_payload() {
+        let big = vec![0u8; MAX_PAYLOAD + 1];
+        let e = exchange(&env(0, 2, free_port()), 0, Some(&big), LONG).unwrap_err();
+        assert!(e.to_string().contains("at most"), "{e}");
     }
 }

@@ -21,6 +21,7 @@ mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod pending;
+pub mod store;
 mod threads;
 
 pub use error::CollectiveError;

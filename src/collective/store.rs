@@ -1,0 +1,206 @@
+//! A client of PyTorch's TCPStore (the c10d key-value store that `torchrun`'s agent serves to
+//! its workers): enough of the wire protocol to rendezvous through it — connect with the
+//! validation handshake, `set`, `get` (which waits for the key) and `add`.
+//!
+//! Wire format (PyTorch 2.x, both of its server back-ends): every request starts with one byte,
+//! the query type; byte strings are a u64 length and the bytes, integers i64, counts u64, all
+//! little-endian. A connection opens with VALIDATE and the magic `0x3C85F7CE` (no answer), then
+//! PING with a nonce the server echoes. SET has no answer; GET answers the value; WAIT answers
+//! one byte (0, stop waiting) once every key exists; CANCEL_WAIT answers 1 (after a 0 that may
+//! still be in flight); ADD answers the new value. PyTorch's own clients put `/` before every
+//! key; so does this one.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use candle_core::{bail, Result};
+
+const VALIDATE: u8 = 0;
+const SET: u8 = 1;
+const GET: u8 = 3;
+const ADD: u8 = 4;
+const WAIT: u8 = 6;
+const CANCEL_WAIT: u8 = 12;
+const PING: u8 = 13;
+const MAGIC: u32 = 0x3C85_F7CE;
+const STOP_WAITING: u8 = 0;
+const WAIT_CANCELED: u8 = 1;
+
+/// The largest value this client accepts from a server: a rendezvous payload is small; a
+/// length beyond this is garbage (or not a TCPStore), not something to allocate.
+pub const MAX_VALUE_BYTES: u64 = 1 << 20;
+
+/// One connection to a TCPStore server.
+#[derive(Debug)]
+pub struct TcpStoreClient {
+    stream: TcpStream,
+    peer: String,
+}
+
+fn err(peer: &str, what: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("TCPStore at {peer}: {what}"))
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+/// Connects to `host:port`, trying every address it resolves to (IPv4 and IPv6), retrying
+/// until `deadline` while nothing listens yet. Returns the connected stream and its address.
+pub(crate) fn connect_any(host: &str, port: u16, deadline: Instant) -> Result<(TcpStream, String)> {
+    let mut last = String::from("nothing tried");
+    loop {
+        match (host, port).to_socket_addrs() {
+            Ok(addrs) => {
+                for a in addrs {
+                    match TcpStream::connect_timeout(
+                        &a,
+                        remaining(deadline).min(Duration::from_secs(5)),
+                    ) {
+                        Ok(s) => return Ok((s, a.to_string())),
+                        Err(e) => last = format!("{a}: {e}"),
+                    }
+                }
+            }
+            Err(e) => last = format!("resolving {host}: {e}"),
+        }
+        if Instant::now() >= deadline {
+            bail!("cannot connect to {host}:{port} (last error: {last})")
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl TcpStoreClient {
+    /// Connects and validates (VALIDATE, then a PING whose nonce must come back), retrying the
+    /// connection until `deadline`.
+    pub fn connect(host: &str, port: u16, deadline: Instant) -> Result<Self> {
+        let (stream, peer) = connect_any(host, port, deadline)?;
+        stream.set_nodelay(true)?;
+        let mut c = Self { stream, peer };
+        c.deadline(deadline)?;
+        let mut hello = vec![VALIDATE];
+        hello.extend(MAGIC.to_le_bytes());
+        let nonce = std::process::id() ^ 0x5A5A_0000;
+        hello.push(PING);
+        hello.extend(nonce.to_le_bytes());
+        c.send(&hello)?;
+        let mut echo = [0u8; 4];
+        c.recv(&mut echo, "the PING answer")?;
+        if u32::from_le_bytes(echo) != nonce {
+            return Err(err(
+                &c.peer,
+                "the PING answer does not echo the nonce: not a TCPStore",
+            ));
+        }
+        Ok(c)
+    }
+
+    fn deadline(&mut self, deadline: Instant) -> Result<()> {
+        self.stream.set_read_timeout(Some(remaining(deadline)))?;
+        self.stream.set_write_timeout(Some(remaining(deadline)))?;
+        Ok(())
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<()> {
+        self.stream
+            .write_all(bytes)
+            .map_err(|e| err(&self.peer, format!("sending: {e}")))
+    }
+
+    fn recv(&mut self, buf: &mut [u8], what: &str) -> Result<()> {
+        self.stream
+            .read_exact(buf)
+            .map_err(|e| err(&self.peer, format!("reading {what}: {e}")))
+    }
+
+    fn request(kind: u8, key: &str) -> Vec<u8> {
+        let key = format!("/{key}");
+        let mut m = vec![kind];
+        m.extend((key.len() as u64).to_le_bytes());
+        m.extend(key.as_bytes());
+        m
+    }
+
+    fn push_bytes(m: &mut Vec<u8>, v: &[u8]) {
+        m.extend((v.len() as u64).to_le_bytes());
+        m.extend(v);
+    }
+
+    /// Stores `value` under `key` (the server answers nothing).
+    pub fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
+        self.deadline(deadline)?;
+        let mut m = Self::request(SET, key);
+        Self::push_bytes(&mut m, value);
+        self.send(&m)
+    }
+
+    /// Adds `delta` to the integer under `key` (0 when absent) and returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
+        self.deadline(deadline)?;
+        let mut m = Self::request(ADD, key);
+        m.extend(delta.to_le_bytes());
+        self.send(&m)?;
+        let mut v = [0u8; 8];
+        self.recv(&mut v, "the ADD answer")?;
+        Ok(i64::from_le_bytes(v))
+    }
+
+    /// The value under `key`, waiting until some client has set it or `deadline` passes.
+    pub fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+        self.wait(key, deadline)?;
+        self.deadline(deadline)?;
+        self.send(&Self::request(GET, key))?;
+        let mut len = [0u8; 8];
+        self.recv(&mut len, "the GET answer")?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_VALUE_BYTES {
+            return Err(err(
+                &self.peer,
+                format!("announces a value of {len} bytes for {key:?} (at most {MAX_VALUE_BYTES} accepted)"),
+            ));
+        }
+        let mut v = vec![0u8; len as usize];
+        self.recv(&mut v, "the GET value")?;
+        Ok(v)
+    }
+
+    /// WAIT for `key`; past `deadline`, CANCEL_WAIT and an error naming the key.
+    fn wait(&mut self, key: &str, deadline: Instant) -> Result<()> {
+        self.deadline(deadline)?;
+        let mut m = vec![WAIT];
+        m.extend(1u64.to_le_bytes());
+        let k = format!("/{key}");
+        Self::push_bytes(&mut m, k.as_bytes());
+        self.send(&m)?;
+        let mut b = [0u8; 1];
+        match self.stream.read_exact(&mut b) {
+            Ok(()) if b[0] == STOP_WAITING => Ok(()),
+            Ok(()) => Err(err(&self.peer, format!("unexpected WAIT answer {}", b[0]))),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                // Cancel, then read until the server confirms (a late STOP_WAITING may come
+                // first), so the connection stays usable.
+                let _ = self.stream.set_read_timeout(Some(Duration::from_secs(5)));
+                let _ = self.stream.write_all(&[CANCEL_WAIT]);
+                for _ in 0..2 {
+                    if self.stream.read_exact(&mut b).is_err() || b[0] == WAIT_CANCELED {
+                        break;
+                    }
+                }
+                Err(err(
+                    &self.peer,
+                    format!("timed out waiting for key {key:?}"),
+                ))
+            }
+            Err(e) => Err(err(&self.peer, format!("waiting for key {key:?}: {e}"))),
+        }
+    }
+}
