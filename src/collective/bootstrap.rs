@@ -145,7 +145,7 @@ static RENDEZVOUS: AtomicU64 = AtomicU64::new(0);
 /// when it cannot listen (standalone) or reach the store; on a rank refused by rank 0 (another
 /// job, an impossible rank), with the reason.
 pub fn share_bytes(env: &DistEnv, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
-    exchange(
+    share_bytes_round(
         env,
         RENDEZVOUS.fetch_add(1, Ordering::SeqCst),
         payload,
@@ -153,8 +153,18 @@ pub fn share_bytes(env: &DistEnv, payload: Option<&[u8]>, timeout: Duration) -> 
     )
 }
 
-/// [`share_bytes`] as rendezvous number `seq` of the job.
-fn exchange(env: &DistEnv, seq: u64, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
+/// [`share_bytes`] as rendezvous number `seq` of the job, for callers that number their
+/// rendezvous themselves (several ranks simulated in one process, where the process-wide count
+/// of [`share_bytes`] would differ between them). Every rank passes the same `seq`.
+///
+/// # Errors
+/// As [`share_bytes`].
+pub fn share_bytes_round(
+    env: &DistEnv,
+    seq: u64,
+    payload: Option<&[u8]>,
+    timeout: Duration,
+) -> Result<Vec<u8>> {
     let deadline = Instant::now() + timeout;
     if env.rank == 0 {
         let payload = match payload {
@@ -497,7 +507,7 @@ mod tests {
                     let id = id.clone();
                     s.spawn(move || {
                         let p = (r == 0).then_some(id.as_slice());
-                        exchange(&env_at(r, world, addr, port, "job"), 0, p, LONG)
+                        share_bytes_round(&env_at(r, world, addr, port, "job"), 0, p, LONG)
                     })
                 })
                 .collect();
@@ -569,14 +579,17 @@ mod tests {
     fn a_missing_rank_times_out_with_its_number() {
         let port = free_port();
         let err = std::thread::scope(|s| {
-            let root =
-                s.spawn(|| exchange(&env(0, 3, port), 0, Some(b"x"), Duration::from_millis(800)));
-            let one = s.spawn(|| exchange(&env(1, 3, port), 0, None, Duration::from_secs(5)));
+            let root = s.spawn(|| {
+                share_bytes_round(&env(0, 3, port), 0, Some(b"x"), Duration::from_millis(800))
+            });
+            let one =
+                s.spawn(|| share_bytes_round(&env(1, 3, port), 0, None, Duration::from_secs(5)));
             assert_eq!(one.join().unwrap().unwrap(), b"x");
             root.join().unwrap().unwrap_err().to_string()
         });
         assert!(err.contains("waiting for ranks [2]"), "{err}");
-        let lonely = exchange(&env(1, 2, free_port()), 0, None, Duration::from_millis(300));
+        let lonely =
+            share_bytes_round(&env(1, 2, free_port()), 0, None, Duration::from_millis(300));
         assert!(lonely.unwrap_err().to_string().contains("timed out"));
     }
 
@@ -589,7 +602,9 @@ mod tests {
         job(2, "127.0.0.1", port, || {
             let stray = env_at(1, 2, "127.0.0.1", port, "an earlier run");
             let t = Instant::now();
-            stray_err = exchange(&stray, 0, None, LONG).unwrap_err().to_string();
+            stray_err = share_bytes_round(&stray, 0, None, LONG)
+                .unwrap_err()
+                .to_string();
             assert!(t.elapsed() < Duration::from_secs(5), "refused promptly");
         });
         assert!(
@@ -634,12 +649,18 @@ mod tests {
     fn a_duplicate_rank_is_answered_again() {
         let port = free_port();
         std::thread::scope(|s| {
-            let root = s.spawn(|| exchange(&env(0, 3, port), 0, Some(b"id"), LONG));
+            let root = s.spawn(|| share_bytes_round(&env(0, 3, port), 0, Some(b"id"), LONG));
             for _ in 0..2 {
-                assert_eq!(exchange(&env(1, 3, port), 0, None, LONG).unwrap(), b"id");
+                assert_eq!(
+                    share_bytes_round(&env(1, 3, port), 0, None, LONG).unwrap(),
+                    b"id"
+                );
             }
             assert!(!root.is_finished(), "rank 2 has not connected yet");
-            assert_eq!(exchange(&env(2, 3, port), 0, None, LONG).unwrap(), b"id");
+            assert_eq!(
+                share_bytes_round(&env(2, 3, port), 0, None, LONG).unwrap(),
+                b"id"
+            );
             root.join().unwrap().unwrap();
         });
     }
@@ -650,13 +671,16 @@ mod tests {
     fn a_client_one_rendezvous_ahead_waits_for_it() {
         let port = free_port();
         std::thread::scope(|s| {
-            let ahead = s.spawn(|| exchange(&env(1, 2, port), 1, None, LONG));
+            let ahead = s.spawn(|| share_bytes_round(&env(1, 2, port), 1, None, LONG));
             let root = s.spawn(|| {
-                exchange(&env(0, 2, port), 0, Some(b"first"), LONG)?;
-                exchange(&env(0, 2, port), 1, Some(b"second"), LONG)
+                share_bytes_round(&env(0, 2, port), 0, Some(b"first"), LONG)?;
+                share_bytes_round(&env(0, 2, port), 1, Some(b"second"), LONG)
             });
             std::thread::sleep(Duration::from_millis(300));
-            assert_eq!(exchange(&env(1, 2, port), 0, None, LONG).unwrap(), b"first");
+            assert_eq!(
+                share_bytes_round(&env(1, 2, port), 0, None, LONG).unwrap(),
+                b"first"
+            );
             assert_eq!(ahead.join().unwrap().unwrap(), b"second");
             root.join().unwrap().unwrap();
         });
@@ -679,7 +703,7 @@ mod tests {
                 let _ = c.write_all(&reply);
             }
         });
-        let err = exchange(&env(1, 2, port), 0, None, Duration::from_millis(400))
+        let err = share_bytes_round(&env(1, 2, port), 0, None, Duration::from_millis(400))
             .unwrap_err()
             .to_string();
         assert!(err.contains("announces 4294967295 bytes"), "{err}");
@@ -705,7 +729,7 @@ mod tests {
     #[test]
     fn rank_zero_checks_its_payload() {
         let big = vec![0u8; MAX_PAYLOAD + 1];
-        let e = exchange(&env(0, 2, free_port()), 0, Some(&big), LONG).unwrap_err();
+        let e = share_bytes_round(&env(0, 2, free_port()), 0, Some(&big), LONG).unwrap_err();
         assert!(e.to_string().contains("at most"), "{e}");
     }
 }

@@ -401,8 +401,9 @@ impl NcclCollective {
 
     /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
     /// `MASTER_ADDR`, `MASTER_PORT`): this rank runs on GPU `LOCAL_RANK`; rank 0 creates NCCL's
-    /// unique id and hands it to the others over TCP. Default timeout ([`DEFAULT_TIMEOUT`]) for
-    /// the start-up and for every collective.
+    /// unique id and hands it to the others with [`super::bootstrap::share_bytes`] (through
+    /// torchrun's own TCPStore under torchrun, else over TCP from rank 0). Default timeout
+    /// ([`DEFAULT_TIMEOUT`]) for the start-up and for every collective.
     pub fn from_env() -> Result<Arc<Self>> {
         Self::from_env_with_timeout(DEFAULT_TIMEOUT)
     }

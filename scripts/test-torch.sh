@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Interoperability with PyTorch's launcher: our TCPStore client against PyTorch's TCPStore server
+# (classic and libuv back-ends), and examples/rendezvous under `torchrun --nproc_per_node 2
+# --no-python` (tests/torch_interop.rs, ignored in a plain `cargo test`). Installs PyTorch 2.9.1
+# from PyPI into an ignored virtual environment (TORCH_VENV, default .venv-torch) when missing:
+# PyPI's Linux wheel is the CUDA build and pulls NVIDIA's libraries (several GB on disk), which
+# `import torch` needs even without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${TORCH_VENV:-.venv-torch}
+if ! "$venv/bin/python" -c "import torch.distributed" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --no-cache-dir torch==2.9.1 numpy
+fi
+"$venv/bin/python" -c "import torch; print('PyTorch', torch.__version__)"
+cargo build --example rendezvous
+TORCH_PYTHON="$(cd "$venv" && pwd)/bin/python" cargo test --test torch_interop -- --ignored

@@ -1,0 +1,212 @@
+//! Against the real thing: our TCPStore client against PyTorch's TCPStore server (both of its
+//! back-ends), and `examples/rendezvous` launched by `torchrun --no-python` on 2 processes.
+//!
+//! Needs PyTorch: these tests are `#[ignore]`d in a plain `cargo test` and run by
+//! `scripts/test-torch.sh` (which CI calls), with `TORCH_PYTHON` naming a Python that has torch
+//! and `examples/rendezvous` built. Run without `TORCH_PYTHON` they fail, saying so.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use candle_distributed::collective::bootstrap::{share_bytes_round, DistEnv};
+use candle_distributed::collective::store::TcpStoreClient;
+
+fn python() -> String {
+    std::env::var("TORCH_PYTHON")
+        .expect("TORCH_PYTHON must name a Python with torch (scripts/test-torch.sh sets it)")
+}
+
+/// A PyTorch TCPStore server in a child process; it echoes the key `from-rust`, reversed, under
+/// `from-python`, and lives until its stdin closes.
+struct Server {
+    child: std::process::Child,
+    port: u16,
+}
+
+const SERVER: &str = r#"
+import sys, datetime
+import torch.distributed as d
+s = d.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
+               wait_for_workers=False, use_libuv=(sys.argv[1] == "libuv"))
+print(s.port, "libuv" if s.libuvBackend else "classic", flush=True)
+v = s.get("candle-test/from-rust")
+s.set("candle-test/from-python", v[::-1])
+sys.stdin.read()
+"#;
+
+impl Server {
+    fn start(backend: &str) -> Self {
+        let mut child = Command::new(python())
+            .args(["-c", SERVER, backend])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting python");
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let mut words = line.split_whitespace();
+        let port = words
+            .next()
+            .expect("the server prints its port")
+            .parse()
+            .unwrap();
+        assert_eq!(
+            words.next(),
+            Some(backend),
+            "the server runs the asked back-end"
+        );
+        Self { child, port }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// set, get (waiting for a key the Python side writes), add, a get that times out and leaves
+/// the connection usable, on both server back-ends.
+#[test]
+#[ignore = "needs PyTorch: scripts/test-torch.sh"]
+fn our_client_speaks_pytorchs_tcpstore() {
+    for backend in ["classic", "libuv"] {
+        let server = Server::start(backend);
+        let deadline = || Instant::now() + Duration::from_secs(30);
+        let mut c = TcpStoreClient::connect("127.0.0.1", server.port, deadline()).unwrap();
+        let value: Vec<u8> = (0..=255u8).collect();
+        c.set("candle-test/own", &value, deadline()).unwrap();
+        assert_eq!(
+            c.get("candle-test/own", deadline()).unwrap(),
+            value,
+            "{backend}"
+        );
+        c.set("candle-test/from-rust", b"abc\0xyz", deadline())
+            .unwrap();
+        assert_eq!(
+            c.get("candle-test/from-python", deadline()).unwrap(),
+            b"zyx\0cba",
+            "{backend}: the value the Python side derived from ours"
+        );
+        assert_eq!(c.add("candle-test/n", 5, deadline()).unwrap(), 5);
+        assert_eq!(c.add("candle-test/n", -2, deadline()).unwrap(), 3);
+        let t = Instant::now();
+        let e = c
+            .get(
+                "candle-test/never",
+                Instant::now() + Duration::from_millis(300),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("timed out waiting for key"), "{backend}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert_eq!(
+            c.get("candle-test/own", deadline()).unwrap(),
+            value,
+            "{backend}: usable after a timeout"
+        );
+    }
+}
+
+/// Two ranks rendezvous through a PyTorch TCPStore as they would under torchrun's agent.
+#[test]
+#[ignore = "needs PyTorch: scripts/test-torch.sh"]
+fn share_bytes_through_a_pytorch_store() {
+    let server = Server::start("libuv");
+    let env = |rank| DistEnv {
+        rank,
+        world_size: 2,
+        local_rank: rank,
+        master_addr: "127.0.0.1".into(),
+        master_port: server.port,
+        job_id: "test-run".into(),
+        restart: 0,
+        agent_store: true,
+    };
+    let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                s.spawn(move || {
+                    let p = (r == 0).then_some(&b"nccl-id"[..]);
+                    share_bytes_round(&env(r), 0, p, Duration::from_secs(30)).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, vec![b"nccl-id".to_vec(); 2]);
+    // Unblock the server script (it waits for `from-rust`).
+    let mut c = TcpStoreClient::connect(
+        "127.0.0.1",
+        server.port,
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
+    c.set(
+        "candle-test/from-rust",
+        b"done",
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
+}
+
+/// `torchrun --nproc_per_node 2 --no-python target/<profile>/examples/rendezvous`: both
+/// processes receive rank 0's bytes through torchrun's own store, twice.
+#[test]
+#[ignore = "needs PyTorch: scripts/test-torch.sh"]
+fn torchrun_launches_our_binary() {
+    // This test binary is target/<profile>/deps/torch_interop-…; the example sits beside deps.
+    let exe = std::env::current_exe().unwrap();
+    let example: PathBuf = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/rendezvous");
+    assert!(
+        example.exists(),
+        "build it first: cargo build --example rendezvous ({example:?})"
+    );
+    let out = Command::new(python())
+        .args([
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--no-python",
+        ])
+        .arg(&example)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "torchrun failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("rank ")).collect();
+    lines.sort();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    // "rank R of 2: <round 1> <round 2> via store"
+    let payload = |l: &str| {
+        let words: Vec<&str> = l.split(": ").nth(1).unwrap().split_whitespace().collect();
+        words[..2].join(" ")
+    };
+    assert_eq!(
+        payload(lines[0]),
+        payload(lines[1]),
+        "both ranks got rank 0's bytes"
+    );
+    assert!(lines.iter().all(|l| l.ends_with("via store")), "{stdout}");
+    let p = payload(lines[0]);
+    let rounds: Vec<&str> = p.split_whitespace().collect();
+    assert!(
+        rounds.len() == 2 && rounds[0].ends_with("00") && rounds[1].ends_with("01"),
+        "two rendezvous, in order: {p}"
+    );
+}
