@@ -14,8 +14,6 @@ use candle_distributed::collective::{Collective, Mpi, ReduceOp};
 use candle_distributed::SyncBatchNormConfig;
 use common::*;
 
-/// f64 throughout: rounding only.
-const TOL_F64: f64 = 1e-10;
 const WORLD: usize = 4;
 
 /// One check of the suite, run on every rank.
@@ -126,16 +124,85 @@ fn async_collectives(comm: &Arc<dyn Collective>) -> Result<()> {
     Ok(())
 }
 
+/// Every argument check runs after the ranks agree on the call: a bad argument on one rank is
+/// an error on every rank (the group stays usable); ranks that disagree (dtype, shape, op) get
+/// a mismatch on every rank, and the group is broken for every later call. Each case runs on a
+/// fresh subgroup of all ranks, since a mismatch breaks it.
 fn mismatches_fail_everywhere(comm: &Arc<dyn Collective>) -> Result<()> {
-    let len = if comm.rank() == 1 { 4 } else { 3 };
-    let t = Tensor::ones(len, DType::F32, &Device::Cpu)?;
-    let err = comm.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string();
-    ensure!(err.contains("same dtype and shape"), "{err}");
-    let bad_root = comm.broadcast(&t, 9).unwrap_err().to_string();
-    ensure!(bad_root.contains("out of range"), "{bad_root}");
-    let odd = Tensor::ones((3, 2), DType::F32, &Device::Cpu)?;
-    let err = comm
+    let fresh = || -> Result<Arc<dyn Collective>> {
+        Ok(comm
+            .split(Some(0), comm.rank() as u32)?
+            .expect("every rank joins"))
+    };
+    let one = |rank: usize| comm.rank() == rank;
+    let t = Tensor::ones(3, DType::F32, &Device::Cpu)?;
+
+    // Arguments invalid on one rank only (a split color beyond MPI's range on rank 1): an
+    // error on every rank, the group still usable; invalid on every rank (root 9 of 4) alike.
+    let g = fresh()?;
+    let color = if one(1) { Some(u32::MAX) } else { Some(0) };
+    let err = g
+        .split(color, 0)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("invalid arguments on rank(s) [1]"),
+        "split: {err}"
+    );
+    if one(1) {
+        ensure!(err.contains("exceeds i32"), "{err}");
+    }
+    let err = g.broadcast(&t, 9).unwrap_err().to_string();
+    ensure!(
+        err.contains("invalid arguments on rank(s) [0, 1, 2, 3]")
+            && err.contains("root 9 out of range"),
+        "{err}"
+    );
+    ensure!(
+        g.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()? == [4.0; 3],
+        "still usable"
+    );
+
+    // Different roots: the ranks disagree, a mismatch everywhere.
+    let g = fresh()?;
+    let root = if one(2) { 3 } else { 0 };
+    let err = g.broadcast(&t, root).unwrap_err().to_string();
+    ensure!(
+        err.contains("ranks disagree") && err.contains("argument 3"),
+        "{err}"
+    );
+
+    // Different shapes (reduce_scatter rows 5 on rank 0, 4 elsewhere): a mismatch everywhere,
+    // then the group is broken.
+    let g = fresh()?;
+    let rows = if one(0) { 5 } else { 4 };
+    let odd = Tensor::ones((rows, 2), DType::F32, &Device::Cpu)?;
+    let err = g
         .reduce_scatter(&odd, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    ensure!(err.contains("same dtype and shape"), "{err}");
+    let later = g.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string();
+    ensure!(
+        later.contains("the group is broken") && later.contains("reduce_scatter"),
+        "{later}"
+    );
+
+    // Different dtypes, and rows that do not divide evenly on every rank.
+    let g = fresh()?;
+    let d = if one(3) { DType::F64 } else { DType::F32 };
+    let err = g
+        .all_reduce(&t.to_dtype(d)?, ReduceOp::Avg)
+        .unwrap_err()
+        .to_string();
+    ensure!(err.contains("same dtype and shape"), "{err}");
+    let g = fresh()?;
+    let err = g
+        .reduce_scatter(
+            &Tensor::ones((3, 2), DType::F32, &Device::Cpu)?,
+            ReduceOp::Sum,
+        )
         .unwrap_err()
         .to_string();
     ensure!(err.contains("multiple of the world size"), "{err}");
@@ -216,11 +283,11 @@ fn sync_bn_matches_one_process(comm: &Arc<dyn Collective>, channels_last: bool) 
         let want_y = &split_batch(&yref, &batches)[r];
         let want_dx = &split_batch(&dxref, &batches)[r];
         ensure!(
-            max_abs_diff(&unlay(&y), want_y) <= TOL_F64,
+            max_abs_diff(&unlay(&y), want_y) <= tol::F64,
             "step {step}: output"
         );
         ensure!(
-            max_abs_diff(&unlay(&dx), want_dx) <= TOL_F64,
+            max_abs_diff(&unlay(&dx), want_dx) <= tol::F64,
             "step {step}: dx"
         );
         let dgamma = grads
@@ -236,7 +303,7 @@ fn sync_bn_matches_one_process(comm: &Arc<dyn Collective>, channels_last: bool) 
         );
     }
     let got = bn.running_mean().expect("running stats");
-    ensure!(max_abs_diff(got, &running) <= TOL_F64, "running mean");
+    ensure!(max_abs_diff(got, &running) <= tol::F64, "running mean");
     Ok(())
 }
 
@@ -263,6 +330,6 @@ fn sync_bn_in_subgroups(comm: &Arc<dyn Collective>) -> Result<()> {
     let x = Tensor::cat(&[&pieces[group[0]], &pieces[group[1]]], 0)?;
     let (want, _, _) = reference_bn(&x, None, None, None, false, 1e-5);
     let want = &split_batch(&want, &[batches[group[0]], batches[group[1]]])[r % 2];
-    ensure!(max_abs_diff(&y, want) <= TOL_F64, "subgroup output");
+    ensure!(max_abs_diff(&y, want) <= tol::F64, "subgroup output");
     Ok(())
 }

@@ -116,6 +116,8 @@ struct MpiCollective {
     /// (MPI matches collectives per communicator); `None` on that duplicate itself.
     async_comm: Option<Arc<MpiCollective>>,
     worker: Worker,
+    /// Set on every rank alike when the ranks disagreed on a call: later calls fail with it.
+    broken: Mutex<Option<String>>,
     _env: Arc<Env>,
 }
 
@@ -226,9 +228,22 @@ fn op_code(kind: &str, op: Option<ReduceOp>) -> i64 {
         "reduce_scatter" => 20,
         "all_gather" => 30,
         "broadcast" => 40,
-        _ => 50,
+        "barrier" => 50,
+        "split" => 60,
+        _ => 70,
     };
     base + op.map_or(0, |o| o as i64 + 1)
+}
+
+/// `ReduceOp::Avg` needs a float dtype: this rank's verdict, shared by `agree`.
+fn avg_dtype(t: &Tensor, op: ReduceOp) -> std::result::Result<(), String> {
+    if op == ReduceOp::Avg && !t.dtype().is_float() {
+        return Err(format!(
+            "ReduceOp::Avg needs a float dtype, got {:?}",
+            t.dtype()
+        ));
+    }
+    Ok(())
 }
 
 fn dtype_code(d: DType) -> i64 {
@@ -260,6 +275,7 @@ impl MpiCollective {
             timeout,
             async_comm,
             worker: Worker::default(),
+            broken: Mutex::new(None),
             _env: env,
         }
     }
@@ -303,37 +319,72 @@ impl MpiCollective {
         }
     }
 
-    /// Every rank's descriptor `[op, dtype, shape, extra]`; errors on every rank unless all agree.
+    /// The ranks agree on a call before anything else happens: every rank's descriptor
+    /// `[op, dtype, shape, extra]` and the verdict of its own argument checks (`local`) travel
+    /// in one all-gather. Descriptors that differ make the call a mismatch on every rank and
+    /// mark the group broken, so that later calls fail too; otherwise a rank whose check failed
+    /// makes the call an error on every rank (the group stays usable: every rank skipped the
+    /// same call).
     fn agree(
         &self,
         op: &'static str,
         desc: [i64; 4],
-        describe: impl Fn(&[i64]) -> String,
+        local: std::result::Result<(), String>,
     ) -> Result<()> {
-        let mut all = vec![0i64; 4 * self.world];
+        if let Some(reason) = self
+            .broken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Err(CollectiveError::RankLeft {
+                backend: BACKEND,
+                op,
+                call: 0,
+                rank: self.rank,
+                reason: format!("the group is broken: {reason}"),
+            }
+            .into());
+        }
+        let mine = [desc[0], desc[1], desc[2], desc[3], i64::from(local.is_ok())];
+        let mut all = vec![0i64; 5 * self.world];
         mpi::request::scope(|scope| {
             let req = locked(|| {
                 self.comm
-                    .immediate_all_gather_into(scope, &desc[..], &mut all[..])
+                    .immediate_all_gather_into(scope, &mine[..], &mut all[..])
             });
             self.wait(op, req);
         });
         let first = &all[..4];
-        if all.chunks(4).any(|d| d != first) {
+        if all.chunks(5).any(|d| &d[..4] != first) {
             let detail = all
-                .chunks(4)
+                .chunks(5)
                 .enumerate()
-                .map(|(r, d)| format!("rank {r}: {}", describe(d)))
+                .map(|(r, d)| format!("rank {r}: {}", Self::describe(d)))
                 .collect::<Vec<_>>()
                 .join("; ");
+            let detail = format!(
+                "every rank must call the same collective with the same dtype and shape: {detail}"
+            );
+            *self.broken.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(format!("{op}: {detail}"));
             return Err(CollectiveError::Mismatch {
                 backend: BACKEND,
                 call: 0,
-                detail: format!(
-                    "every rank must call the same collective with the same dtype and shape: {detail}"
-                ),
+                detail,
             }
             .into());
+        }
+        let failed: Vec<usize> = (0..self.world).filter(|r| all[5 * r + 4] == 0).collect();
+        if !failed.is_empty() {
+            let here = match local {
+                Err(why) => format!("; here: {why}"),
+                Ok(()) => String::new(),
+            };
+            return Err(invalid(
+                op,
+                format!("invalid arguments on rank(s) {failed:?}, so the call fails on every rank{here}"),
+            ));
         }
         Ok(())
     }
@@ -360,15 +411,8 @@ impl MpiCollective {
         )
     }
 
+    /// The element-wise reduction of an agreed call (`agree` has run).
     fn reduce(&self, op: &'static str, t: &Tensor, rop: ReduceOp) -> Result<Tensor> {
-        if rop == ReduceOp::Avg && !t.dtype().is_float() {
-            return Err(invalid(
-                op,
-                format!("ReduceOp::Avg needs a float dtype, got {:?}", t.dtype()),
-            ));
-        }
-        let desc = Self::descriptor(op, Some(rop), t, t.dims(), 0);
-        self.agree(op, desc, Self::describe)?;
         let send = HostBuf::of(t)?;
         let n = t.elem_count();
         let mut recv = send.zeros_like(n);
@@ -420,23 +464,35 @@ impl Collective for MpiCollective {
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.reduce("all_reduce", t, op)
+        const OP: &str = "all_reduce";
+        let desc = Self::descriptor(OP, Some(op), t, t.dims(), 0);
+        self.agree(OP, desc, avg_dtype(t, op))?;
+        self.reduce(OP, t, op)
     }
 
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        // Checked on every rank before any communication (the shape is agreed on below).
-        scatter_rows(t, self.rank, self.world)?;
-        let full = self.reduce("reduce_scatter", t, op)?;
+        const OP: &str = "reduce_scatter";
+        let desc = Self::descriptor(OP, Some(op), t, t.dims(), 0);
+        let local = avg_dtype(t, op).and_then(|()| {
+            scatter_rows(t, self.rank, self.world)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        self.agree(OP, desc, local)?;
+        let full = self.reduce(OP, t, op)?;
         scatter_rows(&full, self.rank, self.world)
     }
 
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
         const OP: &str = "all_gather";
-        if t.rank() == 0 {
-            return Err(invalid(OP, "expected a tensor of rank ≥ 1".into()));
-        }
-        let rest = &t.dims()[1..];
-        self.agree(OP, Self::descriptor(OP, None, t, rest, 0), Self::describe)?;
+        let rest = t.dims().get(1..).unwrap_or(&[]);
+        let local = if t.rank() == 0 {
+            Err("expected a tensor of rank ≥ 1".to_string())
+        } else {
+            Ok(())
+        };
+        let desc = Self::descriptor(OP, None, t, rest, t.rank() as i64);
+        self.agree(OP, desc, local)?;
         let row: usize = rest.iter().product();
         let mut rows = vec![0i64; self.world];
         let mine = [t.dims()[0] as i64];
@@ -486,16 +542,18 @@ impl Collective for MpiCollective {
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
-        if root >= self.world {
-            return Err(invalid(
-                OP,
-                format!("root {root} out of range for world size {}", self.world),
-            ));
-        }
+        let local = if root >= self.world {
+            Err(format!(
+                "root {root} out of range for world size {}",
+                self.world
+            ))
+        } else {
+            Ok(())
+        };
         self.agree(
             OP,
             Self::descriptor(OP, None, t, t.dims(), root as i64),
-            Self::describe,
+            local,
         )?;
         let mut buf = HostBuf::of(t)?;
         let root_proc = self.comm.process_at_rank(root as i32);
@@ -511,7 +569,7 @@ impl Collective for MpiCollective {
         self.agree(
             "barrier",
             Self::descriptor("barrier", None, &token, token.dims(), 0),
-            Self::describe,
+            Ok(()),
         )?;
         let req = locked(|| self.comm.immediate_barrier());
         self.wait("barrier", req);
@@ -519,20 +577,25 @@ impl Collective for MpiCollective {
     }
 
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
-        let color = match color {
-            Some(c) => Color::with_value(
-                i32::try_from(c).map_err(|_| invalid("split", format!("color {c} exceeds i32")))?,
-            ),
-            None => Color::undefined(),
-        };
-        let key =
-            i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;
+        const OP: &str = "split";
+        let as_i32 =
+            |what: &str, v: u32| i32::try_from(v).map_err(|_| format!("{what} {v} exceeds i32"));
+        let checked = color
+            .map(|c| as_i32("color", c))
+            .transpose()
+            .and_then(|c| Ok((c, as_i32("key", key)?)));
+        let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
         // MPI_Comm_split (and the MPI_Comm_dup of the new communicator) block while holding
-        // the process's MPI lock: a polled barrier first (lock released between polls, so this
-        // process's communication thread keeps progressing), after which every rank's split
-        // returns promptly.
-        let req = locked(|| self.comm.immediate_barrier());
-        self.wait("split", req);
+        // the process's MPI lock: the agreement first (a polled all-gather, the lock released
+        // between polls, so this process's communication thread keeps progressing), after which
+        // every rank's split returns promptly.
+        self.agree(
+            OP,
+            Self::descriptor(OP, None, &token, token.dims(), 0),
+            checked.as_ref().map(|_| ()).map_err(Clone::clone),
+        )?;
+        let (color, key) = checked.expect("agreed above: every rank's arguments are valid");
+        let color = color.map_or(Color::undefined(), Color::with_value);
         let sub = locked(|| self.comm.split_by_color_with_key(color, key));
         Ok(sub.map(|c| {
             Arc::new(MpiCollective::new(c, self._env.clone(), self.timeout, true))
@@ -551,7 +614,6 @@ impl Collective for MpiCollective {
     }
 
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        scatter_rows(t, self.rank, self.world)?;
         let t = t.clone();
         self.start(move |c| c.reduce_scatter(&t, op))
     }
