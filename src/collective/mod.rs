@@ -20,6 +20,7 @@ mod error;
 mod mpi;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod op;
 mod pending;
 pub mod store;
 mod threads;
@@ -29,6 +30,7 @@ pub use error::CollectiveError;
 pub use mpi::Mpi;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclCollective, NcclGroup};
+pub use op::Op;
 pub use pending::Pending;
 pub(crate) use pending::Worker;
 pub use threads::ThreadGroup;

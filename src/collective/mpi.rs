@@ -22,7 +22,7 @@ use mpi::traits::*;
 use mpi::Threading;
 
 use super::{
-    scatter_rows, Collective, CollectiveError, Pending, ReduceOp, Worker, DEFAULT_TIMEOUT,
+    scatter_rows, Collective, CollectiveError, Op, Pending, ReduceOp, Worker, DEFAULT_TIMEOUT,
 };
 
 const BACKEND: &str = "MPI";
@@ -221,20 +221,6 @@ fn recv_dtype(d: DType) -> DType {
     }
 }
 
-/// Operation codes of the descriptor every rank exchanges before a collective.
-fn op_code(kind: &str, op: Option<ReduceOp>) -> i64 {
-    let base = match kind {
-        "all_reduce" => 10,
-        "reduce_scatter" => 20,
-        "all_gather" => 30,
-        "broadcast" => 40,
-        "barrier" => 50,
-        "split" => 60,
-        _ => 70,
-    };
-    base + op.map_or(0, |o| o as i64 + 1)
-}
-
 /// `ReduceOp::Avg` needs a float dtype: this rank's verdict, shared by `agree`.
 fn avg_dtype(t: &Tensor, op: ReduceOp) -> std::result::Result<(), String> {
     if op == ReduceOp::Avg && !t.dtype().is_float() {
@@ -389,19 +375,8 @@ impl MpiCollective {
         Ok(())
     }
 
-    fn descriptor(
-        op: &'static str,
-        rop: Option<ReduceOp>,
-        t: &Tensor,
-        dims: &[usize],
-        extra: i64,
-    ) -> [i64; 4] {
-        [
-            op_code(op, rop),
-            dtype_code(t.dtype()),
-            shape_code(dims),
-            extra,
-        ]
+    fn descriptor(op: Op, t: &Tensor, dims: &[usize], extra: i64) -> [i64; 4] {
+        [op.code(), dtype_code(t.dtype()), shape_code(dims), extra]
     }
 
     fn describe(d: &[i64]) -> String {
@@ -465,14 +440,14 @@ impl Collective for MpiCollective {
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "all_reduce";
-        let desc = Self::descriptor(OP, Some(op), t, t.dims(), 0);
+        let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
         self.agree(OP, desc, avg_dtype(t, op))?;
         self.reduce(OP, t, op)
     }
 
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
-        let desc = Self::descriptor(OP, Some(op), t, t.dims(), 0);
+        let desc = Self::descriptor(Op::ReduceScatter(op), t, t.dims(), 0);
         let local = avg_dtype(t, op).and_then(|()| {
             scatter_rows(t, self.rank, self.world)
                 .map(|_| ())
@@ -491,7 +466,7 @@ impl Collective for MpiCollective {
         } else {
             Ok(())
         };
-        let desc = Self::descriptor(OP, None, t, rest, t.rank() as i64);
+        let desc = Self::descriptor(Op::AllGather, t, rest, t.rank() as i64);
         self.agree(OP, desc, local)?;
         let row: usize = rest.iter().product();
         let mut rows = vec![0i64; self.world];
@@ -552,7 +527,7 @@ impl Collective for MpiCollective {
         };
         self.agree(
             OP,
-            Self::descriptor(OP, None, t, t.dims(), root as i64),
+            Self::descriptor(Op::Broadcast(root), t, t.dims(), root as i64),
             local,
         )?;
         let mut buf = HostBuf::of(t)?;
@@ -568,7 +543,7 @@ impl Collective for MpiCollective {
         let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
         self.agree(
             "barrier",
-            Self::descriptor("barrier", None, &token, token.dims(), 0),
+            Self::descriptor(Op::Barrier, &token, token.dims(), 0),
             Ok(()),
         )?;
         let req = locked(|| self.comm.immediate_barrier());
@@ -591,7 +566,7 @@ impl Collective for MpiCollective {
         // every rank's split returns promptly.
         self.agree(
             OP,
-            Self::descriptor(OP, None, &token, token.dims(), 0),
+            Self::descriptor(Op::Split, &token, token.dims(), 0),
             checked.as_ref().map(|_| ()).map_err(Clone::clone),
         )?;
         let (color, key) = checked.expect("agreed above: every rank's arguments are valid");

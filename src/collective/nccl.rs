@@ -30,7 +30,7 @@ use candle_core::{
 };
 
 use super::bootstrap::{share_bytes, DistEnv};
-use super::{Collective, CollectiveError, Pending, ReduceOp, DEFAULT_TIMEOUT};
+use super::{Collective, CollectiveError, Op, Pending, ReduceOp, DEFAULT_TIMEOUT};
 use crate::ops::cuda::view;
 
 const BACKEND: &str = "NCCL";
@@ -514,7 +514,7 @@ impl NcclCollective {
 
     /// Enqueues one collective on `t` (on this rank's GPU) on the device's stream and returns
     /// its output tensor.
-    fn enqueue(&self, what: What, t: &Tensor) -> Result<Tensor> {
+    fn enqueue(&self, what: Op, t: &Tensor) -> Result<Tensor> {
         self.enqueue_on(what, t, None)
     }
 
@@ -522,7 +522,7 @@ impl NcclCollective {
     /// stream (its input); `wait` makes the device's stream wait for it.
     fn start(
         &self,
-        what: What,
+        what: Op,
         t: &Tensor,
         finish: impl FnOnce(Tensor) -> Result<Tensor> + Send + 'static,
     ) -> Result<Pending> {
@@ -536,12 +536,7 @@ impl NcclCollective {
         }))
     }
 
-    fn enqueue_on(
-        &self,
-        what: What,
-        t: &Tensor,
-        stream: Option<Arc<CudaStream>>,
-    ) -> Result<Tensor> {
+    fn enqueue_on(&self, what: Op, t: &Tensor, stream: Option<Arc<CudaStream>>) -> Result<Tensor> {
         let op = what.name();
         self.check_usable(op)?;
         if !t.device().same_device(&self.device()) {
@@ -581,12 +576,21 @@ impl NcclCollective {
         }
         let n = t.dims()[0];
         let counts = Tensor::new(&[n as i64], &self.device())?;
-        let counts: Vec<usize> = self
-            .enqueue(What::AllGather, &counts)?
-            .to_vec1::<i64>()?
-            .into_iter()
-            .map(|c| c as usize)
-            .collect();
+        let counts = self.enqueue(Op::AllGather, &counts)?.to_vec1::<i64>()?;
+        // The read waited for the stream: if the watchdog aborted the gather meanwhile, the
+        // buffer was never written, and its bytes are not row counts.
+        self.check_usable("all_gather")?;
+        let row: usize = t.dims()[1..].iter().product::<usize>().max(1);
+        let limit = (isize::MAX as usize / row / t.dtype().size_in_bytes()) as i64;
+        if let Some(bad) = counts.iter().find(|&&c| !(0..=limit).contains(&c)) {
+            return Err(invalid(
+                "all_gather",
+                format!(
+                    "a rank reported {bad} rows (row counts {counts:?}): not a valid row count"
+                ),
+            ));
+        }
+        let counts: Vec<usize> = counts.into_iter().map(|c| c as usize).collect();
         let max = counts.iter().copied().max().unwrap_or(0);
         if n == max {
             return Ok((t.clone(), counts, max));
@@ -637,25 +641,6 @@ fn unique_id() -> Result<[u8; 128]> {
     Ok(id.internal.map(|c| c as u8))
 }
 
-#[derive(Debug, Clone, Copy)]
-enum What {
-    AllReduce(ReduceOp),
-    ReduceScatter(ReduceOp),
-    AllGather,
-    Broadcast(usize),
-}
-
-impl What {
-    fn name(self) -> &'static str {
-        match self {
-            What::AllReduce(_) => "all_reduce",
-            What::ReduceScatter(_) => "reduce_scatter",
-            What::AllGather => "all_gather",
-            What::Broadcast(_) => "broadcast",
-        }
-    }
-}
-
 fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     match op {
         ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
@@ -668,7 +653,7 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 /// The collective as a candle op, so that its output is an ordinary device tensor.
 struct Enqueue<'a> {
     c: &'a NcclCollective,
-    what: What,
+    what: Op,
     /// The stream to enqueue on; `None` for the device's stream.
     stream: Option<Arc<CudaStream>>,
 }
@@ -697,16 +682,19 @@ impl CustomOp1 for Enqueue<'_> {
             let n = l.shape().elem_count();
             let dims = l.dims();
             let (out_len, out_dims) = match e.what {
-                What::AllReduce(_) | What::Broadcast(_) => (n, dims.to_vec()),
-                What::ReduceScatter(_) => {
+                Op::AllReduce(_) | Op::Broadcast(_) => (n, dims.to_vec()),
+                Op::ReduceScatter(_) => {
                     let mut d = dims.to_vec();
                     d[0] /= c.world;
                     (n / c.world, d)
                 }
-                What::AllGather => {
+                Op::AllGather => {
                     let mut d = dims.to_vec();
                     d[0] *= c.world;
                     (n * c.world, d)
+                }
+                Op::Barrier | Op::Split => {
+                    return Err(invalid(op, "not a collective NCCL enqueues".into()))
                 }
             };
             // SAFETY: NCCL writes every element of the output.
@@ -730,15 +718,18 @@ impl CustomOp1 for Enqueue<'_> {
                     // communicator was neither aborted nor dropped.
                     let r = unsafe {
                         match e.what {
-                            What::AllReduce(o) => {
+                            Op::AllReduce(o) => {
                                 result::all_reduce(sp, dp, n, ty, nccl_op(o), comm.0, cs)
                             }
-                            What::ReduceScatter(o) => {
+                            Op::ReduceScatter(o) => {
                                 result::reduce_scatter(sp, dp, out_len, ty, nccl_op(o), comm.0, cs)
                             }
-                            What::AllGather => result::all_gather(sp, dp, n, ty, comm.0, cs),
-                            What::Broadcast(root) => {
+                            Op::AllGather => result::all_gather(sp, dp, n, ty, comm.0, cs),
+                            Op::Broadcast(root) => {
                                 result::broadcast(sp, dp, n, ty, root as i32, comm.0, cs)
+                            }
+                            Op::Barrier | Op::Split => {
+                                unreachable!("rejected when the output shape was computed")
                             }
                         }
                     };
@@ -784,19 +775,19 @@ impl Collective for NcclCollective {
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.enqueue(What::AllReduce(op), t)
+        self.enqueue(Op::AllReduce(op), t)
     }
 
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         super::scatter_rows(t, self.rank, self.world)?;
-        self.enqueue(What::ReduceScatter(op), t)
+        self.enqueue(Op::ReduceScatter(op), t)
     }
 
     /// Unequal row counts are supported: the counts are all-gathered and read back to the host
     /// (one synchronisation), every rank's rows padded to the largest, gathered, then unpadded.
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
         let (padded, counts, max) = self.pad_for_gather(t)?;
-        unpad(&self.enqueue(What::AllGather, &padded)?, &counts, max)
+        unpad(&self.enqueue(Op::AllGather, &padded)?, &counts, max)
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -806,32 +797,30 @@ impl Collective for NcclCollective {
                 format!("root {root} out of range for world size {}", self.world),
             ));
         }
-        self.enqueue(What::Broadcast(root), t)
+        self.enqueue(Op::Broadcast(root), t)
     }
 
     /// An all-reduce of one value, then a wait for the stream: returns once every rank arrived.
     fn barrier(&self) -> Result<()> {
         let token = Tensor::zeros(1, DType::F32, &self.device())?;
-        self.enqueue(What::AllReduce(ReduceOp::Sum), &token)?;
+        self.enqueue(Op::AllReduce(ReduceOp::Sum), &token)?;
         self.device.cuda_stream().synchronize().w()?;
         self.check_usable("barrier")
     }
 
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.start(What::AllReduce(op), t, Ok)
+        self.start(Op::AllReduce(op), t, Ok)
     }
 
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         super::scatter_rows(t, self.rank, self.world)?;
-        self.start(What::ReduceScatter(op), t, Ok)
+        self.start(Op::ReduceScatter(op), t, Ok)
     }
 
     /// The row counts are exchanged (and read back) before the gather is started.
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
         let (padded, counts, max) = self.pad_for_gather(t)?;
-        self.start(What::AllGather, &padded, move |all| {
-            unpad(&all, &counts, max)
-        })
+        self.start(Op::AllGather, &padded, move |all| unpad(&all, &counts, max))
     }
 
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {

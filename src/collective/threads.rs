@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::{
-    scatter_rows, split_members, Collective, CollectiveError, Pending, ReduceOp, Worker,
+    scatter_rows, split_members, Collective, CollectiveError, Op, Pending, ReduceOp, Worker,
     DEFAULT_TIMEOUT,
 };
 
@@ -140,44 +140,20 @@ struct Finished {
     readers_left: usize,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    AllReduce(ReduceOp),
-    ReduceScatter(ReduceOp),
-    AllGather,
-    Broadcast(usize),
-    Barrier,
-    Split,
-}
-
-impl Kind {
-    fn name(self) -> &'static str {
-        match self {
-            Kind::AllReduce(_) => "all_reduce",
-            Kind::ReduceScatter(_) => "reduce_scatter",
-            Kind::Split => "split",
-            Kind::AllGather => "all_gather",
-            Kind::Broadcast(_) => "broadcast",
-            Kind::Barrier => "barrier",
-        }
-    }
-}
-
 #[derive(Debug)]
 struct Contribution {
-    kind: Kind,
+    kind: Op,
     tensor: Tensor,
 }
 
 impl Contribution {
     fn describe(&self) -> String {
-        let kind = match self.kind {
-            Kind::AllReduce(op) => format!("all_reduce({op:?})"),
-            Kind::ReduceScatter(op) => format!("reduce_scatter({op:?})"),
-            Kind::Broadcast(root) => format!("broadcast(root={root})"),
-            k => k.name().to_string(),
-        };
-        format!("{kind} {:?} {:?}", self.tensor.dtype(), self.tensor.dims())
+        format!(
+            "{} {:?} {:?}",
+            self.kind,
+            self.tensor.dtype(),
+            self.tensor.dims()
+        )
     }
 }
 
@@ -198,20 +174,20 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 impl ThreadRank {
-    fn call(&self, kind: Kind, t: &Tensor) -> Result<Tensor> {
+    fn call(&self, kind: Op, t: &Tensor) -> Result<Tensor> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
         complete(&self.shared, self.rank, call, kind, t)
     }
 
     /// Takes the call's place in the order now and completes it on the communication thread.
-    fn call_async(&self, kind: Kind, t: &Tensor) -> Result<Pending> {
+    fn call_async(&self, kind: Op, t: &Tensor) -> Result<Pending> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
         let (shared, rank, t) = (self.shared.clone(), self.rank, t.clone());
         let world = self.shared.world;
         self.worker.submit(BACKEND, move || {
             let out = complete(&shared, rank, call, kind, &t)?;
             match kind {
-                Kind::ReduceScatter(_) => scatter_rows(&out, rank, world),
+                Op::ReduceScatter(_) => scatter_rows(&out, rank, world),
                 _ => Ok(out),
             }
         })
@@ -220,7 +196,7 @@ impl ThreadRank {
 
 /// Deposits rank `rank`'s tensor in slot `call`, computes the result if it is the last to
 /// arrive, and waits for it (or for the timeout, or for the group to break).
-fn complete(sh: &Shared, rank: usize, call: u64, kind: Kind, t: &Tensor) -> Result<Tensor> {
+fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result<Tensor> {
     let device = t.device().clone();
     let tensor = t.to_device(&Device::Cpu)?;
     let mut st = lock(&sh.state);
@@ -294,7 +270,7 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Kind, t: &Tensor) -> Resu
     }
 }
 
-fn left(rank: usize, kind: Kind, call: u64, reason: String) -> CollectiveError {
+fn left(rank: usize, kind: Op, call: u64, reason: String) -> CollectiveError {
     CollectiveError::RankLeft {
         backend: BACKEND,
         op: kind.name(),
@@ -329,7 +305,7 @@ impl Drop for ThreadRank {
 fn combine(call: u64, cs: &[Contribution]) -> std::result::Result<Tensor, CollectiveError> {
     let first = &cs[0];
     let same_rest = |c: &Contribution| match first.kind {
-        Kind::AllGather | Kind::Split => {
+        Op::AllGather | Op::Split => {
             c.tensor.rank() >= 1
                 && first.tensor.rank() >= 1
                 && c.tensor.dims()[1..] == first.tensor.dims()[1..]
@@ -363,16 +339,16 @@ fn combine(call: u64, cs: &[Contribution]) -> std::result::Result<Tensor, Collec
     };
     let tensors: Vec<&Tensor> = cs.iter().map(|c| &c.tensor).collect();
     let result = match first.kind {
-        Kind::AllReduce(op) => reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?,
-        Kind::ReduceScatter(op) => {
+        Op::AllReduce(op) => reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?,
+        Op::ReduceScatter(op) => {
             // Checked here, once, so that every rank gets the same error.
             scatter_rows(&first.tensor, 0, cs.len()).map_err(|e| invalid(e.to_string()))?;
             reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?
         }
-        Kind::AllGather | Kind::Split => {
+        Op::AllGather | Op::Split => {
             Tensor::cat(&tensors, 0).map_err(|e| invalid(e.to_string()))?
         }
-        Kind::Broadcast(root) => {
+        Op::Broadcast(root) => {
             if root >= cs.len() {
                 return Err(invalid(format!(
                     "root {root} out of range for world size {}",
@@ -381,7 +357,7 @@ fn combine(call: u64, cs: &[Contribution]) -> std::result::Result<Tensor, Collec
             }
             tensors[root].clone()
         }
-        Kind::Barrier => first.tensor.clone(),
+        Op::Barrier => first.tensor.clone(),
     };
     Ok(result)
 }
@@ -421,44 +397,44 @@ impl Collective for ThreadRank {
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.call(Kind::AllReduce(op), t)
+        self.call(Op::AllReduce(op), t)
     }
 
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        self.call(Kind::AllGather, t)
+        self.call(Op::AllGather, t)
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        self.call(Kind::Broadcast(root), t)
+        self.call(Op::Broadcast(root), t)
     }
 
     fn barrier(&self) -> Result<()> {
         let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
-        self.call(Kind::Barrier, &token).map(|_| ())
+        self.call(Op::Barrier, &token).map(|_| ())
     }
 
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let full = self.call(Kind::ReduceScatter(op), t)?;
+        let full = self.call(Op::ReduceScatter(op), t)?;
         scatter_rows(&full, self.rank, self.shared.world)
     }
 
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.call_async(Kind::AllReduce(op), t)
+        self.call_async(Op::AllReduce(op), t)
     }
 
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
-        self.call_async(Kind::AllGather, t)
+        self.call_async(Op::AllGather, t)
     }
 
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.call_async(Kind::ReduceScatter(op), t)
+        self.call_async(Op::ReduceScatter(op), t)
     }
 
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
         // Every rank's (color, key), gathered in rank order; u32::MAX + 1 stands for no color.
         let mine = [color.map_or(1 << 32, i64::from), i64::from(key)];
         let call = self.next_call.load(Ordering::SeqCst);
-        let all = self.call(Kind::Split, &Tensor::new(&[mine], &Device::Cpu)?)?;
+        let all = self.call(Op::Split, &Tensor::new(&[mine], &Device::Cpu)?)?;
         let all: Vec<(Option<u32>, u32)> = all
             .to_vec2::<i64>()?
             .into_iter()
