@@ -212,6 +212,9 @@ fn bad_arguments_are_errors(dev: &Device) -> Result<()> {
     assert!(err(max_pool2d(&x.flatten_from(2)?, 3, 2, 1))
         .contains("expected an input of shape (N, C, H, W)"));
     assert!(err(max_pool2d(&x.to_dtype(DType::U32)?, 3, 2, 1)).contains("unsupported dtype"));
+    let flat = on(dev, &Tensor::zeros((1, 2, 0, 4), DType::F32, &Device::Cpu)?);
+    assert!(err(max_pool2d(&flat, 2, 2, 1)).contains("height and width must be at least 1"));
+    assert!(err(max_pool2d(&x, 1 << 33, 1, 1 << 32)).contains("fit in 32 bits"));
     Ok(())
 }
 

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
 
-use super::store::{connect_any, TcpStoreClient};
+use super::store::TcpStoreClient;
 
 /// Bytes that open every message of the standalone exchange (protocol name and version).
 const MAGIC: &[u8; 8] = b"CDBOOT02";
@@ -58,8 +58,8 @@ pub struct DistEnv {
     /// `MASTER_PORT`: port rank 0 listens on (or torchrun's agent store).
     pub master_port: u16,
     /// The job's identity: `TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_JOB_ID`, else `""`.
-    /// Ranks of different jobs refuse each other; launch concurrent jobs on one port with
-    /// different identities.
+    /// Rank 0 refuses a rank of another job (a leftover of an earlier run that reaches the
+    /// port); two jobs cannot share one port at once, since only one rank 0 can listen there.
     pub job_id: String,
     /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): torchrun's restart of the job.
     pub restart: u64,
@@ -217,7 +217,9 @@ fn identity(env: &DistEnv) -> u64 {
     h
 }
 
-/// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT` (at least one must bind).
+/// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT`. An address that is not
+/// this machine's (a NAT or service address, `EADDRNOTAVAIL`) is replaced by the wildcard of its
+/// family; an address in use is an error (another rank 0 holds the port).
 fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
     let addrs: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
         .to_socket_addrs()
@@ -228,31 +230,63 @@ fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
             ))
         })?
         .collect();
-    let mut out = Vec::new();
+    let mut out: Vec<TcpListener> = Vec::new();
+    let mut bound: Vec<SocketAddr> = Vec::new();
     let mut errors = Vec::new();
-    for a in &addrs {
-        match TcpListener::bind(a) {
-            Ok(l) => {
-                l.set_nonblocking(true)?;
-                out.push(l);
+    for a in addrs {
+        let err = bind(a, &mut out, &mut bound)?;
+        let err = match err {
+            Some(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                let any: SocketAddr = match a {
+                    SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, a.port()).into(),
+                    SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, a.port()).into(),
+                };
+                if bound.contains(&any) {
+                    None
+                } else {
+                    bind(any, &mut out, &mut bound)?
+                }
             }
-            Err(e) => errors.push(format!("{a}: {e}")),
+            e => e,
+        };
+        match err {
+            Some(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
+                "bootstrap: rank 0 cannot listen on {a}: {e}{}",
+                if env.agent_store {
+                    String::new()
+                } else {
+                    " (another process holds the port; under torchrun, whose agent serves a store there, TORCHELASTIC_USE_AGENT_STORE=True must be set, as torchrun does)".to_string()
+                }
+            ),
+            Some(e) => errors.push(format!("{a}: {e}")),
+            None => {}
         }
     }
     if out.is_empty() {
         bail!(
-            "bootstrap: rank 0 cannot listen on MASTER_ADDR={}:{} ({}){}",
+            "bootstrap: rank 0 cannot listen on MASTER_ADDR={}:{} ({})",
             env.master_addr,
             env.master_port,
-            errors.join("; "),
-            if env.agent_store {
-                ""
-            } else {
-                " — under torchrun, whose agent already serves a store there, set TORCHELASTIC_USE_AGENT_STORE=True (torchrun does)"
-            }
+            errors.join("; ")
         )
     }
     Ok(out)
+}
+
+/// Binds `a` (non-blocking) into `out`/`bound`; the bind error, if any.
+fn bind(
+    a: SocketAddr,
+    out: &mut Vec<TcpListener>,
+    bound: &mut Vec<SocketAddr>,
+) -> Result<Option<std::io::Error>> {
+    let l = match TcpListener::bind(a) {
+        Ok(l) => l,
+        Err(e) => return Ok(Some(e)),
+    };
+    l.set_nonblocking(true)?;
+    bound.push(a);
+    out.push(l);
+    Ok(None)
 }
 
 /// What one client connection turned out to be.
@@ -270,69 +304,131 @@ fn serve(
     deadline: Instant,
     timeout: Duration,
 ) -> Result<()> {
+    if env.world_size == 1 {
+        return Ok(());
+    }
     let listeners = listeners(env)?;
     let (tx, rx) = mpsc::channel::<Client>();
     let mut served: HashSet<usize> = HashSet::new();
     let mut dropped: Vec<String> = Vec::new();
+    // A handle on every connection, shut down on the way out so that no answering thread
+    // (an idle or slow client) keeps rank 0 waiting once the exchange is over.
+    let mut open: Vec<TcpStream> = Vec::new();
     let id = identity(env);
     std::thread::scope(|s| -> Result<()> {
-        while served.len() + 1 < env.world_size {
-            let mut idle = true;
-            for l in &listeners {
-                match l.accept() {
-                    Ok((stream, peer)) => {
-                        idle = false;
-                        let tx = tx.clone();
-                        let client_deadline = (Instant::now() + CLIENT_DEADLINE).min(deadline);
-                        s.spawn(move || {
-                            let outcome = answer(stream, env, (id, seq), payload, client_deadline)
-                                .unwrap_or_else(|e| Client::Dropped(format!("{peer}: {e}")));
-                            let _ = tx.send(outcome);
-                        });
+        let result = (|| -> Result<()> {
+            while served.len() + 1 < env.world_size {
+                let mut idle = true;
+                for l in &listeners {
+                    match l.accept() {
+                        Ok((stream, peer)) => {
+                            idle = false;
+                            if let Ok(c) = stream.try_clone() {
+                                open.push(c);
+                            }
+                            let tx = tx.clone();
+                            let client_deadline = (Instant::now() + CLIENT_DEADLINE).min(deadline);
+                            s.spawn(move || {
+                                let outcome =
+                                    answer(stream, env, (id, seq), payload, client_deadline)
+                                        .unwrap_or_else(|e| {
+                                            Client::Dropped(format!("{peer}: {e}"))
+                                        });
+                                let _ = tx.send(outcome);
+                            });
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) => dropped.push(format!("accept: {e}")),
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) => dropped.push(format!("accept: {e}")),
+                }
+                while let Ok(c) = rx.try_recv() {
+                    match c {
+                        Client::Served(r) => {
+                            served.insert(r);
+                        }
+                        Client::Dropped(why) => dropped.push(why),
+                    }
+                }
+                if served.len() + 1 >= env.world_size {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    let mut missing: Vec<usize> = (1..env.world_size)
+                        .filter(|r| !served.contains(r))
+                        .collect();
+                    missing.truncate(16);
+                    dropped.truncate(4);
+                    bail!(
+                        "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
+                        env.master_addr,
+                        env.master_port,
+                        if dropped.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (dropped connections: {})", dropped.join("; "))
+                        }
+                    )
+                }
+                if idle {
+                    std::thread::sleep(Duration::from_millis(2));
                 }
             }
-            while let Ok(c) = rx.try_recv() {
-                match c {
-                    Client::Served(r) => {
-                        served.insert(r);
-                    }
-                    Client::Dropped(why) => dropped.push(why),
-                }
-            }
-            if served.len() + 1 >= env.world_size {
-                break;
-            }
-            if Instant::now() >= deadline {
-                let mut missing: Vec<usize> = (1..env.world_size)
-                    .filter(|r| !served.contains(r))
-                    .collect();
-                missing.truncate(16);
-                dropped.truncate(4);
-                bail!(
-                    "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
-                    env.master_addr,
-                    env.master_port,
-                    if dropped.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (dropped connections: {})", dropped.join("; "))
-                    }
-                )
-            }
-            if idle {
-                std::thread::sleep(Duration::from_millis(2));
-            }
+            Ok(())
+        })();
+        for c in &open {
+            let _ = c.shutdown(std::net::Shutdown::Both);
         }
-        Ok(())
+        result
     })
-    // Connections still being answered finish within their own short deadline.
 }
 
 /// Bytes of a client's hello: magic, identity, rendezvous number, rank, world size.
 const HELLO: usize = 32;
+
+/// `read_exact` that fails once `deadline` has passed, however slowly the peer trickles.
+fn read_by(stream: &mut TcpStream, mut buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        if Instant::now() >= deadline {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "deadline passed",
+            ));
+        }
+        stream.set_read_timeout(Some(remaining(deadline)))?;
+        match stream.read(buf)? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => buf = &mut buf[n..],
+        }
+    }
+    Ok(())
+}
+
+/// `write_all` that fails once `deadline` has passed.
+fn write_by(stream: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        if Instant::now() >= deadline {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "deadline passed",
+            ));
+        }
+        stream.set_write_timeout(Some(remaining(deadline)))?;
+        match stream.write(buf)? {
+            0 => return Err(std::io::ErrorKind::WriteZero.into()),
+            n => buf = &buf[n..],
+        }
+    }
+    Ok(())
+}
+
+/// The answer frame: `MAGIC`, a status, a u32 length and the body.
+fn frame(status: u8, body: &[u8]) -> Vec<u8> {
+    let mut reply = MAGIC.to_vec();
+    reply.push(status);
+    reply.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    reply.extend_from_slice(body);
+    reply
+}
 
 /// Answers one client on rank 0; `(id, seq)`: the job identity and this rendezvous' number.
 fn answer(
@@ -343,10 +439,8 @@ fn answer(
     deadline: Instant,
 ) -> std::io::Result<Client> {
     stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(remaining(deadline)))?;
-    stream.set_write_timeout(Some(remaining(deadline)))?;
     let mut hello = [0u8; HELLO];
-    stream.read_exact(&mut hello)?;
+    read_by(&mut stream, &mut hello, deadline)?;
     if &hello[..8] != MAGIC {
         return Ok(Client::Dropped(
             "not a candle-distributed bootstrap client".into(),
@@ -356,19 +450,20 @@ fn answer(
     let (their_id, their_seq) = (word(8), word(16));
     let rank = u32::from_le_bytes(hello[24..28].try_into().expect("4 bytes")) as usize;
     let world = u32::from_le_bytes(hello[28..32].try_into().expect("4 bytes")) as usize;
-    if their_id == id && their_seq != seq {
+    if their_id == id && their_seq > seq {
+        // One rendezvous ahead: the next server answers it.
         let msg = format!("rank 0 serves rendezvous {seq}, not {their_seq}");
-        let mut reply = MAGIC.to_vec();
-        reply.push(RETRY);
-        reply.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-        reply.extend_from_slice(msg.as_bytes());
-        stream.write_all(&reply)?;
+        write_by(&mut stream, &frame(RETRY, msg.as_bytes()), deadline)?;
         return Ok(Client::Dropped(msg));
     }
     let refusal = if their_id != id || world != env.world_size {
         Some(format!(
             "rank 0 runs job {:?} of {} ranks on port {}; this rank is of another job (identity or world size {world} differs)",
             env.job_id, env.world_size, env.master_port
+        ))
+    } else if their_seq < seq {
+        Some(format!(
+            "rank 0 is at rendezvous {seq} of this process's communicators, this rank at {their_seq}: the ranks created different numbers of communicators"
         ))
     } else if rank == 0 || rank >= world {
         Some(format!(
@@ -381,65 +476,81 @@ fn answer(
         Some(why) => (REFUSED, why.as_bytes()),
         None => (OK, payload),
     };
-    let mut reply = MAGIC.to_vec();
-    reply.push(status);
-    reply.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    reply.extend_from_slice(body);
-    stream.write_all(&reply)?;
+    write_by(&mut stream, &frame(status, body), deadline)?;
     if let Some(why) = refusal {
         return Ok(Client::Dropped(why));
     }
     let mut ack = [0u8; 1];
-    stream.read_exact(&mut ack)?;
+    read_by(&mut stream, &mut ack, deadline)?;
     Ok(Client::Served(rank))
 }
 
-fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
-    let id = identity(env);
-    loop {
-        let attempt = (|| -> std::io::Result<std::result::Result<Vec<u8>, String>> {
-            let (mut stream, _) = connect_any(&env.master_addr, env.master_port, deadline)
-                .map_err(|e| std::io::Error::other(e.to_string()))?;
-            stream.set_read_timeout(Some(remaining(deadline)))?;
-            stream.set_write_timeout(Some(remaining(deadline)))?;
-            let mut hello = MAGIC.to_vec();
-            hello.extend_from_slice(&id.to_le_bytes());
-            hello.extend_from_slice(&seq.to_le_bytes());
-            hello.extend_from_slice(&(env.rank as u32).to_le_bytes());
-            hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
-            stream.write_all(&hello)?;
-            let mut head = [0u8; 13];
-            stream.read_exact(&mut head)?;
-            if &head[..8] != MAGIC {
-                return Err(std::io::Error::other(
-                    "the answer is not from a candle-distributed rank 0",
-                ));
-            }
-            let len = u32::from_le_bytes(head[9..13].try_into().expect("4 bytes")) as usize;
-            if len > MAX_PAYLOAD {
-                return Err(std::io::Error::other(format!(
-                    "rank 0 announces {len} bytes (at most {MAX_PAYLOAD} accepted)"
-                )));
-            }
-            let mut body = vec![0u8; len];
-            stream.read_exact(&mut body)?;
-            match head[8] {
-                OK => {}
-                RETRY => {
-                    return Err(std::io::Error::other(
-                        String::from_utf8_lossy(&body).into_owned(),
-                    ))
-                }
-                _ => return Ok(Err(String::from_utf8_lossy(&body).into_owned())),
-            }
-            stream.write_all(&[1])?;
+/// One attempt of a client rank at `addr`: the payload, or why the exchange cannot succeed
+/// (rank 0's refusal, a length beyond [`MAX_PAYLOAD`]); an I/O error is worth a retry.
+fn fetch_from(
+    addr: SocketAddr,
+    hello: &[u8],
+    deadline: Instant,
+) -> std::io::Result<std::result::Result<Vec<u8>, String>> {
+    let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline).min(CLIENT_DEADLINE))?;
+    write_by(&mut stream, hello, deadline)?;
+    let mut head = [0u8; 13];
+    read_by(&mut stream, &mut head, deadline)?;
+    if &head[..8] != MAGIC {
+        return Err(std::io::Error::other(
+            "the answer is not from a candle-distributed rank 0",
+        ));
+    }
+    let len = u32::from_le_bytes(head[9..13].try_into().expect("4 bytes")) as usize;
+    if len > MAX_PAYLOAD {
+        return Ok(Err(format!(
+            "{addr} announces {len} bytes (at most {MAX_PAYLOAD} accepted): not a rank 0 of ours"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    read_by(&mut stream, &mut body, deadline)?;
+    match head[8] {
+        OK => {
+            write_by(&mut stream, &[1], deadline)?;
             Ok(Ok(body))
-        })();
-        let last_err = match attempt {
-            Ok(Ok(p)) => return Ok(p),
-            Ok(Err(refused)) => bail!("bootstrap: rank {} refused by rank 0: {refused}", env.rank),
-            Err(e) => e,
+        }
+        RETRY => Err(std::io::Error::other(
+            String::from_utf8_lossy(&body).into_owned(),
+        )),
+        _ => Ok(Err(format!(
+            "refused by rank 0: {}",
+            String::from_utf8_lossy(&body)
+        ))),
+    }
+}
+
+fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
+    let mut hello = MAGIC.to_vec();
+    hello.extend_from_slice(&identity(env).to_le_bytes());
+    hello.extend_from_slice(&seq.to_le_bytes());
+    hello.extend_from_slice(&(env.rank as u32).to_le_bytes());
+    hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
+    // Every address the name resolves to, in turn: one that refuses, answers garbage or is not
+    // rank 0 does not keep a rank from the others.
+    let mut attempt = 0usize;
+    loop {
+        let last_err = match (env.master_addr.as_str(), env.master_port).to_socket_addrs() {
+            Ok(addrs) => {
+                let addrs: Vec<SocketAddr> = addrs.collect();
+                if addrs.is_empty() {
+                    "the address resolves to nothing".to_string()
+                } else {
+                    let a = addrs[attempt % addrs.len()];
+                    match fetch_from(a, &hello, deadline) {
+                        Ok(Ok(p)) => return Ok(p),
+                        Ok(Err(why)) => bail!("bootstrap: rank {}: {why}", env.rank),
+                        Err(e) => format!("{a}: {e}"),
+                    }
+                }
+            }
+            Err(e) => format!("resolving {}: {e}", env.master_addr),
         };
+        attempt += 1;
         if Instant::now() >= deadline {
             bail!(
                 "bootstrap: rank {} timed out after {timeout:?} reaching rank 0 at {}:{} (last error: {last_err})",
@@ -461,6 +572,7 @@ fn remaining(deadline: Instant) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collective::store::connect_any;
     use std::collections::HashMap;
 
     fn env_at(rank: usize, world: usize, addr: &str, port: u16, job: &str) -> DistEnv {
@@ -598,19 +710,25 @@ mod tests {
     #[test]
     fn a_stray_from_another_job_is_refused_and_the_job_completes() {
         let port = free_port();
-        let mut stray_err = String::new();
-        job(2, "127.0.0.1", port, || {
+        std::thread::scope(|s| {
+            let root = s.spawn(|| share_bytes_round(&env(0, 2, port), 0, Some(b"id"), LONG));
             let stray = env_at(1, 2, "127.0.0.1", port, "an earlier run");
             let t = Instant::now();
-            stray_err = share_bytes_round(&stray, 0, None, LONG)
+            let e = share_bytes_round(&stray, 0, None, LONG)
                 .unwrap_err()
                 .to_string();
             assert!(t.elapsed() < Duration::from_secs(5), "refused promptly");
+            assert!(
+                e.contains("refused by rank 0") && e.contains("another job"),
+                "{e}"
+            );
+            assert!(!root.is_finished(), "rank 0 still waits for its own rank 1");
+            assert_eq!(
+                share_bytes_round(&env(1, 2, port), 0, None, LONG).unwrap(),
+                b"id"
+            );
+            root.join().unwrap().unwrap();
         });
-        assert!(
-            stray_err.contains("refused by rank 0") && stray_err.contains("another job"),
-            "{stray_err}"
-        );
     }
 
     /// A connection that says nothing holds one serving thread for at most CLIENT_DEADLINE;

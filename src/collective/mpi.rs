@@ -1,10 +1,12 @@
 //! `MpiCollective` (feature `mpi`): ranks are MPI processes, on one or many machines, started by
 //! `mpirun`; CPU tensors (tensors on another device are copied to the CPU and back).
 //!
-//! Every collective is preceded by an all-gather of a 4-value descriptor (operation, dtype, shape)
-//! so that ranks calling different collectives or passing different shapes get an error naming
-//! every rank's call, instead of MPI combining buffers of different sizes (the price: a second,
-//! 32-byte collective per call). Waiting uses MPI's nonblocking collectives polled against the
+//! Every collective is preceded by an all-gather of a 5-value descriptor (operation, dtype,
+//! shape, root or rank, and the verdict of the rank's own argument checks), so that ranks
+//! calling different collectives or passing different shapes get an error naming every rank's
+//! call, instead of MPI combining buffers of different sizes, and an argument invalid on one
+//! rank is an error on every rank (the price: one more, 40-byte collective per call; all_gather
+//! also gathers the row counts). Waiting uses MPI's nonblocking collectives polled against the
 //! timeout; an MPI collective cannot be cancelled, so on timeout the rank prints the reason and
 //! calls `MPI_Abort`, which ends every process of the job: nothing hangs forever, and the error
 //! is on stderr rather than returned.
@@ -478,6 +480,16 @@ impl Collective for MpiCollective {
             });
             self.wait(OP, req);
         });
+        // MPI counts and displacements are i32: the same verdict on every rank (same `rows`).
+        let total_elems: i64 = rows.iter().sum::<i64>() * row as i64;
+        if total_elems > i32::MAX as i64 {
+            return Err(invalid(
+                OP,
+                format!(
+                    "{total_elems} gathered elements exceed MPI's i32 counts (row counts {rows:?})"
+                ),
+            ));
+        }
         let counts: Vec<i32> = rows.iter().map(|&n| (n as usize * row) as i32).collect();
         let displs: Vec<i32> = counts
             .iter()

@@ -32,10 +32,15 @@ const WAIT_CANCELED: u8 = 1;
 pub const MAX_VALUE_BYTES: u64 = 1 << 20;
 
 /// One connection to a TCPStore server.
+///
+/// Requests go one at a time. After any failure (a timeout, a short read) a late answer may
+/// still be on its way, so the client refuses further requests: connect again.
 #[derive(Debug)]
 pub struct TcpStoreClient {
     stream: TcpStream,
     peer: String,
+    /// Set by the first failed exchange.
+    poisoned: bool,
 }
 
 fn err(peer: &str, what: impl std::fmt::Display) -> candle_core::Error {
@@ -80,7 +85,11 @@ impl TcpStoreClient {
     pub fn connect(host: &str, port: u16, deadline: Instant) -> Result<Self> {
         let (stream, peer) = connect_any(host, port, deadline)?;
         stream.set_nodelay(true)?;
-        let mut c = Self { stream, peer };
+        let mut c = Self {
+            stream,
+            peer,
+            poisoned: false,
+        };
         c.deadline(deadline)?;
         let mut hello = vec![VALIDATE];
         hello.extend(MAGIC.to_le_bytes());
@@ -99,22 +108,31 @@ impl TcpStoreClient {
         Ok(c)
     }
 
+    /// Sets the socket timeouts for a request, unless an earlier one failed.
     fn deadline(&mut self, deadline: Instant) -> Result<()> {
+        if self.poisoned {
+            return Err(err(
+                &self.peer,
+                "an earlier request on this connection failed; connect again",
+            ));
+        }
         self.stream.set_read_timeout(Some(remaining(deadline)))?;
         self.stream.set_write_timeout(Some(remaining(deadline)))?;
         Ok(())
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<()> {
-        self.stream
-            .write_all(bytes)
-            .map_err(|e| err(&self.peer, format!("sending: {e}")))
+        self.stream.write_all(bytes).map_err(|e| {
+            self.poisoned = true;
+            err(&self.peer, format!("sending: {e}"))
+        })
     }
 
     fn recv(&mut self, buf: &mut [u8], what: &str) -> Result<()> {
-        self.stream
-            .read_exact(buf)
-            .map_err(|e| err(&self.peer, format!("reading {what}: {e}")))
+        self.stream.read_exact(buf).map_err(|e| {
+            self.poisoned = true;
+            err(&self.peer, format!("reading {what}: {e}"))
+        })
     }
 
     fn request(kind: u8, key: &str) -> Vec<u8> {
@@ -158,6 +176,7 @@ impl TcpStoreClient {
         self.recv(&mut len, "the GET answer")?;
         let len = u64::from_le_bytes(len);
         if len > MAX_VALUE_BYTES {
+            self.poisoned = true;
             return Err(err(
                 &self.peer,
                 format!("announces a value of {len} bytes for {key:?} (at most {MAX_VALUE_BYTES} accepted)"),
@@ -179,7 +198,10 @@ impl TcpStoreClient {
         let mut b = [0u8; 1];
         match self.stream.read_exact(&mut b) {
             Ok(()) if b[0] == STOP_WAITING => Ok(()),
-            Ok(()) => Err(err(&self.peer, format!("unexpected WAIT answer {}", b[0]))),
+            Ok(()) => {
+                self.poisoned = true;
+                Err(err(&self.peer, format!("unexpected WAIT answer {}", b[0])))
+            }
             Err(e)
                 if matches!(
                     e.kind(),

@@ -40,7 +40,14 @@ impl Pool {
         if k == 0 || s == 0 {
             bail!("{POOL}: kernel size ({k}) and stride ({s}) must be at least 1")
         }
-        if 2 * p > k {
+        let limit = i32::MAX as usize;
+        if k > limit || s > limit {
+            bail!("{POOL}: kernel size ({k}) and stride ({s}) must fit in 32 bits")
+        }
+        if h == 0 || w == 0 {
+            bail!("{POOL}: the input's height and width must be at least 1 (input shape {dims:?})")
+        }
+        if p > k / 2 {
             bail!("{POOL}: padding ({p}) must be at most half the kernel size ({k})")
         }
         if h + 2 * p < k || w + 2 * p < k {

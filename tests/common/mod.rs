@@ -179,8 +179,8 @@ pub fn cpu(t: &Tensor) -> Tensor {
     t.to_device(&Device::Cpu).unwrap()
 }
 
-/// `t` on `dev`; CPU tensors are moved before any dtype change, so empty ones never reach
-/// candle's CUDA kernels (which reject empty launches).
+/// `t` on `dev` (a copy; candle's CUDA transfers handle empty tensors, unlike its fills and
+/// casts, so build and cast on the CPU, then move).
 pub fn on(dev: &Device, t: &Tensor) -> Tensor {
     t.to_device(dev).unwrap()
 }
