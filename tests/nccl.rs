@@ -6,6 +6,18 @@
 #![cfg(feature = "nccl")]
 
 mod common;
+#[allow(dead_code)]
+#[path = "../examples/resnet/data.rs"]
+mod data;
+#[allow(dead_code)]
+#[path = "../examples/resnet/model.rs"]
+mod model;
+#[allow(dead_code)]
+#[path = "../examples/resnet/report.rs"]
+mod report;
+#[allow(dead_code)]
+#[path = "../examples/resnet/train.rs"]
+mod train;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -145,6 +157,36 @@ fn sync_batch_norm_across_gpus_matches_one_process() {
         assert_close(&format!("rank {r} output"), y, &want[r], TOL_F32);
         assert_close(&format!("rank {r} running var"), rv, &unbiased, TOL_F32);
     }
+}
+
+/// The ResNet example's `--backend nccl --check` (one rank per GPU, a thread each): DataParallel
+/// over NCCL (the model check and the broadcast on the GPU), SyncBatchNorm over NCCL and the
+/// example's metrics all-reduce, against one rank of plain batch norm on GPU 0, in f64; then a
+/// short training run whose loss falls. On one GPU the world size is 1.
+#[test]
+fn resnet_example_checks_and_trains_over_nccl() {
+    let n = gpus();
+    let cfg = train::Config {
+        arch: model::Arch::ResNet20,
+        backend: "nccl".into(),
+        device: train::DeviceKind::Cuda,
+        world_size: n,
+        batch_size: 4 * n,
+        image_size: 8,
+        train_size: 16 * n,
+        val_size: 8,
+        ..Default::default()
+    };
+    let diff = train::check(&cfg, 3, true).unwrap();
+    assert!(diff <= 1e-6, "largest parameter difference {diff:e}");
+    let run = train::Config {
+        epochs: 3,
+        write_outputs: false,
+        ..cfg
+    };
+    let s = train::run(&run).unwrap();
+    let losses: Vec<f64> = s.epochs.iter().map(|m| m.train_loss).collect();
+    assert!(losses[2] < losses[0], "training losses {losses:?}");
 }
 
 /// NCCL started over a ThreadGroup (as under mpirun, where MPI broadcasts the id).
