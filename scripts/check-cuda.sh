@@ -16,18 +16,26 @@ echo "-- clippy --features $features --all-targets"
 cargo clippy --features $features --all-targets -- -D warnings
 
 echo "-- link every test and example binary"
-cargo test --features $features --tests --examples --no-run
+# JSON on stdout (diagnostics rendered on stderr): the binaries, and the library's OUT_DIR with
+# the kernel images (from this build: a separate `cargo build --lib` would rebuild every
+# dependency with other features).
+out_dir=$(cargo test --features $features --tests --examples --no-run \
+    --message-format=json-render-diagnostics |
+    python3 -c 'import sys, json
+out = ""
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print("  built", m["executable"], file=sys.stderr)
+    if m.get("reason") == "build-script-executed" and "candle-distributed" in m["package_id"]:
+        out = m["out_dir"]
+print(out)')
+[ -d "$out_dir" ] || { echo "FAIL: no OUT_DIR of candle-distributed's build script"; exit 1; }
 
 echo "-- the embedded kernel images (library unit tests, stub libraries loaded)"
 LD_LIBRARY_PATH="$CUDA_STUBS" cargo test --features $features --lib fatbin
 
 echo "-- cuobjdump --list-elf --list-ptx on every image"
-out_dir=$(cargo build --features $features --lib --message-format=json |
-    python3 -c 'import sys, json
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "build-script-executed" and "candle-distributed" in m["package_id"]:
-        print(m["out_dir"])')
 for k in kernels/*.cu; do
     img="$out_dir/$(basename "$k" .cu).fatbin"
     listing=$(cuobjdump --list-elf --list-ptx "$img")
