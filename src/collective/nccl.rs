@@ -502,14 +502,7 @@ impl NcclCollective {
 
     /// The error of a call on an aborted or dropped communicator.
     fn left(&self, op: &'static str, why: String) -> candle_core::Error {
-        CollectiveError::RankLeft {
-            backend: BACKEND,
-            op,
-            call: 0,
-            rank: self.rank,
-            reason: why,
-        }
-        .into()
+        rank_left(self.rank, op, why)
     }
 
     /// Enqueues one collective on `t` (on this rank's GPU) on the device's stream and returns
@@ -530,8 +523,15 @@ impl NcclCollective {
         let out = self.enqueue_on(what, t, Some(self.side.clone()))?;
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         let done = self.side.record_event(Some(flags)).w()?;
+        let (watch, rank, op) = (self.watch.clone(), self.rank, what.name());
         Ok(Pending::new(move || {
             main.wait(&done).w()?;
+            // No host wait here (the device's stream waits for the side stream), but a
+            // communicator the watchdog has aborted meanwhile never wrote `out`: say so rather
+            // than hand it on. (An abort after this point shows in the next call.)
+            if let Some(why) = watch.broken() {
+                return Err(rank_left(rank, op, why));
+            }
             finish(out)
         }))
     }
@@ -639,6 +639,18 @@ impl Drop for NcclCollective {
 fn unique_id() -> Result<[u8; 128]> {
     let id = result::get_uniqueid().map_err(|e| nccl_error("init", 0, e, None))?;
     Ok(id.internal.map(|c| c as u8))
+}
+
+/// The error of a call of `rank` on an aborted or dropped communicator.
+fn rank_left(rank: usize, op: &'static str, why: String) -> candle_core::Error {
+    CollectiveError::RankLeft {
+        backend: BACKEND,
+        op,
+        call: 0,
+        rank,
+        reason: why,
+    }
+    .into()
 }
 
 fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
