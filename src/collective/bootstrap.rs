@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
 
-use super::store::TcpStoreClient;
+use super::store::{remaining, TcpStoreClient};
 
 /// Bytes that open every message of the standalone exchange (protocol name and version).
 const MAGIC: &[u8; 8] = b"CDBOOT02";
@@ -561,12 +561,6 @@ fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Resul
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn remaining(deadline: Instant) -> Duration {
-    deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1))
 }
 
 #[cfg(test)]

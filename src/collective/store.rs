@@ -47,7 +47,8 @@ fn err(peer: &str, what: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(format!("TCPStore at {peer}: {what}"))
 }
 
-fn remaining(deadline: Instant) -> Duration {
+/// Time left until `deadline`, at least 1 ms (socket timeouts refuse zero).
+pub(crate) fn remaining(deadline: Instant) -> Duration {
     deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1))
