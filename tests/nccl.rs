@@ -1,6 +1,9 @@
 //! The NCCL backend on every visible GPU (world size = GPU count; NCCL allows one rank per GPU):
 //! collective values, process groups, SyncBatchNorm across GPUs against single-process batch norm
-//! on the CPU, the bootstrap over another communicator, and the watchdog's timeout.
+//! on the CPU, the bootstrap over another communicator, and the fault paths: the watchdog's
+//! timeout, a start-up whose peer never arrives, a started collective aborted before its
+//! `wait`, a drop with a collective that cannot finish, and SyncBatchNorm's rollback after a
+//! step whose all-reduce was aborted. (The ones that need a real peer skip on one GPU.)
 //!
 //! `cargo test --release --features nccl --test nccl` on a machine with NVIDIA GPUs and NCCL.
 #![cfg(feature = "nccl")]
@@ -20,13 +23,13 @@ mod report;
 mod train;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use candle_core::cuda_backend::cudarc::driver::CudaContext;
 use candle_core::{DType, Device, Tensor};
 use candle_distributed::collective::{
-    Collective, NcclCollective, NcclGroup, ReduceOp, ThreadGroup,
+    Collective, CollectiveError, NcclCollective, NcclGroup, Pending, ReduceOp, ThreadGroup,
 };
 use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
@@ -229,4 +232,184 @@ fn a_missing_rank_aborts_after_the_timeout() {
     let e = errs[0].as_ref().unwrap();
     // Enqueued and never completed, or blocked inside NCCL on the host: either way aborted.
     assert!(e.contains("the communicator was aborted"), "{e}");
+}
+
+/// Rank 0 of a world of 2 whose rank 1 never exists: the broadcast of the NCCL id returns rank
+/// 0's own (the bootstrap "works"), so NCCL's start-up itself waits for the missing peer.
+#[derive(Debug)]
+struct AloneOfTwo;
+
+impl Collective for AloneOfTwo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        2
+    }
+    fn broadcast(&self, t: &Tensor, _root: usize) -> candle_core::Result<Tensor> {
+        Ok(t.clone())
+    }
+    fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> candle_core::Result<Tensor> {
+        unreachable!("only the id broadcast is used")
+    }
+    fn all_gather(&self, _: &Tensor) -> candle_core::Result<Tensor> {
+        unreachable!("only the id broadcast is used")
+    }
+    fn barrier(&self) -> candle_core::Result<()> {
+        unreachable!("only the id broadcast is used")
+    }
+    fn reduce_scatter(&self, _: &Tensor, _: ReduceOp) -> candle_core::Result<Tensor> {
+        unreachable!("only the id broadcast is used")
+    }
+    fn all_reduce_async(&self, _: &Tensor, _: ReduceOp) -> candle_core::Result<Pending> {
+        unreachable!("only the id broadcast is used")
+    }
+    fn all_gather_async(&self, _: &Tensor) -> candle_core::Result<Pending> {
+        unreachable!("only the id broadcast is used")
+    }
+    fn reduce_scatter_async(&self, _: &Tensor, _: ReduceOp) -> candle_core::Result<Pending> {
+        unreachable!("only the id broadcast is used")
+    }
+    fn split(&self, _: Option<u32>, _: u32) -> candle_core::Result<Option<Arc<dyn Collective>>> {
+        unreachable!("only the id broadcast is used")
+    }
+}
+
+/// `WORLD_SIZE=2` with one process: NCCL's start-up, polled under the timeout, fails with an
+/// error naming it well before it could be mistaken for a hang (one GPU suffices).
+#[test]
+fn a_peer_missing_at_start_up_times_out() {
+    gpus();
+    let timeout = Duration::from_secs(3);
+    let t0 = Instant::now();
+    let err = NcclCollective::from_collective_with_timeout(&AloneOfTwo, 0, timeout).unwrap_err();
+    let took = t0.elapsed();
+    let msg = err.to_string();
+    assert!(msg.contains("init") && msg.contains("within 3s"), "{msg}");
+    assert!(
+        took < timeout + Duration::from_secs(10),
+        "the start-up took {took:?} with a {timeout:?} timeout"
+    );
+}
+
+/// Rank 1 never joins: rank 0's started all-reduce is aborted by the watchdog, its `wait`
+/// fails with the reason (it does not hand on a buffer NCCL never wrote), `deferred_error`
+/// reports it,
+/// and the drop of the broken communicator returns at once.
+#[test]
+fn a_started_collective_aborted_by_the_watchdog_fails_its_wait() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("a_started_collective_aborted_by_the_watchdog_fails_its_wait: skipped, needs 2 GPUs (found {n})");
+        return;
+    }
+    let comms = NcclGroup::with_timeout(&[0, 1], Duration::from_secs(2)).unwrap();
+    let out = on_ranks(comms, |c| {
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(5));
+            return Ok(None);
+        }
+        let t = Tensor::new(&[1f32, 2.0], &c.device())?;
+        let pending = c.all_reduce_async(&t, ReduceOp::Sum)?;
+        std::thread::sleep(Duration::from_secs(4));
+        let err = pending
+            .wait()
+            .expect_err("the aborted collective's wait must fail");
+        let matched = matches!(
+            CollectiveError::find(&err),
+            Some(CollectiveError::RankLeft { .. })
+        );
+        Ok(Some((
+            matched,
+            err.to_string(),
+            c.deferred_error().is_err(),
+        )))
+    });
+    let (matched, msg, unhealthy) = out[0].clone().unwrap();
+    assert!(matched && msg.contains("aborted"), "{msg}");
+    assert!(
+        unhealthy,
+        "deferred_error must report the abort of an enqueued collective"
+    );
+}
+
+/// A communicator dropped with a collective its peer will never join returns within the
+/// timeout (finalize polled, then abort), instead of hanging in ncclCommDestroy.
+#[test]
+fn a_drop_with_a_collective_that_cannot_finish_returns() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("a_drop_with_a_collective_that_cannot_finish_returns: skipped, needs 2 GPUs (found {n})");
+        return;
+    }
+    let timeout = Duration::from_secs(5);
+    let comms = NcclGroup::with_timeout(&[0, 1], timeout).unwrap();
+    let took = on_ranks(comms, |c| {
+        if c.rank() == 1 {
+            return Ok(Duration::ZERO);
+        }
+        let t = Tensor::new(&[1f32], &c.device())?;
+        let _queued = c.all_reduce(&t, ReduceOp::Sum)?;
+        let t0 = Instant::now();
+        drop(c);
+        Ok(t0.elapsed())
+    });
+    // The group closes its communicators together when the last is dropped: that drop waits
+    // at most the timeout for the queued all-reduce, then aborts.
+    assert!(
+        took.iter().all(|t| *t < timeout + Duration::from_secs(20)),
+        "{took:?}"
+    );
+}
+
+/// SyncBatchNorm over NCCL: rank 1 skips a training step, so rank 0's all-reduce (enqueued
+/// without error) is aborted by the watchdog; rank 0's next training forward fails and its
+/// running statistics are those from before the failed step.
+#[test]
+fn the_layer_rolls_back_a_step_whose_all_reduce_was_aborted() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("the_layer_rolls_back_a_step_whose_all_reduce_was_aborted: skipped, needs 2 GPUs (found {n})");
+        return;
+    }
+    let comms = NcclGroup::with_timeout(&[0, 1], Duration::from_secs(2)).unwrap();
+    let out = on_ranks(comms, |comm| {
+        let dev = comm.device();
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
+        let bn = sync_batch_norm(
+            3,
+            SyncBatchNormConfig::default(),
+            vb,
+            comm.clone() as Arc<dyn Collective>,
+        )?;
+        let x = |seed| {
+            randn(seed, &[4, 3, 2, 2], 1.0, 2.0)
+                .to_dtype(DType::F32)?
+                .to_device(&dev)
+        };
+        bn.forward_t(&x(1)?, true)?;
+        let before = bn.running_mean().unwrap().to_vec1::<f32>()?;
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(6));
+            return Ok(None);
+        }
+        // Enqueued; reading the output waits for the stream, which the watchdog's abort frees.
+        let y = bn.forward_t(&x(2)?, true)?;
+        let _ = y.to_device(&Device::Cpu);
+        let err = bn
+            .forward_t(&x(3)?, true)
+            .expect_err("the step after the abort must fail");
+        let after = bn.running_mean().unwrap().to_vec1::<f32>()?;
+        Ok(Some((
+            before,
+            after,
+            bn.num_batches_tracked(),
+            err.to_string(),
+        )))
+    });
+    let (before, after, batches, msg) = out[0].clone().unwrap();
+    assert_eq!(before, after, "running mean not rolled back: {msg}");
+    assert_eq!(batches, 1);
+    assert!(msg.contains("before the last training step"), "{msg}");
 }

@@ -34,6 +34,19 @@ struct State {
     /// shift of the next one's sums (bitwise identical on every rank, as it comes from
     /// all-reduced values).
     shift: Option<Tensor>,
+    /// The state before the last training step, kept until the next one: restored when the
+    /// communicator reports (through [`Collective::deferred_error`]) that a collective failed after
+    /// its call returned.
+    before_last_step: Option<Box<Snapshot>>,
+}
+
+/// What a training step changes, as it was before the step.
+#[derive(Debug)]
+struct Snapshot {
+    /// Copies of the running mean and variance (`None` without running statistics).
+    running: Option<(Tensor, Tensor)>,
+    num_batches_tracked: u64,
+    shift: Option<Tensor>,
 }
 
 /// Synchronized batch normalisation (PyTorch's `nn.SyncBatchNorm`).
@@ -176,6 +189,59 @@ impl SyncBatchNorm {
         &self.comm
     }
 
+    /// Asks the communicator whether every collective the layer relied on completed; when it
+    /// reports a failure, restores the running statistics, `num_batches_tracked` and the shift
+    /// to what they were before the last training step, and returns the failure.
+    ///
+    /// Every training forward calls this first. Why it exists: on NCCL a collective's call
+    /// returns when it is enqueued, so a step whose all-reduce is later aborted by the watchdog
+    /// has committed statistics computed from a buffer NCCL never wrote. Exact when the failure
+    /// is noticed within one step (a training loop that reads its loss every step waits for
+    /// the stream, and so for the abort); a loop that enqueues several steps without reading
+    /// anything back can outrun the watchdog, and the rollback then covers only the last step.
+    /// Gradients are not the layer's: an optimizer step taken from a failed backward is not
+    /// undone here.
+    ///
+    /// # Errors
+    /// The communicator's failure (e.g. a [`crate::collective::CollectiveError::RankLeft`]),
+    /// with a note that the layer rolled back.
+    pub fn check_collectives(&self) -> Result<()> {
+        let Err(e) = self.comm.deferred_error() else {
+            return Ok(());
+        };
+        let snap = self.lock().before_last_step.take();
+        if let Some(snap) = snap {
+            if let (Some(r), Some((mean, var))) = (&self.running, &snap.running) {
+                r.mean.set(mean)?;
+                r.var.set(var)?;
+                r.batches.set(&Tensor::new(
+                    snap.num_batches_tracked as i64,
+                    r.batches.device(),
+                )?)?;
+            }
+            let mut st = self.lock();
+            st.num_batches_tracked = snap.num_batches_tracked;
+            st.shift = snap.shift;
+        }
+        Err(e.context(format!(
+            "{OP}: the communicator failed; the running statistics and shift are those before the last training step"
+        )))
+    }
+
+    /// The state a training step is about to change (copies of the running statistics).
+    fn snapshot(&self) -> Result<Snapshot> {
+        let running = match &self.running {
+            Some(r) => Some((r.mean.as_tensor().copy()?, r.var.as_tensor().copy()?)),
+            None => None,
+        };
+        let st = self.lock();
+        Ok(Snapshot {
+            running,
+            num_batches_tracked: st.num_batches_tracked,
+            shift: st.shift.clone(),
+        })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -235,7 +301,17 @@ impl SyncBatchNorm {
     /// step): every rank holds it bitwise identical because it comes from all-reduced values.
     /// The new shift is stored as soon as the reduced sums are known, before anything that can
     /// fail on one rank only, so the ranks' shifts never diverge.
-    fn batch_stats(&self, x: &Tensor, g: &Geometry, sync: bool, momentum: f64) -> Result<Tensor> {
+    ///
+    /// `before`: the layer's state before this training step (with `sync`), kept from the moment
+    /// the step changes the shift.
+    fn batch_stats(
+        &self,
+        x: &Tensor,
+        g: &Geometry,
+        sync: bool,
+        momentum: f64,
+        before: Option<Box<Snapshot>>,
+    ) -> Result<Tensor> {
         let k = match self.lock().shift.clone() {
             Some(k) => k,
             None => Tensor::zeros(g.c, DType::F64, x.device())?,
@@ -247,7 +323,10 @@ impl SyncBatchNorm {
         let stats = finalize(&sums, &k, momentum, self.config.eps)?;
         if sync {
             // Row MEAN is K itself for an empty global batch, so storing it is always right.
-            self.lock().shift = Some(stats.get(row::MEAN)?);
+            let mean = stats.get(row::MEAN)?;
+            let mut st = self.lock();
+            st.shift = Some(mean);
+            st.before_last_step = before;
         }
         Ok(stats)
     }
@@ -273,7 +352,12 @@ impl SyncBatchNorm {
             (true, Some(_)) => self.config.momentum.unwrap_or(1.0 / done as f64),
             _ => 0.0,
         };
-        let stats = self.batch_stats(x, g, train, momentum)?;
+        let before = if train {
+            Some(Box::new(self.snapshot()?))
+        } else {
+            None
+        };
+        let stats = self.batch_stats(x, g, train, momentum, before)?;
         // On the CPU the count is at hand; on a GPU reading it would stall the stream, and the
         // statistics kernel turns an unusable batch into NaN outputs and untouched running
         // statistics instead (see the README).
@@ -311,6 +395,9 @@ impl SyncBatchNorm {
 
     fn forward_impl(&self, x: &Tensor, z: Option<&Tensor>, train: bool) -> Result<Tensor> {
         let g = self.validate(x, z)?;
+        if train {
+            self.check_collectives()?;
+        }
         let x = x.contiguous()?;
         let plan = self.plan(&x, &g, train)?;
         let params = match (&self.weight, &self.bias) {

@@ -2,8 +2,23 @@
 
 use std::time::Duration;
 
-/// Why a collective operation failed. Converted into [`candle_core::Error`] at the API boundary.
-#[derive(Debug, Clone, thiserror::Error)]
+/// Why a collective operation failed. Converted into [`candle_core::Error`] at the API boundary;
+/// [`CollectiveError::find`] gets it back out of one, to match on the kind of failure:
+///
+/// ```
+/// use candle_distributed::collective::{CollectiveError, ThreadGroup};
+/// # fn main() -> candle_core::Result<()> {
+/// let err = ThreadGroup::run(2, |comm| {
+///     // Rank 1 passes another length than rank 0: every rank gets a `Mismatch`.
+///     let t = candle_core::Tensor::zeros(2 + comm.rank(), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+///     comm.all_reduce(&t, candle_distributed::collective::ReduceOp::Sum)
+/// })
+/// .unwrap_err();
+/// assert!(matches!(CollectiveError::find(&err), Some(CollectiveError::Mismatch { .. })));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, thiserror::Error)]
 pub enum CollectiveError {
     /// Some ranks did not reach the collective before the timeout.
     #[error("{backend} {op} (call #{call}) on rank {rank}: timed out after {timeout:?} waiting for ranks {missing:?}")]
@@ -71,8 +86,39 @@ pub enum CollectiveError {
     },
 }
 
+/// `Debug` prints the message: candle shows a wrapped error through its `Debug`.
+impl std::fmt::Debug for CollectiveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// The context string candle prints after a collective error.
+const CONTEXT: &str = "(a collective operation failed)";
+
 impl From<CollectiveError> for candle_core::Error {
+    /// As `candle_core::Error::WrappedContext`, the one variant whose payload can be downcast, so
+    /// that [`CollectiveError::find`] recovers the value.
     fn from(e: CollectiveError) -> Self {
-        candle_core::Error::wrap(e)
+        candle_core::Error::WrappedContext {
+            wrapped: Box::new(e),
+            context: CONTEXT.into(),
+        }
+        .bt()
+    }
+}
+
+impl CollectiveError {
+    /// The collective error inside `err`, through candle's wrappers (context, path,
+    /// backtrace); `None` when `err` did not come from a collective.
+    pub fn find(err: &candle_core::Error) -> Option<&CollectiveError> {
+        use candle_core::Error as E;
+        match err {
+            E::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<CollectiveError>(),
+            E::Context { inner, .. }
+            | E::WithPath { inner, .. }
+            | E::WithBacktrace { inner, .. } => Self::find(inner),
+            _ => None,
+        }
     }
 }

@@ -15,6 +15,7 @@
 //! MPI processes); `NcclCollective` (feature `nccl`: ranks are GPUs).
 
 pub mod bootstrap;
+mod checked;
 mod error;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -25,6 +26,7 @@ mod pending;
 pub mod store;
 mod threads;
 
+pub use checked::Checked;
 pub use error::CollectiveError;
 #[cfg(feature = "mpi")]
 pub use mpi::Mpi;
@@ -107,6 +109,19 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
 
     /// Starts [`Collective::reduce_scatter`]; see [`Collective::all_reduce_async`].
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
+
+    /// `Err` when a collective whose call had already returned `Ok` failed afterwards, so that
+    /// its output was never written; `Ok` otherwise. Not collective, and cheap (no
+    /// communication, no device wait).
+    ///
+    /// Only NCCL has such failures: a collective is enqueued when its call returns, and the
+    /// watchdog may abort it later (a peer that died, a timeout). [`crate::SyncBatchNorm`] asks
+    /// before each training step and rolls its running statistics back when the answer is an
+    /// error. Backends whose calls return their final result (`ThreadGroup`, MPI) fail the call
+    /// itself, and keep the default.
+    fn deferred_error(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// Splits the group into disjoint subgroups (MPI's `MPI_Comm_split`, NCCL's
     /// `ncclCommSplit`): ranks passing the same `color` form one group, ordered by `key`, then

@@ -307,6 +307,26 @@ impl MpiCollective {
         }
     }
 
+    /// The error of a call on a group a mismatch has broken.
+    fn check_broken(&self, op: &'static str) -> Result<()> {
+        match self
+            .broken
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            Some(reason) => Err(CollectiveError::RankLeft {
+                backend: BACKEND,
+                op,
+                call: 0,
+                rank: self.rank,
+                reason: format!("the group is broken: {reason}"),
+            }
+            .into()),
+            None => Ok(()),
+        }
+    }
+
     /// The ranks agree on a call before anything else happens: every rank's descriptor
     /// `[op, dtype, shape, extra]` and the verdict of its own argument checks (`local`) travel
     /// in one all-gather. Descriptors that differ make the call a mismatch on every rank and
@@ -319,21 +339,7 @@ impl MpiCollective {
         desc: [i64; 4],
         local: std::result::Result<(), String>,
     ) -> Result<()> {
-        if let Some(reason) = self
-            .broken
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-        {
-            return Err(CollectiveError::RankLeft {
-                backend: BACKEND,
-                op,
-                call: 0,
-                rank: self.rank,
-                reason: format!("the group is broken: {reason}"),
-            }
-            .into());
-        }
+        self.check_broken(op)?;
         let mine = [desc[0], desc[1], desc[2], desc[3], i64::from(local.is_ok())];
         let mut all = vec![0i64; 5 * self.world];
         mpi::request::scope(|scope| {

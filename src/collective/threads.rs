@@ -70,8 +70,10 @@ impl ThreadGroup {
     }
 
     /// Runs `f` on `world_size` scoped threads, one per rank, and returns their results in rank
-    /// order, or the error of the lowest rank that failed (a rank that panics is an error naming
-    /// it; its departure makes the others' pending collectives fail promptly).
+    /// order, or the error of the lowest rank that failed, with the rank as context (a
+    /// [`CollectiveError`] stays matchable through [`CollectiveError::find`]); a rank that
+    /// panics is an error naming it, and its departure makes the others' pending collectives
+    /// fail promptly.
     pub fn run<R, F>(world_size: usize, f: F) -> Result<Vec<R>>
     where
         R: Send,
@@ -90,7 +92,7 @@ impl ThreadGroup {
                 .enumerate()
                 .map(|(rank, res)| match res {
                     Ok(Ok(v)) => Ok(v),
-                    Ok(Err(e)) => Err(candle_core::Error::Msg(format!("rank {rank}: {e}"))),
+                    Ok(Err(e)) => Err(e.context(format!("rank {rank}"))),
                     Err(_) => Err(candle_core::Error::Msg(format!("rank {rank} panicked"))),
                 })
                 .collect()

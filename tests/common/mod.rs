@@ -294,6 +294,9 @@ impl Collective for Probe {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
+    fn deferred_error(&self) -> candle_core::Result<()> {
+        self.inner.deferred_error()
+    }
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }

@@ -1,0 +1,507 @@
+//! `NcclCollective` (feature `nccl`): ranks are GPUs, tensors live on the rank's GPU, and every
+//! collective is enqueued on the candle device's stream with no host synchronisation (except
+//! `all_gather`, which reads the per-rank row counts, and `barrier`, which waits by definition).
+//!
+//! Layers, as cudarc's own: [`raw`] owns the NCCL handle and every `unsafe` NCCL call;
+//! [`watchdog`] serialises the calls, polls them and aborts on failure; [`enqueue`] turns a
+//! collective into a candle op; this file has the constructors and the `Collective` impl.
+//!
+//! Communicators are non-blocking (`config.blocking = 0`), so no thread ever waits inside
+//! NCCL and an abort is legal between any two calls. Failure handling:
+//! - start-up (`ncclCommInitRankConfig`, also `split`) is polled under the timeout: a rank
+//!   that never arrives makes the others fail with an error naming the timeout, not hang;
+//! - every collective records a CUDA event after it; a watchdog thread per communicator polls
+//!   NCCL's asynchronous error (`ncclCommGetAsyncError`: a peer that left, a network error) and
+//!   the oldest pending event every 10 ms, and aborts the communicator when NCCL reports an
+//!   error, a collective is older than the timeout, or the stream reports a CUDA error;
+//! - after an abort every later call, and every `Pending::wait` of a collective started before
+//!   it, fails with the reason; [`Collective::deferred_error`] reports it too, which is how
+//!   `SyncBatchNorm` learns that a step's all-reduce, enqueued without error, later failed (it
+//!   then restores the running statistics of before that step);
+//! - dropping a communicator finalizes it (its queued collectives flushed) under the timeout
+//!   and destroys it, or aborts it when it is broken or the finalize does not finish (work a
+//!   departed peer will never join): a drop never hangs.
+//!
+//! NCCL does not check that ranks pass the same arguments; wrap the communicator in
+//! [`super::Checked`] to have every call's op, dtype and count compared first (a debug mode:
+//! one extra small all-gather and a host wait per call).
+
+mod enqueue;
+mod raw;
+mod watchdog;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaStream};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, DType, Device, Result, Tensor};
+
+use super::bootstrap::{share_bytes, DistEnv};
+use super::{Collective, CollectiveError, Op, Pending, ReduceOp, DEFAULT_TIMEOUT};
+use enqueue::{unpad, Enqueue};
+use raw::{Progress, RawComm};
+use watchdog::{finish_close, CallError, Watch};
+
+const BACKEND: &str = "NCCL";
+
+fn invalid(op: &'static str, detail: String) -> candle_core::Error {
+    CollectiveError::InvalidArgument {
+        backend: BACKEND,
+        op,
+        detail,
+    }
+    .into()
+}
+
+/// The error of a call of `rank` on an aborted or dropped communicator.
+fn rank_left(rank: usize, op: &'static str, why: String) -> candle_core::Error {
+    CollectiveError::RankLeft {
+        backend: BACKEND,
+        op,
+        call: 0,
+        rank,
+        reason: why,
+    }
+    .into()
+}
+
+/// The communicators of one [`NcclGroup`]: closed together once the last is dropped, since
+/// one thread finalizing them one after another would wait for peers it has not reached.
+struct Teardown {
+    comms: Vec<Arc<Watch>>,
+    left: Mutex<usize>,
+    timeout: Duration,
+}
+
+impl Teardown {
+    fn release(&self) {
+        let mut left = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        *left -= 1;
+        if *left == 0 {
+            let closing = self.comms.iter().filter_map(|w| w.begin_close()).collect();
+            finish_close(closing, self.timeout);
+        }
+    }
+}
+
+/// One rank's NCCL communicator on its GPU. Build it with [`NcclGroup::new`],
+/// [`NcclCollective::from_env`] or [`NcclCollective::from_collective`]; use it as an
+/// `Arc<dyn Collective>`.
+pub struct NcclCollective {
+    device: CudaDevice,
+    /// The stream of the `*_async` collectives (forked from the device's stream).
+    side: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+    watch: Arc<Watch>,
+    /// Set for the communicators of an [`NcclGroup`], closed together.
+    teardown: Option<Arc<Teardown>>,
+}
+
+impl std::fmt::Debug for NcclCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclCollective(rank {} of {} on {:?})",
+            self.rank, self.world, self.device
+        )
+    }
+}
+
+/// Constructor of the communicators of one process driving several GPUs.
+#[derive(Debug, Clone, Copy)]
+pub struct NcclGroup;
+
+// `new` returns every rank's communicator, as `ThreadGroup::new` does.
+#[allow(clippy::new_ret_no_self)]
+impl NcclGroup {
+    /// One communicator per listed GPU ordinal (`result[i]` has rank `i`, on GPU
+    /// `ordinals[i]`), for one thread per GPU. NCCL refuses two ranks on one GPU.
+    ///
+    /// # Errors
+    /// Ordinals repeated or empty, a GPU that cannot be opened, NCCL's error, or a start-up
+    /// that does not finish within [`DEFAULT_TIMEOUT`].
+    pub fn new(ordinals: &[usize]) -> Result<Vec<Arc<NcclCollective>>> {
+        Self::with_timeout(ordinals, DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`NcclGroup::new`], with the time the start-up and each collective may take
+    /// before the communicator is aborted.
+    ///
+    /// # Errors
+    /// As [`NcclGroup::new`].
+    pub fn with_timeout(ordinals: &[usize], timeout: Duration) -> Result<Vec<Arc<NcclCollective>>> {
+        let mut seen = ordinals.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if ordinals.is_empty() || seen.len() != ordinals.len() {
+            return Err(invalid(
+                "new",
+                format!("GPU ordinals {ordinals:?} must be distinct and not empty (NCCL allows one rank per GPU)"),
+            ));
+        }
+        let devices: Vec<CudaDevice> = ordinals
+            .iter()
+            .map(|&o| CudaDevice::new_with_stream(o))
+            .collect::<Result<_>>()?;
+        let world = ordinals.len();
+        let id = raw::unique_id().map_err(|f| f.error("new", 0))?;
+        let ctxs: Vec<_> = devices
+            .iter()
+            .map(|d| d.cuda_stream().context().clone())
+            .collect();
+        let ranks: Vec<usize> = (0..world).collect();
+        let refs: Vec<_> = ctxs.iter().map(|c| c.as_ref()).collect();
+        let raws = RawComm::init_group(&refs, world, &id, &ranks).map_err(|f| f.error("new", 0))?;
+        let mut comms = Vec::with_capacity(world);
+        for (rank, (comm, device)) in raws.into_iter().zip(devices).enumerate() {
+            comms.push(NcclCollective::start(comm, device, rank, world, timeout)?);
+        }
+        let teardown = Arc::new(Teardown {
+            comms: comms.iter().map(|c| c.watch.clone()).collect(),
+            left: Mutex::new(world),
+            timeout,
+        });
+        // Every rank's start-up is polled (they complete together: one NCCL group).
+        let mut ready = Ok(());
+        for c in &comms {
+            if ready.is_ok() {
+                ready = c.settle("new");
+            }
+        }
+        for c in &mut comms {
+            c.teardown = Some(teardown.clone());
+        }
+        if let Err(e) = ready {
+            for c in &comms {
+                c.watch.abort("the group's start-up failed".into());
+            }
+            return Err(e);
+        }
+        Ok(comms.into_iter().map(Arc::new).collect())
+    }
+}
+
+impl NcclCollective {
+    /// Wraps a communicator (possibly still initialising) on `device` and starts its watchdog.
+    fn start(
+        comm: RawComm,
+        device: CudaDevice,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let ctx = device.cuda_stream().context().clone();
+        let watch = Watch::start(comm, rank, timeout, ctx);
+        let side = match device.cuda_stream().fork() {
+            Ok(s) => s,
+            Err(e) => {
+                watch.abort("creating the side stream failed".into());
+                return Err(e).w();
+            }
+        };
+        Ok(Self {
+            device,
+            side,
+            rank,
+            world,
+            watch,
+            teardown: None,
+        })
+    }
+
+    /// Polls the last call (the start-up) until NCCL is done with it, within the timeout.
+    fn settle(&self, op: &'static str) -> Result<()> {
+        self.watch
+            .call(op, |_| Ok(((), Progress::InProgress)))
+            .map_err(|e| self.call_error(op, e))
+    }
+
+    fn call_error(&self, op: &'static str, e: CallError) -> candle_core::Error {
+        match e {
+            CallError::Broken(why) => self.left(op, why),
+            CallError::Nccl(f) => f.error(op, self.rank),
+        }
+    }
+
+    /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `MASTER_ADDR`, `MASTER_PORT`): this rank runs on GPU `LOCAL_RANK`; rank 0 creates NCCL's
+    /// unique id and hands it to the others with [`super::bootstrap::share_bytes`] (through
+    /// torchrun's own TCPStore under torchrun, else over TCP from rank 0). Default timeout
+    /// ([`DEFAULT_TIMEOUT`]) for the start-up and for every collective.
+    ///
+    /// # Errors
+    /// A missing or invalid variable, the bootstrap's error, NCCL's, or a start-up that does
+    /// not finish within the timeout (a rank that never arrives).
+    pub fn from_env() -> Result<Arc<Self>> {
+        Self::from_env_with_timeout(DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`NcclCollective::from_env`], with the timeout.
+    ///
+    /// # Errors
+    /// As [`NcclCollective::from_env`].
+    pub fn from_env_with_timeout(timeout: Duration) -> Result<Arc<Self>> {
+        let env = DistEnv::from_env()?;
+        let device = CudaDevice::new_with_stream(env.local_rank)?;
+        let id = if env.rank == 0 {
+            Some(raw::unique_id().map_err(|f| f.error("init", 0))?)
+        } else {
+            None
+        };
+        let bytes = share_bytes(&env, id.as_ref().map(|b| &b[..]), timeout)?;
+        Self::init_rank(device, env.rank, env.world_size, &bytes, timeout)
+    }
+
+    /// A communicator with the same ranks as `bootstrap` (any backend working on CPU tensors,
+    /// e.g. MPI under `mpirun`), on GPU `ordinal`: rank 0 creates NCCL's unique id and broadcasts
+    /// it over `bootstrap`. Default timeout ([`DEFAULT_TIMEOUT`]) for every collective.
+    ///
+    /// # Errors
+    /// `bootstrap`'s error, NCCL's, or a start-up that does not finish within the timeout.
+    pub fn from_collective(bootstrap: &dyn Collective, ordinal: usize) -> Result<Arc<Self>> {
+        Self::from_collective_with_timeout(bootstrap, ordinal, DEFAULT_TIMEOUT)
+    }
+
+    /// Like [`NcclCollective::from_collective`], with the timeout.
+    ///
+    /// # Errors
+    /// As [`NcclCollective::from_collective`].
+    pub fn from_collective_with_timeout(
+        bootstrap: &dyn Collective,
+        ordinal: usize,
+        timeout: Duration,
+    ) -> Result<Arc<Self>> {
+        let device = CudaDevice::new_with_stream(ordinal)?;
+        let id = if bootstrap.rank() == 0 {
+            raw::unique_id().map_err(|f| f.error("init", 0))?
+        } else {
+            [0u8; 128]
+        };
+        let t = Tensor::new(&id[..], &Device::Cpu)?;
+        let bytes = bootstrap.broadcast(&t, 0)?.to_vec1::<u8>()?;
+        Self::init_rank(
+            device,
+            bootstrap.rank(),
+            bootstrap.world_size(),
+            &bytes,
+            timeout,
+        )
+    }
+
+    fn init_rank(
+        device: CudaDevice,
+        rank: usize,
+        world: usize,
+        id: &[u8],
+        timeout: Duration,
+    ) -> Result<Arc<Self>> {
+        let Ok(id) = <[u8; 128]>::try_from(id) else {
+            return Err(invalid(
+                "init",
+                format!("expected a 128-byte NCCL id, got {} bytes", id.len()),
+            ));
+        };
+        let ctx = device.cuda_stream().context().clone();
+        let comm = RawComm::init_rank(&ctx, world, &id, rank).map_err(|f| f.error("init", rank))?;
+        let c = Self::start(comm, device, rank, world, timeout)?;
+        c.settle("init")?;
+        Ok(Arc::new(c))
+    }
+
+    /// The GPU this rank's tensors must live on.
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.device.clone())
+    }
+
+    fn check_usable(&self, op: &'static str) -> Result<()> {
+        match self.watch.broken() {
+            Some(why) => Err(self.left(op, why)),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of a call on an aborted or dropped communicator.
+    fn left(&self, op: &'static str, why: String) -> candle_core::Error {
+        rank_left(self.rank, op, why)
+    }
+
+    /// Enqueues one collective on `t` (on this rank's GPU) on the device's stream and returns
+    /// its output tensor.
+    fn enqueue(&self, what: Op, t: &Tensor) -> Result<Tensor> {
+        self.enqueue_on(what, t, None)
+    }
+
+    /// Enqueues one collective on the side stream, after the work already on the device's
+    /// stream (its input); `wait` makes the device's stream wait for it.
+    fn begin(
+        &self,
+        what: Op,
+        t: &Tensor,
+        finish: impl FnOnce(Tensor) -> Result<Tensor> + Send + 'static,
+    ) -> Result<Pending> {
+        let main = self.device.cuda_stream();
+        let out = self.enqueue_on(what, t, Some(self.side.clone()))?;
+        let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let done = self.side.record_event(Some(flags)).w()?;
+        let (watch, rank, op) = (self.watch.clone(), self.rank, what.name());
+        Ok(Pending::new(move || {
+            main.wait(&done).w()?;
+            // No host wait here (the device's stream waits for the side stream), but a
+            // communicator the watchdog has aborted meanwhile never wrote `out`: say so rather
+            // than hand it on. (An abort after this point shows in `deferred_error` and the next call.)
+            if let Some(why) = watch.broken() {
+                return Err(rank_left(rank, op, why));
+            }
+            finish(out)
+        }))
+    }
+
+    fn enqueue_on(&self, what: Op, t: &Tensor, stream: Option<Arc<CudaStream>>) -> Result<Tensor> {
+        let op = what.name();
+        self.check_usable(op)?;
+        if !t.device().same_device(&self.device()) {
+            return Err(invalid(
+                op,
+                format!(
+                    "tensor on {:?}, the communicator on {:?}",
+                    t.device(),
+                    self.device()
+                ),
+            ));
+        }
+        let out = t.contiguous()?.apply_op1_no_bwd(&Enqueue {
+            c: self,
+            what,
+            stream: stream.clone(),
+        })?;
+        let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let on = stream.unwrap_or_else(|| self.device.cuda_stream());
+        self.watch.track(on.record_event(Some(flags)).w()?, op);
+        Ok(out)
+    }
+}
+
+impl Drop for NcclCollective {
+    /// Closes the communicator (see the module documentation): finalize and destroy under the
+    /// timeout, abort when broken or when the finalize does not finish.
+    fn drop(&mut self) {
+        match self.teardown.take() {
+            Some(t) => t.release(),
+            None => {
+                let closing = self.watch.begin_close().into_iter().collect();
+                finish_close(closing, self.watch.timeout);
+            }
+        }
+    }
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Fails once the communicator was aborted (a collective that did not complete in time, a
+    /// CUDA error, an asynchronous NCCL error, a failed call) while collectives enqueued before
+    /// were not known complete: conservatively, one that completed in the last 10 ms before the
+    /// abort counts as lost.
+    fn deferred_error(&self) -> Result<()> {
+        match self.watch.lost() {
+            Some(why) => Err(self.left("deferred_error", why)),
+            None => Ok(()),
+        }
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.enqueue(Op::AllReduce(op), t)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        super::scatter_rows(t, self.rank, self.world)?;
+        self.enqueue(Op::ReduceScatter(op), t)
+    }
+
+    /// Unequal row counts are supported: the counts are all-gathered and read back to the host
+    /// (one synchronisation), every rank's rows padded to the largest, gathered, then unpadded.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        let (padded, counts, max) = self.pad_for_gather(t)?;
+        unpad(&self.enqueue(Op::AllGather, &padded)?, &counts, max)
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        if root >= self.world {
+            return Err(invalid(
+                "broadcast",
+                format!("root {root} out of range for world size {}", self.world),
+            ));
+        }
+        self.enqueue(Op::Broadcast(root), t)
+    }
+
+    /// An all-reduce of one value, then a wait for the stream: returns once every rank arrived.
+    fn barrier(&self) -> Result<()> {
+        let token = Tensor::zeros(1, DType::F32, &self.device())?;
+        self.enqueue(Op::AllReduce(ReduceOp::Sum), &token)?;
+        self.device.cuda_stream().synchronize().w()?;
+        self.check_usable("barrier")
+    }
+
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        self.begin(Op::AllReduce(op), t, Ok)
+    }
+
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        super::scatter_rows(t, self.rank, self.world)?;
+        self.begin(Op::ReduceScatter(op), t, Ok)
+    }
+
+    /// The row counts are exchanged (and read back) before the gather is started.
+    fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
+        let (padded, counts, max) = self.pad_for_gather(t)?;
+        self.begin(Op::AllGather, &padded, move |all| unpad(&all, &counts, max))
+    }
+
+    /// `ncclCommSplit`, polled on this (the parent) communicator under the timeout; the child
+    /// inherits the non-blocking mode and the timeout.
+    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
+        // NCCL_SPLIT_NOCOLOR is -1.
+        let color = match color {
+            Some(c) => {
+                i32::try_from(c).map_err(|_| invalid("split", format!("color {c} exceeds i32")))?
+            }
+            None => -1,
+        };
+        let key =
+            i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;
+        // The slot NCCL fills is kept until the parent's call is settled or aborted (either
+        // way NCCL's background thread is done with it); a child made before a failure is
+        // aborted too.
+        let (split, err) = self.watch.call_keeping("split", |comm| {
+            comm.split(color, key).map(|s| (s, Progress::InProgress))
+        });
+        let child = split.and_then(|s| s.child());
+        if let Some(e) = err {
+            if let Some(c) = child {
+                c.abort();
+            }
+            return Err(self.call_error("split", e));
+        }
+        let Some(child) = child else {
+            return Ok(None);
+        };
+        let (rank, world) = match child.rank_and_size() {
+            Ok(v) => v,
+            Err(f) => {
+                child.abort();
+                return Err(f.error("split", self.rank));
+            }
+        };
+        let sub = Self::start(child, self.device.clone(), rank, world, self.watch.timeout)?;
+        Ok(Some(Arc::new(sub) as Arc<dyn Collective>))
+    }
+}

@@ -1,0 +1,299 @@
+//! The watchdog of one NCCL communicator: it owns the [`RawComm`] behind a mutex (NCCL's
+//! one-thread-at-a-time rule, abort and state queries included), serialises every call and
+//! polls it to completion under the timeout, and a thread that every 10 ms asks NCCL for
+//! asynchronous errors and checks the oldest enqueued collective's CUDA event. On any failure
+//! it marks the communicator broken (every later call fails with the reason) and aborts it.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaContext, CudaEvent};
+
+use super::raw::{NcclFail, Progress, RawComm};
+
+/// Why a call on the communicator failed.
+#[derive(Debug)]
+pub(super) enum CallError {
+    /// The communicator was already (or has just been) aborted or dropped: the reason.
+    Broken(String),
+    /// NCCL refused the call; the communicator has been aborted.
+    Nccl(NcclFail),
+}
+
+/// A collective on the stream, not yet known complete.
+type Enqueued = (CudaEvent, Instant, &'static str);
+
+/// One communicator and what is known about it.
+pub(super) struct Watch {
+    /// `None` once aborted or destroyed.
+    comm: Mutex<Option<RawComm>>,
+    pub rank: usize,
+    pub timeout: Duration,
+    pending: Mutex<VecDeque<Enqueued>>,
+    broken: Mutex<Option<String>>,
+    /// Set with `broken` when collectives enqueued before were not known complete then: their
+    /// outputs may never have been written.
+    lost: Mutex<bool>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Watch {
+    /// Watches `comm` (possibly still initialising) and starts the watchdog thread, which
+    /// stops when the `Watch` is dropped.
+    pub fn start(
+        comm: RawComm,
+        rank: usize,
+        timeout: Duration,
+        ctx: Arc<CudaContext>,
+    ) -> Arc<Self> {
+        let watch = Arc::new(Self {
+            comm: Mutex::new(Some(comm)),
+            rank,
+            timeout,
+            pending: Mutex::new(VecDeque::new()),
+            broken: Mutex::new(None),
+            lost: Mutex::new(false),
+        });
+        let weak: Weak<Watch> = Arc::downgrade(&watch);
+        let spawned = std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{rank}"))
+            .spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(10));
+                match weak.upgrade() {
+                    Some(w) => w.check(&ctx),
+                    None => return,
+                }
+            });
+        if let Err(e) = spawned {
+            watch.abort(format!(
+                "rank {rank}: cannot start the NCCL watchdog thread: {e}"
+            ));
+        }
+        watch
+    }
+
+    /// Why the communicator cannot be used, if it cannot.
+    pub fn broken(&self) -> Option<String> {
+        lock(&self.broken).clone()
+    }
+
+    /// Why the communicator is broken, when collectives that had been enqueued were lost to it.
+    pub fn lost(&self) -> Option<String> {
+        if *lock(&self.lost) {
+            self.broken()
+        } else {
+            None
+        }
+    }
+
+    /// Records `why` as the reason the communicator is broken, unless one is recorded, and
+    /// whether enqueued collectives were still unconfirmed (the watchdog drops completed ones
+    /// every 10 ms, so this errs on the side of "lost").
+    fn mark(&self, why: String) {
+        let mut broken = lock(&self.broken);
+        if broken.is_none() {
+            *lock(&self.lost) = !lock(&self.pending).is_empty();
+            *broken = Some(why);
+        }
+    }
+
+    /// Marks the communicator broken and aborts it (at once if no call holds it, else as soon
+    /// as the call in progress sees the mark, within one poll).
+    pub fn abort(&self, why: String) {
+        self.mark(why);
+        let comm = lock(&self.comm).take();
+        if let Some(c) = comm {
+            c.abort();
+        }
+    }
+
+    /// Runs `f` on the communicator, then polls it until the call is done, within the timeout.
+    /// A failure, the deadline, or a mark set meanwhile by the watchdog aborts the communicator
+    /// and fails this call and every later one.
+    pub fn call<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&RawComm) -> Result<(R, Progress), NcclFail>,
+    ) -> Result<R, CallError> {
+        match self.call_keeping(op, f) {
+            (Some(r), None) => Ok(r),
+            (_, Some(e)) => Err(e),
+            (None, None) => unreachable!("a call without a value has an error"),
+        }
+    }
+
+    /// [`Watch::call`], also returning what `f` produced when the call then failed: the
+    /// communicator has been aborted by then (which ends NCCL's background work), so the value
+    /// (e.g. a split's child slot) can be inspected and dropped safely.
+    pub fn call_keeping<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&RawComm) -> Result<(R, Progress), NcclFail>,
+    ) -> (Option<R>, Option<CallError>) {
+        let mut guard = lock(&self.comm);
+        if let Some(why) = self.broken() {
+            return (None, Some(CallError::Broken(why)));
+        }
+        let Some(comm) = guard.as_ref() else {
+            return (
+                None,
+                Some(CallError::Broken("the communicator is closed".into())),
+            );
+        };
+        let started = Instant::now();
+        let (value, err) = match f(comm) {
+            Ok((r, Progress::Done)) => return (Some(r), None),
+            Ok((r, Progress::InProgress)) => match self.settle(comm, op, started) {
+                Ok(()) => return (Some(r), None),
+                Err(why) => {
+                    self.mark(why.clone());
+                    (Some(r), CallError::Broken(self.broken().unwrap_or(why)))
+                }
+            },
+            Err(fail) => {
+                self.mark(format!(
+                    "rank {}: {op} failed in NCCL ({}: {}); the communicator was aborted",
+                    self.rank, fail.code, fail.detail
+                ));
+                (None, CallError::Nccl(fail))
+            }
+        };
+        if let Some(c) = guard.take() {
+            c.abort();
+        }
+        (value, Some(err))
+    }
+
+    /// Polls a non-blocking call until NCCL is done with it: `Err(reason)` on an NCCL error,
+    /// past the deadline, or when the watchdog marked the communicator broken meanwhile.
+    fn settle(&self, comm: &RawComm, op: &'static str, started: Instant) -> Result<(), String> {
+        let mut spins = 0u32;
+        loop {
+            match comm.state() {
+                Ok(Progress::Done) => return Ok(()),
+                Ok(Progress::InProgress) => {}
+                Err(f) => {
+                    return Err(format!(
+                        "rank {}: {op} failed in NCCL ({}: {}); the communicator was aborted",
+                        self.rank, f.code, f.detail
+                    ))
+                }
+            }
+            if let Some(why) = self.broken() {
+                return Err(why);
+            }
+            if started.elapsed() > self.timeout {
+                return Err(format!(
+                    "rank {}: {op} did not complete in NCCL within {:?} (a rank that never arrived?); the communicator was aborted",
+                    self.rank, self.timeout
+                ));
+            }
+            spins += 1;
+            if spins < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+
+    /// Records a collective enqueued on a stream, by the event recorded after it.
+    pub fn track(&self, event: CudaEvent, op: &'static str) {
+        lock(&self.pending).push_back((event, Instant::now(), op));
+    }
+
+    /// One pass of the watchdog: NCCL's asynchronous error (when no call holds the
+    /// communicator), then the enqueued collectives: completed ones are dropped, the oldest
+    /// overdue one or a CUDA error aborts.
+    fn check(&self, ctx: &CudaContext) {
+        if self.broken().is_some() {
+            lock(&self.pending).clear();
+            return;
+        }
+        let failed = match self.comm.try_lock() {
+            Ok(g) => g.as_ref().and_then(|c| c.state().err()),
+            Err(std::sync::TryLockError::Poisoned(e)) => {
+                e.into_inner().as_ref().and_then(|c| c.state().err())
+            }
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(f) = failed {
+            lock(&self.pending).clear();
+            self.abort(format!(
+                "rank {}: NCCL reported an asynchronous error ({}: {}) (a peer that left?); the communicator was aborted",
+                self.rank, f.code, f.detail
+            ));
+            return;
+        }
+        let mut pending = lock(&self.pending);
+        while let Some((event, started, op)) = pending.front() {
+            // SAFETY: the event is alive (owned by the queue) and its context is bound first.
+            let status = unsafe {
+                let _ = ctx.bind_to_thread();
+                cu::cuEventQuery(event.cu_event())
+            };
+            let why = match status {
+                cu::CUresult::CUDA_SUCCESS => {
+                    pending.pop_front();
+                    continue;
+                }
+                cu::CUresult::CUDA_ERROR_NOT_READY if started.elapsed() <= self.timeout => break,
+                cu::CUresult::CUDA_ERROR_NOT_READY => format!(
+                    "rank {}: {op} did not complete within {:?}; the communicator was aborted",
+                    self.rank, self.timeout
+                ),
+                e => format!(
+                    "rank {}: CUDA error {e:?} while waiting for {op}; the communicator was aborted",
+                    self.rank
+                ),
+            };
+            pending.clear();
+            drop(pending);
+            self.abort(why);
+            return;
+        }
+    }
+
+    /// Starts closing: marks the communicator closed and starts `ncclCommFinalize`, which
+    /// flushes its queued collectives. `None` when it was aborted or already closed.
+    pub fn begin_close(&self) -> Option<(RawComm, Result<Progress, NcclFail>)> {
+        let mut guard = lock(&self.comm);
+        self.mark("the communicator was dropped".into());
+        let comm = guard.take()?;
+        let started = comm.finalize();
+        Some((comm, started))
+    }
+}
+
+/// Finishes closing communicators started by [`Watch::begin_close`] (all of one node's, for
+/// a group driven by one thread): polls each until its finalize is done, within `timeout`,
+/// then destroys it; one that fails or is still busy at the deadline (queued work a departed
+/// peer will never join) is aborted instead, so a drop never hangs.
+pub(super) fn finish_close(closing: Vec<(RawComm, Result<Progress, NcclFail>)>, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    let mut busy: Vec<RawComm> = Vec::new();
+    for (comm, started) in closing {
+        match started {
+            Ok(_) => busy.push(comm),
+            Err(_) => comm.abort(),
+        }
+    }
+    while !busy.is_empty() {
+        let mut still = Vec::new();
+        for comm in busy {
+            match comm.state() {
+                Ok(Progress::Done) => comm.destroy(),
+                Ok(Progress::InProgress) if Instant::now() < deadline => still.push(comm),
+                _ => comm.abort(),
+            }
+        }
+        busy = still;
+        if !busy.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
