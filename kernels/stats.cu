@@ -89,8 +89,14 @@ __device__ void finalize(const double* sums, const double* shift, double* out, d
     out[C + c] = shift[c] + d;
     out[2 * C + c] = n == 1 ? nan("") : (n > 0 ? rsqrt(var + eps) : 1.0);
     out[3 * C + c] = var;
-    out[4 * C + c] = n > 1 ? m2 / (n - 1) : 0.0;
-    out[5 * C + c] = n > 1 ? momentum : 0.0;
+    const double mean = shift[c] + d, unbiased = n > 1 ? m2 / (n - 1) : 0.0;
+    // A channel whose batch holds NaN or Inf keeps its shift and running statistics
+    // (v - v == 0 tests finiteness, as on the CPU).
+    const bool ok = mean - mean == 0.0 && var - var == 0.0;
+    out[4 * C + c] = unbiased;
+    out[5 * C + c] = ok && n > 1 ? momentum : 0.0;
+    out[6 * C + c] = ok ? mean : shift[c];
+    out[7 * C + c] = ok ? unbiased : 0.0;
 }
 
 extern "C" __global__ void bn_finalize_f64(const double* sums, const double* shift, double* out,

@@ -451,7 +451,7 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
         let shift = per_channel(c, 4, 6.5, 7.5);
         let sums = ops::batch_norm_stats(&x, &shift, false).unwrap();
         let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
-        let mut out = Buf::poisoned(DType::F64, &[6, c]);
+        let mut out = Buf::poisoned(DType::F64, &[8, c]);
         let args = vec![
             sb.ptr(),
             kb.ptr(),
@@ -492,6 +492,10 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
             }
             let w = Tensor::full(momentum, c, &Device::Cpu).unwrap();
             assert_close_rel("blend weight", &row(5), &w, 0.0);
+            // Finite batch: the next shift is the mean, the running variance's target the
+            // unbiased variance.
+            assert_close_rel("next shift", &row(6), &row(1), 0.0);
+            assert_close_rel("running-variance target", &row(7), &row(4), 0.0);
         } else {
             let v = row(2).to_vec1::<f64>().unwrap();
             if count == 1.0 {
@@ -505,6 +509,57 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
             assert_close_rel("n ≤ 1: blend weight 0", &row(5), &zeros, 0.0);
         }
     }
+}
+
+/// Channels whose sums hold NaN (channel 1) or Inf (channel 2): blend weight 0, the next shift
+/// is the old shift, the running-variance target 0; channel 0 (finite) as usual. The CPU twin
+/// is checked through the layer in `tests/non_finite.rs`.
+#[test]
+fn finalize_holds_a_non_finite_channel() {
+    let (eps, momentum) = (1e-5, 0.1);
+    let sums = Tensor::new(
+        &[
+            [12f64, 12.0, 12.0],
+            [3.0, f64::NAN, 3.0],
+            [40.0, 40.0, f64::INFINITY],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let shift = Tensor::new(&[1.5f64, -2.0, 0.25], &Device::Cpu).unwrap();
+    let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
+    let mut out = Buf::poisoned(DType::F64, &[8, 3]);
+    let args = vec![
+        sb.ptr(),
+        kb.ptr(),
+        out.ptr(),
+        Arg::F64(momentum),
+        Arg::F64(eps),
+        Arg::I64(3),
+    ];
+    run(
+        "bn_finalize_f64",
+        &launch::finalize(3).unwrap(),
+        args,
+        "random:3",
+    );
+    let got = out.tensor().to_vec2::<f64>().unwrap();
+    let (mean0, unbiased0) = (1.5 + 3.0 / 12.0, (40.0 - 3.0 * 3.0 / 12.0) / 11.0);
+    assert_eq!(
+        [got[5][0], got[6][0], got[7][0]],
+        [momentum, mean0, unbiased0]
+    );
+    for c in [1, 2] {
+        assert_eq!(
+            [got[5][c], got[6][c], got[7][c]],
+            [0.0, [1.5, -2.0, 0.25][c], 0.0],
+            "channel {c}"
+        );
+    }
+    assert!(
+        got[1][1].is_nan() && !got[3][2].is_finite(),
+        "the batch rows still show the bad data"
+    );
 }
 
 #[test]

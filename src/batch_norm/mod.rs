@@ -322,10 +322,10 @@ impl SyncBatchNorm {
         }
         let stats = finalize(&sums, &k, momentum, self.config.eps)?;
         if sync {
-            // Row MEAN is K itself for an empty global batch, so storing it is always right.
-            let mean = stats.get(row::MEAN)?;
+            // Row SHIFT is the mean, or K for a channel whose batch was not finite (or empty).
+            let next = stats.get(row::SHIFT)?;
             let mut st = self.lock();
-            st.shift = Some(mean);
+            st.shift = Some(next);
             st.before_last_step = before;
         }
         Ok(stats)
@@ -372,16 +372,17 @@ impl SyncBatchNorm {
         }
         let mut update = None;
         if let (true, Some(r)) = (train, &self.running) {
-            // running + w·(batch − running), w = momentum (0 for a batch that cannot update):
-            // all on the device.
+            // running + w·(target − running), w = momentum, or 0 for a batch that cannot update
+            // (n ≤ 1, or NaN/Inf in the channel: its targets are then finite stand-ins, so the
+            // running statistics stay exactly as they were): all on the device.
             let w = stats.get(row::BLEND)?;
             let blend = |old: &Tensor, new: Tensor| -> Result<Tensor> {
                 let old64 = old.to_dtype(DType::F64)?;
                 (&old64 + (new - &old64)?.mul(&w)?)?.to_dtype(old.dtype())
             };
             update = Some((
-                blend(r.mean.as_tensor(), stats.get(row::MEAN)?)?,
-                blend(r.var.as_tensor(), stats.get(row::VAR_UNBIASED)?)?,
+                blend(r.mean.as_tensor(), stats.get(row::SHIFT)?)?,
+                blend(r.var.as_tensor(), stats.get(row::RUN_VAR)?)?,
                 done,
             ));
         }

@@ -18,10 +18,24 @@ pub(crate) mod row {
     pub const VAR: usize = 3;
     /// Unbiased variance `M2/(n − 1)`, 0 when `n ≤ 1`.
     pub const VAR_UNBIASED: usize = 4;
-    /// Running-statistics blend weight: the momentum when `n > 1`, else 0.
+    /// Running-statistics blend weight: the momentum when `n > 1` and the channel's batch
+    /// statistics are finite, else 0.
     pub const BLEND: usize = 5;
+    /// The next training step's shift and the running mean's blend target: the mean when the
+    /// channel's mean and variance are finite, else the shift `K` it was computed with (a batch
+    /// holding NaN or Inf never poisons later steps).
+    pub const SHIFT: usize = 6;
+    /// The running variance's blend target: `VAR_UNBIASED` when finite as above, else 0 (its
+    /// weight is then 0, and `old + (0 − old)·0` keeps `old`, where NaN·0 would not).
+    pub const RUN_VAR: usize = 7;
     /// Number of rows.
-    pub const ROWS: usize = 6;
+    pub const ROWS: usize = 8;
+}
+
+/// Whether `v` is neither NaN nor infinite, as the kernel tests it (`v − v == 0`).
+#[inline]
+fn finite(v: f64) -> bool {
+    v - v == 0.0
 }
 
 /// The finalize arithmetic of one channel (the CPU twin of `finalize` in `kernels/stats.cu`).
@@ -41,7 +55,18 @@ fn finalize_channel(n: f64, a: f64, b: f64, k: f64, momentum: f64, eps: f64) -> 
     } else {
         (0.0, 0.0)
     };
-    [n, k + d, invstd, var, unbiased, blend]
+    let mean = k + d;
+    let ok = finite(mean) && finite(var);
+    [
+        n,
+        mean,
+        invstd,
+        var,
+        unbiased,
+        if ok { blend } else { 0.0 },
+        if ok { mean } else { k },
+        if ok { unbiased } else { 0.0 },
+    ]
 }
 
 /// Sums `[3, C]` and shift `[C]` (both f64) → `[ROWS, C]` f64.
