@@ -96,11 +96,16 @@ impl DataParallel {
             .first()
             .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone());
         check_same_model(&*comm, &all, &device)?;
-        for (_, v) in &all {
-            let from_root = comm.broadcast(v.as_tensor(), 0)?;
-            // Rank 0 keeps its own values (a backend may hand the very same tensor back).
-            if comm.rank() != 0 {
-                v.set(&from_root)?;
+        // Every broadcast first, then every assignment: a failure in the middle (a rank that
+        // left, a timeout) leaves this rank's variables all as they were, not half rank 0's.
+        let from_root = all
+            .iter()
+            .map(|(_, v)| comm.broadcast(v.as_tensor(), 0))
+            .collect::<Result<Vec<_>>>()?;
+        // Rank 0 keeps its own values (a backend may hand the very same tensor back).
+        if comm.rank() != 0 {
+            for ((_, v), t) in all.iter().zip(&from_root) {
+                v.set(t)?;
             }
         }
         Ok(Self {

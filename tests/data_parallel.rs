@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_distributed::collective::Collective;
+use candle_distributed::collective::{Collective, Pending, ReduceOp};
 use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
 use candle_nn::{
     conv2d, linear, AdamW, Conv2dConfig, ModuleT, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD,
@@ -318,7 +318,92 @@ fn replicas_start_from_rank_0(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `inner`, except that its broadcasts fail from the `fail_at`-th on (every rank alike, so no
+/// rank waits for another).
+#[derive(Debug)]
+struct BroadcastFails {
+    inner: Arc<dyn Collective>,
+    seen: std::sync::atomic::AtomicUsize,
+    fail_at: usize,
+}
+
+impl Collective for BroadcastFails {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> candle_core::Result<Tensor> {
+        let n = self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if n >= self.fail_at {
+            candle_core::bail!("broadcast #{n} fails on purpose")
+        }
+        self.inner.broadcast(t, root)
+    }
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
+        self.inner.all_reduce(t, op)
+    }
+    fn all_gather(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        self.inner.all_gather(t)
+    }
+    fn barrier(&self) -> candle_core::Result<()> {
+        self.inner.barrier()
+    }
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
+        self.inner.reduce_scatter(t, op)
+    }
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
+        self.inner.all_reduce_async(t, op)
+    }
+    fn all_gather_async(&self, t: &Tensor) -> candle_core::Result<Pending> {
+        self.inner.all_gather_async(t)
+    }
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
+        self.inner.reduce_scatter_async(t, op)
+    }
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: u32,
+    ) -> candle_core::Result<Option<Arc<dyn Collective>>> {
+        self.inner.split(color, key)
+    }
+}
+
+/// A broadcast that fails after the first few (of one per variable): `DataParallel::new`
+/// fails and leaves every rank's variables all its own, not partly rank 0's.
+fn a_failed_start_changes_no_variable(dev: &Device) -> anyhow::Result<()> {
+    let out = run_ranks_on(3, dev, |comm| {
+        let vm = VarMap::new();
+        let _model = net(&vm, Some(comm.clone()), dev);
+        seed_vars(&vm, comm.rank() as u64 + 1);
+        let before = params(&vm);
+        let failing = Arc::new(BroadcastFails {
+            inner: comm.clone(),
+            seen: Default::default(),
+            fail_at: 3,
+        });
+        let err = DataParallel::new(&vm, failing).err().map(|e| e.to_string());
+        let vars = vm.data().lock().unwrap().len();
+        Ok((before, params(&vm), err, vars))
+    });
+    for (r, (before, after, err, vars)) in out.into_iter().enumerate() {
+        assert!(
+            vars > 3,
+            "rank {r}: the model must have more variables than the broadcasts that succeed"
+        );
+        let err = err.expect("the start must fail");
+        assert!(err.contains("fails on purpose"), "rank {r}: {err}");
+        for ((name, a), (_, b)) in after.iter().zip(&before) {
+            assert_close(&format!("rank {r} {name}"), a, b, 0.0);
+        }
+    }
+    Ok(())
+}
+
 device_tests!(
+    a_failed_start_changes_no_variable,
     sgd_steps_match_one_process,
     adamw_steps_match_one_process,
     small_buckets_give_the_same_steps,

@@ -32,12 +32,6 @@ pub(crate) mod row {
     pub const ROWS: usize = 8;
 }
 
-/// Whether `v` is neither NaN nor infinite, as the kernel tests it (`v − v == 0`).
-#[inline]
-fn finite(v: f64) -> bool {
-    v - v == 0.0
-}
-
 /// The finalize arithmetic of one channel (the CPU twin of `finalize` in `kernels/stats.cu`).
 fn finalize_channel(n: f64, a: f64, b: f64, k: f64, momentum: f64, eps: f64) -> [f64; row::ROWS] {
     let d = if n > 0.0 { a / n } else { 0.0 };
@@ -56,7 +50,8 @@ fn finalize_channel(n: f64, a: f64, b: f64, k: f64, momentum: f64, eps: f64) -> 
         (0.0, 0.0)
     };
     let mean = k + d;
-    let ok = finite(mean) && finite(var);
+    // The kernel's test, `v − v == 0`, is the same predicate.
+    let ok = mean.is_finite() && var.is_finite();
     [
         n,
         mean,
