@@ -210,6 +210,7 @@ impl SyncBatchNorm {
             return Ok(());
         };
         let snap = self.lock().before_last_step.take();
+        let restored = snap.is_some();
         if let Some(snap) = snap {
             if let (Some(r), Some((mean, var))) = (&self.running, &snap.running) {
                 r.mean.set(mean)?;
@@ -223,9 +224,11 @@ impl SyncBatchNorm {
             st.num_batches_tracked = snap.num_batches_tracked;
             st.shift = snap.shift;
         }
-        Err(e.context(format!(
-            "{OP}: the communicator failed; the running statistics and shift are those before the last training step"
-        )))
+        Err(e.context(if restored {
+            format!("{OP}: the communicator failed; the running statistics and shift are those before the last training step")
+        } else {
+            format!("{OP}: the communicator failed (the state was already rolled back)")
+        }))
     }
 
     /// The state a training step is about to change (copies of the running statistics).

@@ -7,9 +7,13 @@
 //! collective into a candle op; this file has the constructors and the `Collective` impl.
 //!
 //! Communicators are non-blocking (`config.blocking = 0`), so no thread ever waits inside
-//! NCCL and an abort is legal between any two calls. Failure handling:
-//! - start-up (`ncclCommInitRankConfig`, also `split`) is polled under the timeout: a rank
-//!   that never arrives makes the others fail with an error naming the timeout, not hang;
+//! NCCL and an abort is legal between any two calls. NCCL 2.27 or newer is required (checked
+//! at creation): older versions keep a non-blocking call's background job in the calling
+//! thread's state, which the watchdog's calls from its own thread would disturb. Failure
+//! handling:
+//! - start-up (`ncclCommInitRankConfig`, also `split`) is polled under the timeout, before the
+//!   watchdog exists: a rank that never arrives makes the others fail with an error naming
+//!   the timeout, not hang;
 //! - every collective records a CUDA event after it; a watchdog thread per communicator polls
 //!   NCCL's asynchronous error (`ncclCommGetAsyncError`: a peer that left, a network error) and
 //!   the oldest pending event every 10 ms, and aborts the communicator when NCCL reports an
@@ -64,6 +68,14 @@ fn rank_left(rank: usize, op: &'static str, why: String) -> candle_core::Error {
         reason: why,
     }
     .into()
+}
+
+/// The error of a failed call of `rank`.
+fn call_error(rank: usize, op: &'static str, e: CallError) -> candle_core::Error {
+    match e {
+        CallError::Broken(why) => rank_left(rank, op, why),
+        CallError::Nccl(f) => f.error(op, rank),
+    }
 }
 
 /// The communicators of one [`NcclGroup`]: closed together once the last is dropped, since
@@ -154,8 +166,15 @@ impl NcclGroup {
         let ranks: Vec<usize> = (0..world).collect();
         let refs: Vec<_> = ctxs.iter().map(|c| c.as_ref()).collect();
         let raws = RawComm::init_group(&refs, world, &id, &ranks).map_err(|f| f.error("new", 0))?;
+        // Every rank's start-up is polled to completion (under one deadline) before any
+        // watchdog exists; on failure the handles are dropped, which aborts them.
+        watchdog::wait_ready(&raws, &ranks, "new", timeout).map_err(|e| call_error(0, "new", e))?;
         let mut comms = Vec::with_capacity(world);
-        for (rank, (comm, device)) in raws.into_iter().zip(devices).enumerate() {
+        let mut raws = raws.into_iter();
+        for (rank, device) in devices.into_iter().enumerate() {
+            let comm = raws.next().expect("one communicator per device");
+            // On an error here the communicators not yet wrapped are dropped (aborted), and
+            // those already wrapped are closed by their own drop (no teardown set yet).
             comms.push(NcclCollective::start(comm, device, rank, world, timeout)?);
         }
         let teardown = Arc::new(Teardown {
@@ -163,28 +182,16 @@ impl NcclGroup {
             left: Mutex::new(world),
             timeout,
         });
-        // Every rank's start-up is polled (they complete together: one NCCL group).
-        let mut ready = Ok(());
-        for c in &comms {
-            if ready.is_ok() {
-                ready = c.settle("new");
-            }
-        }
         for c in &mut comms {
             c.teardown = Some(teardown.clone());
-        }
-        if let Err(e) = ready {
-            for c in &comms {
-                c.watch.abort("the group's start-up failed".into());
-            }
-            return Err(e);
         }
         Ok(comms.into_iter().map(Arc::new).collect())
     }
 }
 
 impl NcclCollective {
-    /// Wraps a communicator (possibly still initialising) on `device` and starts its watchdog.
+    /// Wraps a communicator (initialised: see [`watchdog::wait_ready`]) on `device` and starts
+    /// its watchdog.
     fn start(
         comm: RawComm,
         device: CudaDevice,
@@ -211,18 +218,8 @@ impl NcclCollective {
         })
     }
 
-    /// Polls the last call (the start-up) until NCCL is done with it, within the timeout.
-    fn settle(&self, op: &'static str) -> Result<()> {
-        self.watch
-            .call(op, |_| Ok(((), Progress::InProgress)))
-            .map_err(|e| self.call_error(op, e))
-    }
-
     fn call_error(&self, op: &'static str, e: CallError) -> candle_core::Error {
-        match e {
-            CallError::Broken(why) => self.left(op, why),
-            CallError::Nccl(f) => f.error(op, self.rank),
-        }
+        call_error(self.rank, op, e)
     }
 
     /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
@@ -305,9 +302,10 @@ impl NcclCollective {
         };
         let ctx = device.cuda_stream().context().clone();
         let comm = RawComm::init_rank(&ctx, world, &id, rank).map_err(|f| f.error("init", rank))?;
-        let c = Self::start(comm, device, rank, world, timeout)?;
-        c.settle("init")?;
-        Ok(Arc::new(c))
+        // Polled to completion before the watchdog exists; dropped (aborted) on failure.
+        watchdog::wait_ready(std::slice::from_ref(&comm), &[rank], "init", timeout)
+            .map_err(|e| call_error(rank, "init", e))?;
+        Ok(Arc::new(Self::start(comm, device, rank, world, timeout)?))
     }
 
     /// The GPU this rank's tensors must live on.
@@ -342,16 +340,25 @@ impl NcclCollective {
         finish: impl FnOnce(Tensor) -> Result<Tensor> + Send + 'static,
     ) -> Result<Pending> {
         let main = self.device.cuda_stream();
-        let out = self.enqueue_on(what, t, Some(self.side.clone()))?;
+        let input = t.contiguous()?;
+        let out = self.enqueue_on(what, &input, Some(self.side.clone()))?;
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         let done = self.side.record_event(Some(flags)).w()?;
+        // The input stays alive until the device's stream has waited for the side stream, on
+        // `wait` or on drop: candle frees a tensor on the stream that last used it, and NCCL
+        // may still be reading it on the side stream.
+        let keep = KeepInput {
+            main,
+            done,
+            input: Some(input),
+        };
         let (watch, rank, op) = (self.watch.clone(), self.rank, what.name());
         Ok(Pending::new(move || {
-            main.wait(&done).w()?;
+            keep.release()?;
             // No host wait here (the device's stream waits for the side stream), but a
-            // communicator the watchdog has aborted meanwhile never wrote `out`: say so rather
-            // than hand it on. (An abort after this point shows in `deferred_error` and the next call.)
-            if let Some(why) = watch.broken() {
+            // collective lost to an abort never wrote `out`: say so rather than hand it on.
+            // (An abort after this point shows in `deferred_error` and the next call.)
+            if let Some(why) = watch.lost() {
                 return Err(rank_left(rank, op, why));
             }
             finish(out)
@@ -380,6 +387,32 @@ impl NcclCollective {
         let on = stream.unwrap_or_else(|| self.device.cuda_stream());
         self.watch.track(on.record_event(Some(flags)).w()?, op);
         Ok(out)
+    }
+}
+
+/// The input of a collective started on the side stream, kept until the device's stream has
+/// been made to wait for that collective (`done`).
+struct KeepInput {
+    main: Arc<CudaStream>,
+    done: candle_core::cuda_backend::cudarc::driver::CudaEvent,
+    input: Option<Tensor>,
+}
+
+impl KeepInput {
+    /// Makes the device's stream wait for the collective, then lets the input go.
+    fn release(mut self) -> Result<()> {
+        self.main.wait(&self.done).w()?;
+        self.input = None;
+        Ok(())
+    }
+}
+
+impl Drop for KeepInput {
+    /// A `Pending` dropped without `wait`: the same ordering before the input is freed.
+    fn drop(&mut self) {
+        if self.input.is_some() {
+            let _ = self.main.wait(&self.done);
+        }
     }
 }
 

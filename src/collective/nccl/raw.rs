@@ -154,13 +154,48 @@ pub(super) struct Buffers {
     pub stream: sys::cudaStream_t,
 }
 
-/// An NCCL communicator handle with one owner.
+/// The oldest NCCL this backend accepts: 2.27, where a non-blocking communicator's background
+/// job belongs to the communicator (before, it lived in the issuing thread's thread-local
+/// state, so calls on different communicators from different threads, the watchdog's
+/// included, could join or reset each other's jobs).
+pub(super) const MIN_NCCL: i32 = 22700;
+
+/// Refuses an NCCL older than [`MIN_NCCL`].
+fn check_version() -> Result<(), NcclFail> {
+    let v = result::get_nccl_version().map_err(|e| NcclFail::of(e.0, None))?;
+    if v < MIN_NCCL {
+        return Err(NcclFail {
+            code: "version".into(),
+            detail: format!(
+                "NCCL {}.{}.{} is loaded; this backend needs 2.27 or newer (non-blocking communicators with per-communicator background jobs)",
+                v / 10000,
+                v / 100 % 100,
+                v % 100
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// An NCCL communicator handle with one owner; dropping it aborts it.
 #[derive(Debug)]
 pub(super) struct RawComm(sys::ncclComm_t);
 
-// SAFETY: NCCL lets a communicator be used from any thread, one at a time; `RawComm` is not
-// `Sync` and its owner keeps it behind a mutex.
+// SAFETY: with NCCL ≥ 2.27 (checked before any communicator is made) a communicator may be used
+// from any thread, one call at a time; `RawComm` is not `Sync` and its owner keeps it behind a
+// mutex.
 unsafe impl Send for RawComm {}
+
+impl Drop for RawComm {
+    /// `ncclCommAbort`: a handle dropped on an error path (or by `abort`) stops its kernels and
+    /// background work and frees it, whatever state it is in.
+    fn drop(&mut self) {
+        // SAFETY: the only handle, dropped once, so no other call can overlap or follow.
+        unsafe {
+            let _ = sys::ncclCommAbort(self.0);
+        }
+    }
+}
 
 impl RawComm {
     /// Starts `ncclCommInitRankConfig` (non-blocking) for `rank` of `world` on the GPU of
@@ -183,6 +218,7 @@ impl RawComm {
         id: &[u8; 128],
         ranks: &[usize],
     ) -> Result<Vec<Self>, NcclFail> {
+        check_version()?;
         let internal = id.map(|b| b as std::ffi::c_char);
         let mut handles = vec![std::ptr::null_mut(); ctxs.len()];
         status(result::group_start(), None)?;
@@ -220,9 +256,7 @@ impl RawComm {
         match first_err.or(end.err()) {
             None if comms.len() == ctxs.len() => Ok(comms),
             err => {
-                for c in comms {
-                    c.abort();
-                }
+                drop(comms); // aborts each
                 Err(err.unwrap_or(NcclFail {
                     code: "init".into(),
                     detail: "NCCL returned no communicator".into(),
@@ -235,8 +269,8 @@ impl RawComm {
     /// call, or failed (asynchronously too: a peer that left, a network error).
     pub fn state(&self) -> Result<Progress, NcclFail> {
         let mut raw: u32 = 0;
-        // SAFETY: a valid handle; the out-parameter is read as a plain u32, so a code newer
-        // than the bindings' enum is not an invalid enum value.
+        // SAFETY: a valid handle; the out-parameter is read as a plain u32 (the function's own
+        // return value is the bindings' enum, whose every value NCCL ≥ 2.27 returns here).
         let r = unsafe {
             sys::ncclCommGetAsyncError(self.0, (&mut raw as *mut u32).cast::<sys::ncclResult_t>())
         };
@@ -250,6 +284,10 @@ impl RawComm {
                 let known = unsafe { std::mem::transmute::<u32, sys::ncclResult_t>(code) };
                 Err(NcclFail::of(known, Some(self)))
             }
+            8 => Err(NcclFail {
+                code: "ncclTimeout".into(),
+                detail: "NCCL timed out".into(),
+            }),
             code => Err(NcclFail {
                 code: format!("ncclResult {code}"),
                 detail: "an asynchronous NCCL error these bindings do not name".into(),
@@ -304,9 +342,10 @@ impl RawComm {
     pub fn split(&self, color: i32, key: i32) -> Result<Split, NcclFail> {
         let mut slot = Box::new(std::ptr::null_mut());
         // SAFETY: a valid, ready parent; the slot is on the heap, so its address stays fixed
-        // until NCCL's background thread has written it (the `Split` keeps it, and the parent
-        // is polled or aborted, which joins that thread, before the slot is read or freed); a
-        // null config asks for the parent's.
+        // while NCCL's background job may write it: the `Split` keeps it until the parent's
+        // state is done (NCCL stores the child before it publishes the parent's result) or the
+        // parent is aborted on this thread (which ends the job); a null config asks for the
+        // parent's.
         let r = unsafe { sys::ncclCommSplit(self.0, color, key, &mut *slot, std::ptr::null_mut()) };
         check(r, Some(self))?;
         Ok(Split { slot })
@@ -321,19 +360,19 @@ impl RawComm {
 
     /// `ncclCommDestroy`: frees a finalized communicator whose state is done (local, no wait).
     pub fn destroy(self) {
-        // SAFETY: consumes the only handle; finalized and done (the caller's contract).
+        let handle = self.0;
+        std::mem::forget(self);
+        // SAFETY: the only handle, taken out of its owner (which is not dropped, so not also
+        // aborted); finalized and done (the caller's contract).
         unsafe {
-            let _ = sys::ncclCommDestroy(self.0);
+            let _ = sys::ncclCommDestroy(handle);
         }
     }
 
     /// `ncclCommAbort`: stops its kernels and frees it, whatever state it is in (initialising,
-    /// with queued work, failed).
+    /// with queued work, failed). The same as dropping it; named for the call sites.
     pub fn abort(self) {
-        // SAFETY: consumes the only handle, so no other call can overlap or follow.
-        unsafe {
-            let _ = sys::ncclCommAbort(self.0);
-        }
+        drop(self);
     }
 }
 

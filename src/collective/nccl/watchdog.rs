@@ -96,7 +96,10 @@ impl Watch {
     fn mark(&self, why: String) {
         let mut broken = lock(&self.broken);
         if broken.is_none() {
-            *lock(&self.lost) = !lock(&self.pending).is_empty();
+            let mut pending = lock(&self.pending);
+            *lock(&self.lost) = !pending.is_empty();
+            // Their events belong to a communicator that is being aborted: nothing to watch.
+            pending.clear();
             *broken = Some(why);
         }
     }
@@ -222,7 +225,6 @@ impl Watch {
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
         if let Some(f) = failed {
-            lock(&self.pending).clear();
             self.abort(format!(
                 "rank {}: NCCL reported an asynchronous error ({}: {}) (a peer that left?); the communicator was aborted",
                 self.rank, f.code, f.detail
@@ -251,7 +253,6 @@ impl Watch {
                     self.rank
                 ),
             };
-            pending.clear();
             drop(pending);
             self.abort(why);
             return;
@@ -267,6 +268,41 @@ impl Watch {
         let started = comm.finalize();
         Some((comm, started))
     }
+}
+
+/// Polls communicators that are starting (`ncclCommInitRankConfig`, several of one NCCL group
+/// from one thread) until each is done, under one deadline, before any watchdog sees them:
+/// `Err` on an NCCL error or at the deadline (the caller drops them, which aborts them).
+/// `ranks[i]` names `comms[i]` in the error.
+pub(super) fn wait_ready(
+    comms: &[RawComm],
+    ranks: &[usize],
+    op: &'static str,
+    timeout: Duration,
+) -> Result<(), CallError> {
+    let deadline = Instant::now() + timeout;
+    let mut busy: Vec<usize> = (0..comms.len()).collect();
+    while !busy.is_empty() {
+        let mut still = Vec::new();
+        for i in busy {
+            match comms[i].state() {
+                Ok(Progress::Done) => {}
+                Ok(Progress::InProgress) if Instant::now() < deadline => still.push(i),
+                Ok(Progress::InProgress) => {
+                    return Err(CallError::Broken(format!(
+                        "rank {}: {op} did not complete in NCCL within {timeout:?} (a rank that never arrived?); the communicator was aborted",
+                        ranks[i]
+                    )))
+                }
+                Err(f) => return Err(CallError::Nccl(f)),
+            }
+        }
+        busy = still;
+        if !busy.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    Ok(())
 }
 
 /// Finishes closing communicators started by [`Watch::begin_close`] (all of one node's, for
