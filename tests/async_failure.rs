@@ -52,6 +52,9 @@ impl Collective for Deferred {
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }
+    fn defers_errors(&self) -> bool {
+        true
+    }
     fn deferred_error(&self) -> candle_core::Result<()> {
         if self.failed.load(Ordering::SeqCst) {
             return Err(CollectiveError::RankLeft {

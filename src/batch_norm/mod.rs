@@ -34,8 +34,8 @@ struct State {
     /// shift of the next one's sums (bitwise identical on every rank, as it comes from
     /// all-reduced values).
     shift: Option<Tensor>,
-    /// The state before the last training step, kept until the next one: restored when the
-    /// communicator reports (through [`Collective::deferred_error`]) that a collective failed after
+    /// The state before the last training step, kept until the next one (on communicators that
+    /// defer errors): restored when the communicator reports (through [`Collective::deferred_error`]) that a collective failed after
     /// its call returned.
     before_last_step: Option<Box<Snapshot>>,
 }
@@ -355,7 +355,9 @@ impl SyncBatchNorm {
             (true, Some(_)) => self.config.momentum.unwrap_or(1.0 / done as f64),
             _ => 0.0,
         };
-        let before = if train {
+        // Kept only where a step can fail after its calls returned (NCCL): elsewhere a failed
+        // collective fails the call, and the layer commits nothing.
+        let before = if train && self.comm.defers_errors() {
             Some(Box::new(self.snapshot()?))
         } else {
             None

@@ -52,13 +52,12 @@ impl Checked {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
         {
-            return Err(CollectiveError::RankLeft {
-                backend: BACKEND,
-                op: op.name(),
-                call: 0,
-                rank: self.inner.rank(),
-                reason: format!("an earlier call broke the group: {reason}"),
-            }
+            return Err(CollectiveError::broken(
+                BACKEND,
+                op.name(),
+                self.inner.rank(),
+                format!("an earlier call broke the group: {reason}"),
+            )
             .into());
         }
         let mine = descriptor(op, t);
@@ -170,6 +169,10 @@ impl Collective for Checked {
 
     fn deferred_error(&self) -> Result<()> {
         self.inner.deferred_error()
+    }
+
+    fn defers_errors(&self) -> bool {
+        self.inner.defers_errors()
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {

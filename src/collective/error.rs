@@ -109,6 +109,32 @@ impl From<CollectiveError> for candle_core::Error {
 }
 
 impl CollectiveError {
+    /// [`CollectiveError::InvalidArgument`].
+    pub(crate) fn invalid(backend: &'static str, op: &'static str, detail: String) -> Self {
+        Self::InvalidArgument {
+            backend,
+            op,
+            detail,
+        }
+    }
+
+    /// [`CollectiveError::RankLeft`] of a call on a communicator an earlier failure broke (no
+    /// call number: 0).
+    pub(crate) fn broken(
+        backend: &'static str,
+        op: &'static str,
+        rank: usize,
+        reason: String,
+    ) -> Self {
+        Self::RankLeft {
+            backend,
+            op,
+            call: 0,
+            rank,
+            reason,
+        }
+    }
+
     /// The collective error inside `err`, through candle's wrappers (context, path,
     /// backtrace); `None` when `err` did not come from a collective.
     pub fn find(err: &candle_core::Error) -> Option<&CollectiveError> {

@@ -123,6 +123,14 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Whether a call can return `Ok` before its collective has completed, so that
+    /// [`Collective::deferred_error`] can later report it lost (`true` for NCCL). Callers that
+    /// keep state for a rollback (`SyncBatchNorm`'s snapshot of its running statistics) keep
+    /// it only then. Wrappers forward it.
+    fn defers_errors(&self) -> bool {
+        false
+    }
+
     /// Splits the group into disjoint subgroups (MPI's `MPI_Comm_split`, NCCL's
     /// `ncclCommSplit`): ranks passing the same `color` form one group, ordered by `key`, then
     /// by their rank here. A rank passing `None` joins no group and gets `None`.

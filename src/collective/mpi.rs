@@ -152,12 +152,7 @@ impl std::fmt::Debug for MpiCollective {
 }
 
 fn invalid(op: &'static str, detail: String) -> candle_core::Error {
-    CollectiveError::InvalidArgument {
-        backend: BACKEND,
-        op,
-        detail,
-    }
-    .into()
+    CollectiveError::invalid(BACKEND, op, detail).into()
 }
 
 /// A tensor's values on the host in a type MPI knows (f16 and bf16 travel as f32, exactly).
@@ -315,13 +310,12 @@ impl MpiCollective {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
         {
-            Some(reason) => Err(CollectiveError::RankLeft {
-                backend: BACKEND,
+            Some(reason) => Err(CollectiveError::broken(
+                BACKEND,
                 op,
-                call: 0,
-                rank: self.rank,
-                reason: format!("the group is broken: {reason}"),
-            }
+                self.rank,
+                format!("the group is broken: {reason}"),
+            )
             .into()),
             None => Ok(()),
         }

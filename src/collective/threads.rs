@@ -49,11 +49,11 @@ impl ThreadGroup {
     /// Like [`ThreadGroup::new`], with the time a rank waits for the others in one collective.
     pub fn with_timeout(world_size: usize, timeout: Duration) -> Result<Vec<Arc<dyn Collective>>> {
         if world_size == 0 {
-            return Err(CollectiveError::InvalidArgument {
-                backend: BACKEND,
-                op: "new",
-                detail: "world_size must be at least 1, got 0".into(),
-            }
+            return Err(CollectiveError::invalid(
+                BACKEND,
+                "new",
+                "world_size must be at least 1, got 0".into(),
+            )
             .into());
         }
         let shared = Shared::new(world_size, timeout);
@@ -334,11 +334,7 @@ fn combine(call: u64, cs: &[Contribution]) -> std::result::Result<Tensor, Collec
             "every rank must call the same collective with the same dtype and shape",
         ));
     }
-    let invalid = |detail: String| CollectiveError::InvalidArgument {
-        backend: BACKEND,
-        op: first.kind.name(),
-        detail,
-    };
+    let invalid = |detail: String| CollectiveError::invalid(BACKEND, first.kind.name(), detail);
     let tensors: Vec<&Tensor> = cs.iter().map(|c| &c.tensor).collect();
     let result = match first.kind {
         Op::AllReduce(op) => reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?,

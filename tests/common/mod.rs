@@ -297,6 +297,9 @@ impl Collective for Probe {
     fn deferred_error(&self) -> candle_core::Result<()> {
         self.inner.deferred_error()
     }
+    fn defers_errors(&self) -> bool {
+        self.inner.defers_errors()
+    }
     fn world_size(&self) -> usize {
         self.inner.world_size()
     }

@@ -50,24 +50,12 @@ use watchdog::{finish_close, CallError, Watch};
 const BACKEND: &str = "NCCL";
 
 fn invalid(op: &'static str, detail: String) -> candle_core::Error {
-    CollectiveError::InvalidArgument {
-        backend: BACKEND,
-        op,
-        detail,
-    }
-    .into()
+    CollectiveError::invalid(BACKEND, op, detail).into()
 }
 
 /// The error of a call of `rank` on an aborted or dropped communicator.
 fn rank_left(rank: usize, op: &'static str, why: String) -> candle_core::Error {
-    CollectiveError::RankLeft {
-        backend: BACKEND,
-        op,
-        call: 0,
-        rank,
-        reason: why,
-    }
-    .into()
+    CollectiveError::broken(BACKEND, op, rank, why).into()
 }
 
 /// The error of a failed call of `rank`.
@@ -443,6 +431,10 @@ impl Collective for NcclCollective {
     /// CUDA error, an asynchronous NCCL error, a failed call) while collectives enqueued before
     /// were not known complete: conservatively, one that completed in the last 10 ms before the
     /// abort counts as lost.
+    fn defers_errors(&self) -> bool {
+        true
+    }
+
     fn deferred_error(&self) -> Result<()> {
         match self.watch.lost() {
             Some(why) => Err(self.left("deferred_error", why)),
