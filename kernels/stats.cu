@@ -66,19 +66,34 @@ __device__ void stats_nhwc(const T* x, const double* shift, double* out, double*
     EMU_REGISTER(bn_stats_nhwc_##suffix)
 STAMP(STATS_ENTRIES)
 
-// Reduced sums [3, C] → per-channel rows of `out` [6, C] (f64), all on the device:
+// Reduced sums [3, C] → per-channel rows of `out` [10, C] (f64), all on the device:
 //   0 n, the global count;          1 mean = K + A/n (K when n = 0: the next step's shift);
 //   2 invstd = 1/sqrt(M2/n + eps)   (NaN when n = 1, a batch that cannot be normalised;
 //                                    1 when n = 0, an empty batch);
 //   3 biased var M2/n;              4 unbiased var M2/(n − 1) (0 when n ≤ 1);
-//   5 w, the running-statistics blend weight: `momentum` when n > 1, else 0, so that
-//     running ← running + w·(batch − running) leaves the running statistics bitwise
-//     untouched by a batch that cannot update them.
-// The caller passes momentum (or 1/num_batches_tracked, known on the host): nothing is read
-// back. Grid ceil(C/BN_THREADS), block BN_THREADS.
-__device__ void finalize(const double* sums, const double* shift, double* out, double momentum,
-                         double eps, long long C) {
+//   5 w, the running-statistics blend weight: `momentum` when n > 1, else 0;
+//   6 the next step's shift and the running mean's target; 7 the running variance's target
+//     (a channel whose batch holds NaN or Inf keeps its shift K, target 0 and weight 0);
+//   8, 9 the running mean and variance before this step (0 without running statistics): what
+//     a rollback restores.
+// With running statistics (`run_mean`, `run_var` non-null, the layer's variables in their own
+// dtype R), the same thread updates them in place, running ← running + w·(target − running),
+// which leaves them bitwise untouched where w = 0; thread 0 adds 1 to `batches`
+// (num_batches_tracked, when non-null). So a training step's whole per-channel bookkeeping is
+// this one launch. The caller passes momentum (or 1/num_batches_tracked, known on the host):
+// nothing is read back. Grid ceil(C/BN_THREADS), block BN_THREADS.
+
+// old + (target − old)·w rounded step by step (no fused multiply-add), as the CPU does.
+__device__ __forceinline__ double blend(double old, double target, double w) {
+    return __dadd_rn(old, __dmul_rn(__dsub_rn(target, old), w));
+}
+
+template <typename R>
+__device__ void finalize(const double* sums, const double* shift, double* out, R* run_mean,
+                         R* run_var, long long* batches, double momentum, double eps,
+                         long long C) {
     const long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (c == 0 && batches != nullptr) *batches += 1;
     if (c >= C) return;
     const double n = sums[c], a = sums[C + c], b = sums[2 * C + c];
     const double d = n > 0 ? a / n : 0.0;
@@ -93,14 +108,30 @@ __device__ void finalize(const double* sums, const double* shift, double* out, d
     // A channel whose batch holds NaN or Inf keeps its shift and running statistics
     // (v - v == 0 tests finiteness, as on the CPU).
     const bool ok = mean - mean == 0.0 && var - var == 0.0;
+    const double w = ok && n > 1 ? momentum : 0.0;
+    const double mean_target = ok ? mean : shift[c], var_target = ok ? unbiased : 0.0;
     out[4 * C + c] = unbiased;
-    out[5 * C + c] = ok && n > 1 ? momentum : 0.0;
-    out[6 * C + c] = ok ? mean : shift[c];
-    out[7 * C + c] = ok ? unbiased : 0.0;
+    out[5 * C + c] = w;
+    out[6 * C + c] = mean_target;
+    out[7 * C + c] = var_target;
+    double old_mean = 0.0, old_var = 0.0;
+    if (run_mean != nullptr) {
+        old_mean = (double)to_acc(run_mean[c]);
+        old_var = (double)to_acc(run_var[c]);
+        run_mean[c] = store_as<R>(blend(old_mean, mean_target, w));
+        run_var[c] = store_as<R>(blend(old_var, var_target, w));
+    }
+    out[8 * C + c] = old_mean;
+    out[9 * C + c] = old_var;
 }
 
-extern "C" __global__ void bn_finalize_f64(const double* sums, const double* shift, double* out,
-                                           double momentum, double eps, long long c) {
-    finalize(sums, shift, out, momentum, eps, c);
-}
-EMU_REGISTER(bn_finalize_f64)
+// `bn_finalize_<R>`: R is the running statistics' dtype; `bn_finalize_f64` with null running
+// pointers is the plain finalize of the functional ops.
+#define FINALIZE_ENTRY(suffix, R)                                                              \
+    extern "C" __global__ void bn_finalize_##suffix(                                           \
+        const double* sums, const double* shift, double* out, R* run_mean, R* run_var,        \
+        long long* batches, double momentum, double eps, long long c) {                        \
+        finalize<R>(sums, shift, out, run_mean, run_var, batches, momentum, eps, c);           \
+    }                                                                                          \
+    EMU_REGISTER(bn_finalize_##suffix)
+STAMP(FINALIZE_ENTRY)

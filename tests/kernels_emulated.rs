@@ -26,11 +26,12 @@ const DTYPES: [(DType, &str); 4] = [
     (DType::F16, "f16"),
     (DType::BF16, "bf16"),
 ];
-/// Entry points with a single dtype, each launched by a test below.
-const SINGLE: [&str; 1] = ["bn_finalize_f64"];
+/// Entry points with a single dtype, each launched by a test below (none today).
+const SINGLE: [&str; 0] = [];
 /// Kernel roots stamped for every dtype; every `<root>_<suffix>` must be launched by a test
 /// below.
-const ROOTS: [&str; 10] = [
+const ROOTS: [&str; 11] = [
+    "bn_finalize",
     "max_pool2d_fwd",
     "max_pool2d_bwd",
     "bn_stats_nchw",
@@ -191,6 +192,12 @@ impl Buf {
                 .collect(),
             DType::BF16 => t
                 .to_vec1::<half::bf16>()
+                .unwrap()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+            DType::I64 => t
+                .to_vec1::<i64>()
                 .unwrap()
                 .iter()
                 .flat_map(|v| v.to_le_bytes())
@@ -451,11 +458,14 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
         let shift = per_channel(c, 4, 6.5, 7.5);
         let sums = ops::batch_norm_stats(&x, &shift, false).unwrap();
         let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
-        let mut out = Buf::poisoned(DType::F64, &[8, c]);
+        let mut out = Buf::poisoned(DType::F64, &[10, c]);
         let args = vec![
             sb.ptr(),
             kb.ptr(),
             out.ptr(),
+            null(),
+            null(),
+            null(),
             Arg::F64(momentum),
             Arg::F64(eps),
             Arg::I64(c as i64),
@@ -528,11 +538,14 @@ fn finalize_holds_a_non_finite_channel() {
     .unwrap();
     let shift = Tensor::new(&[1.5f64, -2.0, 0.25], &Device::Cpu).unwrap();
     let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
-    let mut out = Buf::poisoned(DType::F64, &[8, 3]);
+    let mut out = Buf::poisoned(DType::F64, &[10, 3]);
     let args = vec![
         sb.ptr(),
         kb.ptr(),
         out.ptr(),
+        null(),
+        null(),
+        null(),
         Arg::F64(momentum),
         Arg::F64(eps),
         Arg::I64(3),
@@ -560,6 +573,90 @@ fn finalize_holds_a_non_finite_channel() {
         got[1][1].is_nan() && !got[3][2].is_finite(),
         "the batch rows still show the bad data"
     );
+}
+
+/// The running statistics in every dtype, updated in place by `bn_finalize_<dtype>` over two
+/// blocks of channels (C = 300): the new values are `old + w·(target − old)` in f64 stored
+/// through f32 (an independent host computation from the kernel's own rows), the old ones
+/// land in rows 8 and 9, a channel whose sums hold NaN keeps its values bitwise, and
+/// `num_batches_tracked` grows by exactly 1.
+#[test]
+fn finalize_updates_the_running_statistics_in_place() {
+    let (eps, momentum, c) = (1e-5, 0.1, 300usize);
+    let case = Case {
+        n: 3,
+        c,
+        hw: 5,
+        cl: false,
+    };
+    let x = case.data(13, 4.0, DType::F64);
+    let shift = per_channel(c, 14, 3.5, 4.5);
+    let mut sums = ops::batch_norm_stats(&x, &shift, false)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
+    sums[1][7] = f64::NAN;
+    let sums = Tensor::new(sums, &Device::Cpu).unwrap();
+    for (dtype, suffix) in DTYPES {
+        let old_mean = per_channel(c, 15, 3.0, 5.0).to_dtype(dtype).unwrap();
+        let old_var = per_channel(c, 16, 0.5, 2.0).to_dtype(dtype).unwrap();
+        let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
+        let (mut mb, mut vb) = (Buf::of(&old_mean), Buf::of(&old_var));
+        let mut bb = Buf::of(&Tensor::new(&[41i64], &Device::Cpu).unwrap());
+        let mut out = Buf::poisoned(DType::F64, &[10, c]);
+        let args = vec![
+            sb.ptr(),
+            kb.ptr(),
+            out.ptr(),
+            mb.ptr(),
+            vb.ptr(),
+            bb.ptr(),
+            Arg::F64(momentum),
+            Arg::F64(eps),
+            Arg::I64(c as i64),
+        ];
+        let name = format!("bn_finalize_{suffix}");
+        run(&name, &launch::finalize(c).unwrap(), args, "random:5");
+        let rows = out.tensor().to_vec2::<f64>().unwrap();
+        let as_f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+        let (m0, v0) = (as_f64(&old_mean), as_f64(&old_var));
+        let (m1, v1) = (as_f64(&mb.tensor()), as_f64(&vb.tensor()));
+        let stored = |v: f64| {
+            let t = Tensor::new(&[v], &Device::Cpu).unwrap();
+            let t = if dtype == DType::F64 {
+                t
+            } else {
+                t.to_dtype(DType::F32).unwrap().to_dtype(dtype).unwrap()
+            };
+            as_f64(&t)[0]
+        };
+        for j in 0..c {
+            assert_eq!(
+                [rows[8][j], rows[9][j]],
+                [m0[j], v0[j]],
+                "{name} old rows, channel {j}"
+            );
+            let w = rows[5][j];
+            let want_m = stored(m0[j] + (rows[6][j] - m0[j]) * w);
+            let want_v = stored(v0[j] + (rows[7][j] - v0[j]) * w);
+            assert_eq!([m1[j], v1[j]], [want_m, want_v], "{name} channel {j}");
+            if j == 7 {
+                assert_eq!(
+                    [w, m1[j], v1[j]],
+                    [0.0, m0[j], v0[j]],
+                    "{name}: NaN channel held"
+                );
+            } else {
+                assert_eq!(w, momentum, "{name} channel {j}");
+                // (A step can round back to the old value in f16/bf16.)
+                if matches!(dtype, DType::F32 | DType::F64) {
+                    assert_ne!(m1[j], m0[j], "{name}: channel {j} moved");
+                }
+            }
+        }
+        let batches = bb.tensor().to_vec1::<i64>().unwrap();
+        assert_eq!(batches, [42], "{name}: num_batches_tracked");
+    }
 }
 
 #[test]

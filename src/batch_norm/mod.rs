@@ -13,7 +13,7 @@ use candle_nn::{Init, ModuleT, VarBuilder};
 
 use crate::collective::{Collective, ReduceOp};
 use crate::ops::cpu::Geometry;
-use crate::ops::{acc_dtype, batch_norm_stats, finalize, host_count, row, OP};
+use crate::ops::{acc_dtype, batch_norm_stats, finalize, host_count, row, Running as InPlace, OP};
 use autograd::{identity_params, NormFn};
 
 /// Running statistics, stored in `Var`s shared with the `VarBuilder`'s `VarMap` (when it has
@@ -34,17 +34,18 @@ struct State {
     /// shift of the next one's sums (bitwise identical on every rank, as it comes from
     /// all-reduced values).
     shift: Option<Tensor>,
-    /// The state before the last training step, kept until the next one (on communicators that
-    /// defer errors): restored when the communicator reports (through [`Collective::deferred_error`]) that a collective failed after
-    /// its call returned.
-    before_last_step: Option<Box<Snapshot>>,
+    /// The state before the last training step, kept until the next one: restored when the
+    /// communicator reports (through [`Collective::deferred_error`]) that a collective failed
+    /// after its call returned. Costs no copies: see [`Snapshot`].
+    before_last_step: Option<Snapshot>,
 }
 
-/// What a training step changes, as it was before the step.
-#[derive(Debug)]
+/// What a training step changed, as it was before the step.
+#[derive(Debug, Clone)]
 struct Snapshot {
-    /// Copies of the running mean and variance (`None` without running statistics).
-    running: Option<(Tensor, Tensor)>,
+    /// The step's finalized statistics `[ROWS, C]`, whose rows `OLD_MEAN` and `OLD_VAR` hold
+    /// the running mean and variance from before the step (written by the finalize pass).
+    stats: Tensor,
     num_batches_tracked: u64,
     shift: Option<Tensor>,
 }
@@ -136,13 +137,13 @@ pub fn sync_batch_norm(
 }
 
 /// Statistics a forward normalises with (`[C]` f64 tensors on the input's device), and the
-/// running-statistics update it commits.
+/// state from before the training step that produced them.
 struct Plan {
     mean: Tensor,
     invstd: Tensor,
     /// Global values per channel (`[C]`).
     count: Tensor,
-    update: Option<(Tensor, Tensor, u64)>,
+    before: Option<Snapshot>,
 }
 
 impl SyncBatchNorm {
@@ -212,17 +213,7 @@ impl SyncBatchNorm {
         let snap = self.lock().before_last_step.take();
         let restored = snap.is_some();
         if let Some(snap) = snap {
-            if let (Some(r), Some((mean, var))) = (&self.running, &snap.running) {
-                r.mean.set(mean)?;
-                r.var.set(var)?;
-                r.batches.set(&Tensor::new(
-                    snap.num_batches_tracked as i64,
-                    r.batches.device(),
-                )?)?;
-            }
-            let mut st = self.lock();
-            st.num_batches_tracked = snap.num_batches_tracked;
-            st.shift = snap.shift;
+            self.restore(&snap, true)?;
         }
         Err(e.context(if restored {
             format!("{OP}: the communicator failed; the running statistics and shift are those before the last training step")
@@ -231,18 +222,24 @@ impl SyncBatchNorm {
         }))
     }
 
-    /// The state a training step is about to change (copies of the running statistics).
-    fn snapshot(&self) -> Result<Snapshot> {
-        let running = match &self.running {
-            Some(r) => Some((r.mean.as_tensor().copy()?, r.var.as_tensor().copy()?)),
-            None => None,
-        };
-        let st = self.lock();
-        Ok(Snapshot {
-            running,
-            num_batches_tracked: st.num_batches_tracked,
-            shift: st.shift.clone(),
-        })
+    /// Puts back the running statistics and `num_batches_tracked` of `snap` (and the shift
+    /// when `shift`): a rare path, through ordinary candle ops.
+    fn restore(&self, snap: &Snapshot, shift: bool) -> Result<()> {
+        if let Some(r) = &self.running {
+            let old = |i: usize, v: &Var| snap.stats.get(i)?.to_dtype(v.dtype());
+            r.mean.set(&old(row::OLD_MEAN, &r.mean)?)?;
+            r.var.set(&old(row::OLD_VAR, &r.var)?)?;
+            r.batches.set(&Tensor::new(
+                snap.num_batches_tracked as i64,
+                r.batches.device(),
+            )?)?;
+        }
+        let mut st = self.lock();
+        st.num_batches_tracked = snap.num_batches_tracked;
+        if shift {
+            st.shift.clone_from(&snap.shift);
+        }
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -298,40 +295,59 @@ impl SyncBatchNorm {
     }
 
     /// Global (or local) batch statistics `[ROWS, C]` f64 (see [`row`]), on the input's device:
-    /// exactly one all-reduce of `3·C` f64 when `sync`, nothing read back to the host.
+    /// exactly one all-reduce of `3·C` f64 when `train`, nothing read back to the host. In
+    /// training with running statistics, the same finalize pass updates them and
+    /// `num_batches_tracked` in place (one kernel on CUDA).
     ///
     /// The sums are shifted by the previous training step's global mean (0 on a layer's first
     /// step): every rank holds it bitwise identical because it comes from all-reduced values.
     /// The new shift is stored as soon as the reduced sums are known, before anything that can
-    /// fail on one rank only, so the ranks' shifts never diverge.
-    ///
-    /// `before`: the layer's state before this training step (with `sync`), kept from the moment
-    /// the step changes the shift.
+    /// fail on one rank only, so the ranks' shifts never diverge. Returns the state from before
+    /// the step when it changed any (`train`).
     fn batch_stats(
         &self,
         x: &Tensor,
         g: &Geometry,
-        sync: bool,
-        momentum: f64,
-        before: Option<Box<Snapshot>>,
-    ) -> Result<Tensor> {
-        let k = match self.lock().shift.clone() {
+        train: bool,
+    ) -> Result<(Tensor, Option<Snapshot>)> {
+        let (k, done) = {
+            let st = self.lock();
+            (st.shift.clone(), st.num_batches_tracked + 1)
+        };
+        let k = match k {
             Some(k) => k,
             None => Tensor::zeros(g.c, DType::F64, x.device())?,
         };
         let mut sums = batch_norm_stats(x, &k, self.config.channels_last)?;
-        if sync {
+        if train {
             sums = self.comm.all_reduce(&sums, ReduceOp::Sum)?;
         }
-        let stats = finalize(&sums, &k, momentum, self.config.eps)?;
-        if sync {
-            // Row SHIFT is the mean, or K for a channel whose batch was not finite (or empty).
-            let next = stats.get(row::SHIFT)?;
-            let mut st = self.lock();
-            st.shift = Some(next);
-            st.before_last_step = before;
+        let running = self.running.as_ref().filter(|_| train).map(|r| InPlace {
+            mean: r.mean.as_tensor().clone(),
+            var: r.var.as_tensor().clone(),
+            batches: r.batches.as_tensor().clone(),
+        });
+        let momentum = match &running {
+            Some(_) => self.config.momentum.unwrap_or(1.0 / done as f64),
+            None => 0.0,
+        };
+        let committed = running.is_some();
+        let stats = finalize(&sums, &k, momentum, self.config.eps, running)?;
+        if !train {
+            return Ok((stats, None));
         }
-        Ok(stats)
+        // Row SHIFT is the mean, or K for a channel whose batch was not finite (or empty).
+        let mut st = self.lock();
+        let before = Snapshot {
+            stats: stats.clone(),
+            num_batches_tracked: st.num_batches_tracked,
+            shift: st.shift.replace(stats.get(row::SHIFT)?),
+        };
+        if committed {
+            st.num_batches_tracked = done;
+        }
+        st.before_last_step = Some(before.clone());
+        Ok((stats, Some(before)))
     }
 
     fn plan(&self, x: &Tensor, g: &Geometry, train: bool) -> Result<Plan> {
@@ -347,27 +363,22 @@ impl SyncBatchNorm {
                 mean: r.mean.as_tensor().to_dtype(DType::F64)?,
                 invstd: (var + eps)?.sqrt()?.recip()?,
                 count: Tensor::zeros(c, DType::F64, dev)?,
-                update: None,
+                before: None,
             });
         }
-        let done = self.lock().num_batches_tracked + 1;
-        let momentum = match (train, &self.running) {
-            (true, Some(_)) => self.config.momentum.unwrap_or(1.0 / done as f64),
-            _ => 0.0,
+        let (stats, before) = self.batch_stats(x, g, train)?;
+        let plan = Plan {
+            mean: stats.get(row::MEAN)?,
+            invstd: stats.get(row::INVSTD)?,
+            count: stats.get(row::COUNT)?,
+            before,
         };
-        // Kept only where a step can fail after its calls returned (NCCL): elsewhere a failed
-        // collective fails the call, and the layer commits nothing.
-        let before = if train && self.comm.defers_errors() {
-            Some(Box::new(self.snapshot()?))
-        } else {
-            None
-        };
-        let stats = self.batch_stats(x, g, train, momentum, before)?;
         // On the CPU the count is at hand; on a GPU reading it would stall the stream, and the
         // statistics kernel turns an unusable batch into NaN outputs and untouched running
         // statistics instead (see the README).
         if let Some(n) = host_count(&stats)? {
             if n <= 1.0 && (train || n == 1.0) {
+                self.undo(&plan)?;
                 bail!(
                     "{OP}: expected more than 1 value per channel when training, got {n} in the {} batch (input shape {:?})",
                     if train { "global" } else { "local" },
@@ -375,28 +386,18 @@ impl SyncBatchNorm {
                 )
             }
         }
-        let mut update = None;
-        if let (true, Some(r)) = (train, &self.running) {
-            // running + w·(target − running), w = momentum, or 0 for a batch that cannot update
-            // (n ≤ 1, or NaN/Inf in the channel: its targets are then finite stand-ins, so the
-            // running statistics stay exactly as they were): all on the device.
-            let w = stats.get(row::BLEND)?;
-            let blend = |old: &Tensor, new: Tensor| -> Result<Tensor> {
-                let old64 = old.to_dtype(DType::F64)?;
-                (&old64 + (new - &old64)?.mul(&w)?)?.to_dtype(old.dtype())
-            };
-            update = Some((
-                blend(r.mean.as_tensor(), stats.get(row::SHIFT)?)?,
-                blend(r.var.as_tensor(), stats.get(row::RUN_VAR)?)?,
-                done,
-            ));
+        Ok(plan)
+    }
+
+    /// After a training step failed on this rank past its finalize: puts back the running
+    /// statistics and `num_batches_tracked`, so that a failed call changes nothing the user
+    /// sees. The shift stays: it came from the all-reduced sums, and every rank must keep the
+    /// same.
+    fn undo(&self, plan: &Plan) -> Result<()> {
+        match &plan.before {
+            Some(before) => self.restore(before, false),
+            None => Ok(()),
         }
-        Ok(Plan {
-            mean: stats.get(row::MEAN)?,
-            invstd: stats.get(row::INVSTD)?,
-            count: stats.get(row::COUNT)?,
-            update,
-        })
     }
 
     fn forward_impl(&self, x: &Tensor, z: Option<&Tensor>, train: bool) -> Result<Tensor> {
@@ -406,34 +407,41 @@ impl SyncBatchNorm {
         }
         let x = x.contiguous()?;
         let plan = self.plan(&x, &g, train)?;
+        let y = self.normalise(&x, z, &g, &plan, train);
+        if y.is_err() {
+            self.undo(&plan)?;
+        }
+        y
+    }
+
+    /// The differentiable normalisation of `x` (and `z`) with `plan`'s statistics.
+    fn normalise(
+        &self,
+        x: &Tensor,
+        z: Option<&Tensor>,
+        g: &Geometry,
+        plan: &Plan,
+        train: bool,
+    ) -> Result<Tensor> {
         let params = match (&self.weight, &self.bias) {
             (Some(w), Some(b)) => Tensor::stack(&[w, b], 0)?,
             _ => identity_params(g.c, x.device())?,
         }
         .to_dtype(acc_dtype(x.dtype()))?;
         let op = NormFn {
-            geometry: g,
-            mean: plan.mean,
-            invstd: plan.invstd,
-            count: plan.count,
+            geometry: g.clone(),
+            mean: plan.mean.clone(),
+            invstd: plan.invstd.clone(),
+            count: plan.count.clone(),
             batch_stats: train || self.running.is_none(),
             comm: train.then(|| self.comm.clone()),
             relu: self.config.fuse_relu,
             affine: self.config.affine,
         };
-        let y = match z {
-            None => x.apply_op2(&params, op)?,
-            Some(z) => x.apply_op3(&params, &z.contiguous()?, op)?,
-        };
-        // Commit only after everything succeeded: a failed call changes nothing.
-        if let (Some((mean, var, done)), Some(r)) = (plan.update, &self.running) {
-            r.mean.set(&mean)?;
-            r.var.set(&var)?;
-            r.batches
-                .set(&Tensor::new(done as i64, r.batches.device())?)?;
-            self.lock().num_batches_tracked = done;
+        match z {
+            None => x.apply_op2(&params, op),
+            Some(z) => x.apply_op3(&params, &z.contiguous()?, op),
         }
-        Ok(y)
     }
 }
 

@@ -1,9 +1,11 @@
 //! Turns all-reduced shifted sums into the global mean, variance and inverse std, on the device
-//! of the sums (`bn_finalize_f64` of `kernels/stats.cu` on CUDA): nothing is read to the host.
+//! of the sums (`bn_finalize_<dtype>` of `kernels/stats.cu` on CUDA), and for the layer also
+//! updates its running statistics in place in the same pass: nothing is read to the host.
 
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::cpu::slice;
+pub(crate) use super::running::Running;
 use super::{per_channel_f64, OP};
 
 /// Rows of the finalize output `[ROWS, C]` f64.
@@ -28,12 +30,24 @@ pub(crate) mod row {
     /// The running variance's blend target: `VAR_UNBIASED` when finite as above, else 0 (its
     /// weight is then 0, and `old + (0 − old)·0` keeps `old`, where NaN·0 would not).
     pub const RUN_VAR: usize = 7;
+    /// The running mean before this step, as f64 (0 without running statistics): what a
+    /// rollback restores.
+    pub const OLD_MEAN: usize = 8;
+    /// The running variance before this step, as f64 (0 without running statistics).
+    pub const OLD_VAR: usize = 9;
     /// Number of rows.
-    pub const ROWS: usize = 8;
+    pub const ROWS: usize = 10;
 }
 
 /// The finalize arithmetic of one channel (the CPU twin of `finalize` in `kernels/stats.cu`).
-fn finalize_channel(n: f64, a: f64, b: f64, k: f64, momentum: f64, eps: f64) -> [f64; row::ROWS] {
+fn finalize_channel(
+    n: f64,
+    a: f64,
+    b: f64,
+    k: f64,
+    momentum: f64,
+    eps: f64,
+) -> [f64; row::OLD_MEAN] {
     let d = if n > 0.0 { a / n } else { 0.0 };
     let m2 = (b - a * d).max(0.0);
     let var = if n > 0.0 { m2 / n } else { 0.0 };
@@ -64,12 +78,15 @@ fn finalize_channel(n: f64, a: f64, b: f64, k: f64, momentum: f64, eps: f64) -> 
     ]
 }
 
-/// Sums `[3, C]` and shift `[C]` (both f64) → `[ROWS, C]` f64.
+/// Sums `[3, C]` and shift `[C]` (both f64) → `[ROWS, C]` f64; with `running`, also the
+/// in-place update of the layer's running statistics (rows `OLD_MEAN`, `OLD_VAR` keep what
+/// they were).
 pub(crate) struct FinalizeOp {
     pub c: usize,
     /// Running-statistics momentum (the blend weight of row `BLEND` when `n > 1`).
     pub momentum: f64,
     pub eps: f64,
+    pub running: Option<Running>,
 }
 
 impl CustomOp2 for FinalizeOp {
@@ -100,6 +117,9 @@ impl CustomOp2 for FinalizeOp {
                 out[i * c + j] = v;
             }
         }
+        if let Some(running) = &self.running {
+            running.update_cpu(&mut out, c)?;
+        }
         Ok((CpuStorage::F64(out), Shape::from((row::ROWS, c))))
     }
 
@@ -111,21 +131,17 @@ impl CustomOp2 for FinalizeOp {
         ks: &candle_core::CudaStorage,
         kl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda::{launch_kernel, view, Module};
         let dev = &ss.device;
-        let (sums, shift) = (view::<f64>(ss, sl, "sums")?, view::<f64>(ks, kl, "shift")?);
-        // SAFETY: the kernel writes all ROWS·C values.
-        let mut out = unsafe { dev.alloc::<f64>(row::ROWS * self.c)? };
-        let (momentum, eps, c) = (self.momentum, self.eps, self.c as i64);
-        if let Some(l) = crate::launch::finalize(self.c) {
-            launch_kernel!(
-                dev,
-                Module::Stats,
-                "bn_finalize_f64",
-                l,
-                [&sums, &shift, &mut out, &momentum, &eps, &c]
-            );
-        }
+        let out = match &self.running {
+            Some(r) => {
+                let aux = r.aux(dev)?;
+                crate::ops::cuda::dispatch!(
+                    r.dtype(),
+                    finalize_cuda(self, (ss, sl), (ks, kl), Some(&aux))
+                )?
+            }
+            None => finalize_cuda::<f64>(self, (ss, sl), (ks, kl), None)?,
+        };
         Ok((
             candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone()),
             Shape::from((row::ROWS, self.c)),
@@ -133,8 +149,62 @@ impl CustomOp2 for FinalizeOp {
     }
 }
 
-/// `[ROWS, C]` f64 statistics from all-reduced sums, on the sums' device.
-pub(crate) fn finalize(sums: &Tensor, shift: &Tensor, momentum: f64, eps: f64) -> Result<Tensor> {
+/// One `bn_finalize_<R>` launch, `R` the running statistics' dtype (f64 without them).
+#[cfg(feature = "cuda")]
+fn finalize_cuda<R: crate::ops::cuda::KernelElem + candle_core::WithDType>(
+    op: &FinalizeOp,
+    (ss, sl): (&candle_core::CudaStorage, &Layout),
+    (ks, kl): (&candle_core::CudaStorage, &Layout),
+    running: Option<&super::running::RunningAux<'_>>,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>> {
+    use super::cuda::{launch_kernel, view, Module, Opt};
+    let dev = &ss.device;
+    let (sums, shift) = (view::<f64>(ss, sl, "sums")?, view::<f64>(ks, kl, "shift")?);
+    // SAFETY: the kernel writes all ROWS·C values.
+    let mut out = unsafe { dev.alloc::<f64>(row::ROWS * op.c)? };
+    let (mean, var, batches) = match running {
+        Some(r) => (
+            Some(r.mean.view::<R>("running_mean")?),
+            Some(r.var.view::<R>("running_var")?),
+            Some(r.batches.view::<i64>("num_batches_tracked")?),
+        ),
+        None => (None, None, None),
+    };
+    let (momentum, eps, c) = (op.momentum, op.eps, op.c as i64);
+    if let Some(l) = crate::launch::finalize(op.c) {
+        // The running statistics are written through their (read-locked) views: device
+        // memory that no Rust reference covers, written only by kernels on this stream (the
+        // layer's variables; see `Running`).
+        launch_kernel!(
+            dev,
+            Module::Stats,
+            crate::ops::cuda::kernel_name("bn_finalize", R::DTYPE)?,
+            l,
+            [
+                &sums,
+                &shift,
+                &mut out,
+                &Opt(mean.as_ref()),
+                &Opt(var.as_ref()),
+                &Opt(batches.as_ref()),
+                &momentum,
+                &eps,
+                &c
+            ]
+        );
+    }
+    Ok(out)
+}
+
+/// `[ROWS, C]` f64 statistics from all-reduced sums, on the sums' device; with `running`, the
+/// layer's running statistics and `num_batches_tracked` are updated in the same pass.
+pub(crate) fn finalize(
+    sums: &Tensor,
+    shift: &Tensor,
+    momentum: f64,
+    eps: f64,
+    running: Option<Running>,
+) -> Result<Tensor> {
     let c = shift.elem_count();
     if sums.dims() != [3, c] {
         bail!(
@@ -142,9 +212,20 @@ pub(crate) fn finalize(sums: &Tensor, shift: &Tensor, momentum: f64, eps: f64) -
             sums.dims()
         )
     }
+    if let Some(r) = &running {
+        r.check(c, sums.device())?;
+    }
     let shift = per_channel_f64("shift", shift, c)?;
     let sums = sums.to_dtype(DType::F64)?.contiguous()?;
-    sums.apply_op2_no_bwd(&shift, &FinalizeOp { c, momentum, eps })
+    sums.apply_op2_no_bwd(
+        &shift,
+        &FinalizeOp {
+            c,
+            momentum,
+            eps,
+            running,
+        },
+    )
 }
 
 /// The global count of finalized statistics, when it can be read without waiting for a GPU
@@ -183,7 +264,7 @@ pub struct BatchStats {
 /// mode): on the CPU this is an error; on a GPU, where checking would stall the stream, `invstd`
 /// is NaN for `n = 1` (the output of the layer becomes NaN) and 1 for `n = 0`.
 pub fn batch_norm_gather_stats(sums: &Tensor, shift: &Tensor, eps: f64) -> Result<BatchStats> {
-    let stats = finalize(sums, shift, 0.0, eps)?;
+    let stats = finalize(sums, shift, 0.0, eps, None)?;
     if let Some(n) = host_count(&stats)? {
         if n <= 1.0 {
             bail!(

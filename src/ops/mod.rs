@@ -29,6 +29,7 @@ pub(crate) mod cuda;
 #[cfg(test)]
 mod fatbin;
 mod max_pool;
+mod running;
 mod stats;
 
 pub use apply::batch_norm_elemt;
@@ -49,7 +50,7 @@ pub use stats::batch_norm_stats;
 #[cfg(feature = "cuda")]
 pub(crate) use apply::apply_cuda;
 pub(crate) use apply::{apply_cpu, ApplyCoef};
-pub(crate) use combine::{finalize, host_count, row};
+pub(crate) use combine::{finalize, host_count, row, Running};
 
 use candle_core::{bail, DType, Result, Tensor};
 

@@ -118,6 +118,11 @@ inline unsigned atomicInc(unsigned* p, unsigned limit) {
 template <typename T> T __ldg(const T* p) { return *p; }
 inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
+// Round-to-nearest double arithmetic that is never fused (the host compiler does not contract
+// these calls into an FMA).
+inline double __dadd_rn(double a, double b) { volatile double r = a + b; return r; }
+inline double __dsub_rn(double a, double b) { volatile double r = a - b; return r; }
+inline double __dmul_rn(double a, double b) { volatile double r = a * b; return r; }
 inline float __fdividef(float a, float b) { return a / b; }
 using std::fmaxf;
 using std::max;
