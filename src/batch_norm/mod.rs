@@ -429,7 +429,7 @@ impl SyncBatchNorm {
         }
         .to_dtype(acc_dtype(x.dtype()))?;
         let op = NormFn {
-            geometry: g.clone(),
+            geometry: *g,
             mean: plan.mean.clone(),
             invstd: plan.invstd.clone(),
             count: plan.count.clone(),

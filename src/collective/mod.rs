@@ -124,9 +124,8 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     }
 
     /// Whether a call can return `Ok` before its collective has completed, so that
-    /// [`Collective::deferred_error`] can later report it lost (`true` for NCCL). Callers that
-    /// keep state for a rollback (`SyncBatchNorm`'s snapshot of its running statistics) keep
-    /// it only then. Wrappers forward it.
+    /// [`Collective::deferred_error`] can later report it lost (`true` for NCCL): callers whose
+    /// rollback state costs something can keep it only then. Wrappers forward it.
     fn defers_errors(&self) -> bool {
         false
     }

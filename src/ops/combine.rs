@@ -170,6 +170,7 @@ fn finalize_cuda<R: crate::ops::cuda::KernelElem + candle_core::WithDType>(
         ),
         None => (None, None, None),
     };
+    let (mean, var, batches) = (Opt(mean.as_ref()), Opt(var.as_ref()), Opt(batches.as_ref()));
     let (momentum, eps, c) = (op.momentum, op.eps, op.c as i64);
     if let Some(l) = crate::launch::finalize(op.c) {
         // The running statistics are written through their (read-locked) views: device
@@ -180,17 +181,7 @@ fn finalize_cuda<R: crate::ops::cuda::KernelElem + candle_core::WithDType>(
             Module::Stats,
             crate::ops::cuda::kernel_name("bn_finalize", R::DTYPE)?,
             l,
-            [
-                &sums,
-                &shift,
-                &mut out,
-                &Opt(mean.as_ref()),
-                &Opt(var.as_ref()),
-                &Opt(batches.as_ref()),
-                &momentum,
-                &eps,
-                &c
-            ]
+            [&sums, &shift, &mut out, &mean, &var, &batches, &momentum, &eps, &c]
         );
     }
     Ok(out)
@@ -231,10 +222,18 @@ pub(crate) fn finalize(
 /// The global count of finalized statistics, when it can be read without waiting for a GPU
 /// (CPU tensors); `None` on other devices.
 pub(crate) fn host_count(stats: &Tensor) -> Result<Option<f64>> {
-    if !stats.device().is_cpu() || stats.dim(1)? == 0 {
+    if stats.dim(1)? == 0 {
         return Ok(None);
     }
-    Ok(Some(stats.get(row::COUNT)?.get(0)?.to_scalar::<f64>()?))
+    // Read in place (no tensor views): the first value of row COUNT.
+    let (storage, layout) = stats.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(s) => {
+            let c = stats.dim(1)?;
+            Ok(Some(slice::<f64>(OP, s, layout)?[row::COUNT * c]))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Global batch statistics, each `[C]` f64 on the device of the sums.
