@@ -407,11 +407,16 @@ impl SyncBatchNorm {
         }
         let x = x.contiguous()?;
         let plan = self.plan(&x, &g, train)?;
-        let y = self.normalise(&x, z, &g, &plan, train);
-        if y.is_err() {
-            self.undo(&plan)?;
+        match self.normalise(&x, z, &g, &plan, train) {
+            Ok(y) => Ok(y),
+            // The failure that matters is the first; a failed undo is named in its context.
+            Err(e) => match self.undo(&plan) {
+                Ok(()) => Err(e),
+                Err(u) => Err(e.context(format!(
+                    "{OP}: and putting the running statistics back failed too: {u}"
+                ))),
+            },
         }
-        y
     }
 
     /// The differentiable normalisation of `x` (and `z`) with `plan`'s statistics.
