@@ -435,6 +435,32 @@ fn statistics_match_the_cpu_op() {
     });
 }
 
+/// Launches `bn_finalize_<suffix>` on sums `[3, C]` and shift `[C]` (f64), with the running
+/// mean, variance and `num_batches_tracked` buffers when given (null pointers otherwise);
+/// returns the output rows `[10, C]`.
+fn finalize(
+    suffix: &str,
+    sums: &Tensor,
+    shift: &Tensor,
+    running: Option<(&mut Buf, &mut Buf, &mut Buf)>,
+    momentum: f64,
+    eps: f64,
+    sched: &str,
+) -> Tensor {
+    let c = shift.elem_count();
+    let (mut sb, mut kb) = (Buf::of(sums), Buf::of(shift));
+    let mut out = Buf::poisoned(DType::F64, &[10, c]);
+    let mut args = vec![sb.ptr(), kb.ptr(), out.ptr()];
+    match running {
+        Some((m, v, b)) => args.extend([m.ptr(), v.ptr(), b.ptr()]),
+        None => args.extend([null(), null(), null()]),
+    }
+    args.extend([Arg::F64(momentum), Arg::F64(eps), Arg::I64(c as i64)]);
+    let name = format!("bn_finalize_{suffix}");
+    run(&name, &launch::finalize(c).unwrap(), args, sched);
+    out.tensor()
+}
+
 #[test]
 fn finalize_matches_gather_stats_and_the_blend_weight() {
     let (eps, momentum) = (1e-5, 0.1);
@@ -457,26 +483,7 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
         let x = case.data(3, 7.0, DType::F64);
         let shift = per_channel(c, 4, 6.5, 7.5);
         let sums = ops::batch_norm_stats(&x, &shift, false).unwrap();
-        let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
-        let mut out = Buf::poisoned(DType::F64, &[10, c]);
-        let args = vec![
-            sb.ptr(),
-            kb.ptr(),
-            out.ptr(),
-            null(),
-            null(),
-            null(),
-            Arg::F64(momentum),
-            Arg::F64(eps),
-            Arg::I64(c as i64),
-        ];
-        run(
-            "bn_finalize_f64",
-            &launch::finalize(c).unwrap(),
-            args,
-            "random:3",
-        );
-        let got = out.tensor();
+        let got = finalize("f64", &sums, &shift, None, momentum, eps, "random:3");
         let row = |i: usize| got.get(i).unwrap();
         let count = (n * hw) as f64;
         assert_close_rel(
@@ -537,26 +544,9 @@ fn finalize_holds_a_non_finite_channel() {
     )
     .unwrap();
     let shift = Tensor::new(&[1.5f64, -2.0, 0.25], &Device::Cpu).unwrap();
-    let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
-    let mut out = Buf::poisoned(DType::F64, &[10, 3]);
-    let args = vec![
-        sb.ptr(),
-        kb.ptr(),
-        out.ptr(),
-        null(),
-        null(),
-        null(),
-        Arg::F64(momentum),
-        Arg::F64(eps),
-        Arg::I64(3),
-    ];
-    run(
-        "bn_finalize_f64",
-        &launch::finalize(3).unwrap(),
-        args,
-        "random:3",
-    );
-    let got = out.tensor().to_vec2::<f64>().unwrap();
+    let got = finalize("f64", &sums, &shift, None, momentum, eps, "random:3")
+        .to_vec2::<f64>()
+        .unwrap();
     let (mean0, unbiased0) = (1.5 + 3.0 / 12.0, (40.0 - 3.0 * 3.0 / 12.0) / 11.0);
     assert_eq!(
         [got[5][0], got[6][0], got[7][0]],
@@ -600,24 +590,13 @@ fn finalize_updates_the_running_statistics_in_place() {
     for (dtype, suffix) in DTYPES {
         let old_mean = per_channel(c, 15, 3.0, 5.0).to_dtype(dtype).unwrap();
         let old_var = per_channel(c, 16, 0.5, 2.0).to_dtype(dtype).unwrap();
-        let (mut sb, mut kb) = (Buf::of(&sums), Buf::of(&shift));
         let (mut mb, mut vb) = (Buf::of(&old_mean), Buf::of(&old_var));
         let mut bb = Buf::of(&Tensor::new(&[41i64], &Device::Cpu).unwrap());
-        let mut out = Buf::poisoned(DType::F64, &[10, c]);
-        let args = vec![
-            sb.ptr(),
-            kb.ptr(),
-            out.ptr(),
-            mb.ptr(),
-            vb.ptr(),
-            bb.ptr(),
-            Arg::F64(momentum),
-            Arg::F64(eps),
-            Arg::I64(c as i64),
-        ];
         let name = format!("bn_finalize_{suffix}");
-        run(&name, &launch::finalize(c).unwrap(), args, "random:5");
-        let rows = out.tensor().to_vec2::<f64>().unwrap();
+        let running = Some((&mut mb, &mut vb, &mut bb));
+        let rows = finalize(suffix, &sums, &shift, running, momentum, eps, "random:5")
+            .to_vec2::<f64>()
+            .unwrap();
         let as_f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
         let (m0, v0) = (as_f64(&old_mean), as_f64(&old_var));
         let (m1, v1) = (as_f64(&mb.tensor()), as_f64(&vb.tensor()));
