@@ -12,7 +12,9 @@
 //!   ([`collective::ThreadGroup`]: ranks as threads of one process; `Mpi` with the `mpi`
 //!   feature; `NcclCollective` with the `nccl` feature), process groups, start-up helpers.
 //! - [`DataParallel`]: replicas that train as one model (broadcast at start, bucketed gradient
-//!   averaging).
+//!   averaging, gradient accumulation, 16-bit gradients on the wire, uneven inputs).
+//! - [`amp`]: [`amp::GradScaler`], dynamic loss scaling for f16 training, the same decision on
+//!   every rank.
 //! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
 //! - [`parallel`]: differentiable collectives (each documented with the objective its gradient
 //!   is exact for) and tensor-parallel linear layers whose backward overlaps communication.
@@ -45,6 +47,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod amp;
 pub mod batch_norm;
 pub mod collective;
 pub mod data_parallel;
@@ -52,5 +55,6 @@ pub mod launch;
 pub mod ops;
 pub mod parallel;
 
+pub use amp::GradScaler;
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 pub use data_parallel::DataParallel;

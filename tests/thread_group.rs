@@ -120,3 +120,34 @@ fn argument_errors_reach_every_rank() {
     }
     assert!(ThreadGroup::new(0).is_err());
 }
+
+/// A rank that contributes a tensor whose autograd graph holds its own communicator (here
+/// through a SyncBatchNorm op) and drops everything as soon as its collective returns: the
+/// group's shared state must not keep that graph, or the last rank to read the result drops
+/// the first rank's communicator while holding the group's lock (it deadlocked). Repeated,
+/// since which rank reads last is up to the scheduler; a watchdog turns a hang into a failure.
+#[test]
+fn a_contribution_with_a_graph_does_not_outlive_its_rank() {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for round in 0..30u64 {
+            ThreadGroup::run(2, |comm| {
+                let vm = candle_nn::VarMap::new();
+                let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+                let bn =
+                    candle_distributed::sync_batch_norm(2, Default::default(), vb, comm.clone())?;
+                let x = randn(round, &[3, 2], 0.0, 1.0).to_dtype(DType::F32)?;
+                let y = candle_nn::ModuleT::forward_t(&bn, &x, true)?;
+                drop(bn);
+                let summed = comm.all_reduce(&y, ReduceOp::Sum)?;
+                drop((y, comm, vm));
+                Ok(summed.dims().to_vec())
+            })
+            .unwrap();
+        }
+        done_tx.send(()).unwrap();
+    });
+    done_rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("30 rounds of two ranks must finish within 60 s (a rank deadlocked)");
+}

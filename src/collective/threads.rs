@@ -200,7 +200,11 @@ impl ThreadRank {
 /// arrive, and waits for it (or for the timeout, or for the group to break).
 fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result<Tensor> {
     let device = t.device().clone();
-    let tensor = t.to_device(&Device::Cpu)?;
+    // Detached: the shared state must not keep the caller's autograd graph alive. That graph
+    // can hold the last reference to a rank's communicator (a layer's op keeps its `Arc`), and
+    // the communicator's `Drop` takes the lock this function holds when it drops the
+    // contributions: a rank that finished first would deadlock the last one.
+    let tensor = t.to_device(&Device::Cpu)?.detach();
     let mut st = lock(&sh.state);
     if let Some(reason) = &st.broken {
         return Err(left(rank, kind, call, reason.clone()).into());

@@ -12,14 +12,22 @@
 //! batch, so `W` ranks take the steps of one process on the concatenated batch (with
 //! [`crate::SyncBatchNorm`] for batch norm). With unequal batches, samples of smaller batches
 //! weigh more; scale each rank's loss by `W·n_r / N` to get the global mean instead.
+//!
+//! Also here: gradient accumulation over micro-batches with one all-reduce per step
+//! ([`DataParallel::accumulate`], PyTorch's `no_sync`), 16-bit gradients on the wire
+//! ([`DataParallel::with_wire_dtype`]), and loops over uneven inputs ([`join`]).
+
+pub mod join;
 
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::collective::{Collective, ReduceOp};
+
+pub use join::JoinStep;
 
 /// Default bucket size: 25 MiB of gradients per all-reduce (PyTorch DDP's default).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -53,6 +61,10 @@ pub struct DataParallel {
     /// Trainable variables, by name (the bucket order).
     params: Vec<(String, Var)>,
     bucket_bytes: usize,
+    /// The dtype gradients travel in (None: their own).
+    wire: Option<DType>,
+    /// The variables' device (the communicator's): where the small control tensors live.
+    device: Device,
 }
 
 impl DataParallel {
@@ -92,9 +104,7 @@ impl DataParallel {
         trainable.sort_by(|a, b| a.0.cmp(&b.0));
         // The fingerprint travels on the variables' device, which is the communicator's (NCCL
         // takes tensors on its own GPU only).
-        let device = all
-            .first()
-            .map_or(candle_core::Device::Cpu, |(_, v)| v.device().clone());
+        let device = all.first().map_or(Device::Cpu, |(_, v)| v.device().clone());
         check_same_model(&*comm, &all, &device)?;
         // Every broadcast first, then every assignment: a failure in the middle (a rank that
         // left, a timeout) leaves this rank's variables all as they were, not half rank 0's.
@@ -112,6 +122,8 @@ impl DataParallel {
             comm,
             params: trainable,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            wire: None,
+            device,
         })
     }
 
@@ -119,6 +131,52 @@ impl DataParallel {
     pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes.max(1);
         self
+    }
+
+    /// Gradients travel as `dtype` (`F16` or `BF16`: half the bytes of f32) and come back in
+    /// their own dtype; `None` (the default) sends them as they are. Every rank must choose
+    /// the same. What the sum is computed in is the backend's: [`crate::collective::ThreadGroup`]
+    /// and MPI accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit
+    /// float type, so it saves no bytes), NCCL in the wire dtype. f16 overflows above 65504:
+    /// with a [`crate::amp::GradScaler`], that reads as a non-finite gradient and skips the step.
+    ///
+    /// # Errors
+    /// A `dtype` that is not `F16` or `BF16`.
+    pub fn with_wire_dtype(mut self, dtype: Option<DType>) -> Result<Self> {
+        if let Some(d) = dtype {
+            if !matches!(d, DType::F16 | DType::BF16) {
+                bail!("data_parallel: wire dtype {d:?}: expected F16 or BF16 (or None)")
+            }
+        }
+        self.wire = dtype;
+        Ok(self)
+    }
+
+    /// Adds the gradients of the trainable variables in `micro` to those in `total` (when
+    /// given) and returns the sum, for gradient accumulation: run `k` micro-batches, each
+    /// `loss.backward()` passed through `accumulate`, then call [`Self::sync_gradients`] once
+    /// on the sum (one all-reduce per bucket per step instead of per micro-batch, PyTorch's
+    /// `no_sync`). Purely local. With each micro-batch's loss divided by `k`, the step is that
+    /// of one process on the `k` micro-batches at once, except for batch norm, whose
+    /// statistics are per micro-batch ([`crate::SyncBatchNorm`] still synchronises each
+    /// micro-batch's forward and backward, as in PyTorch). Other entries of `micro` (gradients
+    /// of non-trainable tensors) are dropped.
+    ///
+    /// # Errors
+    /// Those of the additions (a gradient whose shape or dtype changed between micro-batches).
+    pub fn accumulate(&self, total: Option<GradStore>, mut micro: GradStore) -> Result<GradStore> {
+        let mut sum = total.unwrap_or_default();
+        for (_, v) in &self.params {
+            let Some(g) = micro.remove(v.as_tensor()) else {
+                continue;
+            };
+            let next = match sum.get(v.as_tensor()) {
+                Some(acc) => (acc + &g)?,
+                None => g,
+            };
+            sum.insert(v.as_tensor(), next);
+        }
+        Ok(sum)
     }
 
     /// The trainable variables, to hand to an optimizer.
@@ -159,12 +217,18 @@ impl DataParallel {
             // One flag per variable rides along in the same all-reduce: non-zero after it when
             // some rank has a gradient. Only a rank missing a gradient reads the flags back.
             parts.push(Tensor::new(flags.as_slice(), &device)?.to_dtype(dtype)?);
-            let flat = Tensor::cat(&parts, 0)?;
-            let avg = self.comm.all_reduce(&flat, ReduceOp::Avg)?;
+            let mut flat = Tensor::cat(&parts, 0)?;
+            if let Some(w) = self.wire {
+                flat = flat.to_dtype(w)?;
+            }
+            let avg = self
+                .comm
+                .all_reduce(&flat, ReduceOp::Avg)?
+                .to_dtype(dtype)?;
             let total: usize = bucket.iter().map(|(_, v)| v.elem_count()).sum();
             let somewhere = if missing_here {
                 let f = avg.narrow(0, total, bucket.len())?;
-                Some(f.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?)
+                Some(f.to_dtype(DType::F32)?.to_vec1::<f32>()?)
             } else {
                 None
             };
@@ -206,11 +270,7 @@ impl DataParallel {
 }
 
 /// Errors on every rank unless every rank has the same variable names, shapes and dtypes.
-fn check_same_model(
-    comm: &dyn Collective,
-    all: &[(String, Var)],
-    device: &candle_core::Device,
-) -> Result<()> {
+fn check_same_model(comm: &dyn Collective, all: &[(String, Var)], device: &Device) -> Result<()> {
     // FNV-1a over names, dims and dtypes; compared through an all-gather, so that every rank
     // sees every fingerprint and fails alike.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
