@@ -84,11 +84,14 @@ impl GradScaler {
     /// outside (0, 1), or a growth interval of 0.
     pub fn new(config: GradScalerConfig) -> Result<Self> {
         let c = &config;
-        if !(c.init_scale.is_finite() && c.init_scale > 0.0)
-            || !(c.growth_factor.is_finite() && c.growth_factor > 1.0)
-            || !(c.backoff_factor > 0.0 && c.backoff_factor < 1.0)
-            || c.growth_interval == 0
-        {
+        let valid = c.init_scale.is_finite()
+            && c.init_scale > 0.0
+            && c.growth_factor.is_finite()
+            && c.growth_factor > 1.0
+            && c.backoff_factor > 0.0
+            && c.backoff_factor < 1.0
+            && c.growth_interval > 0;
+        if !valid {
             bail!(
                 "grad_scaler: invalid config {config:?} (need init_scale > 0 and finite, growth_factor > 1, 0 < backoff_factor < 1, growth_interval ≥ 1)"
             )

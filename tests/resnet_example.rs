@@ -3,11 +3,17 @@
 //! (N-rank SyncBatchNorm against 1-rank batch norm) passes for a tiny model.
 
 #[allow(dead_code)]
+#[path = "../examples/resnet/checkpoint.rs"]
+mod checkpoint;
+#[allow(dead_code)]
 #[path = "../examples/resnet/data.rs"]
 mod data;
 #[allow(dead_code)]
 #[path = "../examples/resnet/model.rs"]
 mod model;
+#[allow(dead_code)]
+#[path = "../examples/resnet/optim.rs"]
+mod optim;
 #[allow(dead_code)]
 #[path = "../examples/resnet/report.rs"]
 mod report;
@@ -236,5 +242,172 @@ fn torchvision_models_train(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The last global batch of an epoch is partial and some ranks' shares are empty (50 images,
+/// batches of 16, 3 ranks: the 4th step has 2 images, split 1, 1, 0), with and without
+/// gradient accumulation: `--check` over the whole epoch still equals one process.
+fn uneven_last_batch_and_accumulation_match_one_process(dev: &Device) -> anyhow::Result<()> {
+    for accumulate in [1, 3] {
+        let cfg = train::Config {
+            arch: Arch::ResNet20,
+            device: device_kind(dev),
+            world_size: 3,
+            batch_size: 16,
+            image_size: 8,
+            train_size: 50,
+            val_size: 16,
+            accumulate,
+            ..Default::default()
+        };
+        let diff = train::check(&cfg, 4, true)?;
+        assert!(
+            diff <= 1e-6,
+            "accumulate {accumulate}: largest parameter difference {diff:e}"
+        );
+    }
+    Ok(())
+}
+
+/// A tiny run writing its outputs to a fresh directory (3 ranks, 50 images: every epoch ends
+/// with a partial batch that leaves rank 2 empty).
+fn tiny_run(dir: &std::path::Path, stop_after: Option<usize>, resume: bool) -> train::Summary {
+    let cfg = train::Config {
+        arch: Arch::ResNet20,
+        world_size: 3,
+        batch_size: 16,
+        image_size: 8,
+        train_size: 50,
+        val_size: 12,
+        epochs: 4,
+        stop_after_epoch: stop_after,
+        out_dir: dir.to_path_buf(),
+        resume: resume.then(|| dir.join("checkpoint.json")),
+        ..Default::default()
+    };
+    train::run(&cfg).unwrap()
+}
+
+fn fresh_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("resnet-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// 4 epochs in one run equal 2 epochs, a resume from the checkpoint, and 2 more, bit for bit:
+/// weights, batch-norm statistics and counters (AdamW's moments and step, the step count
+/// that drives the schedule and augmentation all come back).
+#[test]
+fn four_epochs_equal_two_plus_resume_plus_two_bitwise() {
+    let (a, b) = (fresh_dir("straight"), fresh_dir("resumed"));
+    let straight = tiny_run(&a, None, false);
+    tiny_run(&b, Some(2), false);
+    let resumed = tiny_run(&b, None, true);
+    assert_eq!(straight.params.len(), resumed.params.len());
+    for ((name, x), (_, y)) in straight.params.iter().zip(&resumed.params) {
+        let (x, y) = (
+            x.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
+            y.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
+        );
+        let same = x
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .zip(y.to_vec1::<f64>().unwrap())
+            .all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(same, "{name} differs after resuming");
+    }
+    let rows = report::read_csv(&b.join("metrics.csv")).unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4],
+        "the CSV is continued"
+    );
+    // The checkpoint pair is the only one left (the older tensor files are removed).
+    let mut files: Vec<String> = std::fs::read_dir(&b)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint"))
+        .collect();
+    files.sort();
+    assert_eq!(files, ["checkpoint-e0004.safetensors", "checkpoint.json"]);
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+/// A checkpoint damaged in any way is refused with a message naming the file; a kill in the
+/// middle of writing the next one (its temporary files left behind) still loads the previous.
+#[test]
+fn a_damaged_checkpoint_is_refused() {
+    let dir = fresh_dir("damaged");
+    tiny_run(&dir, Some(1), false);
+    let json = dir.join("checkpoint.json");
+    let weights = dir.join("checkpoint-e0001.safetensors");
+    let (json_bytes, weight_bytes) = (
+        std::fs::read(&json).unwrap(),
+        std::fs::read(&weights).unwrap(),
+    );
+    let ok = |what: &str| {
+        checkpoint::load(&dir, "resnet20").unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    };
+    let refused = |what: &str, want: &str| {
+        let err = format!("{:#}", checkpoint::load(&json, "resnet20").unwrap_err());
+        assert!(err.contains(want), "{what}: {err}");
+    };
+    ok("as written");
+    // The JSON: empty, cut anywhere.
+    for cut in [0, 1, json_bytes.len() / 2, json_bytes.len() - 2] {
+        std::fs::write(&json, &json_bytes[..cut]).unwrap();
+        refused(&format!("JSON cut at {cut}"), "checkpoint.json");
+    }
+    std::fs::write(&json, &json_bytes).unwrap();
+    // The tensor file: cut in the header length, the header, the data, the last byte.
+    let header = 8 + u64::from_le_bytes(weight_bytes[..8].try_into().unwrap()) as usize;
+    for cut in [
+        0,
+        4,
+        8,
+        header / 2,
+        header,
+        (header + weight_bytes.len()) / 2,
+        weight_bytes.len() - 1,
+    ] {
+        std::fs::write(&weights, &weight_bytes[..cut]).unwrap();
+        refused(&format!("tensors cut at {cut}"), "truncated or replaced");
+    }
+    // One flipped bit in the data.
+    let mut flipped = weight_bytes.clone();
+    flipped[header + 100] ^= 1;
+    std::fs::write(&weights, &flipped).unwrap();
+    refused("a flipped bit", "corrupt");
+    std::fs::write(&weights, &weight_bytes).unwrap();
+    // Another model, another format, the tensor file instead of the JSON.
+    let err = format!("{:#}", checkpoint::load(&json, "resnet56").unwrap_err());
+    assert!(
+        err.contains("resnet20") && err.contains("resnet56"),
+        "{err}"
+    );
+    let other = String::from_utf8(json_bytes.clone())
+        .unwrap()
+        .replace("\"format\": 1", "\"format\": 9");
+    std::fs::write(&json, other).unwrap();
+    refused("format 9", "format 9");
+    std::fs::write(&json, &json_bytes).unwrap();
+    let err = format!("{:#}", checkpoint::load(&weights, "resnet20").unwrap_err());
+    assert!(err.contains("checkpoint.json"), "{err}");
+    // Killed while writing the next checkpoint: half-written temporary files stay temporary.
+    std::fs::write(
+        dir.join("checkpoint-e0002.safetensors.tmp"),
+        &weight_bytes[..header],
+    )
+    .unwrap();
+    std::fs::write(dir.join("checkpoint.json.tmp"), &json_bytes[..10]).unwrap();
+    ok("with a half-written successor");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 mod common;
-device_tests!(check_passes_for_a_tiny_model, torchvision_models_train);
+device_tests!(
+    check_passes_for_a_tiny_model,
+    torchvision_models_train,
+    uneven_last_batch_and_accumulation_match_one_process
+);

@@ -328,7 +328,10 @@ fn scaling_keeps_f16_gradients_from_underflowing() {
         };
         let mut g = loss.backward().unwrap();
         if let Some(s) = scaler {
-            assert!(!s.unscale(&mut g, &[w.clone()]).unwrap(), "no overflow");
+            assert!(
+                !s.unscale(&mut g, std::slice::from_ref(&w)).unwrap(),
+                "no overflow"
+            );
         }
         g.get(w.as_tensor()).unwrap().clone()
     };

@@ -9,11 +9,14 @@
 //! ```
 //!
 //! Outputs (rank 0) in `--out-dir` (default `out/resnet`): `metrics.csv`, `curves.png`,
-//! `checkpoint.safetensors` (+ `checkpoint.json`, the epoch reached; `--resume` reads both);
-//! then a one-line JSON summary on stdout.
+//! `checkpoint.json` + `checkpoint-e<epoch>.safetensors` (weights, batch-norm statistics,
+//! AdamW's moments and step; `--resume out/resnet` continues bit for bit), each written
+//! atomically; then a one-line JSON summary on stdout.
 
+mod checkpoint;
 mod data;
 mod model;
+mod optim;
 mod report;
 mod train;
 
@@ -37,7 +40,12 @@ Trains a ResNet on data-parallel ranks with SyncBatchNorm (or plain batch norm).
                      with cuda every thread rank shares GPU 0. nccl always uses one GPU per rank
   --world-size N     ranks for threads and nccl (default 4)
   --epochs N         default 3
-  --batch-size N     global batch, split across ranks (default 128)
+  --batch-size N     global batch, split across ranks (default 128); every sample of an epoch is
+                     used: the last batch may be smaller, and ranks whose share is empty take
+                     part in the step with an empty batch
+  --accumulate K     micro-batches per optimizer step (default 1): each rank's share is split in
+                     K, gradients are summed locally and all-reduced once per step
+  --bucket-mb X      MiB of gradients per all-reduce (default 25)
   --lr X             AdamW learning rate, cosine schedule with warm-up (default 0.004)
   --weight-decay X   default 0.0005
   --data-dir DIR     CIFAR-10 binary files (data_batch_1.bin .. data_batch_5.bin, test_batch.bin);
@@ -47,9 +55,14 @@ Trains a ResNet on data-parallel ranks with SyncBatchNorm (or plain batch norm).
   --val-size N       synthetic validation images (default 2000)
   --seed N           data, initialisation and augmentation seed (default 0)
   --out-dir DIR      default out/resnet
-  --resume FILE      a checkpoint.safetensors written by an earlier run: weights, batch-norm
-                     statistics and the epoch reached (AdamW's moment estimates are not saved
-                     and restart from zero); the metrics CSV in --out-dir is continued
+  --resume PATH      the checkpoint.json of an earlier run (or its directory): weights, batch-norm
+                     statistics, AdamW's moments and step, the epoch and step reached; the run
+                     continues as if never stopped (same --model, --seed, --batch-size and data).
+                     A truncated, corrupt or mismatched checkpoint is refused. The metrics CSV
+                     in --out-dir is continued
+  --stop-after-epoch N
+                     leave after epoch N's checkpoint, as if killed there (the learning-rate
+                     schedule stays that of --epochs); --resume continues
   --check            train --check-steps steps with N-rank SyncBN and with 1-rank plain BN on the
                      same global batches (f64), print the largest parameter difference, exit 1
                      above --check-tol
@@ -84,6 +97,8 @@ fn parse() -> Result<(Config, Option<(usize, f64)>)> {
             "--world-size" => cfg.world_size = value()?.parse()?,
             "--epochs" => cfg.epochs = value()?.parse()?,
             "--batch-size" => cfg.batch_size = value()?.parse()?,
+            "--accumulate" => cfg.accumulate = value()?.parse()?,
+            "--bucket-mb" => cfg.bucket_bytes = (value()?.parse::<f64>()? * 1048576.0) as usize,
             "--lr" => cfg.lr = value()?.parse()?,
             "--weight-decay" => cfg.weight_decay = value()?.parse()?,
             "--data-dir" => cfg.data_dir = Some(PathBuf::from(value()?)),
@@ -93,6 +108,7 @@ fn parse() -> Result<(Config, Option<(usize, f64)>)> {
             "--seed" => cfg.seed = value()?.parse()?,
             "--out-dir" => cfg.out_dir = PathBuf::from(value()?),
             "--resume" => cfg.resume = Some(PathBuf::from(value()?)),
+            "--stop-after-epoch" => cfg.stop_after_epoch = Some(value()?.parse()?),
             "--check" => check = Some(()),
             "--check-steps" => steps = value()?.parse()?,
             "--check-tol" => tol = value()?.parse()?,

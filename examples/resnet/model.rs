@@ -24,7 +24,8 @@ pub enum NormKind {
 /// one op for `SyncBatchNorm`.
 enum Norm {
     Bn(BatchNorm, bool),
-    Sync(SyncBatchNorm),
+    /// The layer and its variables' prefix (`layer1.0.bn1`).
+    Sync(Box<SyncBatchNorm>, String),
 }
 
 impl Norm {
@@ -36,7 +37,8 @@ impl Norm {
                     fuse_relu: relu,
                     ..Default::default()
                 };
-                Norm::Sync(sync_batch_norm(c, cfg, vb, comm.clone())?)
+                let name = vb.prefix();
+                Norm::Sync(Box::new(sync_batch_norm(c, cfg, vb, comm.clone())?), name)
             }
         })
     }
@@ -52,7 +54,7 @@ impl Norm {
                     y
                 }
             }
-            Norm::Sync(bn) => bn.forward_t(x, train)?,
+            Norm::Sync(bn, _) => bn.forward_t(x, train)?,
         })
     }
 
@@ -60,7 +62,7 @@ impl Norm {
     fn forward_add_relu(&self, x: &Tensor, z: &Tensor, train: bool) -> Result<Tensor> {
         Ok(match self {
             Norm::Bn(bn, _) => (bn.forward_t(x, train)? + z)?.relu()?,
-            Norm::Sync(bn) => bn.forward_residual(x, z, train)?,
+            Norm::Sync(bn, _) => bn.forward_residual(x, z, train)?,
         })
     }
 }
@@ -131,6 +133,16 @@ enum Block {
 }
 
 impl Block {
+    /// Its batch norms, the shortcut's included.
+    fn norms(&self) -> Vec<&Norm> {
+        let (mut v, down) = match self {
+            Block::Basic(b) => (vec![&b.bn1, &b.bn2], &b.down),
+            Block::Bottleneck(b) => (vec![&b.bn1, &b.bn2, &b.bn3], &b.down),
+        };
+        v.extend(down.iter().map(|d| &d.bn));
+        v
+    }
+
     fn basic(kind: &NormKind, cin: usize, c: usize, stride: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Block::Basic(Basic {
             conv1: conv(cin, c, 3, stride, vb.pp("conv1"))?,
@@ -192,6 +204,11 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// As `--model` spells it (`resnet20`, ...).
+    pub fn name(self) -> String {
+        format!("{self:?}").to_lowercase()
+    }
+
     /// From `resnet20`, `resnet56`, `resnet18`, `resnet34` or `resnet50`.
     pub fn parse(s: &str) -> Result<Self> {
         Ok(match s {
@@ -271,6 +288,18 @@ impl ResNet {
     }
 
     /// Logits `(N, classes)`; `train` selects batch statistics (and their synchronisation).
+    /// Every `SyncBatchNorm` layer with its variables' prefix (none with plain batch norm).
+    pub fn sync_norms(&self) -> Vec<(&str, &SyncBatchNorm)> {
+        let blocks = self.layers.iter().flatten().flat_map(Block::norms);
+        std::iter::once(&self.bn1)
+            .chain(blocks)
+            .filter_map(|n| match n {
+                Norm::Sync(bn, name) => Some((name.as_str(), &**bn)),
+                Norm::Bn(..) => None,
+            })
+            .collect()
+    }
+
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let mut y = self.bn1.forward(&self.conv1.forward(x)?, train)?;
         if self.maxpool {

@@ -70,8 +70,7 @@ pub fn write_csv(path: &Path, rows: &[EpochMetrics]) -> Result<()> {
             r.epoch, r.train_loss, r.train_acc, r.val_loss, r.val_acc, r.images_per_sec, r.seconds
         ));
     }
-    std::fs::write(path, s)?;
-    Ok(())
+    crate::checkpoint::write_atomic(path, s.as_bytes())
 }
 
 /// Reads a CSV written by [`write_csv`] (missing file: no rows).
@@ -158,7 +157,7 @@ pub fn write_plot(path: &Path, rows: &[EpochMetrics]) -> Result<()> {
             }
         }
     }
-    std::fs::write(path, png(W, H, &px))?;
+    crate::checkpoint::write_atomic(path, &png(W, H, &px))?;
     Ok(())
 }
 

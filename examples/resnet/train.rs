@@ -1,6 +1,7 @@
 //! One rank's training loop, the run over all ranks of a backend, and the `--check` comparison.
 
-use std::path::{Path, PathBuf};
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -8,13 +9,15 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::DataParallel;
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
+use crate::checkpoint;
 use crate::data::{self, Dataset};
 use crate::model::{Arch, NormKind, ResNet};
+use crate::optim::AdamW;
 use crate::report::{self, EpochMetrics, Progress};
 
 /// Everything a run needs.
@@ -38,12 +41,20 @@ pub struct Config {
     pub val_size: usize,
     pub seed: u64,
     pub out_dir: PathBuf,
+    /// A `checkpoint.json` (or its directory) to continue from.
     pub resume: Option<PathBuf>,
     pub dtype: DType,
+    /// Micro-batches per optimizer step (gradients all-reduced once per step).
+    pub accumulate: usize,
+    /// Bytes of gradients per all-reduce.
+    pub bucket_bytes: usize,
     /// Random crop padding and flips (off in `--check`).
     pub augment: bool,
     /// Stop after this many steps in total (`--check`), else run every epoch.
     pub max_steps: Option<usize>,
+    /// Leave after this epoch's outputs, as if killed there (the schedule is still that of
+    /// `epochs`): `--resume` then continues the run.
+    pub stop_after_epoch: Option<usize>,
     /// Write the CSV, plot and checkpoint (rank 0).
     pub write_outputs: bool,
 }
@@ -68,8 +79,11 @@ impl Default for Config {
             out_dir: PathBuf::from("out/resnet"),
             resume: None,
             dtype: DType::F32,
+            accumulate: 1,
+            bucket_bytes: candle_distributed::data_parallel::DEFAULT_BUCKET_BYTES,
             augment: true,
             max_steps: None,
+            stop_after_epoch: None,
             write_outputs: true,
         }
     }
@@ -203,6 +217,112 @@ fn lr_at(base: f64, step: usize, total: usize) -> f64 {
     base * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
 }
 
+/// One rank's model, optimizer and position, as a checkpoint restores them.
+struct State {
+    vm: VarMap,
+    model: ResNet,
+    dp: DataParallel,
+    opt: AdamW,
+    /// Epochs completed.
+    epoch: usize,
+    /// Optimizer steps completed.
+    step: usize,
+}
+
+/// Builds the model (from `cfg.resume`'s checkpoint when given; refused if it does not match)
+/// and the optimizer.
+fn setup(
+    comm: &Arc<dyn Collective>,
+    device: &Device,
+    cfg: &Config,
+    classes: usize,
+) -> Result<State> {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, cfg.dtype, device);
+    let norm = if cfg.sync_bn {
+        NormKind::SyncBn(comm.clone())
+    } else {
+        NormKind::Bn
+    };
+    let mut model = ResNet::new(cfg.arch, classes, &norm, vb.clone())?;
+    init_weights(&vm, cfg.seed)?;
+    let resumed = match &cfg.resume {
+        Some(path) => Some(checkpoint::load(path, &cfg.arch.name())?),
+        None => None,
+    };
+    if let Some((_, tensors)) = &resumed {
+        load_vars(&vm, tensors)?;
+        // Built again over the loaded variables: SyncBatchNorm reads `num_batches_tracked`
+        // when it is built.
+        model = ResNet::new(cfg.arch, classes, &norm, vb)?;
+        for (name, bn) in model.sync_norms() {
+            bn.set_shift(tensors.get(&shift_key(name)))?;
+        }
+    }
+    let dp = DataParallel::new(&vm, comm.clone())?.with_bucket_bytes(cfg.bucket_bytes);
+    let params = ParamsAdamW {
+        lr: cfg.lr,
+        weight_decay: cfg.weight_decay,
+        ..Default::default()
+    };
+    let mut opt = AdamW::new(dp.named_trainable(), params)?;
+    let (mut epoch, mut step) = (0, 0);
+    if let Some((meta, tensors)) = &resumed {
+        opt.load_state(meta.optimizer_step, tensors)?;
+        (epoch, step) = (meta.epoch, meta.step);
+    }
+    Ok(State {
+        vm,
+        model,
+        dp,
+        opt,
+        epoch,
+        step,
+    })
+}
+
+/// Sets every variable of `vm` from `tensors`, after checking that each is there with its
+/// shape: a refused checkpoint changes nothing.
+fn load_vars(vm: &VarMap, tensors: &HashMap<String, Tensor>) -> Result<()> {
+    let data = vm.data().lock().expect("VarMap lock");
+    let mut found = Vec::with_capacity(data.len());
+    for (name, v) in data.iter() {
+        let t = tensors
+            .get(name)
+            .with_context(|| format!("the checkpoint has no {name}: another model?"))?;
+        if t.dims() != v.dims() {
+            bail!(
+                "{name}: {:?} in the checkpoint, {:?} in the model",
+                t.dims(),
+                v.dims()
+            )
+        }
+        found.push((v, t.to_dtype(v.dtype())?.to_device(v.device())?));
+    }
+    for (v, t) in found {
+        v.set(&t)?;
+    }
+    Ok(())
+}
+
+/// Where a SyncBatchNorm layer's shift is kept in a checkpoint.
+fn shift_key(layer: &str) -> String {
+    format!("syncbn_shift.{layer}")
+}
+
+/// The sum over the batch of the per-sample cross-entropy. An empty batch (a rank with no
+/// data this step) gives 0 through every layer, so that its batch norms still take part in
+/// their collectives (candle's log-softmax refuses an empty tensor, and drops a product by the
+/// constant 0 from the graph; a product with a zero tensor stays in it).
+fn loss_sum(logits: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let n = logits.dim(0)?;
+    if n == 0 {
+        let s = logits.sum_keepdim(0)?.sum_all()?;
+        return Ok(s.mul(&s.zeros_like()?)?);
+    }
+    Ok((candle_nn::loss::cross_entropy(logits, y)? * n as f64)?)
+}
+
 /// Trains on this rank; every rank returns the same summary.
 pub fn train_rank(
     comm: Arc<dyn Collective>,
@@ -212,136 +332,80 @@ pub fn train_rank(
     val: &Dataset,
 ) -> Result<Summary> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    if cfg.batch_size < world {
-        bail!(
-            "the global batch ({}) must have at least one image per rank ({world} ranks)",
-            cfg.batch_size
-        );
+    if cfg.batch_size == 0 || cfg.accumulate == 0 {
+        bail!("--batch-size and --accumulate must be at least 1");
     }
-    let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, cfg.dtype, &device);
-    let norm = if cfg.sync_bn {
-        NormKind::SyncBn(comm.clone())
-    } else {
-        NormKind::Bn
-    };
-    let mut model = ResNet::new(cfg.arch, train.classes, &norm, vb.clone())?;
-    init_weights(&vm, cfg.seed)?;
-    let mut first_epoch = 0;
-    if let Some(path) = &cfg.resume {
-        let mut vm_load = vm.clone();
-        vm_load
-            .load(path)
-            .with_context(|| format!("resuming from {}", path.display()))?;
-        first_epoch = read_epoch(path)?;
-        // Built again over the loaded variables: SyncBatchNorm reads `num_batches_tracked`
-        // when it is built.
-        model = ResNet::new(cfg.arch, train.classes, &norm, vb)?;
-    }
-    let dp = DataParallel::new(&vm, comm.clone())?;
-    let mut opt = AdamW::new(
-        dp.trainable(),
-        ParamsAdamW {
-            lr: cfg.lr,
-            weight_decay: cfg.weight_decay,
-            ..Default::default()
-        },
-    )?;
+    let mut st = setup(&comm, &device, cfg, train.classes)?;
     let stats = data::channel_stats(train);
-    let steps_per_epoch = train.len() / cfg.batch_size;
+    // Every sample of every epoch: the last global batch may be smaller, and then some ranks'
+    // shares may be empty (they serve the collectives with empty batches).
+    let steps_per_epoch = train.len().div_ceil(cfg.batch_size);
     if steps_per_epoch == 0 {
-        bail!(
-            "the training set ({}) is smaller than one global batch ({})",
-            train.len(),
-            cfg.batch_size
-        );
+        bail!("the training set is empty");
     }
     let total_steps = cfg.max_steps.unwrap_or(steps_per_epoch * cfg.epochs);
-    let mine = split_sizes(cfg.batch_size, world);
-    let offset: usize = mine[..rank].iter().sum();
     let start = Instant::now();
     // On resume, the earlier epochs' rows (the CSV of the run that wrote the checkpoint).
     let mut metrics: Vec<EpochMetrics> = if cfg.resume.is_some() {
         report::read_csv(&cfg.out_dir.join("metrics.csv"))?
             .into_iter()
-            .filter(|m| m.epoch <= first_epoch)
+            .filter(|m| m.epoch <= st.epoch)
             .collect()
     } else {
         Vec::new()
     };
     let mut images_seen = 0usize;
-    let mut step = first_epoch * steps_per_epoch;
-    for epoch in first_epoch..cfg.epochs {
+    for epoch in st.epoch..cfg.epochs {
         let epoch_start = Instant::now();
         let mut order: Vec<usize> = (0..train.len()).collect();
         order.shuffle(&mut StdRng::seed_from_u64(
             cfg.seed ^ ((epoch as u64 + 1) * 0x9e37_79b9),
         ));
         let progress = Progress::new(steps_per_epoch);
-        let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0.0);
+        let mut sums = [0f64; 3]; // loss sum, correct, samples
         for s in 0..steps_per_epoch {
-            if step >= total_steps {
+            if st.step >= total_steps {
                 break;
             }
-            let global = &order[s * cfg.batch_size..(s + 1) * cfg.batch_size];
-            let idx = &global[offset..offset + mine[rank]];
-            let mut aug_rng = StdRng::seed_from_u64(
-                cfg.seed ^ (((step * world + rank) as u64 + 7) * 0x2545_f491),
-            );
-            let augment = cfg.augment.then_some((&mut aug_rng, 2usize));
-            let (x, y) = data::batch(train, idx, &stats, augment, &device)?;
-            let x = x.to_dtype(cfg.dtype)?;
-            opt.set_learning_rate(lr_at(cfg.lr, step, total_steps));
-            let logits = model.forward(&x, true)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-            // DataParallel averages per-rank gradients; with unequal per-rank batches, scale
-            // each rank's mean loss by W·n_r/N so that the average is the global batch's.
-            let scale = (world * idx.len()) as f64 / cfg.batch_size as f64;
-            let grads = dp.sync_gradients((&loss * scale)?.backward()?)?;
-            opt.step(&grads)?;
-            // Global loss, accuracy and count of this step: one small all-reduce.
-            let hits = logits
-                .argmax(D::Minus1)?
-                .eq(&y)?
-                .to_dtype(DType::F64)?
-                .sum_all()?;
-            let n = idx.len() as f64;
-            let local = Tensor::stack(
-                &[
-                    (loss.to_dtype(DType::F64)? * n)?,
-                    hits,
-                    Tensor::new(n, &device)?,
-                ],
-                0,
+            let global = &order[s * cfg.batch_size..((s + 1) * cfg.batch_size).min(order.len())];
+            let g = train_step(
+                &comm,
+                &mut st,
+                cfg,
+                train,
+                &stats,
+                global,
+                total_steps,
+                &device,
             )?;
-            let g = comm.all_reduce(&local, ReduceOp::Sum)?.to_vec1::<f64>()?;
-            loss_sum += g[0];
-            correct += g[1];
-            seen += g[2];
-            images_seen += cfg.batch_size;
-            step += 1;
+            for (a, b) in sums.iter_mut().zip(g) {
+                *a += b;
+            }
+            images_seen += global.len();
+            st.step += 1;
             if rank == 0 {
                 progress.update(
                     s + 1,
                     epoch + 1,
-                    loss_sum / seen,
-                    correct / seen,
+                    sums[0] / sums[2],
+                    sums[1] / sums[2],
                     images_seen,
                 );
             }
         }
         progress.finish();
-        let (val_loss, val_acc) = evaluate(&comm, &model, val, &stats, cfg, &device)?;
+        let (val_loss, val_acc) = evaluate(&comm, &st.model, val, &stats, cfg, &device)?;
         let m = EpochMetrics {
             epoch: epoch + 1,
-            train_loss: loss_sum / seen.max(1.0),
-            train_acc: correct / seen.max(1.0),
+            train_loss: sums[0] / sums[2].max(1.0),
+            train_acc: sums[1] / sums[2].max(1.0),
             val_loss,
             val_acc,
-            images_per_sec: seen / epoch_start.elapsed().as_secs_f64(),
+            images_per_sec: sums[2] / epoch_start.elapsed().as_secs_f64(),
             seconds: start.elapsed().as_secs_f64(),
         };
         metrics.push(m);
+        st.epoch = epoch + 1;
         if rank == 0 {
             println!(
                 "epoch {:>3}  train loss {:.4}  acc {:5.1}%  val loss {:.4}  acc {:5.1}%  {:.0} img/s  {:.1} s",
@@ -354,15 +418,16 @@ pub fn train_rank(
                 m.seconds
             );
             if cfg.write_outputs {
-                write_outputs(cfg, &vm, &metrics)?;
+                write_outputs(cfg, &st, &metrics)?;
             }
         }
-        if step >= total_steps {
+        if st.step >= total_steps || cfg.stop_after_epoch == Some(st.epoch) {
             break;
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    let mut params: Vec<(String, Tensor)> = vm
+    let mut params: Vec<(String, Tensor)> = st
+        .vm
         .data()
         .lock()
         .expect("VarMap lock")
@@ -378,6 +443,84 @@ pub fn train_rank(
         images_per_sec: images_seen as f64 / seconds,
         params,
     })
+}
+
+/// One optimizer step on the global batch `global` (sample indices), in `cfg.accumulate`
+/// micro-batches: the global batch is cut into micro-batches first and each is shared among
+/// the ranks, so a micro-batch holds the same samples whatever the world size (its batch-norm
+/// statistics are those of one process accumulating over the same micro-batches). Gradients
+/// are summed locally and all-reduced once. Returns the step's global loss sum, correct
+/// predictions and sample count.
+#[allow(clippy::too_many_arguments)]
+fn train_step(
+    comm: &Arc<dyn Collective>,
+    st: &mut State,
+    cfg: &Config,
+    train: &Dataset,
+    stats: &([f32; 3], [f32; 3]),
+    global: &[usize],
+    total_steps: usize,
+    device: &Device,
+) -> Result<[f64; 3]> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let k = cfg.accumulate;
+    // This rank's share of each non-empty micro-batch (possibly empty: the rank still takes
+    // part, with an empty batch, in the micro-batch's batch-norm collectives).
+    let mut micro = Vec::with_capacity(k);
+    let mut at = 0;
+    for n in split_sizes(global.len(), k) {
+        let batch = &global[at..at + n];
+        at += n;
+        if n > 0 {
+            let shares = split_sizes(n, world);
+            let offset: usize = shares[..rank].iter().sum();
+            micro.push(&batch[offset..offset + shares[rank]]);
+        }
+    }
+    let local: usize = micro.iter().map(|m| m.len()).sum();
+    // Every rank knows every rank's share here, so `join_step` serves as a check that the
+    // ranks agree on the step, and gives the loss weight.
+    let join = st.dp.join_step(local)?;
+    if join.samples != global.len() {
+        bail!(
+            "step {}: the ranks' batches add up to {}, not {}",
+            st.step,
+            join.samples,
+            global.len()
+        );
+    }
+    st.opt
+        .set_learning_rate(lr_at(cfg.lr, st.step, total_steps));
+    let mut grads = None;
+    let (mut loss_total, mut hits_total) = (0f64, 0f64);
+    for (m, idx) in micro.into_iter().enumerate() {
+        let mut aug_rng = StdRng::seed_from_u64(
+            cfg.seed ^ ((((st.step * world + rank) * k + m) as u64 + 7) * 0x2545_f491),
+        );
+        let augment = cfg.augment.then_some((&mut aug_rng, 2usize));
+        let (x, y) = data::batch(train, idx, stats, augment, device)?;
+        let logits = st.model.forward(&x.to_dtype(cfg.dtype)?, true)?;
+        let loss = loss_sum(&logits, &y)?;
+        // Weighted by W / N: DataParallel's average over the W ranks is then the gradient of
+        // the mean loss over the step's N samples.
+        let g = (&loss * join.loss_weight())?.backward()?;
+        grads = Some(st.dp.accumulate(grads, g)?);
+        loss_total += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if !idx.is_empty() {
+            hits_total += logits
+                .argmax(D::Minus1)?
+                .eq(&y)?
+                .to_dtype(DType::F64)?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+        }
+    }
+    let grads = st.dp.sync_gradients(grads.unwrap_or_default())?;
+    st.opt.step(&grads)?;
+    // Global loss, accuracy and count of this step: one small all-reduce.
+    let mine = Tensor::new(&[loss_total, hits_total, local as f64], device)?;
+    let g = comm.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f64>()?;
+    Ok([g[0], g[1], g[2]])
 }
 
 /// Validation loss and accuracy over the whole set, each rank evaluating its share (running
@@ -416,29 +559,40 @@ fn evaluate(
     Ok((g[0] / n, g[1] / n))
 }
 
-/// CSV, plot and checkpoint (with the epoch reached, for `--resume`) into `cfg.out_dir`.
-fn write_outputs(cfg: &Config, vm: &VarMap, metrics: &[EpochMetrics]) -> Result<()> {
+/// CSV, plot and checkpoint into `cfg.out_dir`, each file written atomically
+/// ([`checkpoint::write_atomic`]).
+fn write_outputs(cfg: &Config, st: &State, metrics: &[EpochMetrics]) -> Result<()> {
     std::fs::create_dir_all(&cfg.out_dir)?;
     report::write_csv(&cfg.out_dir.join("metrics.csv"), metrics)?;
     report::write_plot(&cfg.out_dir.join("curves.png"), metrics)?;
-    let ckpt = cfg.out_dir.join("checkpoint.safetensors");
-    vm.save(&ckpt)?;
-    let epoch = metrics.last().map_or(0, |m| m.epoch);
-    std::fs::write(epoch_file(&ckpt), format!("{{\"epoch\":{epoch}}}\n"))?;
-    Ok(())
-}
-
-fn epoch_file(ckpt: &Path) -> PathBuf {
-    ckpt.with_extension("json")
-}
-
-/// The epoch a checkpoint was written after (0 when its `.json` is missing).
-fn read_epoch(ckpt: &Path) -> Result<usize> {
-    let Ok(s) = std::fs::read_to_string(epoch_file(ckpt)) else {
-        return Ok(0);
+    let mut tensors: Vec<(String, Tensor)> = st
+        .vm
+        .data()
+        .lock()
+        .expect("VarMap lock")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let (optimizer_step, moments) = st.opt.state();
+    tensors.extend(moments);
+    // SyncBatchNorm's shifts: without them a resumed run rounds differently.
+    for (name, bn) in st.model.sync_norms() {
+        if let Some(shift) = bn.shift() {
+            tensors.push((shift_key(name), shift));
+        }
+    }
+    let meta = checkpoint::Meta {
+        format: checkpoint::FORMAT,
+        epoch: st.epoch,
+        step: st.step,
+        optimizer_step,
+        scaler: None,
+        model: cfg.arch.name(),
+        weights: String::new(),
+        weights_bytes: 0,
+        weights_crc32: 0,
     };
-    let digits: String = s.chars().filter(|c| c.is_ascii_digit()).collect();
-    Ok(digits.parse().unwrap_or(0))
+    checkpoint::save(&cfg.out_dir, meta, &tensors)
 }
 
 /// Trains on every rank of `cfg.backend` and returns rank 0's summary.

@@ -180,6 +180,48 @@ impl SyncBatchNorm {
         self.bias.as_ref()
     }
 
+    /// The shift the next training step subtracts before summing (`[C]` f64: the previous
+    /// training step's global batch mean; `None` before the first step, meaning 0). It changes
+    /// the rounding of the statistics, not their value: save it with the running statistics to
+    /// resume a run bit for bit ([`Self::set_shift`]).
+    pub fn shift(&self) -> Option<Tensor> {
+        self.lock().shift.clone()
+    }
+
+    /// Restores a [`Self::shift`] (between training steps, on every rank alike; `None`: 0).
+    /// Any float dtype; stored as f64 on the layer's device.
+    ///
+    /// # Errors
+    /// A shape other than `[C]` or a non-finite value; the layer is then unchanged.
+    pub fn set_shift(&self, shift: Option<&Tensor>) -> Result<()> {
+        let shift = match shift {
+            None => None,
+            Some(t) => {
+                if t.dims() != [self.num_features] {
+                    bail!(
+                        "{OP}: set_shift: expected shape [{}], got {:?}",
+                        self.num_features,
+                        t.dims()
+                    )
+                }
+                let device = self
+                    .weight
+                    .as_ref()
+                    .map(|w| w.device().clone())
+                    .or_else(|| self.running.as_ref().map(|r| r.mean.device().clone()))
+                    .unwrap_or_else(|| t.device().clone());
+                let t = t.to_dtype(DType::F64)?.to_device(&device)?;
+                let host = t.to_device(&candle_core::Device::Cpu)?.to_vec1::<f64>()?;
+                if let Some(bad) = host.iter().find(|v| !v.is_finite()) {
+                    bail!("{OP}: set_shift: the shift must be finite, got {bad}")
+                }
+                Some(t)
+            }
+        };
+        self.lock().shift = shift;
+        Ok(())
+    }
+
     /// The layer's configuration.
     pub fn config(&self) -> &SyncBatchNormConfig {
         &self.config

@@ -184,6 +184,11 @@ impl DataParallel {
         self.params.iter().map(|(_, v)| v.clone()).collect()
     }
 
+    /// The trainable variables with their names, in bucket (name) order.
+    pub fn named_trainable(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
     /// The communicator.
     pub fn comm(&self) -> &Arc<dyn Collective> {
         &self.comm
