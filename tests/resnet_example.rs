@@ -3,6 +3,9 @@
 //! (N-rank SyncBatchNorm against 1-rank batch norm) passes for a tiny model.
 
 #[allow(dead_code)]
+#[path = "../examples/resnet/check.rs"]
+mod check;
+#[allow(dead_code)]
 #[path = "../examples/resnet/checkpoint.rs"]
 mod checkpoint;
 #[allow(dead_code)]
@@ -201,10 +204,10 @@ fn check_passes_for_a_tiny_model(dev: &Device) -> anyhow::Result<()> {
         val_size: 16,
         ..Default::default()
     };
-    let diff = train::check(&cfg, 3, true)?;
+    let diff = check::check(&cfg, 3, true)?.max_abs;
     assert!(diff <= 1e-6, "largest parameter difference {diff:e}");
     // The comparison can fail: per-rank batch norm (statistics of 4 images) drifts away.
-    let unsynced = train::check(&cfg, 3, false)?;
+    let unsynced = check::check(&cfg, 3, false)?.max_abs;
     assert!(
         unsynced > 1e-3,
         "plain batch norm on 4 ranks differs by only {unsynced:e}"
@@ -258,7 +261,7 @@ fn uneven_last_batch_and_accumulation_match_one_process(dev: &Device) -> anyhow:
             accumulate,
             ..Default::default()
         };
-        let diff = train::check(&cfg, 4, true)?;
+        let diff = check::check(&cfg, 4, true)?.max_abs;
         assert!(
             diff <= 1e-6,
             "accumulate {accumulate}: largest parameter difference {diff:e}"
@@ -267,9 +270,43 @@ fn uneven_last_batch_and_accumulation_match_one_process(dev: &Device) -> anyhow:
     Ok(())
 }
 
+/// `--check` with bf16 and f16 activations (f16 with loss scaling): 4 ranks of SyncBatchNorm
+/// end no farther than 1.5× (the example's default tolerance) from the one-process run than
+/// the reduced precision alone moves that run; per-rank batch norm ends well beyond.
+#[test]
+fn reduced_precision_check_passes_and_can_fail() {
+    for precision in [train::Precision::Bf16, train::Precision::F16] {
+        let cfg = train::Config {
+            arch: Arch::ResNet20,
+            world_size: 4,
+            batch_size: 16,
+            image_size: 8,
+            train_size: 64,
+            val_size: 16,
+            precision,
+            ..Default::default()
+        };
+        let synced = check::check(&cfg, 3, true).unwrap();
+        let ratio = synced.noise_ratio().unwrap();
+        assert!(ratio <= 1.5, "{precision:?}: {synced:?}");
+        let unsynced = check::check(&cfg, 3, false).unwrap();
+        let bad = unsynced.noise_ratio().unwrap();
+        assert!(
+            bad > 1.5,
+            "{precision:?}: per-rank batch norm passes: {unsynced:?}"
+        );
+        println!("{precision:?}: synced {synced:?}, per-rank {unsynced:?}");
+    }
+}
+
 /// A tiny run writing its outputs to a fresh directory (3 ranks, 50 images: every epoch ends
 /// with a partial batch that leaves rank 2 empty).
-fn tiny_run(dir: &std::path::Path, stop_after: Option<usize>, resume: bool) -> train::Summary {
+fn tiny_run(
+    dir: &std::path::Path,
+    stop_after: Option<usize>,
+    resume: bool,
+    precision: train::Precision,
+) -> train::Summary {
     let cfg = train::Config {
         arch: Arch::ResNet20,
         world_size: 3,
@@ -278,6 +315,7 @@ fn tiny_run(dir: &std::path::Path, stop_after: Option<usize>, resume: bool) -> t
         train_size: 50,
         val_size: 12,
         epochs: 4,
+        precision,
         stop_after_epoch: stop_after,
         out_dir: dir.to_path_buf(),
         resume: resume.then(|| dir.join("checkpoint.json")),
@@ -295,13 +333,20 @@ fn fresh_dir(tag: &str) -> std::path::PathBuf {
 
 /// 4 epochs in one run equal 2 epochs, a resume from the checkpoint, and 2 more, bit for bit:
 /// weights, batch-norm statistics and counters (AdamW's moments and step, the step count
-/// that drives the schedule and augmentation all come back).
+/// that drives the schedule and augmentation, SyncBatchNorm's shifts and, in f16, the loss
+/// scaler's state all come back).
 #[test]
 fn four_epochs_equal_two_plus_resume_plus_two_bitwise() {
+    for precision in [train::Precision::Full, train::Precision::F16] {
+        resume_bitwise(precision);
+    }
+}
+
+fn resume_bitwise(precision: train::Precision) {
     let (a, b) = (fresh_dir("straight"), fresh_dir("resumed"));
-    let straight = tiny_run(&a, None, false);
-    tiny_run(&b, Some(2), false);
-    let resumed = tiny_run(&b, None, true);
+    let straight = tiny_run(&a, None, false, precision);
+    tiny_run(&b, Some(2), false, precision);
+    let resumed = tiny_run(&b, None, true, precision);
     assert_eq!(straight.params.len(), resumed.params.len());
     for ((name, x), (_, y)) in straight.params.iter().zip(&resumed.params) {
         let (x, y) = (
@@ -314,7 +359,7 @@ fn four_epochs_equal_two_plus_resume_plus_two_bitwise() {
             .iter()
             .zip(y.to_vec1::<f64>().unwrap())
             .all(|(p, q)| p.to_bits() == q.to_bits());
-        assert!(same, "{name} differs after resuming");
+        assert!(same, "{precision:?}: {name} differs after resuming");
     }
     let rows = report::read_csv(&b.join("metrics.csv")).unwrap();
     assert_eq!(
@@ -339,7 +384,7 @@ fn four_epochs_equal_two_plus_resume_plus_two_bitwise() {
 #[test]
 fn a_damaged_checkpoint_is_refused() {
     let dir = fresh_dir("damaged");
-    tiny_run(&dir, Some(1), false);
+    tiny_run(&dir, Some(1), false, train::Precision::Full);
     let json = dir.join("checkpoint.json");
     let weights = dir.join("checkpoint-e0001.safetensors");
     let (json_bytes, weight_bytes) = (

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use candle_core::{Module, ModuleT, Tensor, D};
+use candle_core::{DType, Module, ModuleT, Tensor, D};
 use candle_distributed::collective::Collective;
 use candle_distributed::ops::max_pool2d;
 use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
@@ -47,7 +47,7 @@ impl Norm {
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         Ok(match self {
             Norm::Bn(bn, relu) => {
-                let y = bn.forward_t(x, train)?;
+                let y = bn_in_own_dtype(bn, x, train)?;
                 if *relu {
                     y.relu()?
                 } else {
@@ -61,10 +61,32 @@ impl Norm {
     /// `relu(bn(x) + z)`.
     fn forward_add_relu(&self, x: &Tensor, z: &Tensor, train: bool) -> Result<Tensor> {
         Ok(match self {
-            Norm::Bn(bn, _) => (bn.forward_t(x, train)? + z)?.relu()?,
+            Norm::Bn(bn, _) => (bn_in_own_dtype(bn, x, train)? + z)?.relu()?,
             Norm::Sync(bn, _) => bn.forward_residual(x, z, train)?,
         })
     }
+}
+
+/// `conv(x)` in `x`'s dtype: the weight is cast to it when they differ (mixed precision; the
+/// cast is differentiable, so the gradient reaches the weight in its own dtype).
+///
+/// On the CPU, candle 0.11 has no bf16 matrix product (and a slow f16 one): there the operands,
+/// rounded to the half dtype, are multiplied in f32 and the output is rounded back, which are
+/// the numbers of a GPU's half-precision convolution with f32 accumulation.
+fn run(c: &Conv2d, x: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    if c.weight().dtype() == dtype {
+        return Ok(c.forward(x)?);
+    }
+    let cfg = c.config();
+    let w = c.weight().to_dtype(dtype)?;
+    let conv =
+        |x: &Tensor, w: &Tensor| x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups);
+    if x.device().is_cpu() && matches!(dtype, DType::BF16 | DType::F16) {
+        let y = conv(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?)?;
+        return Ok(y.to_dtype(dtype)?);
+    }
+    Ok(conv(x, &w)?)
 }
 
 fn conv(cin: usize, cout: usize, k: usize, stride: usize, vb: VarBuilder) -> Result<Conv2d> {
@@ -74,6 +96,18 @@ fn conv(cin: usize, cout: usize, k: usize, stride: usize, vb: VarBuilder) -> Res
         ..Default::default()
     };
     Ok(conv2d_no_bias(cin, cout, k, cfg, vb)?)
+}
+
+/// candle-nn's batch norm on `x`, in the dtype of its parameters (it refuses another), back in
+/// `x`'s dtype.
+fn bn_in_own_dtype(bn: &BatchNorm, x: &Tensor, train: bool) -> Result<Tensor> {
+    let own = bn.running_mean().dtype();
+    if own == x.dtype() {
+        return Ok(bn.forward_t(x, train)?);
+    }
+    Ok(bn
+        .forward_t(&x.to_dtype(own)?, train)?
+        .to_dtype(x.dtype())?)
 }
 
 /// `downsample.0` (1×1 conv) and `downsample.1` (bn) when the shape changes.
@@ -101,7 +135,7 @@ impl Downsample {
 
     fn shortcut(ds: &Option<Self>, x: &Tensor, train: bool) -> Result<Tensor> {
         match ds {
-            Some(d) => d.bn.forward(&d.conv.forward(x)?, train),
+            Some(d) => d.bn.forward(&run(&d.conv, x)?, train),
             None => Ok(x.clone()),
         }
     }
@@ -174,15 +208,15 @@ impl Block {
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         match self {
             Block::Basic(b) => {
-                let y = b.bn1.forward(&b.conv1.forward(x)?, train)?;
+                let y = b.bn1.forward(&run(&b.conv1, x)?, train)?;
                 let short = Downsample::shortcut(&b.down, x, train)?;
-                b.bn2.forward_add_relu(&b.conv2.forward(&y)?, &short, train)
+                b.bn2.forward_add_relu(&run(&b.conv2, &y)?, &short, train)
             }
             Block::Bottleneck(b) => {
-                let y = b.bn1.forward(&b.conv1.forward(x)?, train)?;
-                let y = b.bn2.forward(&b.conv2.forward(&y)?, train)?;
+                let y = b.bn1.forward(&run(&b.conv1, x)?, train)?;
+                let y = b.bn2.forward(&run(&b.conv2, &y)?, train)?;
                 let short = Downsample::shortcut(&b.down, x, train)?;
-                b.bn3.forward_add_relu(&b.conv3.forward(&y)?, &short, train)
+                b.bn3.forward_add_relu(&run(&b.conv3, &y)?, &short, train)
             }
         }
     }
@@ -287,7 +321,6 @@ impl ResNet {
         })
     }
 
-    /// Logits `(N, classes)`; `train` selects batch statistics (and their synchronisation).
     /// Every `SyncBatchNorm` layer with its variables' prefix (none with plain batch norm).
     pub fn sync_norms(&self) -> Vec<(&str, &SyncBatchNorm)> {
         let blocks = self.layers.iter().flatten().flat_map(Block::norms);
@@ -300,8 +333,13 @@ impl ResNet {
             .collect()
     }
 
+    /// Logits `(N, classes)` in the weights' dtype; `train` selects batch statistics (and their
+    /// synchronisation). The convolutions and batch norms compute in `x`'s dtype (mixed
+    /// precision: f32 weights are cast to a bf16/f16 `x`'s dtype in the forward, so that
+    /// their gradients arrive in f32); batch-norm statistics are f64 and their parameters
+    /// stay f32; the classifier computes in the weights' dtype.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let mut y = self.bn1.forward(&self.conv1.forward(x)?, train)?;
+        let mut y = self.bn1.forward(&run(&self.conv1, x)?, train)?;
         if self.maxpool {
             // torchvision's 3×3, stride-2, padding-1 stem pool; candle 0.11 has no backward for
             // overlapping windows, the crate's op does.
@@ -313,6 +351,8 @@ impl ResNet {
             }
         }
         let pooled = y.mean(D::Minus1)?.mean(D::Minus1)?;
-        Ok(self.fc.forward(&pooled)?)
+        Ok(self
+            .fc
+            .forward(&pooled.to_dtype(self.fc.weight().dtype())?)?)
     }
 }

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
+use candle_distributed::amp::{GradScaler, GradScalerConfig, GradScalerState};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::DataParallel;
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
@@ -34,6 +35,10 @@ pub struct Config {
     pub batch_size: usize,
     pub lr: f64,
     pub weight_decay: f64,
+    /// The loss scaler's first scale (f16 only; PyTorch's default 2¹⁶).
+    pub init_scale: f64,
+    /// AdamW's ε (candle's default 1e-8; `--check` in bf16/f16 uses 1, see check.rs).
+    pub adam_eps: f64,
     pub data_dir: Option<PathBuf>,
     /// Side of the synthetic images.
     pub image_size: usize,
@@ -44,6 +49,9 @@ pub struct Config {
     /// A `checkpoint.json` (or its directory) to continue from.
     pub resume: Option<PathBuf>,
     pub dtype: DType,
+    /// What convolutions and batch norms compute in (`--precision`); the weights, optimizer
+    /// and classifier stay in `dtype`.
+    pub precision: Precision,
     /// Micro-batches per optimizer step (gradients all-reduced once per step).
     pub accumulate: usize,
     /// Bytes of gradients per all-reduce.
@@ -71,6 +79,8 @@ impl Default for Config {
             batch_size: 128,
             lr: 4e-3,
             weight_decay: 5e-4,
+            init_scale: 65536.0,
+            adam_eps: 1e-8,
             data_dir: None,
             image_size: 16,
             train_size: 8000,
@@ -79,12 +89,46 @@ impl Default for Config {
             out_dir: PathBuf::from("out/resnet"),
             resume: None,
             dtype: DType::F32,
+            precision: Precision::Full,
             accumulate: 1,
             bucket_bytes: candle_distributed::data_parallel::DEFAULT_BUCKET_BYTES,
             augment: true,
             max_steps: None,
             stop_after_epoch: None,
             write_outputs: true,
+        }
+    }
+}
+
+/// `--precision`: the activations' dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// The weights' dtype throughout.
+    Full,
+    /// bf16 activations (no loss scaling: bf16 has f32's range).
+    Bf16,
+    /// f16 activations with dynamic loss scaling (`GradScaler`).
+    F16,
+}
+
+impl Precision {
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "f32" | "full" => Precision::Full,
+            "bf16" => Precision::Bf16,
+            "f16" => Precision::F16,
+            _ => bail!("unknown precision {s:?} (f32, bf16, f16)"),
+        })
+    }
+}
+
+impl Config {
+    /// The dtype of the activations.
+    pub fn compute_dtype(&self) -> DType {
+        match self.precision {
+            Precision::Full => self.dtype,
+            Precision::Bf16 => DType::BF16,
+            Precision::F16 => DType::F16,
         }
     }
 }
@@ -223,6 +267,8 @@ struct State {
     model: ResNet,
     dp: DataParallel,
     opt: AdamW,
+    /// Loss scaling (f16 only).
+    scaler: Option<GradScaler>,
     /// Epochs completed.
     epoch: usize,
     /// Optimizer steps completed.
@@ -263,19 +309,35 @@ fn setup(
     let params = ParamsAdamW {
         lr: cfg.lr,
         weight_decay: cfg.weight_decay,
+        eps: cfg.adam_eps,
         ..Default::default()
     };
     let mut opt = AdamW::new(dp.named_trainable(), params)?;
+    let mut scaler = (cfg.precision == Precision::F16)
+        .then(|| {
+            GradScaler::new(GradScalerConfig {
+                init_scale: cfg.init_scale,
+                ..Default::default()
+            })
+        })
+        .transpose()?;
     let (mut epoch, mut step) = (0, 0);
     if let Some((meta, tensors)) = &resumed {
         opt.load_state(meta.optimizer_step, tensors)?;
         (epoch, step) = (meta.epoch, meta.step);
+        if let (Some(s), Some(m)) = (scaler.as_mut(), meta.scaler) {
+            s.load_state(GradScalerState {
+                scale: m.scale,
+                growth_tracker: m.growth_tracker,
+            })?;
+        }
     }
     Ok(State {
         vm,
         model,
         dp,
         opt,
+        scaler,
         epoch,
         step,
     })
@@ -499,11 +561,13 @@ fn train_step(
         );
         let augment = cfg.augment.then_some((&mut aug_rng, 2usize));
         let (x, y) = data::batch(train, idx, stats, augment, device)?;
-        let logits = st.model.forward(&x.to_dtype(cfg.dtype)?, true)?;
+        let logits = st.model.forward(&x.to_dtype(cfg.compute_dtype())?, true)?;
         let loss = loss_sum(&logits, &y)?;
         // Weighted by W / N: DataParallel's average over the W ranks is then the gradient of
         // the mean loss over the step's N samples.
-        let g = (&loss * join.loss_weight())?.backward()?;
+        // With f16, also multiplied by the loss scale (exact: a power of two).
+        let scale = st.scaler.as_ref().map_or(1.0, GradScaler::scale_factor);
+        let g = (&loss * (join.loss_weight() * scale))?.backward()?;
         grads = Some(st.dp.accumulate(grads, g)?);
         loss_total += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         if !idx.is_empty() {
@@ -515,8 +579,18 @@ fn train_step(
                 .to_scalar::<f64>()?;
         }
     }
-    let grads = st.dp.sync_gradients(grads.unwrap_or_default())?;
-    st.opt.step(&grads)?;
+    let mut grads = st.dp.sync_gradients(grads.unwrap_or_default())?;
+    match &mut st.scaler {
+        // An overflow on any rank is in every rank's averaged gradients: every rank skips.
+        Some(scaler) => {
+            let found_inf = scaler.unscale(&mut grads, &st.dp.trainable())?;
+            if !found_inf {
+                st.opt.step(&grads)?;
+            }
+            scaler.update(found_inf);
+        }
+        None => st.opt.step(&grads)?,
+    }
     // Global loss, accuracy and count of this step: one small all-reduce.
     let mine = Tensor::new(&[loss_total, hits_total, local as f64], device)?;
     let g = comm.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f64>()?;
@@ -540,7 +614,7 @@ fn evaluate(
     let (mut loss, mut hits) = (0.0, 0.0);
     for chunk in idx.chunks(256) {
         let (x, y) = data::batch(val, chunk, stats, None, device)?;
-        let logits = model.forward(&x.to_dtype(cfg.dtype)?, false)?;
+        let logits = model.forward(&x.to_dtype(cfg.compute_dtype())?, false)?;
         loss += candle_nn::loss::cross_entropy(&logits, &y)?
             .to_dtype(DType::F64)?
             .to_scalar::<f64>()?
@@ -586,7 +660,10 @@ fn write_outputs(cfg: &Config, st: &State, metrics: &[EpochMetrics]) -> Result<(
         epoch: st.epoch,
         step: st.step,
         optimizer_step,
-        scaler: None,
+        scaler: st.scaler.as_ref().map(|s| checkpoint::ScalerMeta {
+            scale: s.state().scale,
+            growth_tracker: s.state().growth_tracker,
+        }),
         model: cfg.arch.name(),
         weights: String::new(),
         weights_bytes: 0,
@@ -655,52 +732,4 @@ fn run_mpi(cfg: &Config, train: &Dataset, val: &Dataset) -> Result<Summary> {
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_: &Config, _: &Dataset, _: &Dataset) -> Result<Summary> {
     bail!("--backend mpi needs the `mpi` feature: cargo build --release --features mpi --example resnet, then mpirun -np N target/release/examples/resnet --backend mpi")
-}
-
-/// `--check`: `steps` steps with `world` ranks of SyncBatchNorm (of plain per-rank batch norm
-/// when `sync` is false, to see the check fail) on `cfg`'s backend and device, and with one
-/// thread rank of plain batch norm on the same device and the same global batches (f64, no
-/// augmentation); returns the largest absolute difference over the trainable parameters. Under
-/// NCCL or MPI every process computes the one-rank reference itself.
-pub fn check(cfg: &Config, steps: usize, sync: bool) -> Result<f64> {
-    let base = Config {
-        dtype: DType::F64,
-        augment: false,
-        max_steps: Some(steps),
-        epochs: 1,
-        write_outputs: false,
-        resume: None,
-        ..cfg.clone()
-    };
-    let multi = run(&Config {
-        sync_bn: sync,
-        ..base.clone()
-    })?;
-    let single = run(&Config {
-        sync_bn: false,
-        world_size: 1,
-        backend: "threads".into(),
-        ..base
-    })?;
-    let single: std::collections::HashMap<&str, &Tensor> =
-        single.params.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut worst = 0f64;
-    for (name, t) in &multi.params {
-        if name.ends_with("running_mean")
-            || name.ends_with("running_var")
-            || name.ends_with("num_batches_tracked")
-        {
-            continue;
-        }
-        let other = single
-            .get(name.as_str())
-            .with_context(|| format!("{name} missing from the single-process model"))?;
-        let d = (t - *other)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f64>()?;
-        worst = worst.max(d);
-    }
-    Ok(worst)
 }
