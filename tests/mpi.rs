@@ -27,7 +27,7 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 7] = [
+    let checks: [(&str, Check); 9] = [
         ("collective values", collective_values),
         (
             "mismatched calls fail on every rank",
@@ -45,6 +45,14 @@ fn main() -> Result<()> {
             sync_bn_matches_one_process(c, true)
         }),
         ("SyncBatchNorm within subgroups", sync_bn_in_subgroups),
+        (
+            "uneven inputs: ranks with 5, 3, 0 and 2 batches",
+            uneven_inputs,
+        ),
+        (
+            "gradient accumulation: one all-reduce per step",
+            accumulation,
+        ),
     ];
     for (name, check) in checks {
         check(&comm).map_err(|e| anyhow::anyhow!("rank {}: {name}: {e:?}", comm.rank()))?;
@@ -231,6 +239,31 @@ fn process_groups(comm: &Arc<dyn Collective>) -> Result<()> {
 /// Three training steps of one layer (momentum 0.1, fused residual + ReLU) on this rank's slice
 /// of seeded global batches, against the single-process reference on the whole batch, which
 /// every rank computes itself.
+/// Ranks with 5, 3, 0 and 2 batches (of 3, 2, 4 and 1 samples) all leave the `join_step`
+/// loop after 5 steps; the steps equal one process on each step's concatenated batches.
+fn uneven_inputs(comm: &Arc<dyn Collective>) -> Result<()> {
+    let (batches, sizes) = ([5usize, 3, 0, 2], [3usize, 2, 4, 1]);
+    let (steps, got) = training::uneven_rank(comm.clone(), &batches, &sizes)?;
+    ensure!(steps == 5, "{steps} steps taken, 5 expected");
+    let want = training::uneven_reference(&batches, &sizes);
+    training::compare("uneven inputs", &got, &want, tol::F64_STEPS);
+    Ok(())
+}
+
+/// 3 micro-batches per step, 2 steps: 2 batch norms × 2 directions × 3 micro-batches + 1
+/// gradient all-reduce per step; equal to one process accumulating the same micro-batches.
+fn accumulation(comm: &Arc<dyn Collective>) -> Result<()> {
+    let k = 3;
+    let (got, calls) = training::accumulated_rank(comm.clone(), k, None, DType::F64)?;
+    ensure!(
+        calls == 2 * (2 * 2 * k + 1),
+        "{calls} collectives in 2 steps"
+    );
+    let want = training::accumulated_reference(k, DType::F64);
+    training::compare("accumulation", &got, &want, tol::F64_STEPS);
+    Ok(())
+}
+
 fn sync_bn_matches_one_process(comm: &Arc<dyn Collective>, channels_last: bool) -> Result<()> {
     let batches = [3usize, 0, 5, 2];
     let (c, h, w) = (5, 3, 4);

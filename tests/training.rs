@@ -4,131 +4,12 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Module, Tensor, Var, D};
+use candle_core::{DType, Tensor, Var};
 use candle_distributed::amp::{GradScaler, GradScalerConfig, GradScalerState};
-use candle_distributed::collective::Collective;
-use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
-use candle_nn::{conv2d, linear, Conv2dConfig, ModuleT, Optimizer, VarBuilder, VarMap, SGD};
+use candle_distributed::DataParallel;
+use candle_nn::{Optimizer, VarMap, SGD};
+use common::training::*;
 use common::*;
-
-/// conv → batch norm + ReLU → conv → batch norm → spatial mean → linear, in `dtype`.
-/// `comm` None: one process, SyncBatchNorm on a world of 1 (plain batch norm).
-struct Net {
-    conv1: candle_nn::Conv2d,
-    bn1: candle_distributed::SyncBatchNorm,
-    conv2: candle_nn::Conv2d,
-    bn2: candle_distributed::SyncBatchNorm,
-    fc: candle_nn::Linear,
-}
-
-fn net(vm: &VarMap, comm: Arc<dyn Collective>, dtype: DType) -> Net {
-    let vb = VarBuilder::from_varmap(vm, dtype, &Device::Cpu);
-    let relu = SyncBatchNormConfig {
-        fuse_relu: true,
-        ..Default::default()
-    };
-    let pad = Conv2dConfig {
-        padding: 1,
-        ..Default::default()
-    };
-    let net = Net {
-        conv1: conv2d(3, 6, 3, pad, vb.pp("conv1")).unwrap(),
-        bn1: sync_batch_norm(6, relu, vb.pp("bn1"), comm.clone()).unwrap(),
-        conv2: conv2d(6, 5, 3, pad, vb.pp("conv2")).unwrap(),
-        bn2: sync_batch_norm(5, Default::default(), vb.pp("bn2"), comm).unwrap(),
-        fc: linear(5, 4, vb.pp("fc")).unwrap(),
-    };
-    seed(vm);
-    net
-}
-
-/// Seeded parameters, by name (every rank and the reference alike).
-fn seed(vm: &VarMap) {
-    for (name, v) in vm.data().lock().unwrap().iter() {
-        if name.contains("conv") || name.contains("fc") {
-            let s = name
-                .bytes()
-                .fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
-            let t = randn(s, v.dims(), 0.0, 0.4).to_dtype(v.dtype()).unwrap();
-            v.set(&t).unwrap();
-        }
-    }
-}
-
-impl Net {
-    fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = self.bn1.forward_t(&self.conv1.forward(x)?, true)?;
-        let h = self.bn2.forward_t(&self.conv2.forward(&h)?, true)?;
-        self.fc.forward(&h.mean(D::Minus1)?.mean(D::Minus1)?)
-    }
-
-    /// The sum over the batch of the per-sample cross-entropy (0 for an empty batch, still
-    /// through every layer, so that the batch norms take part in their collectives).
-    fn loss_sum(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = self.logits(x)?;
-        if x.dim(0)? == 0 {
-            // candle's log-softmax refuses an empty tensor; a sum over dim 0 keeps the graph.
-            // (candle drops an `affine` by 0 from the graph; a product with a zero tensor stays.)
-            let s = logits.sum_keepdim(0)?.sum_all()?;
-            return s.mul(&s.zeros_like()?);
-        }
-        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-        logp.gather(&y.unsqueeze(1)?, 1)?.sum_all()?.neg()
-    }
-}
-
-/// Trainable variables (not the batch-norm buffers), in name order.
-fn trainable(vm: &VarMap) -> Vec<(String, Var)> {
-    let mut v: Vec<(String, Var)> = vm
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| !k.contains("running") && !k.contains("num_batches"))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
-
-/// Every variable, buffers included, copied, in name order.
-fn snapshot(vm: &VarMap) -> Vec<(String, Tensor)> {
-    let mut v: Vec<(String, Tensor)> = vm
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
-}
-
-/// A batch of `n` images 3×4×4 and labels, seeded.
-fn batch(seed: u64, n: usize) -> (Tensor, Tensor) {
-    let x = randn(seed, &[n, 3, 4, 4], 0.5, 1.0);
-    let y: Vec<u32> = (0..n).map(|i| ((i as u64 * 5 + seed) % 4) as u32).collect();
-    (x, Tensor::new(y.as_slice(), &Device::Cpu).unwrap())
-}
-
-fn compare(what: &str, got: &[(String, Tensor)], want: &[(String, Tensor)], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: variable count");
-    for ((name, g), (wname, w)) in got.iter().zip(want) {
-        assert_eq!(name, wname);
-        let w = w.to_dtype(g.dtype()).unwrap();
-        assert_close(&format!("{what}: {name}"), g, &w, tol);
-    }
-}
-
-/// One process, SyncBatchNorm on a world of 1: the reference.
-fn solo() -> Arc<dyn Collective> {
-    candle_distributed::collective::ThreadGroup::new(1)
-        .unwrap()
-        .remove(0)
-}
 
 // ---------------------------------------------------------------------------------------------
 // GradScaler
@@ -378,66 +259,20 @@ fn scaling_keeps_f16_gradients_from_underflowing() {
 // ---------------------------------------------------------------------------------------------
 // Gradient accumulation and the wire dtype
 
-/// `k` micro-batches per step on `world` ranks with one gradient all-reduce per step, SGD.
-/// Returns every rank's variables and the number of collectives each issued.
+/// 3 micro-batches per step on 2 ranks: 2 SyncBatchNorm all-reduces per micro-batch
+/// (forward and backward) and one gradient all-reduce per step; the steps equal one process
+/// summing the gradients of the same micro-batches (with batch norm, the statistics are per
+/// micro-batch on both sides); running statistics included.
+/// [`accumulated_rank`] on `world` thread ranks.
 fn accumulated_run(
     world: usize,
     k: usize,
     wire: Option<DType>,
     dtype: DType,
 ) -> Vec<(Vec<(String, Tensor)>, usize)> {
-    let per_rank = 8 / world;
-    run_ranks(world, |comm| {
-        let probe = Probe::new(comm);
-        let comm: Arc<dyn Collective> = probe.clone();
-        let vm = VarMap::new();
-        let model = net(&vm, comm.clone(), dtype);
-        let dp = DataParallel::new(&vm, comm.clone())?.with_wire_dtype(wire)?;
-        let mut opt = SGD::new(dp.trainable(), 0.05)?;
-        let start = probe.count();
-        for s in 0..2u64 {
-            let mut acc: Option<GradStore> = None;
-            for m in 0..k as u64 {
-                let (x, y) = batch(200 + 10 * s + m, 8);
-                let sizes = vec![per_rank; world];
-                let x = split_batch(&x.to_dtype(dtype)?, &sizes)[comm.rank()].clone();
-                let y = split_batch(&y, &sizes)[comm.rank()].clone();
-                // Mean over the global micro-batch, and over the k micro-batches.
-                let w = world as f64 / (8 * k) as f64;
-                let loss = (model.loss_sum(&x, &y)? * w)?;
-                acc = Some(dp.accumulate(acc, loss.backward()?)?);
-            }
-            opt.step(&dp.sync_gradients(acc.unwrap())?)?;
-        }
-        Ok((snapshot(&vm), probe.count() - start))
-    })
+    run_ranks(world, |comm| accumulated_rank(comm, k, wire, dtype))
 }
 
-/// One process, the same micro-batches, gradients summed over the k micro-batches.
-fn accumulated_reference(k: usize, dtype: DType) -> Vec<(String, Tensor)> {
-    let vm = VarMap::new();
-    let model = net(&vm, solo(), dtype);
-    let mut opt = SGD::new(trainable(&vm).into_iter().map(|(_, v)| v).collect(), 0.05).unwrap();
-    for s in 0..2u64 {
-        let mut total: Option<Tensor> = None;
-        for m in 0..k as u64 {
-            let (x, y) = batch(200 + 10 * s + m, 8);
-            let l = (model.loss_sum(&x.to_dtype(dtype).unwrap(), &y).unwrap() / (8 * k) as f64)
-                .unwrap();
-            total = Some(match total {
-                Some(t) => (t + l).unwrap(),
-                None => l,
-            });
-        }
-        opt.step(&total.unwrap().backward().unwrap()).unwrap();
-    }
-    snapshot(&vm)
-}
-
-/// 3 micro-batches per step on 2 ranks: 2 SyncBatchNorm all-reduces per micro-batch
-/// (forward and backward) and one gradient all-reduce per step; the steps equal one process
-/// summing the gradients of the same micro-batches (with batch norm, the statistics are per
-/// micro-batch on both sides); running statistics included.
 #[test]
 fn accumulation_all_reduces_gradients_once_per_step() {
     let k = 3;
@@ -486,58 +321,72 @@ fn sixteen_bit_gradients_on_the_wire_stay_close() {
 // ---------------------------------------------------------------------------------------------
 // Uneven inputs
 
-/// Ranks with 5, 3 and 0 batches (of 3, 2 and — sizes) in an epoch: every rank leaves the loop
-/// after step 5, having served the SyncBatchNorm and gradient all-reduces of the others with
-/// empty batches; the steps (weights and running statistics) equal one process on the
+/// Ranks with 5, 3 and 0 batches (of 3, 2 and 4 samples) in an epoch: every rank leaves the
+/// loop after step 5, having served the SyncBatchNorm and gradient all-reduces of the others
+/// with empty batches; the steps (weights and running statistics) equal one process on the
 /// concatenation of each step's batches.
 #[test]
 fn uneven_inputs_finish_everywhere_and_match_one_process() {
-    let batches = [5usize, 3, 0];
-    let sizes = [3usize, 2, 4];
-    let rank_batch = |r: usize, s: usize| batch(300 + 10 * s as u64 + r as u64, sizes[r]);
-    let out = run_ranks(3, |comm| {
-        let r = comm.rank();
-        let vm = VarMap::new();
-        let model = net(&vm, comm.clone(), DType::F64);
-        let dp = DataParallel::new(&vm, comm.clone())?;
-        let mut opt = SGD::new(dp.trainable(), 0.05)?;
-        let mut steps = 0;
-        for s in 0.. {
-            let mine = (s < batches[r]).then(|| rank_batch(r, s));
-            let n = mine.as_ref().map_or(0, |(x, _)| x.dim(0).unwrap());
-            let step = dp.join_step(n)?;
-            if step.done() {
-                break;
-            }
-            let (x, y) = mine.unwrap_or_else(|| {
-                (
-                    Tensor::zeros((0, 3, 4, 4), DType::F64, &Device::Cpu).unwrap(),
-                    Tensor::zeros(0, DType::U32, &Device::Cpu).unwrap(),
-                )
-            });
-            let loss = (model.loss_sum(&x, &y)? * step.loss_weight())?;
-            opt.step(&dp.sync_gradients(loss.backward()?)?)?;
-            steps += 1;
-        }
-        Ok((steps, snapshot(&vm)))
-    });
-    let vm = VarMap::new();
-    let model = net(&vm, solo(), DType::F64);
-    let mut opt = SGD::new(trainable(&vm).into_iter().map(|(_, v)| v).collect(), 0.05).unwrap();
-    for s in 0..5 {
-        let parts: Vec<(Tensor, Tensor)> = (0..3)
-            .filter(|&r| s < batches[r])
-            .map(|r| rank_batch(r, s))
-            .collect();
-        let x = Tensor::cat(&parts.iter().map(|p| &p.0).collect::<Vec<_>>(), 0).unwrap();
-        let y = Tensor::cat(&parts.iter().map(|p| &p.1).collect::<Vec<_>>(), 0).unwrap();
-        let n = x.dim(0).unwrap() as f64;
-        let loss = (model.loss_sum(&x, &y).unwrap() / n).unwrap();
-        opt.step(&loss.backward().unwrap()).unwrap();
-    }
-    let want = snapshot(&vm);
+    let (batches, sizes) = ([5usize, 3, 0], [3usize, 2, 4]);
+    let out = run_ranks(3, |comm| uneven_rank(comm, &batches, &sizes));
+    let want = uneven_reference(&batches, &sizes);
     for (r, (steps, got)) in out.iter().enumerate() {
         assert_eq!(*steps, 5, "rank {r}: steps taken");
         compare(&format!("rank {r}"), got, &want, tol::F64_STEPS);
     }
+}
+
+/// `SyncBatchNorm::shift` after a training step is that step's global mean; `set_shift`
+/// restores it (a layer given another's shift computes the same next step, bit for bit) and
+/// refuses a wrong shape or a non-finite value, leaving the layer unchanged.
+#[test]
+fn the_shift_round_trips() {
+    let comm = solo();
+    let build = || {
+        let vm = VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &candle_core::Device::Cpu);
+        let bn = candle_distributed::sync_batch_norm(3, Default::default(), vb, comm.clone());
+        (bn.unwrap(), vm)
+    };
+    let x1 = randn(1, &[4, 3, 2, 2], 50.0, 2.0)
+        .to_dtype(DType::F32)
+        .unwrap();
+    let x2 = randn(2, &[4, 3, 2, 2], 50.0, 2.0)
+        .to_dtype(DType::F32)
+        .unwrap();
+    let (a, va) = build();
+    assert!(a.shift().is_none(), "no shift before the first step");
+    candle_nn::ModuleT::forward_t(&a, &x1, true).unwrap();
+    let shift = a.shift().expect("a shift after a step");
+    let mean = x1
+        .to_dtype(DType::F64)
+        .unwrap()
+        .transpose(0, 1)
+        .unwrap()
+        .flatten_from(1)
+        .unwrap()
+        .mean(1)
+        .unwrap();
+    assert_close("shift = the step's mean", &shift, &mean, 1e-12);
+    // A fresh layer with the running statistics and the shift of `a` takes the same step.
+    let (b, vb) = build();
+    for name in ["running_mean", "running_var"] {
+        var(&vb, name).set(var(&va, name).as_tensor()).unwrap();
+    }
+    b.set_shift(Some(&shift)).unwrap();
+    let ya = candle_nn::ModuleT::forward_t(&a, &x2, true).unwrap();
+    let yb = candle_nn::ModuleT::forward_t(&b, &x2, true).unwrap();
+    assert_close("output", &ya, &yb, 0.0);
+    let before = b.shift().unwrap();
+    let err = b
+        .set_shift(Some(
+            &Tensor::zeros(4, DType::F64, &candle_core::Device::Cpu).unwrap(),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("set_shift") && err.contains("[3]"), "{err}");
+    let nan = Tensor::new(&[0.0, f64::NAN, 1.0], &candle_core::Device::Cpu).unwrap();
+    let err = b.set_shift(Some(&nan)).unwrap_err().to_string();
+    assert!(err.contains("finite"), "{err}");
+    assert_close("unchanged", &b.shift().unwrap(), &before, 0.0);
 }

@@ -2,6 +2,8 @@
 //! ranks, a counting communicator and an obviously-correct reference batch norm.
 #![allow(dead_code)]
 
+pub mod training;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 

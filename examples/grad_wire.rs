@@ -1,0 +1,138 @@
+//! What 16-bit gradients on the wire buy (`DataParallel::with_wire_dtype`): the time of
+//! `sync_gradients` on one bucket of f32 gradients with f32, bf16 and f16 on the wire, the
+//! payload handed to the backend, and the largest difference from the f32 result.
+//!
+//! ```text
+//! cargo run --release --example grad_wire -- --ranks 4 --mib 25        # thread ranks
+//! cargo build --release --features mpi --example grad_wire
+//! mpirun -np 4 target/release/examples/grad_wire --backend mpi --mib 25
+//! ```
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::DataParallel;
+
+struct Args {
+    backend: String,
+    ranks: usize,
+    mib: f64,
+    iters: usize,
+}
+
+fn parse() -> Result<Args> {
+    let mut a = Args {
+        backend: "threads".into(),
+        ranks: 4,
+        mib: 25.0,
+        iters: 10,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--backend" => a.backend = value()?,
+            "--ranks" => a.ranks = value()?.parse()?,
+            "--mib" => a.mib = value()?.parse()?,
+            "--iters" => a.iters = value()?.parse()?,
+            "--help" | "-h" => {
+                println!("grad_wire [--backend threads|mpi] [--ranks N] [--mib X] [--iters K]");
+                std::process::exit(0);
+            }
+            f => bail!("unknown flag {f:?}"),
+        }
+    }
+    Ok(a)
+}
+
+/// One rank: per wire dtype, the median time of `iters` syncs, the payload and the error.
+fn rank(comm: Arc<dyn Collective>, a: &Args) -> Result<Vec<(String, usize, f64, f64)>> {
+    let n = (a.mib * 1048576.0 / 4.0) as usize;
+    let var = Var::zeros(n, DType::F32, &Device::Cpu)?;
+    // This rank's gradient: seeded, different per rank, of order 1.
+    let g = Tensor::rand(-1f32, 1f32, n, &Device::Cpu)?
+        .affine(1.0 + comm.rank() as f64, 0.0)?
+        .contiguous()?;
+    let vars = vec![("w".to_string(), var.clone())];
+    let mut out = Vec::new();
+    let mut exact: Option<Tensor> = None;
+    for wire in [None, Some(DType::BF16), Some(DType::F16)] {
+        let dp = DataParallel::from_vars(vars.clone(), vars.clone(), comm.clone())?
+            .with_wire_dtype(wire)?;
+        let mut times = Vec::with_capacity(a.iters);
+        let mut last = None;
+        for i in 0..a.iters + 2 {
+            let grads = (var.as_tensor() * &g)?.sum_all()?.backward()?;
+            comm.barrier()?;
+            let t = Instant::now();
+            let synced = dp.sync_gradients(grads)?;
+            if i >= 2 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+            last = synced.get(var.as_tensor()).cloned();
+        }
+        times.sort_by(f64::total_cmp);
+        let result = last.context("no gradient")?;
+        let err = match &exact {
+            Some(e) => (&result - e)?.abs()?.max_all()?.to_scalar::<f32>()? as f64,
+            None => {
+                exact = Some(result);
+                0.0
+            }
+        };
+        let size = wire.map_or(4, |d| d.size_in_bytes());
+        let name = wire.map_or("f32".to_string(), |d| d.as_str().to_string());
+        out.push((name, n * size, times[times.len() / 2], err));
+    }
+    Ok(out)
+}
+
+fn main() -> Result<()> {
+    let a = parse()?;
+    let (rows, world) = match a.backend.as_str() {
+        "threads" => {
+            let mut all = ThreadGroup::run(a.ranks, |c| {
+                rank(c, &a).map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
+            })?;
+            (all.swap_remove(0), a.ranks)
+        }
+        "mpi" => mpi_rows(&a)?,
+        b => bail!("unknown backend {b:?} (threads, mpi)"),
+    };
+    if rows.is_empty() {
+        return Ok(());
+    }
+    println!(
+        "{} ranks ({}), one bucket of {:.1} MiB of f32 gradients, median of {} syncs",
+        world, a.backend, a.mib, a.iters
+    );
+    println!("wire  payload/rank   time      vs f32   max |diff| from f32");
+    let base = rows[0].2;
+    for (name, bytes, t, err) in rows {
+        println!(
+            "{name:<5} {:>8.2} MiB  {:>7.2} ms  {:>5.2}×   {err:.2e}",
+            bytes as f64 / 1048576.0,
+            1e3 * t,
+            t / base
+        );
+    }
+    Ok(())
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_rows(a: &Args) -> Result<(Vec<(String, usize, f64, f64)>, usize)> {
+    let mpi = candle_distributed::collective::Mpi::init()?;
+    let comm = mpi.world()?;
+    let world = comm.world_size();
+    let rows = rank(comm.clone(), a)?;
+    // Only rank 0 prints.
+    Ok((if comm.rank() == 0 { rows } else { Vec::new() }, world))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_rows(_: &Args) -> Result<(Vec<(String, usize, f64, f64)>, usize)> {
+    bail!("--backend mpi needs the `mpi` feature")
+}
