@@ -143,6 +143,8 @@ fn parse() -> Result<(Config, Option<CheckArgs>)> {
 }
 
 fn main() -> Result<ExitCode> {
+    // The library's diagnostics (retries, aborts) through `log`; RUST_LOG=debug shows more.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let (cfg, check) = parse()?;
     if let Some((steps, tol)) = check {
         let d = check::check(&cfg, steps, true)?;

@@ -338,7 +338,10 @@ fn serve(
                             });
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(e) => dropped.push(format!("accept: {e}")),
+                        Err(e) => {
+                            log::warn!("bootstrap: rank 0: accept failed: {e}");
+                            dropped.push(format!("accept: {e}"))
+                        }
                     }
                 }
                 while let Ok(c) = rx.try_recv() {
@@ -559,6 +562,10 @@ fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Resul
                 env.master_port
             )
         }
+        log::debug!(
+            "bootstrap: rank {}: rank 0 not reached yet ({last_err}); retrying",
+            env.rank
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }

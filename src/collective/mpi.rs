@@ -287,8 +287,8 @@ impl MpiCollective {
                 Err(r) => req = r,
             }
             if Instant::now() >= deadline {
-                eprintln!(
-                    "candle-distributed: MPI rank {} timed out after {:?} in {op}; aborting the MPI job (a collective cannot be cancelled)",
+                log::error!(
+                    "mpi: rank {} timed out after {:?} in {op}; aborting the MPI job (a collective cannot be cancelled)",
                     self.rank, self.timeout
                 );
                 self.comm.abort(1);

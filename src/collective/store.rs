@@ -76,6 +76,7 @@ pub(crate) fn connect_any(host: &str, port: u16, deadline: Instant) -> Result<(T
         if Instant::now() >= deadline {
             bail!("cannot connect to {host}:{port} (last error: {last})")
         }
+        log::debug!("store: {host}:{port} not reachable yet ({last}); retrying");
         std::thread::sleep(Duration::from_millis(50));
     }
 }

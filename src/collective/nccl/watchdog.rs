@@ -107,6 +107,7 @@ impl Watch {
     /// Marks the communicator broken and aborts it (at once if no call holds it, else as soon
     /// as the call in progress sees the mark, within one poll).
     pub fn abort(&self, why: String) {
+        log::error!("nccl: aborting the communicator: {why}");
         self.mark(why);
         let comm = lock(&self.comm).take();
         if let Some(c) = comm {
