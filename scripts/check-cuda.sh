@@ -15,6 +15,9 @@ features=cuda,nccl
 echo "-- clippy --features $features --all-targets"
 cargo clippy --features $features --all-targets -- -D warnings
 
+echo "-- cargo doc --features $features (warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --features $features
+
 echo "-- link every test and example binary"
 # JSON on stdout (diagnostics rendered on stderr): the binaries, and the library's OUT_DIR with
 # the kernel images (from this build: a separate `cargo build --lib` would rebuild every

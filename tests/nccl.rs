@@ -8,6 +8,12 @@
 //! `cargo test --release --features nccl --test nccl` on a machine with NVIDIA GPUs and NCCL.
 #![cfg(feature = "nccl")]
 
+#[allow(dead_code)]
+#[path = "../examples/resnet/check.rs"]
+mod check;
+#[allow(dead_code)]
+#[path = "../examples/resnet/checkpoint.rs"]
+mod checkpoint;
 mod common;
 #[allow(dead_code)]
 #[path = "../examples/resnet/data.rs"]
@@ -15,6 +21,9 @@ mod data;
 #[allow(dead_code)]
 #[path = "../examples/resnet/model.rs"]
 mod model;
+#[allow(dead_code)]
+#[path = "../examples/resnet/optim.rs"]
+mod optim;
 #[allow(dead_code)]
 #[path = "../examples/resnet/report.rs"]
 mod report;
@@ -180,7 +189,7 @@ fn resnet_example_checks_and_trains_over_nccl() {
         val_size: 8,
         ..Default::default()
     };
-    let diff = train::check(&cfg, 3, true).unwrap();
+    let diff = check::check(&cfg, 3, true).unwrap().max_abs;
     assert!(diff <= 1e-6, "largest parameter difference {diff:e}");
     let run = train::Config {
         epochs: 3,
