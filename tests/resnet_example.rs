@@ -9,6 +9,9 @@ mod check;
 #[path = "../examples/resnet/checkpoint.rs"]
 mod checkpoint;
 #[allow(dead_code)]
+#[path = "../examples/resnet/cli.rs"]
+mod cli;
+#[allow(dead_code)]
 #[path = "../examples/resnet/data.rs"]
 mod data;
 #[allow(dead_code)]
@@ -448,6 +451,59 @@ fn a_damaged_checkpoint_is_refused() {
     std::fs::write(dir.join("checkpoint.json.tmp"), &json_bytes[..10]).unwrap();
     ok("with a half-written successor");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The command line: its defaults are `Config::default()`'s, flags land in their fields, and
+/// bad values are refused naming the flag.
+#[test]
+fn the_command_line_maps_onto_the_config() {
+    use clap::Parser;
+    let d = cli::Cli::try_parse_from(["resnet"])
+        .unwrap()
+        .config()
+        .unwrap();
+    let want = train::Config::default();
+    assert_eq!(format!("{d:?}"), format!("{want:?}"));
+    let c = cli::Cli::try_parse_from([
+        "resnet",
+        "--model",
+        "resnet50",
+        "--norm",
+        "bn",
+        "--precision",
+        "f16",
+        "--accumulate",
+        "3",
+        "--batch-size",
+        "64",
+        "--backend",
+        "nccl",
+        "--resume",
+        "out/x",
+    ])
+    .unwrap()
+    .config()
+    .unwrap();
+    assert_eq!(c.arch, Arch::ResNet50);
+    assert!(!c.sync_bn);
+    assert_eq!(c.precision, train::Precision::F16);
+    assert_eq!((c.accumulate, c.batch_size), (3, 64));
+    assert_eq!(
+        c.device,
+        train::DeviceKind::Cuda,
+        "nccl defaults to the GPU"
+    );
+    assert_eq!(c.resume.as_deref(), Some(std::path::Path::new("out/x")));
+    for bad in [
+        ["--model", "resnet19"],
+        ["--world-size", "0"],
+        ["--precision", "f8"],
+    ] {
+        let err = cli::Cli::try_parse_from(["resnet", bad[0], bad[1]])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(bad[0]), "{bad:?}: {err}");
+    }
 }
 
 mod common;

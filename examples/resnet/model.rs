@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{DType, Module, ModuleT, Tensor, D};
 use candle_distributed::collective::Collective;
 use candle_distributed::ops::max_pool2d;
@@ -241,18 +241,6 @@ impl Arch {
     /// As `--model` spells it (`resnet20`, ...).
     pub fn name(self) -> String {
         format!("{self:?}").to_lowercase()
-    }
-
-    /// From `resnet20`, `resnet56`, `resnet18`, `resnet34` or `resnet50`.
-    pub fn parse(s: &str) -> Result<Self> {
-        Ok(match s {
-            "resnet20" => Arch::ResNet20,
-            "resnet56" => Arch::ResNet56,
-            "resnet18" => Arch::ResNet18,
-            "resnet34" => Arch::ResNet34,
-            "resnet50" => Arch::ResNet50,
-            _ => bail!("unknown model {s:?} (resnet20, resnet56, resnet18, resnet34, resnet50)"),
-        })
     }
 }
 

@@ -111,17 +111,6 @@ pub enum Precision {
     F16,
 }
 
-impl Precision {
-    pub fn parse(s: &str) -> Result<Self> {
-        Ok(match s {
-            "f32" | "full" => Precision::Full,
-            "bf16" => Precision::Bf16,
-            "f16" => Precision::F16,
-            _ => bail!("unknown precision {s:?} (f32, bf16, f16)"),
-        })
-    }
-}
-
 impl Config {
     /// The dtype of the activations.
     pub fn compute_dtype(&self) -> DType {
@@ -142,14 +131,6 @@ pub enum DeviceKind {
 }
 
 impl DeviceKind {
-    pub fn parse(s: &str) -> Result<Self> {
-        Ok(match s {
-            "cpu" => DeviceKind::Cpu,
-            "cuda" => DeviceKind::Cuda,
-            _ => bail!("unknown device {s:?} (cpu, cuda)"),
-        })
-    }
-
     /// The candle device: one `Device` for every rank of this process, so that their tensors
     /// are on the same device (candle tells two `Device::new_cuda(0)` apart).
     pub fn device(self) -> Result<Device> {
