@@ -241,7 +241,7 @@ impl Buf {
     fn ptr(&mut self) -> Arg {
         let p = self.bytes.as_mut_ptr();
         assert!(
-            self.bytes.len() < 16 || (p as usize) % 16 == 0,
+            self.bytes.len() < 16 || (p as usize).is_multiple_of(16),
             "test buffer not 16-byte aligned"
         );
         Arg::Ptr(p as *mut c_void)

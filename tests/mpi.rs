@@ -227,7 +227,11 @@ fn process_groups(comm: &Arc<dyn Collective>) -> Result<()> {
         Some(sub) => {
             let t = Tensor::new(&[r as f32], &Device::Cpu)?;
             let order = sub.all_gather(&t)?.to_vec1::<f32>()?;
-            let want: &[f32] = if r % 2 == 0 { &[2.0, 0.0] } else { &[1.0] };
+            let want: &[f32] = if r.is_multiple_of(2) {
+                &[2.0, 0.0]
+            } else {
+                &[1.0]
+            };
             ensure!(order == want, "rank {r}: group order {order:?}");
         }
     }

@@ -364,6 +364,16 @@ fn resume_bitwise(precision: train::Precision) {
             .all(|(p, q)| p.to_bits() == q.to_bits());
         assert!(same, "{precision:?}: {name} differs after resuming");
     }
+    // The one-line summary is JSON with the run's numbers.
+    let line: serde_json::Value = serde_json::from_str(&resumed.json().unwrap()).unwrap();
+    assert_eq!(line["epochs"], 4);
+    assert_eq!(line["world_size"], 3);
+    assert!(
+        line["val_acc"]
+            .as_f64()
+            .is_some_and(|a| (0.0..=1.0).contains(&a)),
+        "{line}"
+    );
     let rows = report::read_csv(&b.join("metrics.csv")).unwrap();
     assert_eq!(
         rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),

@@ -65,7 +65,7 @@ fn main() -> Result<ExitCode> {
     }
     let summary = train::run(&cfg)?;
     if summary.rank == 0 {
-        println!("{}", summary.json());
+        println!("{}", summary.json()?);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -157,18 +157,31 @@ pub struct Summary {
 }
 
 impl Summary {
-    /// The one-line JSON summary.
-    pub fn json(&self) -> String {
+    /// The one-line JSON summary (serde_json; a loss or accuracy of no epoch is `null`).
+    pub fn json(&self) -> Result<String> {
+        /// Rounded to `digits` decimals, for a readable line.
+        fn round(x: f64, digits: i32) -> f64 {
+            let p = 10f64.powi(digits);
+            (x * p).round() / p
+        }
+        #[derive(serde::Serialize)]
+        struct Line {
+            epochs: usize,
+            world_size: usize,
+            train_loss: Option<f64>,
+            val_acc: Option<f64>,
+            images_per_sec: f64,
+            seconds: f64,
+        }
         let last = self.epochs.last();
-        format!(
-            "{{\"epochs\":{},\"world_size\":{},\"train_loss\":{:.6},\"val_acc\":{:.4},\"images_per_sec\":{:.1},\"seconds\":{:.1}}}",
-            self.epochs.len(),
-            self.world_size,
-            last.map_or(f64::NAN, |m| m.train_loss),
-            last.map_or(f64::NAN, |m| m.val_acc),
-            self.images_per_sec,
-            self.seconds
-        )
+        Ok(serde_json::to_string(&Line {
+            epochs: self.epochs.len(),
+            world_size: self.world_size,
+            train_loss: last.map(|m| round(m.train_loss, 6)),
+            val_acc: last.map(|m| round(m.val_acc, 4)),
+            images_per_sec: round(self.images_per_sec, 1),
+            seconds: round(self.seconds, 1),
+        })?)
     }
 }
 

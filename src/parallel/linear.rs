@@ -63,7 +63,7 @@ pub struct RowParallelLinear {
 
 /// `n / world`, or an error naming the layer and the sizes.
 fn shard(what: &str, n: usize, world: usize) -> Result<usize> {
-    if world == 0 || n % world != 0 {
+    if world == 0 || !n.is_multiple_of(world) {
         bail!("{what}: {n} features do not split evenly over {world} ranks")
     }
     Ok(n / world)
