@@ -80,11 +80,11 @@ impl GradScaler {
     /// A scaler at `config.init_scale`.
     ///
     /// # Errors
-    /// A scale that is not finite and positive, a growth factor not above 1, a backoff factor
-    /// outside (0, 1), or a growth interval of 0.
+    /// A scale that is not positive and finite in f32, a growth factor not above 1, a backoff
+    /// factor outside (0, 1), or a growth interval of 0.
     pub fn new(config: GradScalerConfig) -> Result<Self> {
         let c = &config;
-        let valid = c.init_scale.is_finite()
+        let valid = (c.init_scale as f32).is_finite()
             && c.init_scale > 0.0
             && c.growth_factor.is_finite()
             && c.growth_factor > 1.0
@@ -93,7 +93,7 @@ impl GradScaler {
             && c.growth_interval > 0;
         if !valid {
             bail!(
-                "grad_scaler: invalid config {config:?} (need init_scale > 0 and finite, growth_factor > 1, 0 < backoff_factor < 1, growth_interval ≥ 1)"
+                "grad_scaler: invalid config {config:?} (need init_scale > 0 and finite in f32, growth_factor > 1, 0 < backoff_factor < 1, growth_interval ≥ 1)"
             )
         }
         Ok(Self {
@@ -118,11 +118,11 @@ impl GradScaler {
     /// Restores a checkpointed state.
     ///
     /// # Errors
-    /// A scale that is not finite and positive; the scaler is then unchanged.
+    /// A scale that is not positive and finite in f32; the scaler is then unchanged.
     pub fn load_state(&mut self, state: GradScalerState) -> Result<()> {
-        if !(state.scale.is_finite() && state.scale > 0.0) {
+        if !((state.scale as f32).is_finite() && state.scale > 0.0) {
             bail!(
-                "grad_scaler: cannot load a scale of {} (must be finite and positive)",
+                "grad_scaler: cannot load a scale of {} (must be positive and finite in f32)",
                 state.scale
             )
         }
@@ -130,12 +130,17 @@ impl GradScaler {
         Ok(())
     }
 
-    /// `loss · S`, in the loss's dtype (any shape; usually a scalar).
+    /// `loss · S` (any shape; usually a scalar), in f32 for an f16/bf16 loss (`S` itself
+    /// overflows f16 at the default 2¹⁶, as would `loss · S`; PyTorch promotes likewise), else
+    /// in the loss's dtype.
     ///
     /// # Errors
     /// Those of the multiplication.
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
-        loss.affine(self.state.scale, 0.0)
+        match loss.dtype() {
+            DType::F16 | DType::BF16 => loss.to_dtype(DType::F32)?.affine(self.state.scale, 0.0),
+            _ => loss.affine(self.state.scale, 0.0),
+        }
     }
 
     /// Divides the gradient of every variable of `vars` in `grads` by `S`, in place in the

@@ -42,6 +42,15 @@ fn the_scale_follows_pytorchs_rule() {
     .unwrap();
     big.update(false);
     assert_eq!(big.scale_factor(), 2f64.powi(127));
+    // An f16 loss is scaled in f32: 2.25 · 2¹⁶ overflows f16 (and 2¹⁶ itself does).
+    let d = GradScaler::new(GradScalerConfig::default()).unwrap();
+    let loss = Tensor::new(2.25f32, &candle_core::Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let scaled = d.scale(&loss).unwrap();
+    assert_eq!(scaled.dtype(), DType::F32);
+    assert_eq!(scaled.to_scalar::<f32>().unwrap(), 2.25 * 65536.0);
     // The defaults are PyTorch's.
     let d = GradScalerConfig::default();
     assert_eq!(
@@ -61,6 +70,13 @@ fn bad_scaler_settings_are_refused() {
         (
             GradScalerConfig {
                 init_scale: 0.0,
+                ..Default::default()
+            },
+            "init_scale",
+        ),
+        (
+            GradScalerConfig {
+                init_scale: 1e39, // beyond f32
                 ..Default::default()
             },
             "init_scale",

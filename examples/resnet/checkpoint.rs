@@ -1,6 +1,6 @@
 //! Checkpoints that survive a kill at any moment: every file is written to a temporary name,
 //! flushed to disk (`fsync`) and renamed into place, and a checkpoint is a pair — the tensors
-//! in `checkpoint-e<epoch>.safetensors` (weights, batch-norm buffers, optimizer moments) and
+//! in `checkpoint-e<epoch>-<crc32>.safetensors` (weights, batch-norm buffers, optimizer moments) and
 //! `checkpoint.json`, which names that file with its size and CRC-32 and carries the epoch,
 //! step, optimizer step and loss-scaler state. The JSON is renamed last, so it always names a
 //! complete tensor file; the previous tensor file is removed only after. Loading checks the
@@ -73,12 +73,13 @@ fn publish(tmp: &Path, path: &Path) -> Result<()> {
         .with_context(|| format!("syncing directory {}", dir.display()))
 }
 
-/// Saves `tensors` and `meta` (whose `weights*` fields are filled in here) into `dir`.
+/// Saves `tensors` and `meta` (whose `weights*` fields are filled in here) into `dir`. The
+/// tensor file's name carries the epoch and the content's CRC-32
+/// (`checkpoint-e0003-1a2b3c4d.safetensors`), so it never overwrites the file the current
+/// `checkpoint.json` names with other bytes (say, a run restarted into the same directory).
 pub fn save(dir: &Path, mut meta: Meta, tensors: &[(String, Tensor)]) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    let weights = format!("checkpoint-e{:04}.safetensors", meta.epoch);
-    let path = dir.join(&weights);
-    let tmp = tmp_name(&path);
+    let tmp = dir.join(format!("checkpoint-e{:04}.safetensors.tmp", meta.epoch));
     let map: HashMap<String, Tensor> = tensors
         .iter()
         .map(|(k, t)| Ok((k.clone(), t.to_device(&Device::Cpu)?)))
@@ -87,11 +88,13 @@ pub fn save(dir: &Path, mut meta: Meta, tensors: &[(String, Tensor)]) -> Result<
         .with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::File::open(&tmp)?.sync_all()?;
     let bytes = std::fs::read(&tmp)?;
-    publish(&tmp, &path)?;
+    let crc = crc32fast::hash(&bytes);
+    let weights = format!("checkpoint-e{:04}-{crc:08x}.safetensors", meta.epoch);
+    publish(&tmp, &dir.join(&weights))?;
     meta.format = FORMAT;
     meta.weights = weights.clone();
     meta.weights_bytes = bytes.len() as u64;
-    meta.weights_crc32 = crc32fast::hash(&bytes);
+    meta.weights_crc32 = crc;
     let json = serde_json::to_vec_pretty(&meta)?;
     write_atomic(&dir.join("checkpoint.json"), &json)?;
     // The new pair is in place: older tensor files are garbage now.

@@ -101,6 +101,11 @@ fn conv(cin: usize, cout: usize, k: usize, stride: usize, vb: VarBuilder) -> Res
 /// candle-nn's batch norm on `x`, in the dtype of its parameters (it refuses another), back in
 /// `x`'s dtype.
 fn bn_in_own_dtype(bn: &BatchNorm, x: &Tensor, train: bool) -> Result<Tensor> {
+    // An empty share (uneven data): candle-nn would average over nothing and make its running
+    // statistics NaN for good; there is nothing to normalise.
+    if x.dim(0)? == 0 {
+        return Ok(x.clone());
+    }
     let own = bn.running_mean().dtype();
     if own == x.dtype() {
         return Ok(bn.forward_t(x, train)?);

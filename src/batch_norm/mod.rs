@@ -189,7 +189,9 @@ impl SyncBatchNorm {
     }
 
     /// Restores a [`Self::shift`] (between training steps, on every rank alike; `None`: 0).
-    /// Any float dtype; stored as f64 on the layer's device.
+    /// Any float dtype; stored as f64 on the layer's device (moved to the input's device at the
+    /// next step when the layer has no variables to tell it). The state kept to roll back the
+    /// last step (see [`Self::check_collectives`]) is dropped.
     ///
     /// # Errors
     /// A shape other than `[C]` or a non-finite value; the layer is then unchanged.
@@ -218,7 +220,10 @@ impl SyncBatchNorm {
                 Some(t)
             }
         };
-        self.lock().shift = shift;
+        let mut st = self.lock();
+        st.shift = shift;
+        // A rollback of the last step must not undo the restored shift.
+        st.before_last_step = None;
         Ok(())
     }
 
@@ -357,7 +362,9 @@ impl SyncBatchNorm {
             (st.shift.clone(), st.num_batches_tracked + 1)
         };
         let k = match k {
-            Some(k) => k,
+            // On x's device (a no-op but for a shift restored by `set_shift` on a layer with
+            // neither parameters nor running statistics to tell its device).
+            Some(k) => k.to_device(x.device())?,
             None => Tensor::zeros(g.c, DType::F64, x.device())?,
         };
         let mut sums = batch_norm_stats(x, &k, self.config.channels_last)?;

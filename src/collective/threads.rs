@@ -184,7 +184,8 @@ impl ThreadRank {
     /// Takes the call's place in the order now and completes it on the communication thread.
     fn call_async(&self, kind: Op, t: &Tensor) -> Result<Pending> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        let (shared, rank, t) = (self.shared.clone(), self.rank, t.clone());
+        // Detached, as in `complete`: the worker must not hold the caller's graph either.
+        let (shared, rank, t) = (self.shared.clone(), self.rank, t.detach());
         let world = self.shared.world;
         self.worker.submit(BACKEND, move || {
             let out = complete(&shared, rank, call, kind, &t)?;
@@ -235,12 +236,15 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
             if fin.readers_left == 0 {
                 st.done.remove(&call);
             }
-            // Detached: a fresh tensor per rank, not another rank's (the root's own tensor for
-            // a broadcast, or the input itself with one rank).
+            // A broadcast's result is the root's own tensor: copied for the other ranks, so that
+            // none shares storage with another rank's tensor, which an in-place `Var::set` on
+            // the root would change under it. Other results are computed here, read-only, and
+            // shared (with one rank: the rank's own input).
+            let aliases = matches!(kind, Op::Broadcast(root) if root != rank);
             return result
                 .map_err(Into::into)
                 .and_then(|t| t.to_device(&device))
-                .map(|t| t.detach());
+                .and_then(|t| if aliases { t.copy() } else { Ok(t.detach()) });
         }
         if let Some(reason) = &st.broken {
             return Err(left(rank, kind, call, reason.clone()).into());

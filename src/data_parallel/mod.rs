@@ -137,8 +137,11 @@ impl DataParallel {
     /// their own dtype; `None` (the default) sends them as they are. Every rank must choose
     /// the same. What the sum is computed in is the backend's: [`crate::collective::ThreadGroup`]
     /// and MPI accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit
-    /// float type, so it saves no bytes), NCCL in the wire dtype. f16 overflows above 65504:
-    /// with a [`crate::amp::GradScaler`], that reads as a non-finite gradient and skips the step.
+    /// float type, so it saves no bytes), NCCL in the wire dtype. f16's range is narrow: a
+    /// gradient above 65504 becomes Inf (with a [`crate::amp::GradScaler`] that reads as an
+    /// overflow and skips the step; without one it reaches the weights), and values below
+    /// 6·10⁻⁵ lose precision, below 6·10⁻⁸ become 0. bf16 keeps f32's range with 8 significant
+    /// bits.
     ///
     /// # Errors
     /// A `dtype` that is not `F16` or `BF16`.
