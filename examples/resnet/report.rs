@@ -1,6 +1,6 @@
 //! What a run shows and leaves behind: a progress line, per-epoch logs, a CSV of the metrics and
 //! a PNG plot of the loss and accuracy curves (a small PNG writer of our own: stored deflate
-//! blocks, no compression library).
+//! blocks, no compression library; chunk CRCs by `crc32fast`).
 
 use std::io::{IsTerminal, Write};
 use std::path::Path;
@@ -195,22 +195,7 @@ fn png(w: usize, h: usize, px: &[[u8; 3]]) -> Vec<u8> {
         let mut chunk = kind.to_vec();
         chunk.extend_from_slice(&data);
         out.extend_from_slice(&chunk);
-        out.extend_from_slice(&crc32(&chunk).to_be_bytes());
+        out.extend_from_slice(&crc32fast::hash(&chunk).to_be_bytes());
     }
     out
-}
-
-fn crc32(data: &[u8]) -> u32 {
-    let mut c = 0xffff_ffffu32;
-    for &byte in data {
-        c ^= byte as u32;
-        for _ in 0..8 {
-            c = if c & 1 != 0 {
-                0xedb8_8320 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
-        }
-    }
-    !c
 }
