@@ -12,7 +12,7 @@ use crate::train::{Config, DeviceKind, Precision};
 /// Trains a ResNet on data-parallel ranks with SyncBatchNorm (or plain batch norm).
 ///
 /// Outputs (rank 0) in --out-dir: metrics.csv, curves.png, checkpoint.json with
-/// checkpoint-e<epoch>.safetensors; then a one-line JSON summary on stdout. RUST_LOG=debug
+/// checkpoint-e<epoch>-<crc32>.safetensors; then a one-line JSON summary on stdout. RUST_LOG=debug
 /// shows the library's diagnostics.
 #[derive(Parser, Debug)]
 #[command(name = "resnet", version)]

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Outputs (rank 0) in `--out-dir` (default `out/resnet`): `metrics.csv`, `curves.png`,
-//! `checkpoint.json` + `checkpoint-e<epoch>.safetensors` (weights, batch-norm statistics,
+//! `checkpoint.json` + `checkpoint-e<epoch>-<crc32>.safetensors` (weights, batch-norm statistics,
 //! AdamW's moments and step; `--resume out/resnet` continues bit for bit), each written
 //! atomically; then a one-line JSON summary on stdout.
 
