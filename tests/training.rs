@@ -153,7 +153,7 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
             let moved = snapshot(&vm)
                 .iter()
                 .zip(&before)
-                .filter(|((n, _), _)| !n.contains("running") && !n.contains("num_batches"))
+                .filter(|((n, _), _)| !is_buffer(n))
                 .any(|((_, a), (_, b))| max_abs_diff(a, b) > 0.0);
             log.push((stepped, moved, scaler.scale_factor()));
         }
@@ -196,10 +196,7 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
 }
 
 fn got_trainable(v: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
-    v.iter()
-        .filter(|(n, _)| !n.contains("running") && !n.contains("num_batches"))
-        .cloned()
-        .collect()
+    v.iter().filter(|(n, _)| !is_buffer(n)).cloned().collect()
 }
 
 /// f16 compute with f32 master weights (the weights cast to f16 in the forward, the loss in

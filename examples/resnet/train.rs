@@ -548,7 +548,9 @@ fn train_step(
     st.opt
         .set_learning_rate(lr_at(cfg.lr, st.step, total_steps));
     let mut grads = None;
-    let (mut loss_total, mut hits_total) = (0f64, 0f64);
+    // Per micro-batch loss sums and hit counts, kept on the device until the step's one
+    // all-reduce (no host read per micro-batch).
+    let mut totals: Vec<Tensor> = Vec::with_capacity(2 * k);
     for (m, idx) in micro.into_iter().enumerate() {
         let mut aug_rng = StdRng::seed_from_u64(
             cfg.seed ^ ((((st.step * world + rank) * k + m) as u64 + 7) * 0x2545_f491),
@@ -563,15 +565,10 @@ fn train_step(
         let scale = st.scaler.as_ref().map_or(1.0, GradScaler::scale_factor);
         let g = (&loss * (join.loss_weight() * scale))?.backward()?;
         grads = Some(st.dp.accumulate(grads, g)?);
-        loss_total += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        if !idx.is_empty() {
-            hits_total += logits
-                .argmax(D::Minus1)?
-                .eq(&y)?
-                .to_dtype(DType::F64)?
-                .sum_all()?
-                .to_scalar::<f64>()?;
-        }
+        totals.push(Tensor::stack(
+            &[loss.to_dtype(DType::F64)?, hits(&logits, &y)?],
+            0,
+        )?);
     }
     let mut grads = st.dp.sync_gradients(grads.unwrap_or_default())?;
     match &mut st.scaler {
@@ -586,9 +583,26 @@ fn train_step(
         None => st.opt.step(&grads)?,
     }
     // Global loss, accuracy and count of this step: one small all-reduce.
-    let mine = Tensor::new(&[loss_total, hits_total, local as f64], device)?;
+    let mut mine = Tensor::new(&[0f64, 0.0], device)?;
+    for t in &totals {
+        mine = (mine + t)?;
+    }
+    let mine = Tensor::cat(&[mine, Tensor::new(&[local as f64], device)?], 0)?;
     let g = comm.all_reduce(&mine, ReduceOp::Sum)?.to_vec1::<f64>()?;
     Ok([g[0], g[1], g[2]])
+}
+
+/// Correct predictions among `logits`' rows, as an f64 scalar on their device (0 for none).
+fn hits(logits: &Tensor, y: &Tensor) -> Result<Tensor> {
+    if logits.dim(0)? == 0 {
+        // candle's argmax refuses an empty tensor.
+        return Ok(Tensor::new(0f64, logits.device())?);
+    }
+    Ok(logits
+        .argmax(D::Minus1)?
+        .eq(y)?
+        .to_dtype(DType::F64)?
+        .sum_all()?)
 }
 
 /// Validation loss and accuracy over the whole set, each rank evaluating its share (running
@@ -605,7 +619,7 @@ fn evaluate(
     let sizes = split_sizes(val.len(), world);
     let lo: usize = sizes[..rank].iter().sum();
     let idx: Vec<usize> = (lo..lo + sizes[rank]).collect();
-    let (mut loss, mut hits) = (0.0, 0.0);
+    let (mut loss, mut correct) = (0.0, 0.0);
     for chunk in idx.chunks(256) {
         let (x, y) = data::batch(val, chunk, stats, None, device)?;
         let logits = model.forward(&x.to_dtype(cfg.compute_dtype())?, false)?;
@@ -613,15 +627,10 @@ fn evaluate(
             .to_dtype(DType::F64)?
             .to_scalar::<f64>()?
             * chunk.len() as f64;
-        hits += logits
-            .argmax(D::Minus1)?
-            .eq(&y)?
-            .to_dtype(DType::F64)?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        correct += hits(&logits, &y)?.to_scalar::<f64>()?;
     }
     let g = comm
-        .all_reduce(&Tensor::new(&[loss, hits], device)?, ReduceOp::Sum)?
+        .all_reduce(&Tensor::new(&[loss, correct], device)?, ReduceOp::Sum)?
         .to_vec1::<f64>()?;
     let n = val.len().max(1) as f64;
     Ok((g[0] / n, g[1] / n))

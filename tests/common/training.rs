@@ -78,6 +78,11 @@ impl Net {
     }
 }
 
+/// A batch-norm buffer's name (running statistics, counter), as opposed to a trainable one.
+pub fn is_buffer(name: &str) -> bool {
+    name.contains("running") || name.contains("num_batches")
+}
+
 /// Trainable variables (not the batch-norm buffers), in name order.
 pub fn trainable(vm: &VarMap) -> Vec<(String, Var)> {
     let mut v: Vec<(String, Var)> = vm
@@ -85,7 +90,7 @@ pub fn trainable(vm: &VarMap) -> Vec<(String, Var)> {
         .lock()
         .unwrap()
         .iter()
-        .filter(|(k, _)| !k.contains("running") && !k.contains("num_batches"))
+        .filter(|(k, _)| !is_buffer(k))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
