@@ -1,14 +1,14 @@
-//! Trains a small convolutional network with `SyncBatchNorm` on 4 thread ranks (unequal
-//! per-rank batches) and, step by step, the same network with `candle_nn::BatchNorm` in one
-//! process on the concatenated global batch. Prints the loss, the eval accuracy and the largest
-//! parameter / running-statistic difference between the two, which must stay at rounding level;
-//! exits non-zero when it does not.
+//! Data-parallel training in one file: a small convolutional network with `SyncBatchNorm`
+//! trained by `DataParallel` on 4 thread ranks of unequal batches, and the same network with
+//! `candle_nn::BatchNorm` trained in one process on the concatenated global batch. Prints the
+//! loss, the eval accuracy and the largest parameter / running-statistic difference between the
+//! two, which must stay at rounding level; exits non-zero when it does not.
 //!
 //! `cargo run --release --example sync_train [-- --steps 60 --world-size 4]`
 //!
-//! Gradients: rank r's loss is its share of the global mean loss (Σ over its samples / global
-//! batch size), so the sum over ranks of the gradients is the gradient of the global loss; the
-//! ranks sum them with one all-reduce per variable before an identical SGD step.
+//! The loop is the README's: `DataParallel::new` gives every rank rank 0's weights,
+//! `sync_gradients` averages the gradients over ranks. Rank r's loss is its batch mean scaled by
+//! `W·n_r / N` (N the global batch), so the average is the gradient of the global mean loss.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,8 +16,11 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
-use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
 use candle_nn::{Conv2dConfig, Optimizer, VarBuilder, VarMap};
+use clap::Parser;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 const CLASSES: usize = 4;
 const SIDE: usize = 16;
@@ -106,25 +109,60 @@ fn batch(seed: u64, n: usize) -> Result<(Tensor, Tensor)> {
     ))
 }
 
-fn arg(name: &str, default: usize) -> Result<usize> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => Ok(args
-            .get(i + 1)
-            .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
-            .parse()?),
-        None => Ok(default),
-    }
+/// The command line.
+#[derive(Parser)]
+#[command(about = "SyncBatchNorm + DataParallel on thread ranks against one process")]
+struct Args {
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 60)]
+    steps: usize,
+    /// Thread ranks (the global batch of 48 is split unequally among them).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=16))]
+    world_size: u64,
+    /// Seed of the initial weights (candle's CPU initialisers cannot be seeded).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
-/// Per-rank batch sizes of a global batch: deliberately unequal.
+/// Per-rank batch sizes of a global batch: deliberately unequal (pairs of ranks with 2 more and
+/// 2 fewer than the even share, the remainder on the last rank). `world` ≤ 16: every rank keeps
+/// at least one sample of the 48.
 fn split(global: usize, world: usize) -> Vec<usize> {
+    let base = global / world;
     let mut sizes: Vec<usize> = (0..world)
-        .map(|r| global / world + if r % 2 == 0 { 2 } else { 0 })
+        .map(|r| match (r % 2, r + 1 < world) {
+            (0, true) => base + 2,
+            (1, _) => base - 2,
+            _ => base,
+        })
         .collect();
-    let total: usize = sizes.iter().sum();
-    sizes[world - 1] = global + sizes[world - 1] - total;
+    sizes[world - 1] += global - base * world;
     sizes
+}
+
+/// Replaces the convolution and linear weights and biases of `vm` with U(−1/√fan_in, 1/√fan_in)
+/// draws from `seed` (candle's own initialisation, reproducibly); batch-norm variables keep
+/// their ones and zeros.
+fn seeded_init(vm: &VarMap, seed: u64) -> Result<()> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let data = vm.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for name in names.into_iter().filter(|n| !n.starts_with("bn")) {
+        let var = &data[name];
+        let dims = var.dims();
+        let fan_in = if name.ends_with("bias") {
+            data[&name.replace("bias", "weight")].elem_count() / dims[0]
+        } else {
+            var.elem_count() / dims[0]
+        };
+        let bound = 1.0 / (fan_in as f32).sqrt();
+        let values: Vec<f32> = (0..var.elem_count())
+            .map(|_| rng.gen_range(-bound..bound))
+            .collect();
+        var.set(&Tensor::from_vec(values, dims, &Device::Cpu)?)?;
+    }
+    Ok(())
 }
 
 fn snapshot(vm: &VarMap) -> HashMap<String, Tensor> {
@@ -170,20 +208,17 @@ fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String
         VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
         &sync,
     )?;
-    for (name, var) in vm.data().lock().unwrap().iter() {
-        // Same initial weights as the reference (a checkpoint load); the
-        // SyncBatchNorm-only `num_batches_tracked` keeps its 0.
-        if let Some(t) = init.get(name) {
-            var.set(t)?;
+    if rank == 0 {
+        // The reference's initial weights (as a checkpoint load would); `DataParallel::new`
+        // hands rank 0's to every rank. SyncBatchNorm's `num_batches_tracked` keeps its 0.
+        for (name, var) in vm.data().lock().unwrap().iter() {
+            if let Some(t) = init.get(name) {
+                var.set(t)?;
+            }
         }
     }
-    let mut names: Vec<String> = vm.data().lock().unwrap().keys().cloned().collect();
-    names.sort();
-    let vars: Vec<_> = names
-        .iter()
-        .map(|n| vm.data().lock().unwrap()[n].clone())
-        .collect();
-    let mut opt = candle_nn::SGD::new(vars.clone(), lr)?;
+    let dp = DataParallel::new(&vm, comm.clone())?;
+    let mut opt = candle_nn::SGD::new(dp.trainable(), lr)?;
     let offset: usize = sizes[..rank].iter().sum();
     for step in 0..steps {
         let (x, y) = batch(step as u64, global)?;
@@ -192,22 +227,11 @@ fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String
             y.narrow(0, offset, sizes[rank])?,
         );
         let logits = net.forward(&x, true)?;
-        let loss =
-            (candle_nn::loss::cross_entropy(&logits, &y)? * (sizes[rank] as f64 / global as f64))?;
-        let mut grads = loss.backward()?;
-        for v in &vars {
-            if !v.dtype().is_float() {
-                continue;
-            }
-            // Same collectives on every rank: a missing gradient counts as zero.
-            let g = match grads.get(v.as_tensor()) {
-                Some(g) => g.clone(),
-                None => v.zeros_like()?,
-            };
-            grads.insert(v.as_tensor(), comm.all_reduce(&g, ReduceOp::Sum)?);
-        }
-        opt.step(&grads)?;
-        let total = comm.all_reduce(&loss, ReduceOp::Sum)?.to_scalar::<f32>()?;
+        // W·n_r/N: the average over ranks is then the gradient of the global mean loss.
+        let weight = (world * sizes[rank]) as f64 / global as f64;
+        let loss = (candle_nn::loss::cross_entropy(&logits, &y)? * weight)?;
+        opt.step(&dp.sync_gradients(loss.backward()?)?)?;
+        let total = (comm.all_reduce(&loss, ReduceOp::Sum)? / world as f64)?.to_scalar::<f32>()?;
         if rank == 0 && (step % 10 == 0 || step + 1 == steps) {
             println!("step {step:3}  global loss {total:.4}");
         }
@@ -226,8 +250,8 @@ fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String
 }
 
 fn main() -> Result<()> {
-    let steps = arg("--steps", 60)?;
-    let world = arg("--world-size", 4)?;
+    let args = Args::parse();
+    let (steps, world) = (args.steps, args.world_size as usize);
     let global = 48;
     let lr = 0.1;
     let sizes = split(global, world);
@@ -242,6 +266,7 @@ fn main() -> Result<()> {
         VarBuilder::from_varmap(&ref_vm, DType::F32, &Device::Cpu),
         &plain,
     )?;
+    seeded_init(&ref_vm, args.seed)?;
     let init = snapshot(&ref_vm);
 
     let setup = Setup {

@@ -46,6 +46,9 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 #![warn(missing_docs)]
+// Every public fallible function says when it fails (a `# Errors` section); `cargo clippy -- -D
+// warnings` in CI holds it.
+#![warn(clippy::missing_errors_doc)]
 
 pub mod amp;
 pub mod batch_norm;

@@ -163,26 +163,73 @@ fn synthetic_data_is_deterministic_balanced_and_not_constant() {
     assert_ne!(a.images, c.images, "another seed, other images");
 }
 
+/// The chart, decoded: its size, both curves in both panels going the way the numbers go (loss
+/// down, accuracy up), and a title drawn in the font the example found.
 #[test]
-fn plot_is_a_valid_png() {
-    let rows: Vec<report::EpochMetrics> = (1..=4)
+fn the_chart_shows_both_curves_and_its_title() -> anyhow::Result<()> {
+    let rows: Vec<report::EpochMetrics> = (1..=6)
         .map(|e| report::EpochMetrics {
             epoch: e,
             train_loss: 2.0 / e as f64,
-            train_acc: 0.2 * e as f64,
-            val_loss: 2.1 / e as f64,
-            val_acc: 0.19 * e as f64,
+            train_acc: 0.15 * e as f64,
+            val_loss: 2.3 / e as f64,
+            val_acc: 0.14 * e as f64,
             images_per_sec: 100.0,
             seconds: e as f64,
         })
         .collect();
     let path = std::env::temp_dir().join(format!("curves-{}.png", std::process::id()));
-    report::write_plot(&path, &rows).unwrap();
-    let bytes = std::fs::read(&path).unwrap();
-    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-    assert_eq!(&bytes[12..16], b"IHDR");
-    assert_eq!(&bytes[bytes.len() - 8..bytes.len() - 4], b"IEND");
-    std::fs::remove_file(&path).unwrap();
+    report::write_plot(&path, "resnet20 test chart", &rows)?;
+    let img = image::open(&path)?.to_rgb8();
+    std::fs::remove_file(&path)?;
+    let (w, h) = report::PLOT_SIZE;
+    assert_eq!(img.dimensions(), (w, h));
+    // Mean height (pixels from the top) of one colour in columns [x0, x1).
+    let mean_y = |colour: plotters::style::RGBColor, x0: u32, x1: u32| {
+        let ys: Vec<u32> = (x0..x1)
+            .flat_map(|x| (0..h).map(move |y| (x, y)))
+            .filter(|&(x, y)| img.get_pixel(x, y).0 == [colour.0, colour.1, colour.2])
+            .map(|(_, y)| y)
+            .collect();
+        assert!(
+            ys.len() > 30,
+            "{colour:?}: {} pixels in x {x0}..{x1}",
+            ys.len()
+        );
+        ys.iter().sum::<u32>() as f64 / ys.len() as f64
+    };
+    // Each panel's plot spans roughly its middle; the legend sits in the upper right.
+    let half = w / 2;
+    for (panel, x0, falling) in [("loss", 0, true), ("accuracy", half, false)] {
+        for colour in [report::TRAIN_COLOUR, report::VAL_COLOUR] {
+            let first = mean_y(colour, x0 + 70, x0 + 70 + half / 5);
+            let middle = mean_y(colour, x0 + half / 2 - 30, x0 + half / 2 + 30);
+            assert_eq!(
+                first < middle,
+                falling,
+                "{panel}: {colour:?} at {first:.0} px on the left, {middle:.0} px in the middle"
+            );
+        }
+    }
+    // The title: dark, anti-aliased glyph pixels in the top band.
+    let dark = (0..w)
+        .flat_map(|x| (0..30).map(move |y| (x, y)))
+        .filter(|&(x, y)| img.get_pixel(x, y).0.iter().all(|&c| c < 80))
+        .count();
+    let grey = (0..w)
+        .flat_map(|x| (0..30).map(move |y| (x, y)))
+        .filter(|&(x, y)| {
+            img.get_pixel(x, y)
+                .0
+                .iter()
+                .all(|&c| (100..200).contains(&c))
+        })
+        .count();
+    assert!(
+        dark > 100 && grey > 20,
+        "title: {dark} dark, {grey} grey pixels"
+    );
+    Ok(())
 }
 
 /// The example's device for a test device (thread ranks on the CPU, or sharing GPU 0).

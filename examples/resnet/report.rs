@@ -1,12 +1,15 @@
-//! What a run shows and leaves behind: a progress line, per-epoch logs, a CSV of the metrics and
-//! a PNG plot of the loss and accuracy curves (a small PNG writer of our own: stored deflate
-//! blocks, no compression library; chunk CRCs by `crc32fast`).
+//! What a run shows and leaves behind: a progress bar (`indicatif`), a CSV of the metrics and a
+//! PNG chart of the loss and accuracy curves (`plotters`, bitmap backend; the PNG encoded by
+//! `image`, which plotters' encoder uses too).
 
-use std::io::{IsTerminal, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{anyhow, Context, Result};
+use image::ImageEncoder;
+use indicatif::{ProgressBar, ProgressStyle};
+use plotters::prelude::*;
 
 /// One epoch's metrics.
 #[derive(Debug, Clone, Copy)]
@@ -20,43 +23,48 @@ pub struct EpochMetrics {
     pub seconds: f64,
 }
 
-/// A one-line progress bar on stderr (redrawn in place on a terminal, silent otherwise).
+/// An epoch's progress bar on stderr: steps, running loss and accuracy, images per second and the
+/// time left. Drawn for one rank only (`visible`), and by indicatif only when stderr is a
+/// terminal (hidden in logs and pipes).
 pub struct Progress {
-    total: usize,
+    bar: ProgressBar,
     start: Instant,
-    tty: bool,
 }
 
 impl Progress {
-    pub fn new(total: usize) -> Self {
-        Self {
-            total,
-            start: Instant::now(),
-            tty: std::io::stderr().is_terminal(),
-        }
-    }
-
-    pub fn update(&self, done: usize, epoch: usize, loss: f64, acc: f64, images: usize) {
-        if !self.tty {
-            return;
-        }
-        let width = 30;
-        let filled = (done * width) / self.total.max(1);
-        let rate = images as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
-        eprint!(
-            "\r[{}{}] epoch {epoch} step {done}/{} loss {loss:.3} acc {:.1}% {rate:.0} img/s ",
-            "#".repeat(filled),
-            ".".repeat(width - filled),
-            self.total,
-            100.0 * acc
+    /// A bar of `steps` steps for `epoch` (1-based) of `epochs`.
+    pub fn new(steps: usize, epoch: usize, epochs: usize, visible: bool) -> Result<Self> {
+        let bar = if visible {
+            ProgressBar::new(steps as u64)
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "epoch {prefix} [{bar:20.cyan/blue}] {pos}/{len} {msg} ETA {eta}",
+            )?
+            .progress_chars("=> "),
         );
-        let _ = std::io::stderr().flush();
+        bar.set_prefix(format!("{epoch}/{epochs}"));
+        Ok(Self {
+            bar,
+            start: Instant::now(),
+        })
     }
 
+    /// `done` steps taken, with the epoch's running loss and accuracy and the images seen.
+    pub fn update(&self, done: usize, loss: f64, acc: f64, images: usize) {
+        let rate = images as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
+        self.bar.set_message(format!(
+            "loss {loss:.3} acc {:.1}% {rate:.0} img/s",
+            100.0 * acc
+        ));
+        self.bar.set_position(done as u64);
+    }
+
+    /// Removes the bar (the epoch's summary line follows on stdout).
     pub fn finish(&self) {
-        if self.tty {
-            eprint!("\r{}\r", " ".repeat(90));
-        }
+        self.bar.finish_and_clear();
     }
 }
 
@@ -101,101 +109,143 @@ pub fn read_csv(path: &Path) -> Result<Vec<EpochMetrics>> {
     Ok(rows)
 }
 
-/// Plots train/val loss (left panel) and accuracy (right panel) per epoch as a PNG.
-pub fn write_plot(path: &Path, rows: &[EpochMetrics]) -> Result<()> {
-    const W: usize = 640;
-    const H: usize = 280;
-    let mut px = vec![[255u8; 3]; W * H];
-    let panels = [(0usize, "loss"), (W / 2, "accuracy")];
-    let epochs = rows.len().max(2);
-    for (p, (x0, what)) in panels.iter().enumerate() {
-        let (l, r, t, b) = (x0 + 30, x0 + W / 2 - 10, 15usize, H - 25);
-        for x in l..=r {
-            px[b * W + x] = [0, 0, 0];
-        }
-        for y in t..=b {
-            px[y * W + l] = [0, 0, 0];
-        }
-        let series: [(Vec<f64>, [u8; 3]); 2] = if *what == "loss" {
-            [
-                (rows.iter().map(|m| m.train_loss).collect(), [31, 119, 180]),
-                (rows.iter().map(|m| m.val_loss).collect(), [255, 127, 14]),
-            ]
-        } else {
-            [
-                (rows.iter().map(|m| m.train_acc).collect(), [31, 119, 180]),
-                (rows.iter().map(|m| m.val_acc).collect(), [255, 127, 14]),
-            ]
-        };
-        let max = if p == 1 {
-            1.0
-        } else {
-            series
-                .iter()
-                .flat_map(|s| s.0.iter().copied())
-                .fold(1e-9, f64::max)
-        };
-        for (vals, colour) in &series {
-            let point = |i: usize, v: f64| {
-                let x = l as f64 + (r - l) as f64 * i as f64 / (epochs - 1) as f64;
-                let y = b as f64 - (b - t) as f64 * (v / max).clamp(0.0, 1.0);
-                (x, y)
+/// Where [`write_plot`] looks for a TrueType font for its text, after `$RESNET_FONT`: DejaVu Sans
+/// or Liberation Sans where Linux distributions put them, then macOS's and Windows' Arial.
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu-sans-fonts/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/Library/Fonts/Arial.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+    "C:\\Windows\\Fonts\\arial.ttf",
+];
+
+/// Registers the first font found as plotters' "sans-serif" (once per process) and says which.
+pub fn font() -> Result<&'static Path> {
+    static FONT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    let found = FONT.get_or_init(|| {
+        let candidates: Vec<PathBuf> = std::env::var_os("RESNET_FONT")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain(FONT_PATHS.iter().map(PathBuf::from))
+            .collect();
+        for path in &candidates {
+            let Ok(bytes) = std::fs::read(path) else {
+                continue;
             };
-            for i in 1..vals.len() {
-                let (a, c) = (point(i - 1, vals[i - 1]), point(i, vals[i]));
-                let steps = ((c.0 - a.0).abs().max((c.1 - a.1).abs()) as usize).max(1);
-                for k in 0..=steps {
-                    let f = k as f64 / steps as f64;
-                    let (x, y) = (a.0 + (c.0 - a.0) * f, a.1 + (c.1 - a.1) * f);
-                    for (ox, oy) in [(0, 0), (1, 0), (0, 1)] {
-                        let (xi, yi) = (x as usize + ox, y as usize + oy);
-                        if xi < W && yi < H {
-                            px[yi * W + xi] = *colour;
-                        }
-                    }
-                }
+            // The registry keeps `&'static` font data: one font per process, leaked once.
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            match plotters::style::register_font("sans-serif", FontStyle::Normal, bytes) {
+                Ok(()) => return Ok(path.clone()),
+                Err(_) => log::warn!("{}: not a TrueType font, skipped", path.display()),
             }
         }
-    }
-    crate::checkpoint::write_atomic(path, &png(W, H, &px))?;
-    Ok(())
+        Err(format!(
+            "no TrueType font for the chart's text: set RESNET_FONT to a .ttf file, or install \
+             one (Debian and Ubuntu: fonts-dejavu-core); looked in {}",
+            candidates
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    });
+    found.as_deref().map_err(|e| anyhow!("{e}"))
 }
 
-/// An RGB8 PNG with stored (uncompressed) deflate blocks.
-fn png(w: usize, h: usize, px: &[[u8; 3]]) -> Vec<u8> {
-    let mut raw = Vec::with_capacity(h * (1 + 3 * w));
-    for y in 0..h {
-        raw.push(0); // filter: none
-        for p in &px[y * w..(y + 1) * w] {
-            raw.extend_from_slice(p);
-        }
+/// Chart size in pixels.
+pub const PLOT_SIZE: (u32, u32) = (1000, 420);
+/// The training curve's colour, then the validation curve's.
+pub const TRAIN_COLOUR: RGBColor = RGBColor(31, 119, 180);
+pub const VAL_COLOUR: RGBColor = RGBColor(230, 100, 0);
+
+/// Draws the loss (left) and accuracy (right) per epoch, training and validation, under `title`,
+/// and writes it as a PNG (atomically, [`crate::checkpoint::write_atomic`]).
+pub fn write_plot(path: &Path, title: &str, rows: &[EpochMetrics]) -> Result<()> {
+    font()?;
+    let (w, h) = PLOT_SIZE;
+    let mut rgb = vec![0u8; 3 * (w * h) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let root = root.titled(title, ("sans-serif", 22))?;
+        let (left, right) = root.split_horizontally(w / 2);
+        let loss_top = rows
+            .iter()
+            .flat_map(|m| [m.train_loss, m.val_loss])
+            .filter(|v| v.is_finite())
+            .fold(0.0, f64::max);
+        panel(&left, "loss", 1.05 * loss_top.max(1e-3), rows, |m| {
+            (m.train_loss, m.val_loss)
+        })?;
+        panel(&right, "accuracy (%)", 100.0, rows, |m| {
+            (100.0 * m.train_acc, 100.0 * m.val_acc)
+        })?;
+        root.present()?;
     }
-    let mut z = vec![0x78, 0x01];
-    let blocks: Vec<&[u8]> = raw.chunks(65_535).collect();
-    for (i, block) in blocks.iter().enumerate() {
-        z.push(u8::from(i + 1 == blocks.len()));
-        let n = block.len() as u16;
-        z.extend_from_slice(&n.to_le_bytes());
-        z.extend_from_slice(&(!n).to_le_bytes());
-        z.extend_from_slice(block);
+    let mut png = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut png)
+        .write_image(&rgb, w, h, image::ColorType::Rgb8)
+        .context("encoding the chart as PNG")?;
+    crate::checkpoint::write_atomic(path, &png)
+}
+
+/// One panel: `what` of the training and validation sets (`pick`) per epoch, from 0 to `top`.
+fn panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    what: &str,
+    top: f64,
+    rows: &[EpochMetrics],
+    pick: impl Fn(&EpochMetrics) -> (f64, f64),
+) -> Result<()> {
+    // Integer epochs: ticks fall on whole epochs.
+    let last = rows.iter().map(|m| m.epoch).max().unwrap_or(1).max(2) as u32;
+    let mut chart = ChartBuilder::on(area)
+        .caption(what, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(1..last, 0.0..top)
+        .map_err(|e| anyhow!("{what} panel: {e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("epoch")
+        .y_desc(what)
+        .light_line_style(BLACK.mix(0.05))
+        .y_label_formatter(&|y| {
+            if top >= 10.0 {
+                format!("{y:.0}")
+            } else {
+                format!("{y:.1}")
+            }
+        })
+        .draw()
+        .map_err(|e| anyhow!("{what} panel: {e}"))?;
+    for (name, colour, train) in [
+        ("training", TRAIN_COLOUR, true),
+        ("validation", VAL_COLOUR, false),
+    ] {
+        let points = rows.iter().map(|m| {
+            let (t, v) = pick(m);
+            (m.epoch as u32, if train { t } else { v })
+        });
+        chart
+            .draw_series(LineSeries::new(points.clone(), colour.stroke_width(2)))
+            .map_err(|e| anyhow!("{what} panel: {e}"))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
+        chart
+            .draw_series(points.map(|p| Circle::new(p, 3, colour.filled())))
+            .map_err(|e| anyhow!("{what} panel: {e}"))?;
     }
-    let (mut a, mut b) = (1u32, 0u32);
-    for &v in &raw {
-        a = (a + v as u32) % 65_521;
-        b = (b + a) % 65_521;
-    }
-    z.extend_from_slice(&((b << 16) | a).to_be_bytes());
-    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&(w as u32).to_be_bytes());
-    ihdr.extend_from_slice(&(h as u32).to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    for (kind, data) in [(b"IHDR", ihdr), (b"IDAT", z), (b"IEND", Vec::new())] {
-        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        let mut chunk = kind.to_vec();
-        chunk.extend_from_slice(&data);
-        out.extend_from_slice(&chunk);
-        out.extend_from_slice(&crc32fast::hash(&chunk).to_be_bytes());
-    }
-    out
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow!("{what} panel: {e}"))?;
+    Ok(())
 }

@@ -112,6 +112,31 @@ pub enum Precision {
 }
 
 impl Config {
+    /// The run in a line, for the chart's title: model, norm, ranks, precision, batch.
+    pub fn title(&self) -> String {
+        let precision = match self.precision {
+            Precision::Full => format!("{:?}", self.dtype).to_lowercase(),
+            Precision::Bf16 => "bf16".into(),
+            Precision::F16 => "f16 + loss scaling".into(),
+        };
+        format!(
+            "{} with {}, {} {} ranks, {precision}, global batch {}, seed {}",
+            self.arch.name(),
+            if self.sync_bn {
+                "SyncBatchNorm"
+            } else {
+                "per-rank BatchNorm"
+            },
+            self.world_size,
+            match self.backend.as_str() {
+                "threads" => "thread",
+                other => other,
+            },
+            self.batch_size,
+            self.seed
+        )
+    }
+
     /// The dtype of the activations.
     pub fn compute_dtype(&self) -> DType {
         match self.precision {
@@ -417,7 +442,7 @@ pub fn train_rank(
         order.shuffle(&mut StdRng::seed_from_u64(
             cfg.seed ^ ((epoch as u64 + 1) * 0x9e37_79b9),
         ));
-        let progress = Progress::new(steps_per_epoch);
+        let progress = Progress::new(steps_per_epoch, epoch + 1, cfg.epochs, rank == 0)?;
         let mut sums = [0f64; 3]; // loss sum, correct, samples
         for s in 0..steps_per_epoch {
             if st.step >= total_steps {
@@ -439,15 +464,12 @@ pub fn train_rank(
             }
             images_seen += global.len();
             st.step += 1;
-            if rank == 0 {
-                progress.update(
-                    s + 1,
-                    epoch + 1,
-                    sums[0] / sums[2],
-                    sums[1] / sums[2],
-                    images_seen,
-                );
-            }
+            progress.update(
+                s + 1,
+                sums[0] / sums[2].max(1.0),
+                sums[1] / sums[2].max(1.0),
+                images_seen,
+            );
         }
         progress.finish();
         let (val_loss, val_acc) = evaluate(&comm, &st.model, val, &stats, cfg, &device)?;
@@ -641,7 +663,10 @@ fn evaluate(
 fn write_outputs(cfg: &Config, st: &State, metrics: &[EpochMetrics]) -> Result<()> {
     std::fs::create_dir_all(&cfg.out_dir)?;
     report::write_csv(&cfg.out_dir.join("metrics.csv"), metrics)?;
-    report::write_plot(&cfg.out_dir.join("curves.png"), metrics)?;
+    // The chart is a picture of what the CSV holds: a run does not fail for want of a font.
+    if let Err(e) = report::write_plot(&cfg.out_dir.join("curves.png"), &cfg.title(), metrics) {
+        log::warn!("curves.png not written: {e:#}");
+    }
     let mut tensors: Vec<(String, Tensor)> = st
         .vm
         .data()

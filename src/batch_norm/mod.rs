@@ -75,6 +75,12 @@ pub struct SyncBatchNorm {
 ///
 /// The drop-in for `candle_nn::batch_norm(num_features, config, vb)`; `comm` is this rank's
 /// communicator (every rank of the group must build the same layers in the same order).
+///
+/// # Errors
+///
+/// When `num_features` is 0, `eps` is negative or NaN, or `momentum` is outside `[0, 1]`; when `vb`
+/// cannot provide a variable (for instance a stored tensor of another shape); or when a stored
+/// `num_batches_tracked` is not a scalar convertible to i64.
 pub fn sync_batch_norm(
     num_features: usize,
     config: SyncBatchNormConfig,
@@ -151,6 +157,21 @@ impl SyncBatchNorm {
     ///
     /// `x` and `z`: same shape `(N, C, *)` (or `(N, *, C)`), same dtype and device. The backward
     /// gives `z` the gradient of the sum (masked by the ReLU).
+    ///
+    /// # Errors
+    ///
+    /// When `x` is not of rank 2 to 5, its channel dimension is not the layer's `num_features`, its
+    /// dtype is not f32, f64, f16 or bf16, or it is not on the device of the layer's variables;
+    /// when `z` differs from `x` in shape, dtype or device.
+    ///
+    /// In training, also: when the communicator reports that an earlier collective failed (the
+    /// state is rolled back first, see [`Self::check_collectives`]); when the all-reduce of the
+    /// statistics fails (a rank that left, a timeout, ranks with different channel counts); and, on
+    /// the CPU, when the global batch has at most 1 value per channel (on a GPU the output is NaN
+    /// instead). Without running statistics, in eval, on the CPU: when the local batch has exactly
+    /// 1 value per channel.
+    ///
+    /// The all-reduce of the backward fails in `backward()`, not here.
     pub fn forward_residual(&self, x: &Tensor, z: &Tensor, train: bool) -> Result<Tensor> {
         self.forward_impl(x, Some(z), train)
     }
@@ -501,6 +522,10 @@ impl SyncBatchNorm {
 
 impl ModuleT for SyncBatchNorm {
     /// `act(bn(x))`; `train` selects batch statistics (synchronized) or running statistics.
+    ///
+    /// # Errors
+    ///
+    /// As [`SyncBatchNorm::forward_residual`], less the conditions on `z`.
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         self.forward_impl(x, None, train)
     }

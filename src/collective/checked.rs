@@ -167,6 +167,12 @@ impl Collective for Checked {
         self.inner.world_size()
     }
 
+    /// The inner communicator's [`Collective::deferred_error`].
+    ///
+    /// # Errors
+    ///
+    /// As the inner communicator's [`Collective::deferred_error`]. A mismatch this wrapper found is
+    /// not reported here: it fails the calls themselves.
     fn deferred_error(&self) -> Result<()> {
         self.inner.deferred_error()
     }
@@ -175,47 +181,127 @@ impl Collective for Checked {
         self.inner.defers_errors()
     }
 
+    /// An all-reduce on the inner communicator, once every rank has been found to make the same
+    /// call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce`] of the inner communicator; also [`CollectiveError::Mismatch`]
+    /// on every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on
+    /// every call after such a mismatch, and the failures of the descriptor's all-gather over the
+    /// inner communicator.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.agree(Op::AllReduce(op), Some(t))?;
         self.inner.all_reduce(t, op)
     }
 
+    /// An all-gather on the inner communicator, once every rank has been found to make the same
+    /// call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather`] of the inner communicator; also [`CollectiveError::Mismatch`]
+    /// on every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on
+    /// every call after such a mismatch, and the failures of the descriptor's all-gather over the
+    /// inner communicator.
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
         self.agree(Op::AllGather, Some(t))?;
         self.inner.all_gather(t)
     }
 
+    /// A broadcast on the inner communicator, once every rank has been found to make the same call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::broadcast`] of the inner communicator; also [`CollectiveError::Mismatch`]
+    /// on every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on
+    /// every call after such a mismatch, and the failures of the descriptor's all-gather over the
+    /// inner communicator.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.agree(Op::Broadcast(root), Some(t))?;
         self.inner.broadcast(t, root)
     }
 
+    /// A barrier on the inner communicator, once every rank has been found to make the same call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::barrier`] of the inner communicator; also [`CollectiveError::Mismatch`] on
+    /// every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on every
+    /// call after such a mismatch, and the failures of the descriptor's all-gather over the inner
+    /// communicator.
     fn barrier(&self) -> Result<()> {
         self.agree(Op::Barrier, None)?;
         self.inner.barrier()
     }
 
+    /// A reduce-scatter on the inner communicator, once every rank has been found to make the same
+    /// call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter`] of the inner communicator; also
+    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
+    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
+    /// descriptor's all-gather over the inner communicator.
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.agree(Op::ReduceScatter(op), Some(t))?;
         self.inner.reduce_scatter(t, op)
     }
 
+    /// An asynchronous all-reduce on the inner communicator, once every rank has been found to make
+    /// the same call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_async`] of the inner communicator; also
+    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
+    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
+    /// descriptor's all-gather over the inner communicator. The agreement is checked before the
+    /// call starts, so these come from this call, not from [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         self.agree(Op::AllReduce(op), Some(t))?;
         self.inner.all_reduce_async(t, op)
     }
 
+    /// An asynchronous all-gather on the inner communicator, once every rank has been found to make
+    /// the same call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather_async`] of the inner communicator; also
+    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
+    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
+    /// descriptor's all-gather over the inner communicator. The agreement is checked before the
+    /// call starts, so these come from this call, not from [`Pending::wait`].
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
         self.agree(Op::AllGather, Some(t))?;
         self.inner.all_gather_async(t)
     }
 
+    /// An asynchronous reduce-scatter on the inner communicator, once every rank has been found to
+    /// make the same call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter_async`] of the inner communicator; also
+    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
+    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
+    /// descriptor's all-gather over the inner communicator. The agreement is checked before the
+    /// call starts, so these come from this call, not from [`Pending::wait`].
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         self.agree(Op::ReduceScatter(op), Some(t))?;
         self.inner.reduce_scatter_async(t, op)
     }
 
     /// The subgroups are wrapped too.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::split`] of the inner communicator; also [`CollectiveError::Mismatch`] on
+    /// every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on every
+    /// call after such a mismatch, and the failures of the descriptor's all-gather over the inner
+    /// communicator.
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
         self.agree(Op::Split, None)?;
         Ok(self

@@ -73,20 +73,62 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     ///
     /// `t`: any shape, identical on every rank. Returns a tensor of the same shape, dtype and
     /// device, identical on every rank (see the module documentation).
+    ///
+    /// # Errors
+    ///
+    /// - [`CollectiveError::Mismatch`] when the ranks disagree on the call (another collective,
+    ///   dtype or shape on some rank). `ThreadGroup` and MPI detect it; NCCL does not (wrap it in
+    ///   [`Checked`]), and then hangs until the timeout or combines mismatched buffers.
+    /// - [`CollectiveError::InvalidArgument`] for [`ReduceOp::Avg`] on an integer dtype
+    ///   (`ThreadGroup` and MPI), for a dtype the backend cannot carry (MPI and NCCL take f32, f64,
+    ///   f16, bf16, i64, u32 and u8 only), or, on NCCL, for a tensor that is not on the
+    ///   communicator's GPU.
+    /// - [`CollectiveError::RankLeft`] when a rank dropped its communicator or panicked, or when an
+    ///   earlier failure broke the group.
+    /// - [`CollectiveError::Timeout`] when some rank does not arrive within the timeout
+    ///   (`ThreadGroup`; the ranks still waiting get `RankLeft`). MPI aborts the whole job instead
+    ///   of returning. On NCCL the watchdog aborts the communicator, and a later call (or
+    ///   [`Collective::deferred_error`]) reports it.
+    /// - [`CollectiveError::Library`] when NCCL rejects the call.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// Concatenation of every rank's `t` along dimension 0, in rank order.
     ///
     /// `t`: `(n_r, *rest)`, where `rest` and the dtype are identical on every rank but `n_r` may
     /// differ (unequal per-rank batches). Returns `(Σ n_r, *rest)`.
+    ///
+    /// # Errors
+    ///
+    /// When `t` is a scalar (rank 0), when the ranks' dtypes or trailing dimensions `rest` differ
+    /// ([`CollectiveError::Mismatch`] on `ThreadGroup` and MPI; NCCL checks only when wrapped in
+    /// [`Checked`]), on MPI when the result would have more than `i32::MAX` elements, and in the
+    /// cases every collective shares, listed under [`Collective::all_reduce`]: an unsupported dtype
+    /// or device, a rank that left or a broken group, a timeout, an NCCL error.
     fn all_gather(&self, t: &Tensor) -> Result<Tensor>;
 
     /// Rank `root`'s `t`, delivered to every rank.
     ///
     /// `t`: any shape, identical shape and dtype on every rank (the non-root values are ignored).
+    ///
+    /// # Errors
+    ///
+    /// [`CollectiveError::InvalidArgument`] when `root` is not below `world_size()`; when the ranks
+    /// pass different roots, shapes or dtypes ([`CollectiveError::Mismatch`] on `ThreadGroup` and
+    /// MPI; NCCL checks only when wrapped in [`Checked`]); and in the cases every collective
+    /// shares, listed under [`Collective::all_reduce`]: an unsupported dtype or device, a rank that
+    /// left or a broken group, a timeout, an NCCL error.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
 
     /// Returns once every rank has called `barrier`.
+    ///
+    /// # Errors
+    ///
+    /// [`CollectiveError::RankLeft`] when a rank left or an earlier failure broke the group;
+    /// [`CollectiveError::Timeout`] when some rank does not arrive within the timeout
+    /// (`ThreadGroup`; MPI aborts the job instead; on NCCL the watchdog aborts the communicator and
+    /// the barrier fails with its reason); [`CollectiveError::Mismatch`] when the ranks are at
+    /// different collectives (`ThreadGroup` and MPI); on NCCL, a rejected call or a CUDA error
+    /// while waiting for the stream.
     fn barrier(&self) -> Result<()>;
 
     /// Element-wise reduction over ranks, scattered along dimension 0: rank `r` receives rows
@@ -94,6 +136,15 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     ///
     /// `t`: `(W·k, *rest)` with `W = world_size()`, identical shape and dtype on every rank.
     /// Returns `(k, *rest)`: the same rows as [`Collective::all_reduce`] gives.
+    ///
+    /// # Errors
+    ///
+    /// When `t` is a scalar or its dimension 0 is not a multiple of `world_size()`
+    /// ([`CollectiveError::InvalidArgument`] on every rank for `ThreadGroup` and MPI; a plain error
+    /// on the calling rank for NCCL); for [`ReduceOp::Avg`] on an integer dtype (`ThreadGroup`,
+    /// MPI); and in the cases every collective shares, listed under [`Collective::all_reduce`]:
+    /// ranks that disagree on the call, an unsupported dtype or device, a rank that left or a
+    /// broken group, a timeout, an NCCL error.
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
     /// Starts [`Collective::all_reduce`] and returns at once; [`Pending::wait`] gives the result.
@@ -102,12 +153,33 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// start it at the same position relative to its other collectives. Progress happens while
     /// the caller computes (a communication thread on `ThreadGroup` and MPI, a side stream on
     /// NCCL).
+    ///
+    /// # Errors
+    ///
+    /// Here only for what is found when starting: on NCCL, the failures of
+    /// [`Collective::all_reduce`] that need no communication (a broken communicator, a tensor on
+    /// another device, an unsupported dtype, NCCL rejecting the call); on `ThreadGroup` and MPI, a
+    /// communication thread that cannot be started or has stopped; with [`Checked`], a mismatch
+    /// between the ranks. Everything else, which on `ThreadGroup` and MPI is every failure of
+    /// [`Collective::all_reduce`], comes from [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
 
     /// Starts [`Collective::all_gather`]; see [`Collective::all_reduce_async`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_async`], with the conditions of [`Collective::all_gather`]. NCCL
+    /// exchanges the row counts before starting the gather, so on NCCL a scalar `t` and the
+    /// failures of that exchange are returned here.
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending>;
 
     /// Starts [`Collective::reduce_scatter`]; see [`Collective::all_reduce_async`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_async`], with the conditions of [`Collective::reduce_scatter`].
+    /// On NCCL a scalar `t`, or a dimension 0 that is not a multiple of `world_size()`, is returned
+    /// here.
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
 
     /// `Err` when a collective whose call had already returned `Ok` failed afterwards, so that
@@ -119,6 +191,13 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// before each training step and rolls its running statistics back when the answer is an
     /// error. Backends whose calls return their final result (`ThreadGroup`, MPI) fail the call
     /// itself, and keep the default.
+    ///
+    /// # Errors
+    ///
+    /// When a collective whose call returned `Ok` was lost: on NCCL, once the watchdog has aborted
+    /// the communicator (a timeout, a peer that left, a CUDA or NCCL error) while collectives
+    /// enqueued earlier were not yet known complete. The error is a [`CollectiveError::RankLeft`]
+    /// carrying the reason. The default implementation never fails.
     fn deferred_error(&self) -> Result<()> {
         Ok(())
     }
@@ -137,10 +216,24 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// Collective over this group: every rank calls it, in the same order as the other
     /// collectives. The new communicators are independent of this one (their own call order,
     /// their own failures).
+    ///
+    /// # Errors
+    ///
+    /// When `color` or `key` exceeds `i32::MAX` on MPI or NCCL (on MPI an error on every rank; on
+    /// NCCL only on the ranks that passed it, while the others wait in the split until the
+    /// timeout); when the ranks are at different collectives ([`CollectiveError::Mismatch`] on
+    /// `ThreadGroup` and MPI); and in the cases every collective shares, listed under
+    /// [`Collective::all_reduce`]: a rank that left or a broken group, a timeout, an NCCL error
+    /// while creating the subgroup (which also aborts this communicator).
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>>;
 
     /// The subgroup of the listed ranks (PyTorch's `new_group(ranks)`), ranked in list order;
     /// `None` on the ranks not listed. Every rank must call it with the same list.
+    ///
+    /// # Errors
+    ///
+    /// When `ranks` names a rank not below `world_size()` or names one twice (checked before any
+    /// communication), and as [`Collective::split`].
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Arc<dyn Collective>>> {
         let world = self.world_size();
         let mut seen = vec![false; world];

@@ -71,6 +71,11 @@ impl std::fmt::Debug for Mpi {
 impl Mpi {
     /// Initialises MPI (`MPI_Init_thread` asking for `MPI_THREAD_SERIALIZED`). Errors when MPI
     /// was already initialised in this process, or provides less than serialised threading.
+    ///
+    /// # Errors
+    ///
+    /// [`CollectiveError::InvalidArgument`] when MPI is already initialised in this process, or
+    /// when the library provides less than `MPI_THREAD_SERIALIZED`.
     pub fn init() -> Result<Self> {
         let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| invalid("init", "MPI is already initialised in this process".into()))?;
@@ -88,11 +93,20 @@ impl Mpi {
     }
 
     /// `MPI_COMM_WORLD` as a communicator, with the default timeout ([`DEFAULT_TIMEOUT`]).
+    ///
+    /// # Errors
+    ///
+    /// None at present: an MPI failure while duplicating the communicator (for the `*_async` calls)
+    /// aborts the job under MPI's default error handler rather than returning.
     pub fn world(&self) -> Result<Arc<dyn Collective>> {
         self.world_with_timeout(DEFAULT_TIMEOUT)
     }
 
     /// `MPI_COMM_WORLD` with the time a rank waits for the others in one collective.
+    ///
+    /// # Errors
+    ///
+    /// As [`Mpi::world`].
     pub fn world_with_timeout(&self, timeout: Duration) -> Result<Arc<dyn Collective>> {
         let comm = {
             let _g = serialised();
@@ -440,6 +454,12 @@ impl Collective for MpiCollective {
         self.world
     }
 
+    /// All-reduce on the host, after the ranks agree on the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "all_reduce";
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
@@ -447,6 +467,12 @@ impl Collective for MpiCollective {
         self.reduce(OP, t, op)
     }
 
+    /// All-reduce on the host, after the ranks agree on the call, then this rank's rows.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
         let desc = Self::descriptor(Op::ReduceScatter(op), t, t.dims(), 0);
@@ -460,6 +486,13 @@ impl Collective for MpiCollective {
         scatter_rows(&full, self.rank, self.world)
     }
 
+    /// Variable-count all-gather on the host, after the ranks agree on the call and exchange their
+    /// row counts.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
         const OP: &str = "all_gather";
         let rest = t.dims().get(1..).unwrap_or(&[]);
@@ -527,6 +560,12 @@ impl Collective for MpiCollective {
         recv.into_tensor(&dims, t.dtype(), t.device())
     }
 
+    /// Broadcast on the host, after the ranks agree on the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::broadcast`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
         let local = if root >= self.world {
@@ -551,6 +590,11 @@ impl Collective for MpiCollective {
         buf.into_tensor(t.dims(), t.dtype(), t.device())
     }
 
+    /// Barrier, after the ranks agree on the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::barrier`]. A timeout aborts the MPI job instead of returning.
     fn barrier(&self) -> Result<()> {
         let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
         self.agree(
@@ -563,6 +607,11 @@ impl Collective for MpiCollective {
         Ok(())
     }
 
+    /// `MPI_Comm_split`, after the ranks agree on the call and on the validity of their arguments.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::split`]. A timeout aborts the MPI job instead of returning.
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
         const OP: &str = "split";
         let as_i32 =
@@ -590,16 +639,40 @@ impl Collective for MpiCollective {
         }))
     }
 
+    /// [`Collective::all_reduce`] on a duplicate of the communicator, run by this rank's
+    /// communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_async`]: only a communication thread that cannot be started or
+    /// has stopped fails here; the failures of [`Collective::all_reduce`] come from
+    /// [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         let t = t.clone();
         self.start(move |c| c.all_reduce(&t, op))
     }
 
+    /// [`Collective::all_gather`] on a duplicate of the communicator, run by this rank's
+    /// communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather_async`]: only a communication thread that cannot be started or
+    /// has stopped fails here; the failures of [`Collective::all_gather`] come from
+    /// [`Pending::wait`].
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
         let t = t.clone();
         self.start(move |c| c.all_gather(&t))
     }
 
+    /// [`Collective::reduce_scatter`] on a duplicate of the communicator, run by this rank's
+    /// communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter_async`]: only a communication thread that cannot be started
+    /// or has stopped fails here; the failures of [`Collective::reduce_scatter`] come from
+    /// [`Pending::wait`].
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         let t = t.clone();
         self.start(move |c| c.reduce_scatter(&t, op))

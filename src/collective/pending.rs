@@ -31,6 +31,13 @@ impl Pending {
     }
 
     /// Waits for the collective and returns its result.
+    ///
+    /// # Errors
+    ///
+    /// Whatever `finish` returns. For a handle from a `*_async` method of
+    /// [`crate::collective::Collective`], the failures of the corresponding blocking collective
+    /// that were not reported when it started, or, on backends with a communication thread
+    /// (`ThreadGroup`, MPI), an error when that thread stopped before finishing the collective.
     pub fn wait(self) -> Result<Tensor> {
         (self.finish)()
     }

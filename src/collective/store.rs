@@ -84,6 +84,13 @@ pub(crate) fn connect_any(host: &str, port: u16, deadline: Instant) -> Result<(T
 impl TcpStoreClient {
     /// Connects and validates (VALIDATE, then a PING whose nonce must come back), retrying the
     /// connection until `deadline`.
+    ///
+    /// # Errors
+    ///
+    /// When no address of `host:port` accepts a connection before `deadline`; when the socket
+    /// options cannot be set; when sending the handshake or reading the PING answer fails or does
+    /// not finish by `deadline`; or when the answer does not echo the nonce (the peer is not a
+    /// TCPStore).
     pub fn connect(host: &str, port: u16, deadline: Instant) -> Result<Self> {
         let (stream, peer) = connect_any(host, port, deadline)?;
         stream.set_nodelay(true)?;
@@ -151,6 +158,12 @@ impl TcpStoreClient {
     }
 
     /// Stores `value` under `key` (the server answers nothing).
+    ///
+    /// # Errors
+    ///
+    /// When an earlier request on this connection failed, or when the request cannot be sent by
+    /// `deadline` (the connection is then refused for later requests). The server does not answer a
+    /// SET, so a value it did not store goes unnoticed.
     pub fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
         self.deadline(deadline)?;
         let mut m = Self::request(SET, key);
@@ -159,6 +172,11 @@ impl TcpStoreClient {
     }
 
     /// Adds `delta` to the integer under `key` (0 when absent) and returns the new value.
+    ///
+    /// # Errors
+    ///
+    /// When an earlier request on this connection failed, or when the request cannot be sent or its
+    /// answer read by `deadline` (the connection is then refused for later requests).
     pub fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
         self.deadline(deadline)?;
         let mut m = Self::request(ADD, key);
@@ -170,6 +188,13 @@ impl TcpStoreClient {
     }
 
     /// The value under `key`, waiting until some client has set it or `deadline` passes.
+    ///
+    /// # Errors
+    ///
+    /// When no client sets `key` before `deadline` (the wait is cancelled, and the connection is
+    /// not marked failed); when an earlier request on this connection failed; when the server
+    /// answers the wait with an unexpected byte or announces a value longer than
+    /// [`MAX_VALUE_BYTES`]; or when sending or reading fails or does not finish by `deadline`.
     pub fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
         self.wait(key, deadline)?;
         self.deadline(deadline)?;

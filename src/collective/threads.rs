@@ -42,11 +42,19 @@ pub struct ThreadGroup;
 impl ThreadGroup {
     /// One communicator per rank (`result[r]` has rank `r`), with the default timeout
     /// ([`DEFAULT_TIMEOUT`]). Hand each to its own thread.
+    ///
+    /// # Errors
+    ///
+    /// [`CollectiveError::InvalidArgument`] when `world_size` is 0.
     pub fn new(world_size: usize) -> Result<Vec<Arc<dyn Collective>>> {
         Self::with_timeout(world_size, DEFAULT_TIMEOUT)
     }
 
     /// Like [`ThreadGroup::new`], with the time a rank waits for the others in one collective.
+    ///
+    /// # Errors
+    ///
+    /// As [`ThreadGroup::new`].
     pub fn with_timeout(world_size: usize, timeout: Duration) -> Result<Vec<Arc<dyn Collective>>> {
         if world_size == 0 {
             return Err(CollectiveError::invalid(
@@ -74,6 +82,12 @@ impl ThreadGroup {
     /// [`CollectiveError`] stays matchable through [`CollectiveError::find`]); a rank that
     /// panics is an error naming it, and its departure makes the others' pending collectives
     /// fail promptly.
+    ///
+    /// # Errors
+    ///
+    /// When `world_size` is 0, and otherwise the failure of the lowest rank that failed: the error
+    /// `f` returned there, with `rank r` as context, or, for a rank that panicked, an error naming
+    /// it.
     pub fn run<R, F>(world_size: usize, f: F) -> Result<Vec<R>>
     where
         R: Send,
@@ -402,40 +416,94 @@ impl Collective for ThreadRank {
         self.shared.world
     }
 
+    /// All-reduce in rank order, computed once by the last rank to arrive.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce`]; also when the tensor cannot be copied to the CPU or the
+    /// result back to its device.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.call(Op::AllReduce(op), t)
     }
 
+    /// All-gather in rank order, computed once by the last rank to arrive.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather`]; also when the tensor cannot be copied to the CPU or the
+    /// result back to its device.
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
         self.call(Op::AllGather, t)
     }
 
+    /// Broadcast: every rank but `root` gets a copy of `root`'s tensor.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::broadcast`]; also when the tensor cannot be copied to the CPU or the result
+    /// back to its device.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.call(Op::Broadcast(root), t)
     }
 
+    /// Barrier: a call with a one-byte token that every rank must join.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::barrier`].
     fn barrier(&self) -> Result<()> {
         let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
         self.call(Op::Barrier, &token).map(|_| ())
     }
 
+    /// Reduce-scatter: the all-reduce of every rank's tensor, then this rank's rows of it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter`]; also when the tensor cannot be copied to the CPU or the
+    /// result back to its device.
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let full = self.call(Op::ReduceScatter(op), t)?;
         scatter_rows(&full, self.rank, self.shared.world)
     }
 
+    /// All-reduce completed on this rank's communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_async`]: only a communication thread that cannot be started or
+    /// has stopped fails here; the collective's own failures come from [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         self.call_async(Op::AllReduce(op), t)
     }
 
+    /// All-gather completed on this rank's communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather_async`]: only a communication thread that cannot be started or
+    /// has stopped fails here; the collective's own failures come from [`Pending::wait`].
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
         self.call_async(Op::AllGather, t)
     }
 
+    /// Reduce-scatter completed on this rank's communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter_async`]: only a communication thread that cannot be started
+    /// or has stopped fails here; the collective's own failures come from [`Pending::wait`].
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         self.call_async(Op::ReduceScatter(op), t)
     }
 
+    /// Split through an all-gather of every rank's `(color, key)`; the members of a subgroup share
+    /// its state, created by the first of them to arrive.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::split`]: the exchange of every rank's `(color, key)` is an all-gather that
+    /// fails like any other call of the group.
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
         // Every rank's (color, key), gathered in rank order; u32::MAX + 1 stands for no color.
         let mine = [color.map_or(1 << 32, i64::from), i64::from(key)];

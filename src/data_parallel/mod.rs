@@ -72,6 +72,11 @@ impl DataParallel {
     /// float dtype whose name does not end in `running_mean`, `running_var` or
     /// `num_batches_tracked` (batch-norm buffers). Collective: every rank calls it with a
     /// `VarMap` of the same names and shapes (checked: a difference is an error on every rank).
+    ///
+    /// # Errors
+    ///
+    /// When the `VarMap`'s lock is poisoned, and as [`DataParallel::from_vars`] with every variable
+    /// of `varmap` in `all`.
     pub fn new(varmap: &VarMap, comm: Arc<dyn Collective>) -> Result<Self> {
         let mut all: Vec<(String, Var)> = varmap
             .data()
@@ -95,6 +100,13 @@ impl DataParallel {
 
     /// Explicit lists: `all` (name, variable) pairs broadcast from rank 0, `trainable` those
     /// whose gradients are averaged. Both are put in name order.
+    ///
+    /// # Errors
+    ///
+    /// When the ranks' `all` lists differ in names, shapes or dtypes (an error on every rank); when
+    /// the check's all-gather or a broadcast fails (a rank that left, a timeout, a variable on
+    /// another device than the communicator takes); or when a variable cannot be set to rank 0's
+    /// value. After a failed broadcast this rank's variables are all unchanged.
     pub fn from_vars(
         mut all: Vec<(String, Var)>,
         mut trainable: Vec<(String, Var)>,
@@ -203,6 +215,14 @@ impl DataParallel {
     /// without a gradient on every rank gets none. Every rank issues the same all-reduces
     /// whatever gradients it has (one per bucket, with a flag per variable riding along; only a
     /// rank missing a gradient reads those flags back).
+    ///
+    /// # Errors
+    ///
+    /// When a bucket's all-reduce fails: a rank that left, a timeout, ranks whose trainable
+    /// variables differ (possible with lists passed to [`DataParallel::from_vars`]), or, on
+    /// `ThreadGroup` and MPI, a trainable variable of an integer dtype (an average needs a float
+    /// dtype); also when a gradient cannot be converted to its variable's dtype and flattened into
+    /// the bucket.
     pub fn sync_gradients(&self, mut grads: GradStore) -> Result<GradStore> {
         for bucket in self.buckets() {
             let (dtype, device) = (bucket[0].1.dtype(), bucket[0].1.device().clone());

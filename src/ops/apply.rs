@@ -363,6 +363,12 @@ impl CustomOp2 for ApplyOp {
 ///
 /// Returns a tensor of `x`'s shape and dtype. Not differentiable by itself: the
 /// [`crate::SyncBatchNorm`] layer wraps this arithmetic in an op with a backward.
+///
+/// # Errors
+///
+/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `mean`, `invstd`,
+/// `weight` or `bias` is not on `x`'s device or does not hold `C` values; when `residual` differs
+/// from `x` in shape, dtype or device; on a GPU, when a CUDA allocation or kernel launch fails.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_elemt(
     x: &Tensor,

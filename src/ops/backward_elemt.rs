@@ -392,6 +392,13 @@ impl CustomOp3 for BackwardElemtOp {
 ///
 /// Every per-channel tensor lives on `x`'s device; nothing is read back to the host.
 /// Returns `(dx, dz)`: `dx` of `x`'s shape and dtype; `dz` the same when `want_dz`.
+///
+/// # Errors
+///
+/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `dy` or
+/// `relu_output` differs from `x` in shape, dtype or device; when `mean`, `invstd`, `weight`,
+/// `sums` or `count` is not on `x`'s device or holds the wrong number of values (`C` each, `2·C`
+/// for `sums`, 1 or `C` for `count`); on a GPU, when a CUDA allocation or kernel launch fails.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_backward_elemt(
     dy: &Tensor,

@@ -315,6 +315,12 @@ impl CustomOp3 for BackwardReduceOp {
 ///
 /// Returns `[2, C]` f64 on `x`'s device: row 0 `Σg`, row 1 `Σg·(x − mean)`. Summed over ranks it
 /// feeds [`super::batch_norm_backward_elemt`]; locally, row 0 is dβ and row 1 times invstd is dγ.
+///
+/// # Errors
+///
+/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `dy` or
+/// `relu_output` differs from `x` in shape, dtype or device; when `mean` is not on `x`'s device or
+/// does not hold `C` values; on a GPU, when a CUDA allocation or kernel launch fails.
 pub fn batch_norm_backward_reduce(
     dy: &Tensor,
     x: &Tensor,

@@ -262,6 +262,12 @@ pub struct BatchStats {
 /// A channel with fewer than 2 values in total cannot be normalised (as in PyTorch's training
 /// mode): on the CPU this is an error; on a GPU, where checking would stall the stream, `invstd`
 /// is NaN for `n = 1` (the output of the layer becomes NaN) and 1 for `n = 0`.
+///
+/// # Errors
+///
+/// When `sums` is not `[3, C]` with `C` the number of values in `shift`, or the two are on
+/// different devices; on the CPU, when the global count is at most 1 (see above); on a GPU, when a
+/// CUDA allocation or kernel launch fails.
 pub fn batch_norm_gather_stats(sums: &Tensor, shift: &Tensor, eps: f64) -> Result<BatchStats> {
     let stats = finalize(sums, shift, 0.0, eps, None)?;
     if let Some(n) = host_count(&stats)? {

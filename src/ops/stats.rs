@@ -204,6 +204,12 @@ fn stats_cuda(
 /// Returns `[3, C]` f64 on `x`'s device: row 0 the local count `n_r` (values per channel), row 1
 /// `Σ(x − K)`, row 2 `Σ(x − K)²`. Sum it over ranks and pass it to
 /// [`super::batch_norm_gather_stats`]. Nothing is read back to the host.
+///
+/// # Errors
+///
+/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `shift` does not
+/// hold `C` values or is not on `x`'s device; on a GPU, when a CUDA allocation or kernel launch
+/// fails.
 pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, channels_last: bool) -> Result<Tensor> {
     let geometry = Geometry::of(OP, x.dims(), channels_last)?;
     let shift = per_channel_f64("shift", shift, geometry.c)?;

@@ -101,6 +101,11 @@ impl ColumnParallelLinear {
     /// `weight` (`out/W × in`) and `bias` (`out/W`) in `vb`. `out_features` must be a multiple
     /// of the world size. Keeps the gathered input for the backward (see
     /// [`ColumnParallelLinear::regather_input`]).
+    ///
+    /// # Errors
+    ///
+    /// When `out_features` is not a multiple of the world size, or when `vb` cannot provide
+    /// `weight` or `bias` (for instance a stored tensor of another shape).
     pub fn new(
         in_features: usize,
         out_features: usize,
@@ -148,6 +153,15 @@ impl ColumnParallelLinear {
 }
 
 impl Module for ColumnParallelLinear {
+    /// `x·Wᵀ + b` for this rank's output features; in `ReduceScatter` mode the input is first
+    /// all-gathered along dimension 0.
+    ///
+    /// # Errors
+    ///
+    /// When the last dimension of `x` is not `in_features` or the dtype or device of `x` differs
+    /// from the weight's; in `ReduceScatter` mode, when the all-gather of the input fails (ranks
+    /// whose shapes differ other than in dimension 0, a rank that left, a timeout). The collectives
+    /// of the backward fail in `backward()`, not here.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let comm = self.comm.clone();
         let w = self.weight.detach();
@@ -216,6 +230,11 @@ impl RowParallelLinear {
     /// The shard of a `in_features → out_features` layer for `comm`'s rank, variables
     /// `weight` (`out × in/W`) and `bias` (`out`, the whole bias on every rank) in `vb`.
     /// `in_features` must be a multiple of the world size.
+    ///
+    /// # Errors
+    ///
+    /// When `in_features` is not a multiple of the world size, or when `vb` cannot provide `weight`
+    /// or `bias` (for instance a stored tensor of another shape).
     pub fn new(
         in_features: usize,
         out_features: usize,
@@ -252,6 +271,15 @@ impl RowParallelLinear {
 }
 
 impl Module for RowParallelLinear {
+    /// `x·Wᵀ` for this rank's input features, summed over the ranks (all-reduced, or
+    /// reduce-scattered along dimension 0), plus the bias.
+    ///
+    /// # Errors
+    ///
+    /// When the last dimension of `x` is not this rank's share of the input features (`in/W`) or
+    /// the dtype or device of `x` differs from the weight's; when the reduction fails (ranks with
+    /// different shapes, a rank that left, a timeout); in `ReduceScatter` mode, when dimension 0 of
+    /// `x` is not a multiple of the world size.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let partial = x.broadcast_matmul(&self.weight.t()?)?;
         let y = match self.mode {
@@ -272,6 +300,11 @@ impl Module for RowParallelLinear {
 
 /// Gathers a column-parallel output's feature shards into the full `(…, out)` features
 /// (replicated-loss gradient: each rank keeps its shard's part).
+///
+/// # Errors
+///
+/// When `y` is a scalar, or when the exchange of the sizes or the all-gather fails (ranks whose
+/// shapes differ other than in the last dimension, a rank that left, a timeout).
 pub fn gather_features(y: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
     gather_from_parallel(y, comm, y.rank().saturating_sub(1))
 }

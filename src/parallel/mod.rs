@@ -208,6 +208,13 @@ fn sum_and_take(
 /// summed over ranks and each rank receives the part for its own `x` (a reduce-scatter).
 /// Cost: one small all-gather of the sizes, then the gather; the backward one reduce-scatter
 /// (an all-reduce when the sizes differ).
+///
+/// # Errors
+///
+/// When `dim` is not below the rank of `x`, or when the exchange of the sizes or the all-gather
+/// fails (ranks whose shapes differ other than along `dim` or whose dtypes differ, a rank that
+/// left, a timeout). The reduce-scatter (or all-reduce) of the backward fails in `backward()`, not
+/// here.
 pub fn all_gather(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
     if dim >= x.rank() {
         bail!(
@@ -230,6 +237,12 @@ pub fn all_gather(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<
 ///
 /// `x`: identical shape on every rank, size along `dim` a multiple of the world size `W`.
 /// Gradient, exact for `Σ_r L_r`: the all-gather of every rank's incoming gradient.
+///
+/// # Errors
+///
+/// When `dim` is not below the rank of `x`, when the size along `dim` is not a multiple of the
+/// world size, or when the reduce-scatter fails (ranks with different shapes or dtypes, a rank that
+/// left, a timeout). The all-gather of the backward fails in `backward()`, not here.
 pub fn reduce_scatter(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
     let y = along(&x.detach(), dim, |t| comm.reduce_scatter(t, ReduceOp::Sum))?;
     let comm = comm.clone();
@@ -244,6 +257,11 @@ pub fn reduce_scatter(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Res
 /// Sum over ranks of `x` (identical shape on every rank).
 ///
 /// Gradient, exact for `Σ_r L_r`: the sum over ranks of the incoming gradients (an all-reduce).
+///
+/// # Errors
+///
+/// When the all-reduce fails (ranks with different shapes or dtypes, a rank that left, a timeout).
+/// The all-reduce of the backward fails in `backward()`, not here.
 pub fn all_reduce(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
     let y = comm.all_reduce(&x.detach().contiguous()?, ReduceOp::Sum)?;
     let comm = comm.clone();
@@ -258,6 +276,11 @@ pub fn all_reduce(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
 /// Identity forward; the backward sums the gradient over ranks. Put it before a
 /// column-parallel computation on a replicated `x`: each rank's shard contributes part of
 /// `∂L/∂x`. Exact for a **replicated loss** `L`.
+///
+/// # Errors
+///
+/// Only when copying `x` fails: the forward does not communicate. The all-reduce of the backward
+/// fails in `backward()`.
 pub fn copy_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
     let comm = comm.clone();
     attach(
@@ -270,6 +293,10 @@ pub fn copy_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor
 
 /// Sum over ranks forward (partial results of a row-parallel computation); identity backward.
 /// Exact for a **replicated loss** `L` computed from the (replicated) sum.
+///
+/// # Errors
+///
+/// When the all-reduce fails (ranks with different shapes or dtypes, a rank that left, a timeout).
 pub fn reduce_from_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
     let y = comm.all_reduce(&x.detach().contiguous()?, ReduceOp::Sum)?;
     attach(x, y, "reduce-from-parallel", Box::new(|g| Ok(g.clone())))
@@ -278,6 +305,11 @@ pub fn reduce_from_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Te
 /// This rank's part (the `r`-th of `W` equal parts along `dim`) of a replicated `x`; the
 /// backward all-gathers the parts' gradients. Exact for a **replicated loss** (sequence
 /// parallelism's split).
+///
+/// # Errors
+///
+/// When `dim` is not below the rank of `x` or the size along it is not a multiple of the world
+/// size. The forward does not communicate; the all-gather of the backward fails in `backward()`.
 pub fn scatter_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
     let (w, r) = (comm.world_size(), comm.rank());
     let n = x.dims().get(dim).copied().unwrap_or(0);
@@ -298,6 +330,12 @@ pub fn scatter_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -
 /// keeps this rank's part of the gradient. Exact for a **replicated loss** `L` computed from the
 /// gathered tensor (every rank holds the same `∂L/∂y`, so no sum is needed — compare
 /// [`all_gather`], whose gradient sums over ranks for `Σ_r L_r`).
+///
+/// # Errors
+///
+/// When `dim` is not below the rank of `x`, or when the exchange of the sizes or the all-gather
+/// fails (ranks whose shapes differ other than along `dim` or whose dtypes differ, a rank that
+/// left, a timeout).
 pub fn gather_from_parallel(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
     if dim >= x.rank() {
         bail!(
