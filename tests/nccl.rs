@@ -16,6 +16,9 @@ mod check;
 mod checkpoint;
 mod common;
 #[allow(dead_code)]
+#[path = "../examples/resnet/config.rs"]
+mod config;
+
 #[path = "../examples/resnet/data.rs"]
 mod data;
 #[allow(dead_code)]
@@ -28,6 +31,9 @@ mod optim;
 #[path = "../examples/resnet/report.rs"]
 mod report;
 #[allow(dead_code)]
+#[path = "../examples/resnet/state.rs"]
+mod state;
+
 #[path = "../examples/resnet/train.rs"]
 mod train;
 

@@ -12,6 +12,9 @@ mod checkpoint;
 #[path = "../examples/resnet/cli.rs"]
 mod cli;
 #[allow(dead_code)]
+#[path = "../examples/resnet/config.rs"]
+mod config;
+
 #[path = "../examples/resnet/data.rs"]
 mod data;
 #[allow(dead_code)]
@@ -24,6 +27,9 @@ mod optim;
 #[path = "../examples/resnet/report.rs"]
 mod report;
 #[allow(dead_code)]
+#[path = "../examples/resnet/state.rs"]
+mod state;
+
 #[path = "../examples/resnet/train.rs"]
 mod train;
 

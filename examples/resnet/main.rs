@@ -16,10 +16,12 @@
 mod check;
 mod checkpoint;
 mod cli;
+mod config;
 mod data;
 mod model;
 mod optim;
 mod report;
+mod state;
 mod train;
 
 use std::process::ExitCode;

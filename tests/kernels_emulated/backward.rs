@@ -1,0 +1,125 @@
+//! The emulated kernels of the backward reduction and elementwise passes (`bn_backward_reduce_*`, `bn_backward_elemt_*`) against the CPU op.
+
+use candle_core::{Device, Tensor};
+use candle_distributed::launch;
+use candle_distributed::ops;
+
+use crate::common::{assert_close_rel, tol};
+use crate::harness::*;
+
+#[test]
+fn backward_reduce_matches_the_cpu_op() {
+    for_each_launch(|dtype, suffix, case, k, sched| {
+        let relu = k != 1;
+        let dy = case.data(13, 0.0, dtype);
+        let x = case.data(14, 1.0, dtype);
+        // A fused-ReLU output whose sign varies: y = x − 1 (mean 0).
+        let y = case.data(14, 0.0, dtype);
+        let mean = per_channel(case.c, 15, 0.5, 1.5);
+        let want =
+            ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl).unwrap();
+        let (mut db, mut xb, mut yb, mut mb) =
+            (Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean));
+        let inputs = vec![
+            db.ptr(),
+            xb.ptr(),
+            if relu { yb.ptr() } else { null() },
+            mb.ptr(),
+        ];
+        let name = format!("bn_backward_reduce_{}_{suffix}", layout(case.cl));
+        let got = reduce(&name, &case, inputs, 2, sched);
+        assert_close_rel(
+            &format!("{name} {case:?} {sched}"),
+            &got,
+            &want,
+            tol::emulated_reduce(dtype),
+        );
+    });
+}
+
+#[test]
+fn backward_elemt_matches_the_cpu_op() {
+    for_each_launch(|dtype, suffix, case, k, sched| {
+        let (relu, want_dz, affine) = (k != 1, k != 2, k != 0);
+        let dy = case.data(16, 0.0, dtype);
+        let x = case.data(17, 1.0, dtype);
+        let y = case.data(17, 0.0, dtype);
+        let mean = per_channel(case.c, 18, 0.5, 1.5);
+        let invstd = per_channel(case.c, 19, 0.5, 2.0);
+        let w = per_channel(case.c, 20, 0.5, 1.5)
+            .to_dtype(acc(dtype))
+            .unwrap();
+        let sums = Tensor::stack(
+            &[
+                per_channel(case.c, 21, -5.0, 5.0),
+                per_channel(case.c, 22, -5.0, 5.0),
+            ],
+            0,
+        )
+        .unwrap();
+        let count = 37.0;
+        let counts = Tensor::full(count, case.c, &Device::Cpu).unwrap();
+        let (dx_want, dz_want) = ops::batch_norm_backward_elemt(
+            &dy,
+            &x,
+            &mean,
+            &invstd,
+            affine.then_some(&w),
+            &sums,
+            &counts,
+            relu.then_some(&y),
+            want_dz,
+            case.cl,
+        )
+        .unwrap();
+        let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
+            assert_eq!(dx_want.elem_count(), 0);
+            return;
+        };
+        let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
+            Buf::of(&dy),
+            Buf::of(&x),
+            Buf::of(&y),
+            Buf::of(&mean),
+            Buf::of(&invstd),
+            Buf::of(&w),
+            Buf::of(&sums),
+            Buf::of(&counts),
+        );
+        let mut dx = Buf::poisoned(dtype, &case.dims());
+        let mut dz = Buf::poisoned(dtype, &case.dims());
+        let mut args = vec![
+            db.ptr(),
+            xb.ptr(),
+            if relu { yb.ptr() } else { null() },
+            mb.ptr(),
+            ib.ptr(),
+            if affine { wb.ptr() } else { null() },
+            sb.ptr(),
+            cb.ptr(),
+            dx.ptr(),
+            if want_dz { dz.ptr() } else { null() },
+        ];
+        args.extend(case.sizes());
+        let name = format!("bn_backward_elemt_{}_{suffix}", layout(case.cl));
+        run(&name, &cfg, args, sched);
+        let what = format!("{name} {case:?} {sched}");
+        assert_close_rel(
+            &format!("{what} dx"),
+            &dx.tensor(),
+            &dx_want,
+            tol::emulated_elem(dtype),
+        );
+        match dz_want {
+            Some(dz_want) => assert_close_rel(
+                &format!("{what} dz"),
+                &dz.tensor(),
+                &dz_want,
+                tol::emulated_elem(dtype),
+            ),
+            // Without a ReLU the CPU op leaves dz = dy to the caller.
+            None if want_dz => assert_close_rel(&format!("{what} dz"), &dz.tensor(), &dy, 0.0),
+            None => {}
+        }
+    });
+}
