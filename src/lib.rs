@@ -18,8 +18,6 @@
 //! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
 //! - [`parallel`]: differentiable collectives (each documented with the objective its gradient
 //!   is exact for) and tensor-parallel linear layers whose backward overlaps communication.
-//! - [`launch`]: the launch configurations of the CUDA kernels in `kernels/` (shared by the
-//!   CUDA path and the kernels' emulation tests).
 //!
 //! Features: `cuda` (the CUDA kernels; nvcc and `CUDA_COMPUTE_CAP` at build time), `nccl`
 //! (implies `cuda`), `mpi` (an MPI library at build and run time).
@@ -54,7 +52,12 @@ pub mod amp;
 pub mod batch_norm;
 pub mod collective;
 pub mod data_parallel;
-pub mod launch;
+mod device;
+/// The launch configurations of the CUDA kernels in `kernels/`, shared by the CUDA path and the
+/// kernels' emulation tests (`tests/kernels_emulated/`), which is why it is reachable; not part
+/// of the API.
+#[doc(hidden)]
+pub use device::launch;
 pub mod ops;
 pub mod parallel;
 

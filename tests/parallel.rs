@@ -525,6 +525,39 @@ fn uneven_shards_are_refused() {
     );
 }
 
+/// A scalar or a wrong feature count is an error naming the layer and the shape (a scalar was
+/// a panic); an out-of-range dimension is named as such (it was reported as "size 0 ... not a
+/// multiple of the world size").
+#[test]
+fn bad_inputs_are_named() {
+    let errs = run_ranks(2, |c| {
+        let layer = column2(&c)?;
+        let scalar = Tensor::new(1.0f64, &Device::Cpu)?;
+        let three = Tensor::new(&[[1.0f64, 2.0, 3.0]], &Device::Cpu)?;
+        let matrix = Tensor::new(&[[1.0f64, 2.0], [3.0, 4.0]], &Device::Cpu)?;
+        Ok([
+            layer.forward(&scalar).unwrap_err().to_string(),
+            layer.forward(&three).unwrap_err().to_string(),
+            parallel::scatter_to_parallel(&matrix, &c, 2)
+                .unwrap_err()
+                .to_string(),
+        ])
+    });
+    for e in &errs {
+        assert!(
+            e[0].contains("ColumnParallelLinear: the input [] does not end in the layer's 2"),
+            "{}",
+            e[0]
+        );
+        assert!(e[1].contains("the input [1, 3] does not end"), "{}", e[1]);
+        assert!(
+            e[2].contains("dimension 2 is out of range for [2, 2]"),
+            "{}",
+            e[2]
+        );
+    }
+}
+
 device_tests!(
     collectives_match_finite_differences,
     parallel_layers_match_finite_differences,

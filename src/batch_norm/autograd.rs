@@ -11,7 +11,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use crate::collective::{Collective, ReduceOp};
-use crate::ops::cpu::{slice, Geometry};
+use crate::device::cpu::{slice, Geometry};
 use crate::ops::{apply_cpu, batch_norm_backward_elemt, batch_norm_backward_reduce, ApplyCoef, OP};
 
 /// Statistics the forward normalised with, and how the backward must treat them.

@@ -12,7 +12,7 @@ use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_nn::{Init, ModuleT, VarBuilder};
 
 use crate::collective::{Collective, ReduceOp};
-use crate::ops::cpu::Geometry;
+use crate::device::cpu::Geometry;
 use crate::ops::{acc_dtype, batch_norm_stats, finalize, host_count, row, Running as InPlace, OP};
 use autograd::{identity_params, NormFn};
 

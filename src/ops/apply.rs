@@ -4,8 +4,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
+use crate::device::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 
 /// Per-channel coefficients of the normalisation, on the host.
 #[derive(Debug, Clone)]
@@ -206,7 +206,9 @@ pub(crate) fn apply_cuda(
     params: Option<(&candle_core::CudaStorage, &Layout)>,
     relu: bool,
 ) -> Result<candle_core::CudaStorage> {
-    use super::cuda::{dispatch, kernel_name, launch_kernel, view, Aux, KernelElem, Module, Opt};
+    use crate::device::cuda::{
+        dispatch, kernel_name, launch_kernel, view, Aux, KernelElem, Module, Opt,
+    };
     use candle_core::CudaStorage;
 
     fn run<T: KernelElem>(
@@ -220,19 +222,25 @@ pub(crate) fn apply_cuda(
     ) -> Result<CudaStorage> {
         let dev = &x.0.device;
         let (mean, invstd) = (
-            Aux::of(mean, dev, DType::F64, "mean")?,
-            Aux::of(invstd, dev, DType::F64, "invstd")?,
+            Aux::of(OP, mean, dev, DType::F64, "mean")?,
+            Aux::of(OP, invstd, dev, DType::F64, "invstd")?,
         );
-        let (mean, invstd) = (mean.view::<f64>("mean")?, invstd.view::<f64>("invstd")?);
-        let xv = view::<T>(x.0, x.1, "input")?;
-        let zv = z.map(|(s, l)| view::<T>(s, l, "residual")).transpose()?;
+        let (mean, invstd) = (
+            mean.view::<f64>(OP, "mean")?,
+            invstd.view::<f64>(OP, "invstd")?,
+        );
+        let xv = view::<T>(OP, x.0, x.1, "input")?;
+        let zv = z
+            .map(|(s, l)| view::<T>(OP, s, l, "residual"))
+            .transpose()?;
         let pv = params
-            .map(|(s, l)| view::<T::Acc>(s, l, "weight and bias"))
+            .map(|(s, l)| view::<T::Acc>(OP, s, l, "weight and bias"))
             .transpose()?;
         // SAFETY: the kernel writes every element of y.
         let mut y = unsafe { dev.alloc::<T>(g.len())? };
         let rows = g.rows();
         let name = kernel_name(
+            OP,
             if rows {
                 "bn_apply_nhwc"
             } else {
@@ -241,7 +249,7 @@ pub(crate) fn apply_cuda(
             x.0.dtype(),
         )?;
         let (n, c, hw, relu) = (g.n as i64, g.c as i64, g.s as i64, i32::from(relu));
-        if let Some(l) = crate::launch::elementwise(g.n, g.c, g.s, rows) {
+        if let Some(l) = crate::device::launch::elementwise(g.n, g.c, g.s, rows) {
             let (z, p) = (Opt(zv.as_ref()), Opt(pv.as_ref()));
             launch_kernel!(
                 dev,
@@ -253,7 +261,7 @@ pub(crate) fn apply_cuda(
         }
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     }
-    dispatch!(x.0.dtype(), run(x, z, g, mean, invstd, params, relu))
+    dispatch!(OP, x.0.dtype(), run(x, z, g, mean, invstd, params, relu))
 }
 
 /// Normalisation with statistics and parameters held by the op (no autograd).
@@ -288,7 +296,7 @@ impl ApplyOp {
         let params = self
             .params
             .as_ref()
-            .map(|p| super::cuda::Aux::of(p, dev, acc, "weight and bias"))
+            .map(|p| crate::device::cuda::Aux::of(OP, p, dev, acc, "weight and bias"))
             .transpose()?;
         let out = apply_cuda(
             x,

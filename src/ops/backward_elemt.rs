@@ -4,8 +4,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
+use crate::device::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
 #[derive(Debug, Clone)]
@@ -212,7 +212,7 @@ fn backward_elemt_cuda(
     y: Option<(&candle_core::CudaStorage, &Layout)>,
     op: &BackwardElemtOp,
 ) -> Result<candle_core::CudaStorage> {
-    use super::cuda::{
+    use crate::device::cuda::{
         dispatch, kernel_name, launch_kernel, view, Aux, KernelElem, Module, Opt, OptMut,
     };
     use candle_core::CudaStorage;
@@ -224,24 +224,32 @@ fn backward_elemt_cuda(
         op: &BackwardElemtOp,
     ) -> Result<CudaStorage> {
         let dev = &x.0.device;
-        let f64_aux = |t, what| Aux::of(t, dev, DType::F64, what);
+        let f64_aux = |t, what| Aux::of(OP, t, dev, DType::F64, what);
         let (mean, invstd) = (f64_aux(&op.mean, "mean")?, f64_aux(&op.invstd, "invstd")?);
         let (sums, count) = (f64_aux(&op.sums, "sums")?, f64_aux(&op.count, "count")?);
         let acc = super::acc_dtype(x.0.dtype());
         let weight = op
             .weight
             .as_ref()
-            .map(|w| Aux::of(w, dev, acc, "weight"))
+            .map(|w| Aux::of(OP, w, dev, acc, "weight"))
             .transpose()?;
-        let (mean, invstd) = (mean.view::<f64>("mean")?, invstd.view::<f64>("invstd")?);
-        let (sums, count) = (sums.view::<f64>("sums")?, count.view::<f64>("count")?);
+        let (mean, invstd) = (
+            mean.view::<f64>(OP, "mean")?,
+            invstd.view::<f64>(OP, "invstd")?,
+        );
+        let (sums, count) = (
+            sums.view::<f64>(OP, "sums")?,
+            count.view::<f64>(OP, "count")?,
+        );
         let wv = weight
             .as_ref()
-            .map(|w| w.view::<T::Acc>("weight"))
+            .map(|w| w.view::<T::Acc>(OP, "weight"))
             .transpose()?;
-        let dyv = view::<T>(dy.0, dy.1, "gradient")?;
-        let xv = view::<T>(x.0, x.1, "input")?;
-        let yv = y.map(|(s, l)| view::<T>(s, l, "relu output")).transpose()?;
+        let dyv = view::<T>(OP, dy.0, dy.1, "gradient")?;
+        let xv = view::<T>(OP, x.0, x.1, "input")?;
+        let yv = y
+            .map(|(s, l)| view::<T>(OP, s, l, "relu output"))
+            .transpose()?;
         let g = &op.geometry;
         let len = g.len();
         // SAFETY: the kernel writes every element of dx, and of dz when asked.
@@ -252,9 +260,9 @@ fn backward_elemt_cuda(
         } else {
             "bn_backward_elemt_nchw"
         };
-        let name = kernel_name(root, x.0.dtype())?;
+        let name = kernel_name(OP, root, x.0.dtype())?;
         let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
-        if let Some(l) = crate::launch::elementwise(g.n, g.c, g.s, rows) {
+        if let Some(l) = crate::device::launch::elementwise(g.n, g.c, g.s, rows) {
             let (mut dx, mut dz) = out.split_at_mut(len);
             let (y, w) = (Opt(yv.as_ref()), Opt(wv.as_ref()));
             let mut dz = OptMut(op.want_dz.then_some(&mut dz));
@@ -268,7 +276,7 @@ fn backward_elemt_cuda(
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
-    dispatch!(x.0.dtype(), run(dy, x, y, op))
+    dispatch!(OP, x.0.dtype(), run(dy, x, y, op))
 }
 
 /// The backward element-wise op; per-channel tensors on the input's device.

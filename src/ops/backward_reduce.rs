@@ -4,8 +4,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{hsum2, reduce2, simd_fn, slice, split, Elem, Geometry, Real, LANES};
 use super::{check_device, check_same_shape, per_channel_f64, OP};
+use crate::device::cpu::{hsum2, reduce2, simd_fn, slice, split, Elem, Geometry, Real, LANES};
 
 /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
 #[inline(always)]
@@ -174,7 +174,7 @@ fn backward_reduce_cuda(
     g: &Geometry,
     mean: &Tensor,
 ) -> Result<candle_core::CudaStorage> {
-    use super::cuda::{
+    use crate::device::cuda::{
         dispatch, kernel_name, launch_kernel, view, with_counters, workspace, Aux, KernelElem,
         Module, Opt,
     };
@@ -188,11 +188,13 @@ fn backward_reduce_cuda(
         mean: &Tensor,
     ) -> Result<CudaStorage> {
         let dev = &x.0.device;
-        let mean = Aux::of(mean, dev, DType::F64, "mean")?;
-        let mean = mean.view::<f64>("mean")?;
-        let dyv = view::<T>(dy.0, dy.1, "gradient")?;
-        let xv = view::<T>(x.0, x.1, "input")?;
-        let yv = y.map(|(s, l)| view::<T>(s, l, "relu output")).transpose()?;
+        let mean = Aux::of(OP, mean, dev, DType::F64, "mean")?;
+        let mean = mean.view::<f64>(OP, "mean")?;
+        let dyv = view::<T>(OP, dy.0, dy.1, "gradient")?;
+        let xv = view::<T>(OP, x.0, x.1, "input")?;
+        let yv = y
+            .map(|(s, l)| view::<T>(OP, s, l, "relu output"))
+            .transpose()?;
         // SAFETY: the kernel writes all 2·C values (zeros for an empty batch).
         let mut out = unsafe { dev.alloc::<f64>(2 * g.c)? };
         let rows = g.rows();
@@ -201,9 +203,9 @@ fn backward_reduce_cuda(
         } else {
             "bn_backward_reduce_nchw"
         };
-        let name = kernel_name(root, x.0.dtype())?;
+        let name = kernel_name(OP, root, x.0.dtype())?;
         let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
-        if let Some(r) = crate::launch::reduction(g.n, g.c, g.s, rows) {
+        if let Some(r) = crate::device::launch::reduction(g.n, g.c, g.s, rows) {
             let mut work = workspace(dev, r.work_len)?;
             with_counters(dev, r.counters, |counters| {
                 let y = Opt(yv.as_ref());
@@ -219,7 +221,7 @@ fn backward_reduce_cuda(
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
-    dispatch!(x.0.dtype(), run(dy, x, y, g, mean))
+    dispatch!(OP, x.0.dtype(), run(dy, x, y, g, mean))
 }
 
 struct BackwardReduceOp {

@@ -4,9 +4,9 @@
 
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::slice;
 pub(crate) use super::running::Running;
 use super::{per_channel_f64, OP};
+use crate::device::cpu::slice;
 
 /// Rows of the finalize output `[ROWS, C]` f64.
 pub(crate) mod row {
@@ -135,7 +135,8 @@ impl CustomOp2 for FinalizeOp {
         let out = match &self.running {
             Some(r) => {
                 let aux = r.aux(dev)?;
-                crate::ops::cuda::dispatch!(
+                crate::device::cuda::dispatch!(
+                    OP,
                     r.dtype(),
                     finalize_cuda(self, (ss, sl), (ks, kl), Some(&aux))
                 )?
@@ -151,35 +152,38 @@ impl CustomOp2 for FinalizeOp {
 
 /// One `bn_finalize_<R>` launch, `R` the running statistics' dtype (f64 without them).
 #[cfg(feature = "cuda")]
-fn finalize_cuda<R: crate::ops::cuda::KernelElem + candle_core::WithDType>(
+fn finalize_cuda<R: crate::device::cuda::KernelElem + candle_core::WithDType>(
     op: &FinalizeOp,
     (ss, sl): (&candle_core::CudaStorage, &Layout),
     (ks, kl): (&candle_core::CudaStorage, &Layout),
     running: Option<&super::running::RunningAux<'_>>,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>> {
-    use super::cuda::{launch_kernel, view, Module, Opt};
+    use crate::device::cuda::{launch_kernel, view, Module, Opt};
     let dev = &ss.device;
-    let (sums, shift) = (view::<f64>(ss, sl, "sums")?, view::<f64>(ks, kl, "shift")?);
+    let (sums, shift) = (
+        view::<f64>(OP, ss, sl, "sums")?,
+        view::<f64>(OP, ks, kl, "shift")?,
+    );
     // SAFETY: the kernel writes all ROWS·C values.
     let mut out = unsafe { dev.alloc::<f64>(row::ROWS * op.c)? };
     let (mean, var, batches) = match running {
         Some(r) => (
-            Some(r.mean.view::<R>("running_mean")?),
-            Some(r.var.view::<R>("running_var")?),
-            Some(r.batches.view::<i64>("num_batches_tracked")?),
+            Some(r.mean.view::<R>(OP, "running_mean")?),
+            Some(r.var.view::<R>(OP, "running_var")?),
+            Some(r.batches.view::<i64>(OP, "num_batches_tracked")?),
         ),
         None => (None, None, None),
     };
     let (mean, var, batches) = (Opt(mean.as_ref()), Opt(var.as_ref()), Opt(batches.as_ref()));
     let (momentum, eps, c) = (op.momentum, op.eps, op.c as i64);
-    if let Some(l) = crate::launch::finalize(op.c) {
+    if let Some(l) = crate::device::launch::finalize(op.c) {
         // The running statistics are written through their (read-locked) views: device
         // memory that no Rust reference covers, written only by kernels on this stream (the
         // layer's variables; see `Running`).
         launch_kernel!(
             dev,
             Module::Stats,
-            crate::ops::cuda::kernel_name("bn_finalize", R::DTYPE)?,
+            crate::device::cuda::kernel_name(OP, "bn_finalize", R::DTYPE)?,
             l,
             [&sums, &shift, &mut out, &mean, &var, &batches, &momentum, &eps, &c]
         );

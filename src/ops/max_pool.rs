@@ -12,7 +12,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result,
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::cpu::{slice, Elem, Real};
+use crate::device::cpu::{slice, Elem, Real};
 
 /// Name used in error messages.
 const POOL: &str = "max_pool2d";
@@ -184,18 +184,18 @@ impl CustomOp1 for MaxPoolOp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda::{dispatch, kernel_name, launch_kernel, view, KernelElem, Module};
+        use crate::device::cuda::{dispatch, kernel_name, launch_kernel, view, KernelElem, Module};
         use candle_core::CudaStorage;
 
         fn run<T: KernelElem>(p: &Pool, s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
             let dev = &s.device;
-            let x = view::<T>(s, l, "input")?;
+            let x = view::<T>(POOL, s, l, "input")?;
             let len = p.planes * p.oh * p.ow;
             // SAFETY: the kernel writes every output element.
             let mut y = unsafe { dev.alloc::<T>(len)? };
-            if let Some(launch) = crate::launch::grid_stride(len) {
+            if let Some(launch) = crate::device::launch::grid_stride(len) {
                 let ([planes, h, w, oh, ow], [k, st, pd]) = p.args();
-                let name = kernel_name("max_pool2d_fwd", s.dtype())?;
+                let name = kernel_name(POOL, "max_pool2d_fwd", s.dtype())?;
                 launch_kernel!(
                     dev,
                     Module::MaxPool,
@@ -206,7 +206,7 @@ impl CustomOp1 for MaxPoolOp {
             }
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
-        let out = dispatch!(s.dtype(), run(&self.0, s, l))?;
+        let out = dispatch!(POOL, s.dtype(), run(&self.0, s, l))?;
         Ok((out, self.0.out_shape(l.dims())))
     }
 
@@ -253,7 +253,7 @@ impl CustomOp2 for MaxPoolBackwardOp {
         dys: &candle_core::CudaStorage,
         dyl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda::{dispatch, kernel_name, launch_kernel, view, KernelElem, Module};
+        use crate::device::cuda::{dispatch, kernel_name, launch_kernel, view, KernelElem, Module};
         use candle_core::CudaStorage;
 
         fn run<T: KernelElem>(
@@ -265,15 +265,15 @@ impl CustomOp2 for MaxPoolBackwardOp {
         ) -> Result<CudaStorage> {
             let dev = &xs.device;
             let (x, dy) = (
-                view::<T>(xs, xl, "input")?,
-                view::<T>(dys, dyl, "gradient")?,
+                view::<T>(POOL, xs, xl, "input")?,
+                view::<T>(POOL, dys, dyl, "gradient")?,
             );
             let len = p.planes * p.h * p.w;
             // SAFETY: the kernel writes every element of dx.
             let mut dx = unsafe { dev.alloc::<T>(len)? };
-            if let Some(launch) = crate::launch::grid_stride(len) {
+            if let Some(launch) = crate::device::launch::grid_stride(len) {
                 let ([planes, h, w, oh, ow], [k, st, pd]) = p.args();
-                let name = kernel_name("max_pool2d_bwd", xs.dtype())?;
+                let name = kernel_name(POOL, "max_pool2d_bwd", xs.dtype())?;
                 launch_kernel!(
                     dev,
                     Module::MaxPool,
@@ -284,7 +284,7 @@ impl CustomOp2 for MaxPoolBackwardOp {
             }
             Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
         }
-        let out = dispatch!(xs.dtype(), run(&self.0, xs, xl, dys, dyl))?;
+        let out = dispatch!(POOL, xs.dtype(), run(&self.0, xs, xl, dys, dyl))?;
         Ok((out, xl.shape().clone()))
     }
 }

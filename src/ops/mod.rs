@@ -23,11 +23,6 @@ mod apply;
 mod backward_elemt;
 mod backward_reduce;
 mod combine;
-pub(crate) mod cpu;
-#[cfg(feature = "cuda")]
-pub(crate) mod cuda;
-#[cfg(test)]
-mod fatbin;
 mod max_pool;
 mod running;
 mod stats;
@@ -43,7 +38,7 @@ pub use max_pool::max_pool2d;
 /// also ships as PTX, which the driver compiles for newer GPUs at first use.
 #[cfg(feature = "cuda")]
 pub fn cuda_archs() -> &'static [u32] {
-    cuda::shipped_archs()
+    crate::device::cuda::shipped_archs()
 }
 pub use stats::batch_norm_stats;
 

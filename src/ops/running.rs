@@ -79,11 +79,11 @@ impl Running {
     /// The variables' CUDA storages, read-locked while the finalize kernel is enqueued.
     #[cfg(feature = "cuda")]
     pub fn aux(&self, dev: &candle_core::CudaDevice) -> Result<RunningAux<'_>> {
-        use super::cuda::Aux;
+        use crate::device::cuda::Aux;
         Ok(RunningAux {
-            mean: Aux::of(&self.mean, dev, self.dtype(), "running_mean")?,
-            var: Aux::of(&self.var, dev, self.dtype(), "running_var")?,
-            batches: Aux::of(&self.batches, dev, DType::I64, "num_batches_tracked")?,
+            mean: Aux::of(OP, &self.mean, dev, self.dtype(), "running_mean")?,
+            var: Aux::of(OP, &self.var, dev, self.dtype(), "running_var")?,
+            batches: Aux::of(OP, &self.batches, dev, DType::I64, "num_batches_tracked")?,
         })
     }
 }
@@ -91,9 +91,9 @@ impl Running {
 /// [`Running`]'s storages during a CUDA launch.
 #[cfg(feature = "cuda")]
 pub(crate) struct RunningAux<'a> {
-    pub mean: super::cuda::Aux<'a>,
-    pub var: super::cuda::Aux<'a>,
-    pub batches: super::cuda::Aux<'a>,
+    pub mean: crate::device::cuda::Aux<'a>,
+    pub var: crate::device::cuda::Aux<'a>,
+    pub batches: crate::device::cuda::Aux<'a>,
 }
 
 /// `v ← v + w·(target − v)` per channel, keeping the old values (as f64) in `old`.

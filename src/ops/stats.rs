@@ -6,8 +6,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::cpu::{hsum2, reduce2, simd_fn, slice, Elem, Geometry, Real, LANES};
 use super::{per_channel_f64, OP};
+use crate::device::cpu::{hsum2, reduce2, simd_fn, slice, Elem, Geometry, Real, LANES};
 
 simd_fn! {
     /// `(Σ(x − k), Σ(x − k)²)` of one channels-first segment.
@@ -144,7 +144,7 @@ fn stats_cuda(
     kl: &Layout,
     g: &Geometry,
 ) -> Result<candle_core::CudaStorage> {
-    use super::cuda::{kernel_name, launch_kernel, view, with_counters, workspace, Module};
+    use crate::device::cuda::{kernel_name, launch_kernel, view, with_counters, workspace, Module};
     use candle_core::cuda_backend::CudaDType;
     use candle_core::CudaStorage;
 
@@ -162,13 +162,13 @@ fn stats_cuda(
         } else {
             "bn_stats_nchw"
         };
-        let name = kernel_name(root, xs.dtype())?;
-        let x = view::<T>(xs, xl, "input")?;
-        let shift = view::<f64>(ks, kl, "shift")?;
+        let name = kernel_name(OP, root, xs.dtype())?;
+        let x = view::<T>(OP, xs, xl, "input")?;
+        let shift = view::<f64>(OP, ks, kl, "shift")?;
         // SAFETY: the kernel writes all 3·C values (zeros for an empty batch).
         let mut out = unsafe { dev.alloc::<f64>(3 * g.c)? };
         let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
-        if let Some(r) = crate::launch::reduction(g.n, g.c, g.s, rows) {
+        if let Some(r) = crate::device::launch::reduction(g.n, g.c, g.s, rows) {
             let mut work = workspace(dev, r.work_len)?;
             with_counters(dev, r.counters, |counters| {
                 launch_kernel!(

@@ -163,6 +163,14 @@ impl Module for ColumnParallelLinear {
     /// whose shapes differ other than in dimension 0, a rank that left, a timeout). The collectives
     /// of the backward fail in `backward()`, not here.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let in_features = self.weight.dim(1)?;
+        if x.dims().last() != Some(&in_features) {
+            bail!(
+                "ColumnParallelLinear: the input {:?} does not end in the layer's {in_features} \
+                 input features",
+                x.dims()
+            );
+        }
         let comm = self.comm.clone();
         let w = self.weight.detach();
         let xd = x.detach();
@@ -171,7 +179,8 @@ impl Module for ColumnParallelLinear {
             ParallelMode::ReduceScatter => comm.all_gather(&xd.contiguous()?)?,
         };
         let mut out_dims = full.dims().to_vec();
-        *out_dims.last_mut().expect("rank ≥ 1") = w.dim(0)?;
+        // Not empty: `x` ends in `in_features` and the all-gather keeps its rank.
+        *out_dims.last_mut().expect("checked above") = w.dim(0)?;
         let y = rows2(&full)?.matmul(&w.t()?)?.reshape(out_dims)?;
         let (mode, regather, overlap) = (self.mode, self.regather_input, self.overlap);
         let kept = if mode == ParallelMode::ReduceScatter && regather {

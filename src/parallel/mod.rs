@@ -312,8 +312,14 @@ pub fn reduce_from_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Te
 /// size. The forward does not communicate; the all-gather of the backward fails in `backward()`.
 pub fn scatter_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<Tensor> {
     let (w, r) = (comm.world_size(), comm.rank());
-    let n = x.dims().get(dim).copied().unwrap_or(0);
-    if dim >= x.rank() || n % w != 0 {
+    if dim >= x.rank() {
+        bail!(
+            "parallel scatter_to_parallel: dimension {dim} is out of range for {:?}",
+            x.dims()
+        );
+    }
+    let n = x.dim(dim)?;
+    if n % w != 0 {
         bail!("parallel scatter_to_parallel: size {n} along dimension {dim} of {:?} is not a multiple of the world size {w}", x.dims())
     }
     let y = x.detach().narrow(dim, r * (n / w), n / w)?.contiguous()?;

@@ -14,7 +14,7 @@ use super::super::Op;
 use super::raw::Buffers;
 use super::watchdog::CallError;
 use super::{invalid, NcclCollective};
-use crate::ops::cuda::view;
+use crate::device::cuda::view;
 
 /// One collective of `c` on a tensor, enqueued on `stream` (the device's stream when `None`).
 pub(super) struct Enqueue<'a> {
@@ -54,7 +54,7 @@ impl Enqueue<'_> {
     ) -> Result<(CudaStorage, Shape)> {
         let (c, op) = (self.c, self.what.name());
         let dev = &c.device;
-        let src = view::<T>(s, l, "input")?;
+        let src = view::<T>("nccl", s, l, "input")?;
         let n = l.shape().elem_count();
         let (out_len, out_dims) = self.output(n, l.dims())?;
         // SAFETY: NCCL writes every element of the output.

@@ -328,7 +328,7 @@ macro_rules! simd_fn {
                 fn fast<T: Elem>($($a: $t),*) -> $r {
                     body($($a),*)
                 }
-                if $crate::ops::cpu::has_avx2_fma() {
+                if $crate::device::cpu::has_avx2_fma() {
                     // SAFETY: `fast` only differs from `body` by being compiled for AVX2 and FMA,
                     // which this CPU supports (checked at run time just above).
                     return unsafe { fast($($a),*) };

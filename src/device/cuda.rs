@@ -1,6 +1,6 @@
-//! Shared plumbing of the ops' CUDA paths (feature `cuda`): the fatbin images compiled from
+//! The CUDA floor the ops and the NCCL backend stand on (feature `cuda`): the fatbin images compiled from
 //! `kernels/*.cu` by `build.rs` and loaded once per device, kernel lookup by `<root>_<dtype>`
-//! name, launch configurations from [`crate::launch`], device views of inputs, and the
+//! name, launch configurations from [`super::launch`], device views of inputs, and the
 //! persistent arrival counters of the grid-split reductions. Every kernel is enqueued on the
 //! candle device's stream; nothing here waits for the GPU.
 
@@ -16,8 +16,7 @@ use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
-use super::OP;
-use crate::launch::Launch;
+use super::launch::Launch;
 
 /// The fatbin of every `kernels/<file>.cu` (`pub const <FILE>: &[u8]`) and `SASS_ARCHS`.
 mod images {
@@ -92,7 +91,7 @@ pub(crate) fn function(dev: &CudaDevice, module: Module, name: &str) -> Result<C
                 .load_module(Ptx::from_binary(image.to_vec()))
                 .map_err(|err| {
                     candle_core::Error::Msg(format!(
-                        "{OP}: loading the kernels of {source} on {dev:?} failed ({err}); the \
+                        "loading the CUDA kernels of {source} on {dev:?} failed ({err}); the \
                          image holds machine code for sm_{:?} and PTX for newer GPUs",
                         shipped_archs()
                     ))
@@ -105,14 +104,14 @@ pub(crate) fn function(dev: &CudaDevice, module: Module, name: &str) -> Result<C
     Ok(f)
 }
 
-/// Entry point `<root>_<dtype>` of a kernel family.
-pub(crate) fn kernel_name(root: &str, dtype: DType) -> Result<String> {
+/// Entry point `<root>_<dtype>` of a kernel family (another dtype: an error naming `op`).
+pub(crate) fn kernel_name(op: &str, root: &str, dtype: DType) -> Result<String> {
     let suffix = match dtype {
         DType::F32 => "f32",
         DType::F64 => "f64",
         DType::F16 => "f16",
         DType::BF16 => "bf16",
-        d => bail!("{OP}: unsupported dtype {d:?} on CUDA (expected f32, f64, f16 or bf16)"),
+        d => bail!("{op}: unsupported dtype {d:?} on CUDA (expected f32, f64, f16 or bf16)"),
     };
     Ok(format!("{root}_{suffix}"))
 }
@@ -133,7 +132,7 @@ macro_rules! launch_kernel {
     ($dev:expr, $module:expr, $name:expr, $launch:expr, [$($arg:expr),* $(,)?]) => {{
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
         use candle_core::cuda_backend::WrapErr;
-        let func = $crate::ops::cuda::function($dev, $module, &$name)?;
+        let func = $crate::device::cuda::function($dev, $module, &$name)?;
         let stream = $dev.cuda_stream();
         let mut builder = stream.launch_builder(&func);
         $(builder.arg($arg);)*
@@ -141,8 +140,8 @@ macro_rules! launch_kernel {
         // `$name` in `kernels/*.cu`, in order and with the same types (device pointers for
         // pointers, i64 for `long long`, i32 for `int`, f64 for `double`); every buffer holds at
         // least the elements the launch configuration `$launch` makes the kernel touch, which
-        // `crate::launch` derives from the same (n, c, hw) the kernel receives.
-        unsafe { builder.launch($crate::ops::cuda::config($launch)) }.w()?;
+        // `device::launch` derives from the same (n, c, hw) the kernel receives.
+        unsafe { builder.launch($crate::device::cuda::config($launch)) }.w()?;
     }};
 }
 pub(crate) use launch_kernel;
@@ -181,36 +180,45 @@ unsafe impl<'a, 'b: 'a, 'v: 'a, 'c: 'v, T> PushKernelArg<&'b mut OptMut<'v, 'c, 
 
 /// The contiguous elements of a CUDA input as a view (the ops make their inputs contiguous).
 pub(crate) fn view<'a, T: CudaDType>(
+    op: &str,
     s: &'a CudaStorage,
     l: &Layout,
     what: &str,
 ) -> Result<CudaView<'a, T>> {
     match l.contiguous_offsets() {
         Some((lo, hi)) => Ok(s.as_cuda_slice::<T>()?.slice(lo..hi)),
-        None => bail!("{OP}: {what} must be contiguous on CUDA"),
+        None => bail!("{op}: {what} must be contiguous on CUDA"),
     }
 }
 
 /// The CUDA storage of a tensor an op holds besides its inputs (per-channel statistics and
 /// parameters), locked for reading while the launch is enqueued.
 pub(crate) struct Aux<'a> {
+    /// The caller's name, for errors.
+    op: &'static str,
     guard: candle_core::StorageRef<'a>,
     layout: &'a Layout,
 }
 
 impl<'a> Aux<'a> {
-    /// `t` must be a `dtype` tensor on the op's CUDA device.
-    pub fn of(t: &'a Tensor, dev: &CudaDevice, dtype: DType, what: &str) -> Result<Self> {
+    /// `t` must be a `dtype` tensor on the op's CUDA device (else an error naming `op`).
+    pub fn of(
+        op: &'static str,
+        t: &'a Tensor,
+        dev: &CudaDevice,
+        dtype: DType,
+        what: &str,
+    ) -> Result<Self> {
         let (guard, layout) = t.storage_and_layout();
         match &*guard {
             Storage::Cuda(s) if s.device.id() == dev.id() && t.dtype() == dtype => {}
             _ => bail!(
-                "{OP}: {what} must be a {dtype:?} tensor on the input's CUDA device, got {:?} on {:?}",
+                "{op}: {what} must be a {dtype:?} tensor on the input's CUDA device, got {:?} on {:?}",
                 t.dtype(),
                 t.device()
             ),
         }
-        Ok(Self { guard, layout })
+        Ok(Self { op, guard, layout })
     }
 
     /// The storage and layout, as a custom op receives its inputs.
@@ -224,7 +232,7 @@ impl<'a> Aux<'a> {
     /// The tensor's values as a device view.
     pub fn view<T: CudaDType>(&self, what: &str) -> Result<CudaView<'_, T>> {
         let (s, l) = self.parts();
-        view(s, l, what)
+        view(self.op, s, l, what)
     }
 }
 
@@ -246,9 +254,10 @@ impl KernelElem for half::bf16 {
     type Acc = f32;
 }
 
-/// Calls `$run::<T>(args…)` with the storage type `T` of `$dtype`.
+/// Calls `$run::<T>(args…)` with the storage type `T` of `$dtype`; another dtype is an error
+/// naming the caller `$op`.
 macro_rules! dispatch {
-    ($dtype:expr, $run:ident($($arg:expr),* $(,)?)) => {
+    ($op:expr, $dtype:expr, $run:ident($($arg:expr),* $(,)?)) => {
         match $dtype {
             candle_core::DType::F32 => $run::<f32>($($arg),*),
             candle_core::DType::F64 => $run::<f64>($($arg),*),
@@ -256,7 +265,7 @@ macro_rules! dispatch {
             candle_core::DType::BF16 => $run::<half::bf16>($($arg),*),
             d => candle_core::bail!(
                 "{}: unsupported dtype {d:?} on CUDA (expected f32, f64, f16 or bf16)",
-                $crate::ops::OP
+                $op
             ),
         }
     };
