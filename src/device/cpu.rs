@@ -174,6 +174,25 @@ pub(crate) fn slice<'a, T: WithDType>(op: &str, s: &'a CpuStorage, l: &Layout) -
     }
 }
 
+/// Calls `$run::<T>(args…)` with the storage type `T` of `$dtype` (f32, f64, f16 or bf16);
+/// another dtype is an error naming the caller `$op` (evaluated only then). The CPU twin of
+/// `cuda::dispatch!`.
+macro_rules! dispatch {
+    ($op:expr, $dtype:expr, $run:ident($($arg:expr),* $(,)?)) => {
+        match $dtype {
+            candle_core::DType::F32 => $run::<f32>($($arg),*),
+            candle_core::DType::F64 => $run::<f64>($($arg),*),
+            candle_core::DType::F16 => $run::<half::f16>($($arg),*),
+            candle_core::DType::BF16 => $run::<half::bf16>($($arg),*),
+            d => candle_core::bail!(
+                "{}: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)",
+                $op
+            ),
+        }
+    };
+}
+pub(crate) use dispatch;
+
 /// Per-channel two-accumulator reduction: returns `[acc0[c]..., acc1[c]...]` (2C values).
 ///
 /// `plane(ch, lo, hi)` sums the channels-first segment `lo..hi` of channel `ch`;

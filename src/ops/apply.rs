@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
+use crate::device::cpu::{self, elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 
 /// Per-channel coefficients of the normalisation, on the host.
 #[derive(Debug, Clone)]
@@ -164,15 +164,16 @@ pub(crate) fn apply_cpu(
         elementwise(g, &mut out, None, plane, rows);
         out
     }
-    macro_rules! go {
-        ($t:ty, $v:ident) => {{
-            let x = slice::<$t>(OP, xs, xl)?;
-            let z = match z {
-                Some((zs, zl)) => Some(slice::<$t>(OP, zs, zl)?),
-                None => None,
-            };
-            CpuStorage::$v(run(x, z, g, coef, relu))
-        }};
+    fn go<T: Elem>(
+        (xs, xl): (&CpuStorage, &Layout),
+        z: Option<(&CpuStorage, &Layout)>,
+        g: &Geometry,
+        coef: &ApplyCoef,
+        relu: bool,
+    ) -> Result<CpuStorage> {
+        let x = slice::<T>(OP, xs, xl)?;
+        let z = z.map(|(zs, zl)| slice::<T>(OP, zs, zl)).transpose()?;
+        Ok(T::to_cpu_storage_owned(run(x, z, g, coef, relu)))
     }
     if let Some((zs, _)) = z {
         if zs.dtype() != xs.dtype() {
@@ -183,13 +184,11 @@ pub(crate) fn apply_cpu(
             )
         }
     }
-    Ok(match xs.dtype() {
-        DType::F32 => go!(f32, F32),
-        DType::F64 => go!(f64, F64),
-        DType::F16 => go!(half::f16, F16),
-        DType::BF16 => go!(half::bf16, BF16),
-        d => bail!("{OP} apply: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
-    })
+    cpu::dispatch!(
+        format!("{OP} apply"),
+        xs.dtype(),
+        go((xs, xl), z, g, coef, relu)
+    )
 }
 
 /// `bn_apply_{nchw,nhwc}_<dtype>` of `kernels/apply.cu` on a contiguous input.

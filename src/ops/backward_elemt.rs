@@ -5,7 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{elementwise, simd_fn, slice, split, Elem, Geometry, Real};
+use crate::device::cpu::{self, elementwise, simd_fn, slice, split, Elem, Geometry, Real};
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
 #[derive(Debug, Clone)]
@@ -173,15 +173,17 @@ fn backward_elemt_cpu(
         elementwise(g, dx, dz, plane, rows);
         out
     }
-    macro_rules! go {
-        ($t:ty, $v:ident) => {{
-            let y = match y {
-                Some((s, l)) => Some(slice::<$t>(OP, s, l)?),
-                None => None,
-            };
-            let (d, xs) = (slice::<$t>(OP, dy.0, dy.1)?, slice::<$t>(OP, x.0, x.1)?);
-            CpuStorage::$v(run(d, xs, y, g, coef, want_dz))
-        }};
+    fn go<T: Elem>(
+        dy: (&CpuStorage, &Layout),
+        x: (&CpuStorage, &Layout),
+        y: Option<(&CpuStorage, &Layout)>,
+        g: &Geometry,
+        coef: &ElemtCoef,
+        want_dz: bool,
+    ) -> Result<CpuStorage> {
+        let y = y.map(|(s, l)| slice::<T>(OP, s, l)).transpose()?;
+        let (d, xs) = (slice::<T>(OP, dy.0, dy.1)?, slice::<T>(OP, x.0, x.1)?);
+        Ok(T::to_cpu_storage_owned(run(d, xs, y, g, coef, want_dz)))
     }
     for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
         if let Some(s) = s {
@@ -194,13 +196,11 @@ fn backward_elemt_cpu(
             }
         }
     }
-    Ok(match x.0.dtype() {
-        DType::F32 => go!(f32, F32),
-        DType::F64 => go!(f64, F64),
-        DType::F16 => go!(half::f16, F16),
-        DType::BF16 => go!(half::bf16, BF16),
-        d => bail!("{OP} backward: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
-    })
+    cpu::dispatch!(
+        format!("{OP} backward"),
+        x.0.dtype(),
+        go(dy, x, y, g, coef, want_dz)
+    )
 }
 
 /// `bn_backward_elemt_{nchw,nhwc}_<dtype>` of `kernels/backward_elemt.cu`: dx, then dz when

@@ -2,10 +2,12 @@
 //! gradient masked by the fused ReLU (`y > 0`) when there is one.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::{check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{hsum2, reduce2, simd_fn, slice, split, Elem, Geometry, Real, LANES};
+use crate::device::cpu::{
+    self, hsum2, reduce2, simd_fn, slice, split, Elem, Geometry, Real, LANES,
+};
 
 /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
 #[inline(always)]
@@ -130,20 +132,16 @@ fn backward_reduce_cpu(
         };
         reduce2(g, plane, rows)
     }
-    macro_rules! go {
-        ($t:ty) => {{
-            let y = match y {
-                Some((s, l)) => Some(slice::<$t>(OP, s, l)?),
-                None => None,
-            };
-            run(
-                slice::<$t>(OP, dy.0, dy.1)?,
-                slice::<$t>(OP, x.0, x.1)?,
-                y,
-                g,
-                mean,
-            )
-        }};
+    fn go<T: Elem>(
+        dy: (&CpuStorage, &Layout),
+        x: (&CpuStorage, &Layout),
+        y: Option<(&CpuStorage, &Layout)>,
+        g: &Geometry,
+        mean: &[f64],
+    ) -> Result<Vec<f64>> {
+        let y = y.map(|(s, l)| slice::<T>(OP, s, l)).transpose()?;
+        let (d, xs) = (slice::<T>(OP, dy.0, dy.1)?, slice::<T>(OP, x.0, x.1)?);
+        Ok(run(d, xs, y, g, mean))
     }
     for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
         if let Some(s) = s {
@@ -156,13 +154,7 @@ fn backward_reduce_cpu(
             }
         }
     }
-    Ok(match x.0.dtype() {
-        DType::F32 => go!(f32),
-        DType::F64 => go!(f64),
-        DType::F16 => go!(half::f16),
-        DType::BF16 => go!(half::bf16),
-        d => bail!("{OP} backward: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
-    })
+    cpu::dispatch!(format!("{OP} backward"), x.0.dtype(), go(dy, x, y, g, mean))
 }
 
 /// `bn_backward_reduce_{nchw,nhwc}_<dtype>` of `kernels/backward_reduce.cu`: `[2, C]` f64.
@@ -188,7 +180,7 @@ fn backward_reduce_cuda(
         mean: &Tensor,
     ) -> Result<CudaStorage> {
         let dev = &x.0.device;
-        let mean = Aux::of(OP, mean, dev, DType::F64, "mean")?;
+        let mean = Aux::of(OP, mean, dev, candle_core::DType::F64, "mean")?;
         let mean = mean.view::<f64>(OP, "mean")?;
         let dyv = view::<T>(OP, dy.0, dy.1, "gradient")?;
         let xv = view::<T>(OP, x.0, x.1, "input")?;

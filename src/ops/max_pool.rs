@@ -8,11 +8,10 @@
 //! window order: deterministic, no atomics, and the same bits on the CPU and the GPU.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::device::cpu::{slice, Elem, Real};
+use crate::device::cpu::{self, slice, Elem, Real};
 
 /// Name used in error messages.
 const POOL: &str = "max_pool2d";
@@ -147,19 +146,6 @@ impl Pool {
     }
 }
 
-/// Calls `$run::<T>(args…)` with the CPU storage type of `$dtype`.
-macro_rules! cpu_dispatch {
-    ($dtype:expr, $run:ident($($arg:expr),* $(,)?)) => {
-        match $dtype {
-            DType::F32 => $run::<f32>($($arg),*),
-            DType::F64 => $run::<f64>($($arg),*),
-            DType::F16 => $run::<f16>($($arg),*),
-            DType::BF16 => $run::<bf16>($($arg),*),
-            d => bail!("{POOL}: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
-        }
-    };
-}
-
 /// The forward op: `(N, C, H, W)` → `(N, C, OH, OW)`.
 struct MaxPoolOp(Pool);
 
@@ -174,7 +160,7 @@ impl CustomOp1 for MaxPoolOp {
                 p.forward_cpu(slice::<T>(POOL, s, l)?),
             ))
         }
-        let out = cpu_dispatch!(s.dtype(), run(&self.0, s, l))?;
+        let out = cpu::dispatch!(POOL, s.dtype(), run(&self.0, s, l))?;
         Ok((out, self.0.out_shape(l.dims())))
     }
 
@@ -241,7 +227,7 @@ impl CustomOp2 for MaxPoolBackwardOp {
             let (x, dy) = (slice::<T>(POOL, xs, xl)?, slice::<T>(POOL, dys, dyl)?);
             Ok(T::to_cpu_storage_owned(p.backward_cpu(x, dy)))
         }
-        let out = cpu_dispatch!(xs.dtype(), run(&self.0, xs, xl, dys, dyl))?;
+        let out = cpu::dispatch!(POOL, xs.dtype(), run(&self.0, xs, xl, dys, dyl))?;
         Ok((out, xl.shape().clone()))
     }
 

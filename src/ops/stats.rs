@@ -4,10 +4,10 @@
 //! (one all-reduce of 3C values, whatever the world size); see [`super::batch_norm_gather_stats`].
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::{per_channel_f64, OP};
-use crate::device::cpu::{hsum2, reduce2, simd_fn, slice, Elem, Geometry, Real, LANES};
+use crate::device::cpu::{self, hsum2, reduce2, simd_fn, slice, Elem, Geometry, Real, LANES};
 
 simd_fn! {
     /// `(Σ(x − k), Σ(x − k)²)` of one channels-first segment.
@@ -89,13 +89,10 @@ fn stats_cpu(xs: &CpuStorage, xl: &Layout, g: &Geometry, shift: &[f64]) -> Resul
             g.c
         )
     }
-    let sums = match xs.dtype() {
-        DType::F32 => run(slice::<f32>(OP, xs, xl)?, g, shift),
-        DType::F64 => run(slice::<f64>(OP, xs, xl)?, g, shift),
-        DType::F16 => run(slice::<half::f16>(OP, xs, xl)?, g, shift),
-        DType::BF16 => run(slice::<half::bf16>(OP, xs, xl)?, g, shift),
-        d => bail!("{OP} stats: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
-    };
+    fn go<T: Elem>(xs: &CpuStorage, xl: &Layout, g: &Geometry, k: &[f64]) -> Result<Vec<f64>> {
+        Ok(run(slice::<T>(OP, xs, xl)?, g, k))
+    }
+    let sums = cpu::dispatch!(format!("{OP} stats"), xs.dtype(), go(xs, xl, g, shift))?;
     let mut out = vec![g.count() as f64; g.c];
     out.extend(sums);
     Ok(out)
@@ -144,7 +141,9 @@ fn stats_cuda(
     kl: &Layout,
     g: &Geometry,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::cuda::{kernel_name, launch_kernel, view, with_counters, workspace, Module};
+    use crate::device::cuda::{
+        dispatch, kernel_name, launch_kernel, view, with_counters, workspace, Module,
+    };
     use candle_core::cuda_backend::CudaDType;
     use candle_core::CudaStorage;
 
@@ -183,13 +182,7 @@ fn stats_cuda(
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
-    match xs.dtype() {
-        DType::F32 => run::<f32>(xs, xl, ks, kl, g),
-        DType::F64 => run::<f64>(xs, xl, ks, kl, g),
-        DType::F16 => run::<half::f16>(xs, xl, ks, kl, g),
-        DType::BF16 => run::<half::bf16>(xs, xl, ks, kl, g),
-        d => bail!("{OP} stats: unsupported dtype {d:?} (expected f32, f64, f16 or bf16)"),
-    }
+    dispatch!(format!("{OP} stats"), xs.dtype(), run(xs, xl, ks, kl, g))
 }
 
 /// Local shifted sums of `x` per channel, the input of the cross-rank all-reduce.
