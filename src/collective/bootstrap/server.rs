@@ -1,0 +1,236 @@
+//! Rank 0's side of the standalone exchange: listening on every address of `MASTER_ADDR`,
+//! serving the clients concurrently, each under its own deadline, until every rank has
+//! acknowledged the payload.
+
+use std::collections::HashSet;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use candle_core::{bail, Result};
+
+use super::wire::{frame, read_by, write_by, HELLO};
+use super::*;
+
+/// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT`. An address that is not
+/// this machine's (a NAT or service address, `EADDRNOTAVAIL`) is replaced by the wildcard of its
+/// family; an address in use is an error (another rank 0 holds the port).
+pub(super) fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
+    let addrs: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "bootstrap: rank 0 cannot resolve MASTER_ADDR={}: {e}",
+                env.master_addr
+            ))
+        })?
+        .collect();
+    let mut out: Vec<TcpListener> = Vec::new();
+    let mut bound: Vec<SocketAddr> = Vec::new();
+    let mut errors = Vec::new();
+    for a in addrs {
+        let err = bind(a, &mut out, &mut bound)?;
+        let err = match err {
+            Some(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                let any: SocketAddr = match a {
+                    SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, a.port()).into(),
+                    SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, a.port()).into(),
+                };
+                if bound.contains(&any) {
+                    None
+                } else {
+                    bind(any, &mut out, &mut bound)?
+                }
+            }
+            e => e,
+        };
+        match err {
+            Some(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
+                "bootstrap: rank 0 cannot listen on {a}: {e}{}",
+                if env.agent_store {
+                    String::new()
+                } else {
+                    " (another process holds the port; under torchrun, whose agent serves a store there, TORCHELASTIC_USE_AGENT_STORE=True must be set, as torchrun does)".to_string()
+                }
+            ),
+            Some(e) => errors.push(format!("{a}: {e}")),
+            None => {}
+        }
+    }
+    if out.is_empty() {
+        bail!(
+            "bootstrap: rank 0 cannot listen on MASTER_ADDR={}:{} ({})",
+            env.master_addr,
+            env.master_port,
+            errors.join("; ")
+        )
+    }
+    Ok(out)
+}
+
+/// Binds `a` (non-blocking) into `out`/`bound`; the bind error, if any.
+pub(super) fn bind(
+    a: SocketAddr,
+    out: &mut Vec<TcpListener>,
+    bound: &mut Vec<SocketAddr>,
+) -> Result<Option<std::io::Error>> {
+    let l = match TcpListener::bind(a) {
+        Ok(l) => l,
+        Err(e) => return Ok(Some(e)),
+    };
+    l.set_nonblocking(true)?;
+    bound.push(a);
+    out.push(l);
+    Ok(None)
+}
+
+/// What one client connection turned out to be.
+pub(super) enum Client {
+    /// Rank `r` received the payload and acknowledged it.
+    Served(usize),
+    /// Dropped: not one of ours, another job, idle, or gone before acknowledging.
+    Dropped(String),
+}
+
+pub(super) fn serve(
+    env: &DistEnv,
+    seq: u64,
+    payload: &[u8],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    if env.world_size == 1 {
+        return Ok(());
+    }
+    let listeners = listeners(env)?;
+    let (tx, rx) = mpsc::channel::<Client>();
+    let mut served: HashSet<usize> = HashSet::new();
+    let mut dropped: Vec<String> = Vec::new();
+    // A handle on every connection, shut down on the way out so that no answering thread
+    // (an idle or slow client) keeps rank 0 waiting once the exchange is over.
+    let mut open: Vec<TcpStream> = Vec::new();
+    let id = identity(env);
+    std::thread::scope(|s| -> Result<()> {
+        let result = (|| -> Result<()> {
+            while served.len() + 1 < env.world_size {
+                let mut idle = true;
+                for l in &listeners {
+                    match l.accept() {
+                        Ok((stream, peer)) => {
+                            idle = false;
+                            if let Ok(c) = stream.try_clone() {
+                                open.push(c);
+                            }
+                            let tx = tx.clone();
+                            let client_deadline = (Instant::now() + CLIENT_DEADLINE).min(deadline);
+                            s.spawn(move || {
+                                let outcome =
+                                    answer(stream, env, (id, seq), payload, client_deadline)
+                                        .unwrap_or_else(|e| {
+                                            Client::Dropped(format!("{peer}: {e}"))
+                                        });
+                                let _ = tx.send(outcome);
+                            });
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) => {
+                            log::warn!("bootstrap: rank 0: accept failed: {e}");
+                            dropped.push(format!("accept: {e}"))
+                        }
+                    }
+                }
+                while let Ok(c) = rx.try_recv() {
+                    match c {
+                        Client::Served(r) => {
+                            served.insert(r);
+                        }
+                        Client::Dropped(why) => dropped.push(why),
+                    }
+                }
+                if served.len() + 1 >= env.world_size {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    let mut missing: Vec<usize> = (1..env.world_size)
+                        .filter(|r| !served.contains(r))
+                        .collect();
+                    missing.truncate(16);
+                    dropped.truncate(4);
+                    bail!(
+                        "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
+                        env.master_addr,
+                        env.master_port,
+                        if dropped.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (dropped connections: {})", dropped.join("; "))
+                        }
+                    )
+                }
+                if idle {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+            Ok(())
+        })();
+        for c in &open {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        result
+    })
+}
+
+/// Answers one client on rank 0; `(id, seq)`: the job identity and this rendezvous' number.
+pub(super) fn answer(
+    mut stream: TcpStream,
+    env: &DistEnv,
+    (id, seq): (u64, u64),
+    payload: &[u8],
+    deadline: Instant,
+) -> std::io::Result<Client> {
+    stream.set_nonblocking(false)?;
+    let mut hello = [0u8; HELLO];
+    read_by(&mut stream, &mut hello, deadline)?;
+    if &hello[..8] != MAGIC {
+        return Ok(Client::Dropped(
+            "not a candle-distributed bootstrap client".into(),
+        ));
+    }
+    let word = |at: usize| u64::from_le_bytes(hello[at..at + 8].try_into().expect("8 bytes"));
+    let (their_id, their_seq) = (word(8), word(16));
+    let rank = u32::from_le_bytes(hello[24..28].try_into().expect("4 bytes")) as usize;
+    let world = u32::from_le_bytes(hello[28..32].try_into().expect("4 bytes")) as usize;
+    if their_id == id && their_seq > seq {
+        // One rendezvous ahead: the next server answers it.
+        let msg = format!("rank 0 serves rendezvous {seq}, not {their_seq}");
+        write_by(&mut stream, &frame(RETRY, msg.as_bytes()), deadline)?;
+        return Ok(Client::Dropped(msg));
+    }
+    let refusal = if their_id != id || world != env.world_size {
+        Some(format!(
+            "rank 0 runs job {:?} of {} ranks on port {}; this rank is of another job (identity or world size {world} differs)",
+            env.job_id, env.world_size, env.master_port
+        ))
+    } else if their_seq < seq {
+        Some(format!(
+            "rank 0 is at rendezvous {seq} of this process's communicators, this rank at {their_seq}: the ranks created different numbers of communicators"
+        ))
+    } else if rank == 0 || rank >= world {
+        Some(format!(
+            "rank {rank} is not a client rank of a job of {world}"
+        ))
+    } else {
+        None
+    };
+    let (status, body) = match &refusal {
+        Some(why) => (REFUSED, why.as_bytes()),
+        None => (OK, payload),
+    };
+    write_by(&mut stream, &frame(status, body), deadline)?;
+    if let Some(why) = refusal {
+        return Ok(Client::Dropped(why));
+    }
+    let mut ack = [0u8; 1];
+    read_by(&mut stream, &mut ack, deadline)?;
+    Ok(Client::Served(rank))
+}

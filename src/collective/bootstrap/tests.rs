@@ -1,0 +1,283 @@
+//! The exchange against real sockets: retries, foreign and garbled clients, deadlines.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+
+use super::wire::HELLO;
+use super::*;
+use crate::collective::store::connect_any;
+use std::collections::HashMap;
+
+fn env_at(rank: usize, world: usize, addr: &str, port: u16, job: &str) -> DistEnv {
+    DistEnv {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        master_addr: addr.into(),
+        master_port: port,
+        job_id: job.into(),
+        restart: 0,
+        agent_store: false,
+    }
+}
+
+fn env(rank: usize, world: usize, port: u16) -> DistEnv {
+    env_at(rank, world, "127.0.0.1", port, "")
+}
+
+/// A port that was free a moment ago.
+fn free_port() -> u16 {
+    TcpListener::bind(("127.0.0.1", 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+const LONG: Duration = Duration::from_secs(20);
+
+/// Runs `world` ranks of `share_bytes` on `addr:port`, rank 0 sharing `id`, while `meddle`
+/// does something to rank 0 on the side; returns every rank's result and the time taken.
+fn job(
+    world: usize,
+    addr: &str,
+    port: u16,
+    meddle: impl FnOnce() + Send,
+) -> (Vec<Result<Vec<u8>>>, Duration) {
+    let id: Vec<u8> = (0..128u32).map(|i| (i * 7 + 3) as u8).collect();
+    let t = Instant::now();
+    let got = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let id = id.clone();
+                s.spawn(move || {
+                    let p = (r == 0).then_some(id.as_slice());
+                    share_bytes_round(&env_at(r, world, addr, port, "job"), 0, p, LONG)
+                })
+            })
+            .collect();
+        s.spawn(meddle);
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(g.as_ref().unwrap(), &id, "rank {r}");
+    }
+    (got, t.elapsed())
+}
+
+#[test]
+fn reads_torchrun_variables() {
+    let vars: HashMap<&str, &str> = [
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_RUN_ID", "abc"),
+        ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ]
+    .into_iter()
+    .collect();
+    let e = DistEnv::from_vars(|k| vars.get(k).map(|v| v.to_string())).unwrap();
+    assert_eq!(e.rank, 3);
+    assert_eq!(e.world_size, 8);
+    assert_eq!(e.local_rank, 1);
+    assert_eq!(e.master_addr, "node0");
+    assert_eq!(e.master_port, 29500);
+    assert_eq!(
+        (e.job_id.as_str(), e.restart, e.agent_store),
+        ("abc", 2, true)
+    );
+    assert_eq!(store_key(&e, 4), "candle-distributed/abc/2/4");
+}
+
+#[test]
+fn names_the_missing_or_bad_variable() {
+    let err = |vars: &[(&str, &str)]| {
+        let m: HashMap<&str, &str> = vars.iter().copied().collect();
+        DistEnv::from_vars(|k| m.get(k).map(|v| v.to_string()))
+            .unwrap_err()
+            .to_string()
+    };
+    let base = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "h"),
+        ("MASTER_PORT", "1"),
+    ];
+    assert!(err(&base[1..]).contains("RANK is not set"));
+    assert!(err(&[base[0], base[1], base[2]]).contains("MASTER_PORT is not set"));
+    assert!(err(&[("RANK", "x"), base[1], base[2], base[3]]).contains("RANK=\"x\""));
+    assert!(err(&[("RANK", "2"), base[1], base[2], base[3]]).contains("below WORLD_SIZE=2"));
+    assert!(err(&[base[0], base[1], base[2], ("MASTER_PORT", "70000")]).contains("MASTER_PORT"));
+}
+
+#[test]
+fn every_rank_receives_rank_zeros_payload() {
+    job(4, "127.0.0.1", free_port(), || {});
+}
+
+#[test]
+fn a_missing_rank_times_out_with_its_number() {
+    let port = free_port();
+    let err = std::thread::scope(|s| {
+        let root = s.spawn(|| {
+            share_bytes_round(&env(0, 3, port), 0, Some(b"x"), Duration::from_millis(800))
+        });
+        let one = s.spawn(|| share_bytes_round(&env(1, 3, port), 0, None, Duration::from_secs(5)));
+        assert_eq!(one.join().unwrap().unwrap(), b"x");
+        root.join().unwrap().unwrap_err().to_string()
+    });
+    assert!(err.contains("waiting for ranks [2]"), "{err}");
+    let lonely = share_bytes_round(&env(1, 2, free_port()), 0, None, Duration::from_millis(300));
+    assert!(lonely.unwrap_err().to_string().contains("timed out"));
+}
+
+/// A rank of another job (another identity) is refused with the reason, at once; the job
+/// on the port completes.
+#[test]
+fn a_stray_from_another_job_is_refused_and_the_job_completes() {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let root = s.spawn(|| share_bytes_round(&env(0, 2, port), 0, Some(b"id"), LONG));
+        let stray = env_at(1, 2, "127.0.0.1", port, "an earlier run");
+        let t = Instant::now();
+        let e = share_bytes_round(&stray, 0, None, LONG)
+            .unwrap_err()
+            .to_string();
+        assert!(t.elapsed() < Duration::from_secs(5), "refused promptly");
+        assert!(
+            e.contains("refused by rank 0") && e.contains("another job"),
+            "{e}"
+        );
+        assert!(!root.is_finished(), "rank 0 still waits for its own rank 1");
+        assert_eq!(
+            share_bytes_round(&env(1, 2, port), 0, None, LONG).unwrap(),
+            b"id"
+        );
+        root.join().unwrap().unwrap();
+    });
+}
+
+/// A connection that says nothing holds one serving thread for at most CLIENT_DEADLINE;
+/// the ranks behind it are served at once.
+#[test]
+fn an_idle_connection_does_not_stall_the_job() {
+    let port = free_port();
+    let (_, took) = job(3, "127.0.0.1", port, || {
+        let (idle, _) =
+            connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(idle);
+    });
+    assert!(
+        took < CLIENT_DEADLINE + Duration::from_secs(3),
+        "took {took:?}"
+    );
+}
+
+/// Garbage and a truncated hello are dropped without failing the job.
+#[test]
+fn garbage_is_dropped() {
+    let port = free_port();
+    job(3, "127.0.0.1", port, || {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let (mut g, _) = connect_any("127.0.0.1", port, deadline).unwrap();
+        let _ = g.write_all(&[0xAB; 100]);
+        let (mut t, _) = connect_any("127.0.0.1", port, deadline).unwrap();
+        let _ = t.write_all(&MAGIC[..5]);
+    });
+}
+
+/// A rank that connects twice (a retry after a lost answer) is answered twice, and counted
+/// once: rank 0 still waits for the rank that has not come yet.
+#[test]
+fn a_duplicate_rank_is_answered_again() {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let root = s.spawn(|| share_bytes_round(&env(0, 3, port), 0, Some(b"id"), LONG));
+        for _ in 0..2 {
+            assert_eq!(
+                share_bytes_round(&env(1, 3, port), 0, None, LONG).unwrap(),
+                b"id"
+            );
+        }
+        assert!(!root.is_finished(), "rank 2 has not connected yet");
+        assert_eq!(
+            share_bytes_round(&env(2, 3, port), 0, None, LONG).unwrap(),
+            b"id"
+        );
+        root.join().unwrap().unwrap();
+    });
+}
+
+/// A client already at the next rendezvous while rank 0 still serves this one is told to
+/// retry, and gets the next payload from the next server (not this one's).
+#[test]
+fn a_client_one_rendezvous_ahead_waits_for_it() {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let ahead = s.spawn(|| share_bytes_round(&env(1, 2, port), 1, None, LONG));
+        let root = s.spawn(|| {
+            share_bytes_round(&env(0, 2, port), 0, Some(b"first"), LONG)?;
+            share_bytes_round(&env(0, 2, port), 1, Some(b"second"), LONG)
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            share_bytes_round(&env(1, 2, port), 0, None, LONG).unwrap(),
+            b"first"
+        );
+        assert_eq!(ahead.join().unwrap().unwrap(), b"second");
+        root.join().unwrap().unwrap();
+    });
+}
+
+/// A server that announces a huge payload is refused by the client before any allocation.
+#[test]
+fn an_oversized_length_is_refused() {
+    let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = l.local_addr().unwrap().port();
+    // Detached: it answers every connection of the retrying client until the test ends.
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let mut hello = [0u8; HELLO];
+            let _ = c.read_exact(&mut hello);
+            let mut reply = MAGIC.to_vec();
+            reply.push(OK);
+            reply.extend(u32::MAX.to_le_bytes());
+            let _ = c.write_all(&reply);
+        }
+    });
+    let err = share_bytes_round(&env(1, 2, port), 0, None, Duration::from_millis(400))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("announces 4294967295 bytes"), "{err}");
+}
+
+/// `localhost` (IPv4 and IPv6 addresses) and the IPv6 loopback work as MASTER_ADDR, where
+/// this machine has IPv6.
+#[test]
+fn ipv6_and_localhost() {
+    job(2, "localhost", free_port(), || {});
+    if TcpListener::bind(("::1", 0)).is_ok() {
+        let port = TcpListener::bind(("::1", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        job(3, "::1", port, || {});
+    } else {
+        eprintln!("no IPv6 loopback on this machine: the ::1 case did not run");
+    }
+}
+
+#[test]
+fn rank_zero_checks_its_payload() {
+    let big = vec![0u8; MAX_PAYLOAD + 1];
+    let e = share_bytes_round(&env(0, 2, free_port()), 0, Some(&big), LONG).unwrap_err();
+    assert!(e.to_string().contains("at most"), "{e}");
+}
