@@ -1,0 +1,104 @@
+//! Host buffers of the MPI collectives (every tensor passes through the CPU) and the codes of
+//! the descriptor every rank all-gathers before a collective.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::super::{CollectiveError, ReduceOp};
+use super::BACKEND;
+
+pub(super) fn invalid(op: &'static str, detail: String) -> candle_core::Error {
+    CollectiveError::invalid(BACKEND, op, detail).into()
+}
+
+/// A tensor's values on the host in a type MPI knows (f16 and bf16 travel as f32, exactly).
+pub(super) enum HostBuf {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    U32(Vec<u32>),
+    U8(Vec<u8>),
+}
+
+/// Runs `$body` with `$v` bound to the vector inside a `HostBuf`.
+macro_rules! with_buf {
+    ($buf:expr, $v:ident => $body:expr) => {
+        match $buf {
+            HostBuf::F32($v) => $body,
+            HostBuf::F64($v) => $body,
+            HostBuf::I64($v) => $body,
+            HostBuf::U32($v) => $body,
+            HostBuf::U8($v) => $body,
+        }
+    };
+}
+pub(super) use with_buf;
+
+impl HostBuf {
+    pub(super) fn of(t: &Tensor) -> Result<Self> {
+        let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+        Ok(match t.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => {
+                HostBuf::F32(t.to_dtype(DType::F32)?.to_vec1()?)
+            }
+            DType::F64 => HostBuf::F64(t.to_vec1()?),
+            DType::I64 => HostBuf::I64(t.to_vec1()?),
+            DType::U32 => HostBuf::U32(t.to_vec1()?),
+            DType::U8 => HostBuf::U8(t.to_vec1()?),
+            d => return Err(invalid("collective", format!("unsupported dtype {d:?}"))),
+        })
+    }
+
+    /// A zeroed buffer of the same type and `len` values.
+    pub(super) fn zeros_like(&self, len: usize) -> Self {
+        match self {
+            HostBuf::F32(_) => HostBuf::F32(vec![0.0; len]),
+            HostBuf::F64(_) => HostBuf::F64(vec![0.0; len]),
+            HostBuf::I64(_) => HostBuf::I64(vec![0; len]),
+            HostBuf::U32(_) => HostBuf::U32(vec![0; len]),
+            HostBuf::U8(_) => HostBuf::U8(vec![0; len]),
+        }
+    }
+
+    /// Back to a tensor of `dtype`, `dims`, on `device`.
+    pub(super) fn into_tensor(
+        self,
+        dims: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let t = with_buf!(self, v => Tensor::from_vec(v, dims, &Device::Cpu)?);
+        t.to_dtype(dtype)?.to_device(device)
+    }
+}
+
+/// The host type a dtype travels in (f16 and bf16 as f32).
+pub(super) fn recv_dtype(d: DType) -> DType {
+    match d {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    }
+}
+
+/// `ReduceOp::Avg` needs a float dtype: this rank's verdict, shared by `agree`.
+pub(super) fn avg_dtype(t: &Tensor, op: ReduceOp) -> std::result::Result<(), String> {
+    if op == ReduceOp::Avg && !t.dtype().is_float() {
+        return Err(format!(
+            "ReduceOp::Avg needs a float dtype, got {:?}",
+            t.dtype()
+        ));
+    }
+    Ok(())
+}
+
+pub(super) fn dtype_code(d: DType) -> i64 {
+    d as i64
+}
+
+/// A stable 63-bit fingerprint of a shape (all dims, or all but the first for all_gather).
+pub(super) fn shape_code(dims: &[usize]) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &d in dims {
+        h = (h ^ d as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h >> 1) as i64
+}

@@ -1,0 +1,244 @@
+//! The `Collective` interface of MPI ranks: argument checks agreed on by every rank, then the
+//! MPI collective on host buffers.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Result, Tensor};
+use mpi::datatype::PartitionMut;
+use mpi::traits::*;
+
+use super::*;
+
+impl Collective for MpiCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// All-reduce on the host, after the ranks agree on the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "all_reduce";
+        let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
+        self.agree(OP, desc, avg_dtype(t, op))?;
+        self.reduce(OP, t, op)
+    }
+
+    /// All-reduce on the host, after the ranks agree on the call, then this rank's rows.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter";
+        let desc = Self::descriptor(Op::ReduceScatter(op), t, t.dims(), 0);
+        let local = avg_dtype(t, op).and_then(|()| {
+            scatter_rows(t, self.rank, self.world)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        self.agree(OP, desc, local)?;
+        let full = self.reduce(OP, t, op)?;
+        scatter_rows(&full, self.rank, self.world)
+    }
+
+    /// Variable-count all-gather on the host, after the ranks agree on the call and exchange their
+    /// row counts.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        let rest = t.dims().get(1..).unwrap_or(&[]);
+        let local = if t.rank() == 0 {
+            Err("expected a tensor of rank ≥ 1".to_string())
+        } else {
+            Ok(())
+        };
+        let desc = Self::descriptor(Op::AllGather, t, rest, t.rank() as i64);
+        self.agree(OP, desc, local)?;
+        let row: usize = rest.iter().product();
+        let mut rows = vec![0i64; self.world];
+        let mine = [t.dims()[0] as i64];
+        mpi::request::scope(|scope| {
+            let req = locked(|| {
+                self.comm
+                    .immediate_all_gather_into(scope, &mine[..], &mut rows[..])
+            });
+            self.wait(OP, req);
+        });
+        // MPI counts and displacements are i32: the same verdict on every rank (same `rows`).
+        let total_elems: i64 = rows.iter().sum::<i64>() * row as i64;
+        if total_elems > i32::MAX as i64 {
+            return Err(invalid(
+                OP,
+                format!(
+                    "{total_elems} gathered elements exceed MPI's i32 counts (row counts {rows:?})"
+                ),
+            ));
+        }
+        let counts: Vec<i32> = rows.iter().map(|&n| (n as usize * row) as i32).collect();
+        let displs: Vec<i32> = counts
+            .iter()
+            .scan(0i32, |acc, &c| {
+                let d = *acc;
+                *acc += c;
+                Some(d)
+            })
+            .collect();
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        let send = HostBuf::of(t)?;
+        let mut recv = send.zeros_like(total);
+        macro_rules! gather {
+            ($s:expr, $r:expr) => {{
+                let mut part = PartitionMut::new(&mut $r[..], &counts[..], &displs[..]);
+                mpi::request::scope(|scope| {
+                    let req = locked(|| {
+                        self.comm
+                            .immediate_all_gather_varcount_into(scope, &$s[..], &mut part)
+                    });
+                    self.wait(OP, req);
+                });
+            }};
+        }
+        match (&send, &mut recv) {
+            (HostBuf::F32(s), HostBuf::F32(r)) => gather!(s, r),
+            (HostBuf::F64(s), HostBuf::F64(r)) => gather!(s, r),
+            (HostBuf::I64(s), HostBuf::I64(r)) => gather!(s, r),
+            (HostBuf::U32(s), HostBuf::U32(r)) => gather!(s, r),
+            (HostBuf::U8(s), HostBuf::U8(r)) => gather!(s, r),
+            _ => unreachable!("zeros_like keeps the variant"),
+        }
+        let mut dims = t.dims().to_vec();
+        dims[0] = rows.iter().sum::<i64>() as usize;
+        recv.into_tensor(&dims, t.dtype(), t.device())
+    }
+
+    /// Broadcast on the host, after the ranks agree on the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::broadcast`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        const OP: &str = "broadcast";
+        let local = if root >= self.world {
+            Err(format!(
+                "root {root} out of range for world size {}",
+                self.world
+            ))
+        } else {
+            Ok(())
+        };
+        self.agree(
+            OP,
+            Self::descriptor(Op::Broadcast(root), t, t.dims(), root as i64),
+            local,
+        )?;
+        let mut buf = HostBuf::of(t)?;
+        let root_proc = self.comm.process_at_rank(root as i32);
+        with_buf!(&mut buf, v => mpi::request::scope(|scope| {
+            let req = locked(|| root_proc.immediate_broadcast_into(scope, &mut v[..]));
+            self.wait(OP, req);
+        }));
+        buf.into_tensor(t.dims(), t.dtype(), t.device())
+    }
+
+    /// Barrier, after the ranks agree on the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::barrier`]. A timeout aborts the MPI job instead of returning.
+    fn barrier(&self) -> Result<()> {
+        let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
+        self.agree(
+            "barrier",
+            Self::descriptor(Op::Barrier, &token, token.dims(), 0),
+            Ok(()),
+        )?;
+        let req = locked(|| self.comm.immediate_barrier());
+        self.wait("barrier", req);
+        Ok(())
+    }
+
+    /// `MPI_Comm_split`, after the ranks agree on the call and on the validity of their arguments.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::split`]. A timeout aborts the MPI job instead of returning.
+    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
+        const OP: &str = "split";
+        let as_i32 =
+            |what: &str, v: u32| i32::try_from(v).map_err(|_| format!("{what} {v} exceeds i32"));
+        let checked = color
+            .map(|c| as_i32("color", c))
+            .transpose()
+            .and_then(|c| Ok((c, as_i32("key", key)?)));
+        let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
+        // MPI_Comm_split (and the MPI_Comm_dup of the new communicator) block while holding
+        // the process's MPI lock: the agreement first (a polled all-gather, the lock released
+        // between polls, so this process's communication thread keeps progressing), after which
+        // every rank's split returns promptly.
+        self.agree(
+            OP,
+            Self::descriptor(Op::Split, &token, token.dims(), 0),
+            checked.as_ref().map(|_| ()).map_err(Clone::clone),
+        )?;
+        let (color, key) = checked.expect("agreed above: every rank's arguments are valid");
+        let color = color.map_or(Color::undefined(), Color::with_value);
+        let sub = locked(|| self.comm.split_by_color_with_key(color, key));
+        Ok(sub.map(|c| {
+            Arc::new(MpiCollective::new(c, self._env.clone(), self.timeout, true))
+                as Arc<dyn Collective>
+        }))
+    }
+
+    /// [`Collective::all_reduce`] on a duplicate of the communicator, run by this rank's
+    /// communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_async`]: only a communication thread that cannot be started or
+    /// has stopped fails here; the failures of [`Collective::all_reduce`] come from
+    /// [`Pending::wait`].
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        let t = t.clone();
+        self.start(move |c| c.all_reduce(&t, op))
+    }
+
+    /// [`Collective::all_gather`] on a duplicate of the communicator, run by this rank's
+    /// communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_gather_async`]: only a communication thread that cannot be started or
+    /// has stopped fails here; the failures of [`Collective::all_gather`] come from
+    /// [`Pending::wait`].
+    fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
+        let t = t.clone();
+        self.start(move |c| c.all_gather(&t))
+    }
+
+    /// [`Collective::reduce_scatter`] on a duplicate of the communicator, run by this rank's
+    /// communication thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::reduce_scatter_async`]: only a communication thread that cannot be started
+    /// or has stopped fails here; the failures of [`Collective::reduce_scatter`] come from
+    /// [`Pending::wait`].
+    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
+        let t = t.clone();
+        self.start(move |c| c.reduce_scatter(&t, op))
+    }
+}
