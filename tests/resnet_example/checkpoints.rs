@@ -1,0 +1,222 @@
+//! Checkpoints: a round trip, a resume equal to an uninterrupted run bit for bit, and damage
+//! refused.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::model::{Arch, NormKind};
+use crate::*;
+
+#[test]
+fn a_checkpoint_round_trips() {
+    let vm = build(Arch::ResNet20, &NormKind::Bn, 10);
+    train::init_weights(&vm, 3).unwrap();
+    let dir = std::env::temp_dir().join(format!("resnet-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("checkpoint.safetensors");
+    vm.save(&path).unwrap();
+    let mut other = build(Arch::ResNet20, &NormKind::Bn, 10);
+    train::init_weights(&other, 4).unwrap();
+    other.load(&path).unwrap();
+    let (a, b) = (vm.data().lock().unwrap(), other.data().lock().unwrap());
+    assert_eq!(a.len(), b.len());
+    for (k, v) in a.iter() {
+        let d = (v.as_tensor() - b[k].as_tensor())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap();
+        let d = d.max(0).unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(d, 0.0, "{k} differs after loading");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A tiny run writing its outputs to a fresh directory (3 ranks, 50 images: every epoch ends
+/// with a partial batch that leaves rank 2 empty).
+fn tiny_run(
+    dir: &std::path::Path,
+    stop_after: Option<usize>,
+    resume: bool,
+    precision: train::Precision,
+) -> train::Summary {
+    let cfg = train::Config {
+        arch: Arch::ResNet20,
+        world_size: 3,
+        batch_size: 16,
+        image_size: 8,
+        train_size: 50,
+        val_size: 12,
+        epochs: 4,
+        precision,
+        stop_after_epoch: stop_after,
+        out_dir: dir.to_path_buf(),
+        resume: resume.then(|| dir.join("checkpoint.json")),
+        ..Default::default()
+    };
+    train::run(&cfg).unwrap()
+}
+
+fn fresh_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("resnet-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// 4 epochs in one run equal 2 epochs, a resume from the checkpoint, and 2 more, bit for bit:
+/// weights, batch-norm statistics and counters (AdamW's moments and step, the step count
+/// that drives the schedule and augmentation, SyncBatchNorm's shifts and, in f16, the loss
+/// scaler's state all come back).
+#[test]
+fn four_epochs_equal_two_plus_resume_plus_two_bitwise() {
+    for precision in [train::Precision::Full, train::Precision::F16] {
+        resume_bitwise(precision);
+    }
+}
+
+fn resume_bitwise(precision: train::Precision) {
+    let (a, b) = (fresh_dir("straight"), fresh_dir("resumed"));
+    let straight = tiny_run(&a, None, false, precision);
+    tiny_run(&b, Some(2), false, precision);
+    let resumed = tiny_run(&b, None, true, precision);
+    assert_eq!(straight.params.len(), resumed.params.len());
+    for ((name, x), (_, y)) in straight.params.iter().zip(&resumed.params) {
+        let (x, y) = (
+            x.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
+            y.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
+        );
+        let same = x
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .zip(y.to_vec1::<f64>().unwrap())
+            .all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(same, "{precision:?}: {name} differs after resuming");
+    }
+    // The one-line summary is JSON with the run's numbers.
+    let line: serde_json::Value = serde_json::from_str(&resumed.json().unwrap()).unwrap();
+    assert_eq!(line["epochs"], 4);
+    assert_eq!(line["world_size"], 3);
+    assert!(
+        line["val_acc"]
+            .as_f64()
+            .is_some_and(|a| (0.0..=1.0).contains(&a)),
+        "{line}"
+    );
+    let rows = report::read_csv(&b.join("metrics.csv")).unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4],
+        "the CSV is continued"
+    );
+    // The checkpoint pair is the only one left (the older tensor files are removed).
+    let mut files: Vec<String> = std::fs::read_dir(&b)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint"))
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 2, "{files:?}");
+    assert!(
+        files[0].starts_with("checkpoint-e0004-") && files[0].ends_with(".safetensors"),
+        "{files:?}"
+    );
+    assert_eq!(files[1], "checkpoint.json");
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+/// A checkpoint damaged in any way is refused with a message naming the file; a kill in the
+/// middle of writing the next one (its temporary files left behind) still loads the previous.
+#[test]
+fn a_damaged_checkpoint_is_refused() {
+    let dir = fresh_dir("damaged");
+    tiny_run(&dir, Some(1), false, train::Precision::Full);
+    let json = dir.join("checkpoint.json");
+    let (meta, _) = checkpoint::load(&dir, "resnet20").unwrap();
+    let weights = dir.join(&meta.weights);
+    let (json_bytes, weight_bytes) = (
+        std::fs::read(&json).unwrap(),
+        std::fs::read(&weights).unwrap(),
+    );
+    let ok = |what: &str| {
+        checkpoint::load(&dir, "resnet20").unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    };
+    let refused = |what: &str, want: &str| {
+        let err = format!("{:#}", checkpoint::load(&json, "resnet20").unwrap_err());
+        assert!(err.contains(want), "{what}: {err}");
+    };
+    ok("as written");
+    // The JSON: empty, cut anywhere.
+    for cut in [0, 1, json_bytes.len() / 2, json_bytes.len() - 2] {
+        std::fs::write(&json, &json_bytes[..cut]).unwrap();
+        refused(&format!("JSON cut at {cut}"), "checkpoint.json");
+    }
+    std::fs::write(&json, &json_bytes).unwrap();
+    // The tensor file: cut in the header length, the header, the data, the last byte.
+    let header = 8 + u64::from_le_bytes(weight_bytes[..8].try_into().unwrap()) as usize;
+    for cut in [
+        0,
+        4,
+        8,
+        header / 2,
+        header,
+        (header + weight_bytes.len()) / 2,
+        weight_bytes.len() - 1,
+    ] {
+        std::fs::write(&weights, &weight_bytes[..cut]).unwrap();
+        refused(&format!("tensors cut at {cut}"), "truncated or replaced");
+    }
+    // One flipped bit in the data.
+    let mut flipped = weight_bytes.clone();
+    flipped[header + 100] ^= 1;
+    std::fs::write(&weights, &flipped).unwrap();
+    refused("a flipped bit", "corrupt");
+    std::fs::write(&weights, &weight_bytes).unwrap();
+    // Another model, another format, the tensor file instead of the JSON.
+    let err = format!("{:#}", checkpoint::load(&json, "resnet56").unwrap_err());
+    assert!(
+        err.contains("resnet20") && err.contains("resnet56"),
+        "{err}"
+    );
+    let other = String::from_utf8(json_bytes.clone())
+        .unwrap()
+        .replace("\"format\": 1", "\"format\": 9");
+    std::fs::write(&json, other).unwrap();
+    refused("format 9", "format 9");
+    std::fs::write(&json, &json_bytes).unwrap();
+    let err = format!("{:#}", checkpoint::load(&weights, "resnet20").unwrap_err());
+    assert!(err.contains("checkpoint.json"), "{err}");
+    // Killed while writing the next checkpoint: half-written temporary files stay temporary.
+    std::fs::write(
+        dir.join("checkpoint-e0002.safetensors.tmp"),
+        &weight_bytes[..header],
+    )
+    .unwrap();
+    std::fs::write(dir.join("checkpoint.json.tmp"), &json_bytes[..10]).unwrap();
+    ok("with a half-written successor");
+    // Two saves of the same epoch with other contents (a run restarted into the same
+    // directory) use two tensor files: the second never overwrites the file the first JSON
+    // names, so a kill between its tensor file and its JSON leaves the first loadable.
+    let save = |v: f32| {
+        let t = Tensor::new(&[v, 2.0], &Device::Cpu).unwrap();
+        let meta = checkpoint::Meta {
+            format: checkpoint::FORMAT,
+            epoch: 1,
+            step: 4,
+            optimizer_step: 4,
+            scaler: None,
+            model: "resnet20".into(),
+            weights: String::new(),
+            weights_bytes: 0,
+            weights_crc32: 0,
+        };
+        let sub = dir.join("same-epoch");
+        checkpoint::save(&sub, meta, &[("w".to_string(), t)]).unwrap();
+        checkpoint::load(&sub, "resnet20").unwrap().0.weights
+    };
+    let (first, second) = (save(1.0), save(3.0));
+    assert_ne!(first, second, "two contents of epoch 1 share a file name");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
