@@ -224,10 +224,7 @@ pub(crate) fn apply_cuda(
             Aux::of(OP, mean, dev, DType::F64, "mean")?,
             Aux::of(OP, invstd, dev, DType::F64, "invstd")?,
         );
-        let (mean, invstd) = (
-            mean.view::<f64>(OP, "mean")?,
-            invstd.view::<f64>(OP, "invstd")?,
-        );
+        let (mean, invstd) = (mean.view::<f64>("mean")?, invstd.view::<f64>("invstd")?);
         let xv = view::<T>(OP, x.0, x.1, "input")?;
         let zv = z
             .map(|(s, l)| view::<T>(OP, s, l, "residual"))

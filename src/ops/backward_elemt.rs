@@ -233,17 +233,11 @@ fn backward_elemt_cuda(
             .as_ref()
             .map(|w| Aux::of(OP, w, dev, acc, "weight"))
             .transpose()?;
-        let (mean, invstd) = (
-            mean.view::<f64>(OP, "mean")?,
-            invstd.view::<f64>(OP, "invstd")?,
-        );
-        let (sums, count) = (
-            sums.view::<f64>(OP, "sums")?,
-            count.view::<f64>(OP, "count")?,
-        );
+        let (mean, invstd) = (mean.view::<f64>("mean")?, invstd.view::<f64>("invstd")?);
+        let (sums, count) = (sums.view::<f64>("sums")?, count.view::<f64>("count")?);
         let wv = weight
             .as_ref()
-            .map(|w| w.view::<T::Acc>(OP, "weight"))
+            .map(|w| w.view::<T::Acc>("weight"))
             .transpose()?;
         let dyv = view::<T>(OP, dy.0, dy.1, "gradient")?;
         let xv = view::<T>(OP, x.0, x.1, "input")?;

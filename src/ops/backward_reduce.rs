@@ -181,7 +181,7 @@ fn backward_reduce_cuda(
     ) -> Result<CudaStorage> {
         let dev = &x.0.device;
         let mean = Aux::of(OP, mean, dev, candle_core::DType::F64, "mean")?;
-        let mean = mean.view::<f64>(OP, "mean")?;
+        let mean = mean.view::<f64>("mean")?;
         let dyv = view::<T>(OP, dy.0, dy.1, "gradient")?;
         let xv = view::<T>(OP, x.0, x.1, "input")?;
         let yv = y

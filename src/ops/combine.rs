@@ -168,9 +168,9 @@ fn finalize_cuda<R: crate::device::cuda::KernelElem + candle_core::WithDType>(
     let mut out = unsafe { dev.alloc::<f64>(row::ROWS * op.c)? };
     let (mean, var, batches) = match running {
         Some(r) => (
-            Some(r.mean.view::<R>(OP, "running_mean")?),
-            Some(r.var.view::<R>(OP, "running_var")?),
-            Some(r.batches.view::<i64>(OP, "num_batches_tracked")?),
+            Some(r.mean.view::<R>("running_mean")?),
+            Some(r.var.view::<R>("running_var")?),
+            Some(r.batches.view::<i64>("num_batches_tracked")?),
         ),
         None => (None, None, None),
     };

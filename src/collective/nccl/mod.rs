@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaStream};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaDevice, DType, Device, Result, Tensor};
+use candle_core::{CudaDevice, Device, Result, Tensor};
 
 use super::bootstrap::{share_bytes, DistEnv};
 use super::{Collective, CollectiveError, Op, Pending, ReduceOp, DEFAULT_TIMEOUT};

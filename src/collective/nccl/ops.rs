@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::*;
 
@@ -48,7 +48,7 @@ impl Collective for NcclCollective {
     /// [`CollectiveError::Library`] when NCCL rejects the call (which aborts the communicator), or
     /// a CUDA error recording the completion event. A failure after the collective was enqueued (a
     /// timeout, a peer that left) is reported by later calls and by [`Collective::deferred_error`],
-    /// not by this one. The ranks' arguments are not compared (see [`super::Checked`]).
+    /// not by this one. The ranks' arguments are not compared (see [`crate::collective::Checked`]).
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.enqueue(Op::AllReduce(op), t)
     }
@@ -65,9 +65,9 @@ impl Collective for NcclCollective {
     /// the communicator), or a CUDA error recording the completion event. A failure after the
     /// collective was enqueued (a timeout, a peer that left) is reported by later calls and by
     /// [`Collective::deferred_error`], not by this one. The ranks' arguments are not compared (see
-    /// [`super::Checked`]).
+    /// [`crate::collective::Checked`]).
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        super::scatter_rows(t, self.rank, self.world)?;
+        crate::collective::scatter_rows(t, self.rank, self.world)?;
         self.enqueue(Op::ReduceScatter(op), t)
     }
 
@@ -101,7 +101,7 @@ impl Collective for NcclCollective {
     /// the communicator), or a CUDA error recording the completion event. A failure after the
     /// collective was enqueued (a timeout, a peer that left) is reported by later calls and by
     /// [`Collective::deferred_error`], not by this one. The ranks' arguments are not compared (see
-    /// [`super::Checked`]).
+    /// [`crate::collective::Checked`]).
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if root >= self.world {
             return Err(invalid(
@@ -151,7 +151,7 @@ impl Collective for NcclCollective {
     /// before the collective was known complete, or on a CUDA error while making the device's
     /// stream wait for the side stream.
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        super::scatter_rows(t, self.rank, self.world)?;
+        crate::collective::scatter_rows(t, self.rank, self.world)?;
         self.begin(Op::ReduceScatter(op), t, Ok)
     }
 
