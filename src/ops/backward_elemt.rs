@@ -2,10 +2,10 @@
 //! with a residual, `dz = g`, written in one pass.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{self, elementwise, simd_fn, slice, split, Elem, Geometry, Real};
+use super::{acc_dtype, backward_slices, check_device, check_same_shape, per_channel_f64, OP};
+use crate::device::cpu::{self, elementwise, simd_fn, split, Elem, Geometry, Real};
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
 #[derive(Debug, Clone)]
@@ -181,20 +181,8 @@ fn backward_elemt_cpu(
         coef: &ElemtCoef,
         want_dz: bool,
     ) -> Result<CpuStorage> {
-        let y = y.map(|(s, l)| slice::<T>(OP, s, l)).transpose()?;
-        let (d, xs) = (slice::<T>(OP, dy.0, dy.1)?, slice::<T>(OP, x.0, x.1)?);
+        let (d, xs, y) = backward_slices::<T>(dy, x, y)?;
         Ok(T::to_cpu_storage_owned(run(d, xs, y, g, coef, want_dz)))
-    }
-    for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
-        if let Some(s) = s {
-            if s.dtype() != x.0.dtype() {
-                bail!(
-                    "{OP} backward: {what} dtype {:?} differs from input dtype {:?}",
-                    s.dtype(),
-                    x.0.dtype()
-                )
-            }
-        }
     }
     cpu::dispatch!(
         format!("{OP} backward"),

@@ -2,12 +2,10 @@
 //! gradient masked by the fused ReLU (`y > 0`) when there is one.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{
-    self, hsum2, reduce2, simd_fn, slice, split, Elem, Geometry, Real, LANES,
-};
+use super::{backward_slices, check_device, check_same_shape, per_channel_f64, OP};
+use crate::device::cpu::{self, hsum2, reduce2, simd_fn, split, Elem, Geometry, Real, LANES};
 
 /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
 #[inline(always)]
@@ -139,20 +137,8 @@ fn backward_reduce_cpu(
         g: &Geometry,
         mean: &[f64],
     ) -> Result<Vec<f64>> {
-        let y = y.map(|(s, l)| slice::<T>(OP, s, l)).transpose()?;
-        let (d, xs) = (slice::<T>(OP, dy.0, dy.1)?, slice::<T>(OP, x.0, x.1)?);
+        let (d, xs, y) = backward_slices::<T>(dy, x, y)?;
         Ok(run(d, xs, y, g, mean))
-    }
-    for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
-        if let Some(s) = s {
-            if s.dtype() != x.0.dtype() {
-                bail!(
-                    "{OP} backward: {what} dtype {:?} differs from input dtype {:?}",
-                    s.dtype(),
-                    x.0.dtype()
-                )
-            }
-        }
     }
     cpu::dispatch!(format!("{OP} backward"), x.0.dtype(), go(dy, x, y, g, mean))
 }

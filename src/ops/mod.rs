@@ -47,7 +47,10 @@ pub(crate) use apply::apply_cuda;
 pub(crate) use apply::{apply_cpu, ApplyCoef};
 pub(crate) use combine::{finalize, host_count, row, Running};
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor};
+
+use crate::device::cpu::{slice, Elem};
 
 /// Name used in error messages.
 pub(crate) const OP: &str = "sync-batch-norm";
@@ -84,6 +87,30 @@ pub(crate) fn check_device(what: &str, t: &Tensor, dev: &candle_core::Device) ->
         )
     }
     Ok(())
+}
+
+/// The CPU inputs of a backward pass as contiguous slices of `T`: the output gradient `dy`, the
+/// input `x` and, after a fused ReLU, its output `y`. A gradient or ReLU output whose dtype
+/// differs from the input's is an error naming it.
+#[allow(clippy::type_complexity)]
+pub(crate) fn backward_slices<'a, T: Elem>(
+    dy: (&'a CpuStorage, &Layout),
+    x: (&'a CpuStorage, &Layout),
+    y: Option<(&'a CpuStorage, &Layout)>,
+) -> Result<(&'a [T], &'a [T], Option<&'a [T]>)> {
+    for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
+        if let Some(s) = s {
+            if s.dtype() != x.0.dtype() {
+                bail!(
+                    "{OP} backward: {what} dtype {:?} differs from input dtype {:?}",
+                    s.dtype(),
+                    x.0.dtype()
+                )
+            }
+        }
+    }
+    let y = y.map(|(s, l)| slice::<T>(OP, s, l)).transpose()?;
+    Ok((slice::<T>(OP, dy.0, dy.1)?, slice::<T>(OP, x.0, x.1)?, y))
 }
 
 /// Errors unless `t` has shape `dims`.

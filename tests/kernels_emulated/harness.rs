@@ -375,16 +375,8 @@ pub fn reduce(name: &str, case: &Case, inputs: Vec<Arg>, rows: usize, sched: &st
         run(name, &r.launch, args, sched);
         let t = out.tensor();
         if let Some(f) = &first {
-            let same = (f - &t)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap();
             assert_eq!(
-                same.to_scalar::<f64>().unwrap(),
+                crate::common::max_abs_diff(f, &t),
                 0.0,
                 "{name}: a second launch differs"
             );
