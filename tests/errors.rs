@@ -378,3 +378,39 @@ device_tests!(
     eval_issues_no_collective,
     one_value_per_channel_in_the_global_batch_fails_on_every_rank,
 );
+
+/// The CPU backward passes refuse a gradient or ReLU output of another dtype than the input,
+/// naming which (`ops::backward_slices`, shared by both passes).
+#[test]
+fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
+    use candle_distributed::ops::{batch_norm_backward_elemt, batch_norm_backward_reduce};
+    let x = Tensor::randn(0f32, 1.0, (2, 3, 4), &Device::Cpu)?;
+    let dy64 = Tensor::randn(0f64, 1.0, (2, 3, 4), &Device::Cpu)?;
+    let mean = Tensor::new(&[0.1f64, 0.2, 0.3], &Device::Cpu)?;
+    expect_err(
+        batch_norm_backward_reduce(&dy64, &x, &mean, None, false),
+        &["gradient dtype F64 differs from input dtype F32"],
+    );
+    let (invstd, sums, count) = (
+        Tensor::new(&[1.5f64, 2.0, 0.5], &Device::Cpu)?,
+        Tensor::new(&[[0.3f64, 0.1, 0.2], [1.0, 2.0, 3.0]], &Device::Cpu)?,
+        Tensor::new(&[24f64], &Device::Cpu)?,
+    );
+    let dy = x.affine(0.5, 0.25)?;
+    let relu64 = dy64.relu()?;
+    let err = batch_norm_backward_elemt(
+        &dy,
+        &x,
+        &mean,
+        &invstd,
+        None,
+        &sums,
+        &count,
+        Some(&relu64),
+        false,
+        false,
+    )
+    .map(|(dx, _)| dx);
+    expect_err(err, &["relu output dtype F64 differs from input dtype F32"]);
+    Ok(())
+}
