@@ -192,7 +192,8 @@ pub fn write_plot(path: &Path, title: &str, rows: &[EpochMetrics]) -> Result<()>
     crate::checkpoint::write_atomic(path, &png)
 }
 
-/// One panel: `what` of the training and validation sets (`pick`) per epoch, from 0 to `top`.
+/// One panel: `what` of the training and validation sets (`pick`) per epoch, from 0 to `top`,
+/// with its legend in the right-hand corner the curves end away from.
 fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     what: &str,
@@ -240,9 +241,18 @@ fn panel<DB: DrawingBackend>(
             .draw_series(points.map(|p| Circle::new(p, 3, colour.filled())))
             .map_err(|e| anyhow!("{what} panel: {e}"))?;
     }
+    let ends_high = rows.last().is_some_and(|m| {
+        let (t, v) = pick(m);
+        t.max(v) > top / 2.0
+    });
+    let legend = if ends_high {
+        SeriesLabelPosition::LowerRight
+    } else {
+        SeriesLabelPosition::UpperRight
+    };
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(legend)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
