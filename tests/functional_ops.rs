@@ -138,6 +138,16 @@ fn single_channel_and_odd_sizes() {
     check(&[5, 65, 3, 1], &[1, 4], false);
 }
 
+/// Channel counts and plane lengths that are not multiples of the CPU kernels' 16 lanes, over
+/// many of their row sub-blocks: full tiles of channels and the channels left over, whole rows
+/// of lanes and the values left over.
+#[test]
+fn lane_tiles_with_remainders() {
+    check(&[3, 20, 17, 19], &[2, 1], false);
+    check(&[3, 20, 17, 19], &[2, 1], true);
+    check(&[3, 40, 9, 11], &[1, 2], true);
+}
+
 #[test]
 fn half_inputs_give_f64_statistics() -> anyhow::Result<()> {
     let x = randn(1, &[4, 3, 5], 2.0, 1.0);

@@ -5,7 +5,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{self, elementwise, simd_fn, slice, split, Elem, Geometry, Real};
+use std::mem::MaybeUninit;
+
+use crate::device::cpu::{self, elementwise, simd_fn, slice, split, written, Elem, Geometry, Real};
 
 /// Per-channel coefficients of the normalisation, on the host.
 #[derive(Debug, Clone)]
@@ -66,25 +68,25 @@ fn norm<T: Elem, const RELU: bool>(x: T, z: T::R, [h, l, s, b]: [T::R; 4]) -> T 
 fn plane_apply_act<T: Elem, const RELU: bool>(
     x: &[T],
     z: Option<&[T]>,
-    o: &mut [T],
+    o: &mut [MaybeUninit<T>],
     coef: [T::R; 4],
 ) {
     match z {
         None => o
             .iter_mut()
             .zip(x)
-            .for_each(|(o, x)| *o = norm::<T, RELU>(*x, T::R::ZERO, coef)),
+            .for_each(|(o, x)| _ = o.write(norm::<T, RELU>(*x, T::R::ZERO, coef))),
         Some(z) => o
             .iter_mut()
             .zip(x)
             .zip(z)
-            .for_each(|((o, x), z)| *o = norm::<T, RELU>(*x, z.load(), coef)),
+            .for_each(|((o, x), z)| _ = o.write(norm::<T, RELU>(*x, z.load(), coef))),
     }
 }
 
 simd_fn! {
     /// One channels-first segment with its channel's `[mean hi, mean lo, γ·invstd, β]`.
-    fn plane_apply<T: Elem>(x: &[T], z: Option<&[T]>, o: &mut [T], coef: [T::R; 4], relu: bool) -> () {
+    fn plane_apply<T: Elem>(x: &[T], z: Option<&[T]>, o: &mut [MaybeUninit<T>], coef: [T::R; 4], relu: bool) -> () {
         if relu {
             plane_apply_act::<T, true>(x, z, o, coef)
         } else {
@@ -97,7 +99,7 @@ simd_fn! {
 fn rows_apply_act<T: Elem, const RELU: bool>(
     x: &[T],
     z: Option<&[T]>,
-    o: &mut [T],
+    o: &mut [MaybeUninit<T>],
     [h, l, s, b]: [&[T::R]; 4],
 ) {
     let c = h.len();
@@ -113,14 +115,14 @@ fn rows_apply_act<T: Elem, const RELU: bool>(
                 .iter_mut()
                 .zip(x)
                 .zip(coef.clone())
-                .for_each(|((o, x), k)| *o = norm::<T, RELU>(*x, T::R::ZERO, k)),
+                .for_each(|((o, x), k)| _ = o.write(norm::<T, RELU>(*x, T::R::ZERO, k))),
             Some(z) => {
                 let z = &z[r * c..(r + 1) * c];
                 o.iter_mut()
                     .zip(x)
                     .zip(z)
                     .zip(coef.clone())
-                    .for_each(|(((o, x), z), k)| *o = norm::<T, RELU>(*x, z.load(), k))
+                    .for_each(|(((o, x), z), k)| _ = o.write(norm::<T, RELU>(*x, z.load(), k)))
             }
         }
     }
@@ -128,7 +130,7 @@ fn rows_apply_act<T: Elem, const RELU: bool>(
 
 simd_fn! {
     /// Channels-last rows (`rows × C`) with per-channel `[mean hi, mean lo, γ·invstd, β]`.
-    fn rows_apply<T: Elem>(x: &[T], z: Option<&[T]>, o: &mut [T], coef: [&[T::R]; 4], relu: bool) -> () {
+    fn rows_apply<T: Elem>(x: &[T], z: Option<&[T]>, o: &mut [MaybeUninit<T>], coef: [&[T::R]; 4], relu: bool) -> () {
         if relu {
             rows_apply_act::<T, true>(x, z, o, coef)
         } else {
@@ -150,19 +152,18 @@ pub(crate) fn apply_cpu(
         let c = g.c;
         let (mh, ml): (Vec<T::R>, Vec<T::R>) = k.mean.iter().map(|&m| split::<T::R>(m)).unzip();
         let sc: Vec<T::R> = k.scale.iter().map(|&v| T::R::from_f64(v)).collect();
+        type Out<'a, T> = &'a mut [MaybeUninit<T>];
         let be: Vec<T::R> = k.shift.iter().map(|&v| T::R::from_f64(v)).collect();
-        let mut out = vec![T::zero(); x.len()];
-        let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
+        let plane = |ch: usize, lo: usize, hi: usize, o: Out<T>, _: Option<Out<T>>| {
             let coef = [mh[ch], ml[ch], sc[ch], be[ch]];
             plane_apply(&x[lo..hi], z.map(|z| &z[lo..hi]), o, coef, relu)
         };
-        let rows = |lo: usize, hi: usize, o: &mut [T], _: Option<&mut [T]>| {
+        let rows = |lo: usize, hi: usize, o: Out<T>, _: Option<Out<T>>| {
             let span = lo * c..hi * c;
             let coef = [&mh[..], &ml, &sc, &be];
             rows_apply(&x[span.clone()], z.map(|z| &z[span]), o, coef, relu)
         };
-        elementwise(g, &mut out, None, plane, rows);
-        out
+        written(x.len(), |out| elementwise(g, out, None, plane, rows))
     }
     fn go<T: Elem>(
         (xs, xl): (&CpuStorage, &Layout),

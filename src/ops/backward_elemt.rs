@@ -5,7 +5,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{acc_dtype, backward_slices, check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{self, elementwise, simd_fn, split, Elem, Geometry, Real};
+use std::mem::MaybeUninit;
+
+use crate::device::cpu::{self, elementwise, simd_fn, split, written, Elem, Geometry, Real};
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
 #[derive(Debug, Clone)]
@@ -82,8 +84,8 @@ fn dx_of<T: Elem, const MASK: bool>(dy: &T, x: &T, y: &T, [h, l, a, b, k]: [T::R
 #[inline(always)]
 fn span<T: Elem, const MASK: bool>(
     (dy, x, y): (&[T], &[T], &[T]),
-    o: &mut [T],
-    oz: Option<&mut [T]>,
+    o: &mut [MaybeUninit<T>],
+    oz: Option<&mut [MaybeUninit<T>]>,
     coef: impl Iterator<Item = [T::R; 5]>,
 ) {
     let it = dy.iter().zip(x).zip(y).zip(coef);
@@ -91,15 +93,15 @@ fn span<T: Elem, const MASK: bool>(
         None => o
             .iter_mut()
             .zip(it)
-            .for_each(|(o, (((d, x), y), k))| *o = dx_of::<T, MASK>(d, x, y, k).0),
+            .for_each(|(o, (((d, x), y), k))| _ = o.write(dx_of::<T, MASK>(d, x, y, k).0)),
         Some(oz) => {
             o.iter_mut()
                 .zip(oz.iter_mut())
                 .zip(it)
                 .for_each(|((o, oz), (((d, x), y), k))| {
                     let (v, gv) = dx_of::<T, MASK>(d, x, y, k);
-                    *o = v;
-                    *oz = T::store(gv);
+                    o.write(v);
+                    oz.write(T::store(gv));
                 })
         }
     }
@@ -107,7 +109,7 @@ fn span<T: Elem, const MASK: bool>(
 
 simd_fn! {
     /// dx (and dz = g into `oz`) of one channels-first segment with its channel's coefficients.
-    fn plane_elemt<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, o: &mut [T], oz: Option<&mut [T]>, coef: [T::R; 5]) -> () {
+    fn plane_elemt<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, o: &mut [MaybeUninit<T>], oz: Option<&mut [MaybeUninit<T>]>, coef: [T::R; 5]) -> () {
         let k = std::iter::repeat(coef);
         match y {
             None => span::<T, false>((dy, x, dy), o, oz, k),
@@ -118,7 +120,7 @@ simd_fn! {
 
 simd_fn! {
     /// dx (and dz) of channels-last rows (`rows × C`) with per-channel coefficients.
-    fn rows_elemt<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, o: &mut [T], oz: Option<&mut [T]>, coef: [&[T::R]; 5]) -> () {
+    fn rows_elemt<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, o: &mut [MaybeUninit<T>], oz: Option<&mut [MaybeUninit<T>]>, coef: [&[T::R]; 5]) -> () {
         let mut oz = oz;
         let [h, l, a, b, k] = coef;
         let c = h.len();
@@ -157,21 +159,21 @@ fn backward_elemt_cpu(
         let (mh, ml): (Vec<T::R>, Vec<T::R>) = k.mean.iter().map(|&m| split::<T::R>(m)).unzip();
         let cv = |v: &[f64]| -> Vec<T::R> { v.iter().map(|&v| T::R::from_f64(v)).collect() };
         let (ca, cb, ck) = (cv(&k.a), cv(&k.b), cv(&k.k));
-        let mut out = vec![T::zero(); if want_dz { 2 * len } else { len }];
-        let (dx, dz) = out.split_at_mut(len);
-        let dz = if want_dz { Some(dz) } else { None };
-        let plane = |ch: usize, lo: usize, hi: usize, o: &mut [T], oz: Option<&mut [T]>| {
+        type Out<'a, T> = &'a mut [MaybeUninit<T>];
+        let plane = |ch: usize, lo: usize, hi: usize, o: Out<T>, oz: Option<Out<T>>| {
             let r = lo..hi;
             let coef = [mh[ch], ml[ch], ca[ch], cb[ch], ck[ch]];
             plane_elemt(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), o, oz, coef)
         };
-        let rows = |lo: usize, hi: usize, o: &mut [T], oz: Option<&mut [T]>| {
+        let rows = |lo: usize, hi: usize, o: Out<T>, oz: Option<Out<T>>| {
             let r = lo * c..hi * c;
             let coef = [&mh[..], &ml, &ca, &cb, &ck];
             rows_elemt(&dy[r.clone()], &x[r.clone()], y.map(|y| &y[r]), o, oz, coef)
         };
-        elementwise(g, dx, dz, plane, rows);
-        out
+        written(if want_dz { 2 * len } else { len }, |out| {
+            let (dx, dz) = out.split_at_mut(len);
+            elementwise(g, dx, want_dz.then_some(dz), plane, rows)
+        })
     }
     fn go<T: Elem>(
         dy: (&CpuStorage, &Layout),

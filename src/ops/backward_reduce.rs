@@ -5,7 +5,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::{backward_slices, check_device, check_same_shape, per_channel_f64, OP};
-use crate::device::cpu::{self, hsum2, reduce2, simd_fn, split, Elem, Geometry, Real, LANES};
+use crate::device::cpu::{
+    self, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Geometry, Real, Terms, LANES,
+};
 
 /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
 #[inline(always)]
@@ -17,7 +19,36 @@ fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> f64 {
     }
 }
 
-/// Without a mask, `dy` stands in for `y` and is never read as such.
+/// `(g, g·(x − h − l))` of the values of `dy`, `x` and `y`, with per-channel means split into
+/// `h + l`. Without a mask, `dy` stands in for `y` and is never read as such.
+struct Centred<'a, T: Elem, const MASK: bool> {
+    dy: &'a [T],
+    x: &'a [T],
+    y: &'a [T],
+    h: &'a [T::R],
+    l: &'a [T::R],
+}
+
+impl<T: Elem, const MASK: bool> Terms for Centred<'_, T, MASK> {
+    #[inline(always)]
+    fn lanes(&self, i: usize, j: usize) -> ([f64; LANES], [f64; LANES]) {
+        let values = |s: &[T]| -> [T; LANES] { s[i..i + LANES].try_into().expect("LANES values") };
+        let consts =
+            |s: &[T::R]| -> [T::R; LANES] { s[j..j + LANES].try_into().expect("LANES means") };
+        let (dy, x, y) = (values(self.dy), values(self.x), values(self.y));
+        let (h, l) = (consts(self.h), consts(self.l));
+        let g: [f64; LANES] = std::array::from_fn(|k| grad::<T, MASK>(&dy[k], &y[k]));
+        let xc: [f64; LANES] = std::array::from_fn(|k| ((x[k].load() - h[k]) - l[k]).to_f64());
+        (g, std::array::from_fn(|k| g[k] * xc[k]))
+    }
+
+    #[inline(always)]
+    fn one(&self, i: usize, j: usize) -> (f64, f64) {
+        let g = grad::<T, MASK>(&self.dy[i], &self.y[i]);
+        (g, g * ((self.x[i].load() - self.h[j]) - self.l[j]).to_f64())
+    }
+}
+
 #[inline(always)]
 fn plane_reduce_mask<T: Elem, const MASK: bool>(
     dy: &[T],
@@ -26,30 +57,8 @@ fn plane_reduce_mask<T: Elem, const MASK: bool>(
     h: T::R,
     l: T::R,
 ) -> (f64, f64) {
-    let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
-    let (dc, xc, yc) = (
-        dy.chunks_exact(LANES),
-        x.chunks_exact(LANES),
-        y.chunks_exact(LANES),
-    );
-    let tail = dc
-        .remainder()
-        .iter()
-        .zip(xc.remainder())
-        .zip(yc.remainder());
-    for ((dv, xv), yv) in dc.zip(xc).zip(yc) {
-        for i in 0..LANES {
-            let gv = grad::<T, MASK>(&dv[i], &yv[i]);
-            a[i] += gv;
-            b[i] += gv * ((xv[i].load() - h) - l).to_f64();
-        }
-    }
-    for (i, ((dv, xv), yv)) in tail.enumerate() {
-        let gv = grad::<T, MASK>(dv, yv);
-        a[i] += gv;
-        b[i] += gv * ((xv.load() - h) - l).to_f64();
-    }
-    hsum2(a, b)
+    let (h, l) = (&[h; LANES], &[l; LANES]);
+    segment_sums(x.len(), &Centred::<T, MASK> { dy, x, y, h, l })
 }
 
 simd_fn! {
@@ -70,19 +79,12 @@ fn rows_reduce_mask<T: Elem, const MASK: bool>(
     [h, l]: [&[T::R]; 2],
     [a, b]: [&mut [f64]; 2],
 ) {
-    let c = h.len();
-    for ((dr, xr), yr) in dy
-        .chunks_exact(c)
-        .zip(x.chunks_exact(c))
-        .zip(y.chunks_exact(c))
-    {
-        let row = dr.iter().zip(xr).zip(yr).zip(h.iter().zip(l));
-        for ((((dv, xv), yv), (h, l)), (a, b)) in row.zip(a.iter_mut().zip(b.iter_mut())) {
-            let gv = grad::<T, MASK>(dv, yv);
-            *a += gv;
-            *b += gv * ((xv.load() - *h) - *l).to_f64();
-        }
-    }
+    row_sums(
+        x.len() / h.len(),
+        a,
+        b,
+        &Centred::<T, MASK> { dy, x, y, h, l },
+    )
 }
 
 simd_fn! {

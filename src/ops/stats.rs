@@ -7,40 +7,43 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::{per_channel_f64, OP};
-use crate::device::cpu::{self, hsum2, reduce2, simd_fn, slice, Elem, Geometry, Real, LANES};
+use crate::device::cpu::{
+    self, reduce2, row_sums, segment_sums, simd_fn, slice, Elem, Geometry, Real, Terms, LANES,
+};
+
+/// `(x − k, (x − k)²)` of the values of `x`, with per-channel shifts `k`.
+struct Shifted<'a, T> {
+    x: &'a [T],
+    k: &'a [f64],
+}
+
+impl<T: Elem> Terms for Shifted<'_, T> {
+    #[inline(always)]
+    fn lanes(&self, i: usize, j: usize) -> ([f64; LANES], [f64; LANES]) {
+        let v: &[T; LANES] = self.x[i..i + LANES].try_into().expect("LANES values");
+        let k: &[f64; LANES] = self.k[j..j + LANES].try_into().expect("LANES shifts");
+        let d: [f64; LANES] = std::array::from_fn(|l| v[l].load().to_f64() - k[l]);
+        (d, std::array::from_fn(|l| d[l] * d[l]))
+    }
+
+    #[inline(always)]
+    fn one(&self, i: usize, j: usize) -> (f64, f64) {
+        let d = self.x[i].load().to_f64() - self.k[j];
+        (d, d * d)
+    }
+}
 
 simd_fn! {
     /// `(Σ(x − k), Σ(x − k)²)` of one channels-first segment.
     fn plane_stats<T: Elem>(x: &[T], k: f64) -> (f64, f64) {
-        let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
-        let chunks = x.chunks_exact(LANES);
-        let rem = chunks.remainder();
-        for v in chunks {
-            for i in 0..LANES {
-                let d = v[i].load().to_f64() - k;
-                a[i] += d;
-                b[i] += d * d;
-            }
-        }
-        for (i, v) in rem.iter().enumerate() {
-            let d = v.load().to_f64() - k;
-            a[i] += d;
-            b[i] += d * d;
-        }
-        hsum2(a, b)
+        segment_sums(x.len(), &Shifted { x, k: &[k; LANES] })
     }
 }
 
 simd_fn! {
     /// Adds the shifted sums of channels-last rows `x` (`rows × C`) into `a` and `b` (`[C]`).
     fn row_stats<T: Elem>(x: &[T], k: &[f64], a: &mut [f64], b: &mut [f64]) -> () {
-        for row in x.chunks_exact(k.len()) {
-            for (((v, k), a), b) in row.iter().zip(k).zip(a.iter_mut()).zip(b.iter_mut()) {
-                let d = v.load().to_f64() - k;
-                *a += d;
-                *b += d * d;
-            }
-        }
+        row_sums(x.len() / k.len(), a, b, &Shifted { x, k })
     }
 }
 
