@@ -162,3 +162,130 @@ fn half_inputs_give_f64_statistics() -> anyhow::Result<()> {
     assert_close("f16 stats", &s16, &s64, 1e-12);
     Ok(())
 }
+
+/// `batch_norm_elemt_autograd` with `StatsGrad::Synced` on 3 ranks (one of them empty), its
+/// gradients from candle's autograd: y, dx, dz, Σdγ and Σdβ equal the whole-batch f64
+/// reference's; with `StatsGrad::Constant` dx has no statistics term: `dx = γ·invstd·g`.
+#[test]
+fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
+    let (dims, batches, c, eps) = (&[5, 3, 4, 6][..], &[3, 0, 2][..], 3, 1e-5);
+    let x = randn(21, dims, 1.5, 2.0);
+    let dy = randn(22, dims, 0.0, 1.0);
+    let z = randn(23, dims, 0.3, 1.0);
+    let p = Params::random(24, c);
+    for channels_last in [false, true] {
+        let lay = |t: &Tensor| {
+            if channels_last {
+                to_channels_last(t)
+            } else {
+                t.clone()
+            }
+        };
+        let unlay = |t: &Tensor| {
+            if channels_last {
+                to_channels_first(t)
+            } else {
+                t.clone()
+            }
+        };
+        let outs = run_ranks(batches.len(), |comm| {
+            let r = comm.rank();
+            let xv = Var::from_tensor(&lay(&split_batch(&x, batches)[r]))?;
+            let zv = Var::from_tensor(&lay(&split_batch(&z, batches)[r]))?;
+            let dy = lay(&split_batch(&dy, batches)[r]);
+            let wv = Var::new(p.weight.as_slice(), xv.device())?;
+            let bv = Var::new(p.bias.as_slice(), xv.device())?;
+            let shift = Tensor::full(1.0f64, c, xv.device())?;
+            let local = batch_norm_stats(xv.as_tensor(), &shift, channels_last)?;
+            let sums = comm.all_reduce(&local, ReduceOp::Sum)?;
+            let st = batch_norm_gather_stats(&sums, &shift, eps)?;
+            let y = batch_norm_elemt_autograd(
+                xv.as_tensor(),
+                &st.mean,
+                &st.invstd,
+                &st.count,
+                Some((wv.as_tensor(), bv.as_tensor())),
+                Some(zv.as_tensor()),
+                true,
+                channels_last,
+                StatsGrad::Synced(comm.clone()),
+            )?;
+            let g = (&y * &dy)?.sum_all()?.backward()?;
+            let grad = |v: &Var| g.get(v.as_tensor()).cloned().expect("a gradient");
+            Ok((
+                unlay(&y),
+                unlay(&grad(&xv)),
+                unlay(&grad(&zv)),
+                grad(&wv),
+                grad(&bv),
+            ))
+        });
+        let xv = Var::from_tensor(&x)?;
+        let zv = Var::from_tensor(&z)?;
+        let wv = Var::new(p.weight.as_slice(), x.device())?;
+        let bv = Var::new(p.bias.as_slice(), x.device())?;
+        let (y, _, _) = reference_bn(
+            xv.as_tensor(),
+            Some(wv.as_tensor()),
+            Some(bv.as_tensor()),
+            Some(zv.as_tensor()),
+            true,
+            eps,
+        );
+        let g = (&y * &dy)?.sum_all()?.backward()?;
+        let split = |t: &Tensor| split_batch(t, batches);
+        let (ys, dxs, dzs) = (
+            split(&y),
+            split(g.get(xv.as_tensor()).unwrap()),
+            split(g.get(zv.as_tensor()).unwrap()),
+        );
+        let what = if channels_last { "NHWC" } else { "NCHW" };
+        for (r, o) in outs.iter().enumerate() {
+            assert_close(&format!("{what} y rank {r}"), &o.0, &ys[r], TOL);
+            assert_close(&format!("{what} dx rank {r}"), &o.1, &dxs[r], TOL);
+            assert_close(&format!("{what} dz rank {r}"), &o.2, &dzs[r], TOL);
+        }
+        let sum = |i: usize| {
+            outs.iter()
+                .map(|o| if i == 3 { o.3.clone() } else { o.4.clone() })
+                .reduce(|a, b| (a + b).unwrap())
+                .unwrap()
+        };
+        let (gw, gb) = (
+            g.get(wv.as_tensor()).unwrap(),
+            g.get(bv.as_tensor()).unwrap(),
+        );
+        assert_close(&format!("{what} Σ dγ"), &sum(3), gw, TOL * 1e3);
+        assert_close(&format!("{what} Σ dβ"), &sum(4), gb, TOL * 1e3);
+    }
+
+    // Constant statistics: dx = γ·invstd·dy, nothing from the statistics (no ReLU here).
+    let (mean, invstd) = (
+        Tensor::new(&[0.5f64, -1.0, 2.0], x.device())?,
+        Tensor::new(&[1.5f64, 0.25, 2.0], x.device())?,
+    );
+    let count = Tensor::new(&[0f64], x.device())?;
+    let xv = Var::from_tensor(&x)?;
+    let w = Tensor::new(p.weight.as_slice(), x.device())?;
+    let b = Tensor::new(p.bias.as_slice(), x.device())?;
+    let y = batch_norm_elemt_autograd(
+        xv.as_tensor(),
+        &mean,
+        &invstd,
+        &count,
+        Some((&w, &b)),
+        None,
+        false,
+        false,
+        StatsGrad::Constant,
+    )?;
+    let g = (&y * &dy)?.sum_all()?.backward()?;
+    let want = dy.broadcast_mul(&(&w * &invstd)?.reshape((1, c, 1, 1))?)?;
+    assert_close(
+        "constant-statistics dx",
+        g.get(xv.as_tensor()).unwrap(),
+        &want,
+        TOL,
+    );
+    Ok(())
+}

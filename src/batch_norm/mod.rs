@@ -1,7 +1,6 @@
 //! The [`SyncBatchNorm`] layer: batch normalisation whose training statistics cover the global
 //! batch of every rank of a [`Collective`] group.
 
-mod autograd;
 mod config;
 
 pub use config::SyncBatchNormConfig;
@@ -13,8 +12,10 @@ use candle_nn::{Init, ModuleT, VarBuilder};
 
 use crate::collective::{Collective, ReduceOp};
 use crate::device::cpu::Geometry;
-use crate::ops::{acc_dtype, batch_norm_stats, finalize, host_count, row, Running as InPlace, OP};
-use autograd::{identity_params, NormFn};
+use crate::ops::{
+    batch_norm_elemt_autograd, batch_norm_stats, finalize, host_count, row, Running as InPlace,
+    StatsGrad, OP,
+};
 
 /// Running statistics, stored in `Var`s shared with the `VarBuilder`'s `VarMap` (when it has
 /// one), so that saving the `VarMap` saves them under PyTorch's names.
@@ -498,25 +499,23 @@ impl SyncBatchNorm {
         plan: &Plan,
         train: bool,
     ) -> Result<Tensor> {
-        let params = match (&self.weight, &self.bias) {
-            (Some(w), Some(b)) => Tensor::stack(&[w, b], 0)?,
-            _ => identity_params(g.c, x.device())?,
-        }
-        .to_dtype(acc_dtype(x.dtype()))?;
-        let op = NormFn {
-            geometry: *g,
-            mean: plan.mean.clone(),
-            invstd: plan.invstd.clone(),
-            count: plan.count.clone(),
-            batch_stats: train || self.running.is_none(),
-            comm: train.then(|| self.comm.clone()),
-            relu: self.config.fuse_relu,
-            affine: self.config.affine,
+        let stats = match (train, &self.running) {
+            (true, _) => StatsGrad::Synced(self.comm.clone()),
+            (false, None) => StatsGrad::Local,
+            (false, Some(_)) => StatsGrad::Constant,
         };
-        match z {
-            None => x.apply_op2(&params, op),
-            Some(z) => x.apply_op3(&params, &z.contiguous()?, op),
-        }
+        let affine = self.weight.as_ref().zip(self.bias.as_ref());
+        batch_norm_elemt_autograd(
+            x,
+            &plan.mean,
+            &plan.invstd,
+            &plan.count,
+            affine,
+            z,
+            self.config.fuse_relu,
+            g.channels_last,
+            stats,
+        )
     }
 }
 

@@ -15,6 +15,9 @@
 //! dx, dz = batch_norm_backward_elemt(dy, x, mean, invstd, γ, red, n, y?)
 //! ```
 //!
+//! [`batch_norm_elemt_autograd`] is the last line of the forward with the three backward lines
+//! as its gradient, for candle's autograd: what the layer runs after its statistics.
+//!
 //! The ops accept f32, f64, f16 and bf16 inputs (statistics in f64, element-wise arithmetic in
 //! f32 or f64), contiguous or not (non-contiguous inputs are copied first), and run on the CPU
 //! in parallel with results independent of the thread count.
@@ -24,6 +27,7 @@ mod backward_elemt;
 mod backward_reduce;
 mod combine;
 mod max_pool;
+mod normalize;
 mod running;
 mod stats;
 
@@ -32,6 +36,7 @@ pub use backward_elemt::batch_norm_backward_elemt;
 pub use backward_reduce::batch_norm_backward_reduce;
 pub use combine::{batch_norm_gather_stats, BatchStats};
 pub use max_pool::max_pool2d;
+pub use normalize::{batch_norm_elemt_autograd, StatsGrad};
 
 /// The GPU architectures whose machine code the `cuda` build embeds (`sm_XX` as `XX`): 80 and
 /// 90 always, and `CUDA_COMPUTE_CAP` at build time when it named another; the newest of them
@@ -42,9 +47,6 @@ pub fn cuda_archs() -> &'static [u32] {
 }
 pub use stats::batch_norm_stats;
 
-#[cfg(feature = "cuda")]
-pub(crate) use apply::apply_cuda;
-pub(crate) use apply::{apply_cpu, ApplyCoef};
 pub(crate) use combine::{finalize, host_count, row, Running};
 
 use candle_core::backend::BackendStorage;

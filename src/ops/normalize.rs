@@ -1,5 +1,6 @@
-//! The layer's differentiable op: `y = act(γ·(x − mean)·invstd + β + z)` on (x, [γ; β], z),
-//! whose backward performs the cross-rank all-reduce of the gradient sums.
+//! The differentiable normalisation: `y = act(γ·(x − mean)·invstd + β + z)` on (x, [γ; β], z)
+//! as one candle op whose backward performs the cross-rank all-reduce of the gradient sums
+//! ([`batch_norm_elemt_autograd`]; the layer's forward is this op after the statistics).
 //!
 //! The output comes from this op even for an empty local batch, so `loss.backward()` always
 //! reaches its `bwd` and every rank issues the backward collective (candle returns the input
@@ -8,15 +9,128 @@
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+use super::apply::{apply_cpu, ApplyCoef};
+use super::{
+    acc_dtype, batch_norm_backward_elemt, batch_norm_backward_reduce, check_device,
+    check_same_shape, per_channel_f64, OP,
+};
 use crate::collective::{Collective, ReduceOp};
 use crate::device::cpu::{slice, Geometry};
-use crate::ops::{apply_cpu, batch_norm_backward_elemt, batch_norm_backward_reduce, ApplyCoef, OP};
+
+/// What the statistics given to [`batch_norm_elemt_autograd`] are, which decides the gradient
+/// flowing through them.
+#[derive(Debug, Clone)]
+pub enum StatsGrad {
+    /// Global batch statistics of the ranks of this communicator (training): the backward
+    /// all-reduces its `[2, C]` gradient sums over it, on every rank, whatever its batch.
+    Synced(Arc<dyn Collective>),
+    /// Batch statistics of this rank's input alone: their gradient flows into `dx` with no
+    /// collective.
+    Local,
+    /// Constants (running statistics in evaluation): no gradient through them.
+    Constant,
+}
+
+/// The differentiable form of [`super::batch_norm_elemt`]: `y = act(γ·(x − mean)·invstd + β + z)`
+/// whose gradients with respect to `x`, `γ`, `β` and `z` reach candle's autograd. The backward
+/// is [`super::batch_norm_backward_reduce`], with [`StatsGrad::Synced`] one all-reduce of its
+/// `[2, C]` f64 sums, then [`super::batch_norm_backward_elemt`]: what
+/// [`crate::SyncBatchNorm`]'s forward runs after its statistics.
+///
+/// # Arguments
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `mean`, `invstd` - `[C]` (any float dtype, used as f64) on `x`'s device.
+/// * `count` - the global number of values per channel `n` the statistics came from: `[C]`
+///   (or any tensor whose first value is `n`) on `x`'s device; read in the backward only.
+/// * `affine` - `(γ, β)`, each `[C]`, or `None` for 1 and 0 (then no parameter gradient).
+/// * `residual` - `z`, of `x`'s shape, dtype and device, added before the activation.
+/// * `relu` - apply ReLU after the sum (its mask is applied to the incoming gradient).
+/// * `stats` - what `mean` and `invstd` are ([`StatsGrad`]).
+///
+/// Returns `y` of `x`'s shape and dtype.
+///
+/// # Errors
+///
+/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `mean`,
+/// `invstd`, `count`, `γ` or `β` is not on `x`'s device or a per-channel tensor does not hold
+/// `C` values; when `residual` differs from `x` in shape, dtype or device; on a GPU, when a
+/// CUDA allocation or kernel launch fails. The backward fails as the collective does.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_elemt_autograd(
+    x: &Tensor,
+    mean: &Tensor,
+    invstd: &Tensor,
+    count: &Tensor,
+    affine: Option<(&Tensor, &Tensor)>,
+    residual: Option<&Tensor>,
+    relu: bool,
+    channels_last: bool,
+    stats: StatsGrad,
+) -> Result<Tensor> {
+    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let (c, dev) = (geometry.c, x.device());
+    for (what, t) in [("mean", mean), ("invstd", invstd), ("count", count)] {
+        check_device(what, t, dev)?;
+    }
+    if count.elem_count() == 0 {
+        bail!("{OP}: count holds no value (expected the global count n per channel)")
+    }
+    let acc = acc_dtype(x.dtype());
+    let params = match affine {
+        Some((w, b)) => {
+            check_device("weight", w, dev)?;
+            check_device("bias", b, dev)?;
+            for (what, t) in [("weight", w), ("bias", b)] {
+                if t.elem_count() != c {
+                    bail!(
+                        "{OP}: expected {what} with {c} values, got shape {:?}",
+                        t.dims()
+                    )
+                }
+            }
+            Tensor::stack(&[w.flatten_all()?, b.flatten_all()?], 0)?
+        }
+        None => identity_params(c, dev)?,
+    }
+    .to_dtype(acc)?;
+    let (batch_stats, comm) = match stats {
+        StatsGrad::Synced(comm) => (true, Some(comm)),
+        StatsGrad::Local => (true, None),
+        StatsGrad::Constant => (false, None),
+    };
+    let op = NormFn {
+        geometry,
+        mean: per_channel_f64("mean", mean, c)?,
+        invstd: per_channel_f64("invstd", invstd, c)?,
+        count: count.flatten_all()?.to_dtype(DType::F64)?,
+        batch_stats,
+        comm,
+        relu,
+        affine: affine.is_some(),
+    };
+    let x = x.contiguous()?;
+    match residual {
+        None => x.apply_op2(&params, op),
+        Some(z) => {
+            check_same_shape("residual", x.dims(), z)?;
+            check_device("residual", z, dev)?;
+            if z.dtype() != x.dtype() {
+                bail!(
+                    "{OP}: residual dtype {:?} differs from input dtype {:?}",
+                    z.dtype(),
+                    x.dtype()
+                )
+            }
+            x.apply_op3(&params, &z.contiguous()?, op)
+        }
+    }
+}
 
 /// Statistics the forward normalised with, and how the backward must treat them.
 #[derive(Debug, Clone)]
-pub(crate) struct NormFn {
+struct NormFn {
     pub geometry: Geometry,
     /// `[C]` mean, f64 on the input's device.
     pub mean: Tensor,
@@ -67,7 +181,7 @@ impl NormFn {
         params: (&candle_core::CudaStorage, &Layout),
         z: Option<(&candle_core::CudaStorage, &Layout)>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = crate::ops::apply_cuda(
+        let out = super::apply::apply_cuda(
             x,
             z,
             &self.geometry,
@@ -210,7 +324,7 @@ impl CustomOp3 for NormFn {
 }
 
 /// Constant `[1; 0]` parameters for a layer without affine parameters, `[2, C]` f32.
-pub(crate) fn identity_params(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
+fn identity_params(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
     Tensor::stack(
         &[
             Tensor::ones(c, DType::F32, dev)?,
