@@ -11,6 +11,67 @@ use common::*;
 
 const TOL: f64 = 1e-9;
 
+/// Asserts each rank's `[y, dx, dz, dγ, dβ]` against candle's autograd through the f64
+/// reference on the whole batch `inputs = [x, z, dy]` (loss `Σ y·dy`; dγ and dβ summed over
+/// the ranks); returns the reference's biased variance.
+fn assert_matches_reference(
+    what: &str,
+    ranks: &[[Tensor; 5]],
+    [x, z, dy]: [&Tensor; 3],
+    p: &Params,
+    eps: f64,
+    batches: &[usize],
+) -> Tensor {
+    let xv = Var::from_tensor(x).unwrap();
+    let zv = Var::from_tensor(z).unwrap();
+    let wv = Var::new(p.weight.as_slice(), x.device()).unwrap();
+    let bv = Var::new(p.bias.as_slice(), x.device()).unwrap();
+    let (y, _, var) = reference_bn(
+        xv.as_tensor(),
+        Some(wv.as_tensor()),
+        Some(bv.as_tensor()),
+        Some(zv.as_tensor()),
+        true,
+        eps,
+    );
+    let g = (&y * dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let grad = |v: &Var| g.get(v.as_tensor()).unwrap().clone();
+    let split = |t: &Tensor| split_batch(t, batches);
+    let want = [split(&y), split(&grad(&xv)), split(&grad(&zv))];
+    for (r, o) in ranks.iter().enumerate() {
+        for (i, name) in ["y", "dx", "dz"].iter().enumerate() {
+            assert_close(&format!("{what}{name} rank {r}"), &o[i], &want[i][r], TOL);
+        }
+    }
+    for (i, name, v) in [(3, "Σ dγ", &wv), (4, "Σ dβ", &bv)] {
+        let sum = ranks
+            .iter()
+            .map(|o| o[i].clone())
+            .reduce(|a, b| (a + b).unwrap())
+            .unwrap();
+        assert_close(&format!("{what}{name}"), &sum, &grad(v), TOL * 1e3);
+    }
+    var
+}
+
+/// `t` (channels-first) in the layout under test.
+fn layout(t: &Tensor, channels_last: bool) -> Tensor {
+    if channels_last {
+        to_channels_last(t)
+    } else {
+        t.clone()
+    }
+}
+
+/// A tensor of the layout under test back in channels-first order.
+fn channels_first(t: &Tensor, channels_last: bool) -> Tensor {
+    if channels_last {
+        to_channels_first(t)
+    } else {
+        t.clone()
+    }
+}
+
 fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
     let c = dims_cf[1];
     let x = randn(11, dims_cf, 3.0, 2.0);
@@ -18,20 +79,8 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
     let z = randn(13, dims_cf, 0.5, 1.0);
     let p = Params::random(14, c);
     let eps = 1e-5;
-    let lay = |t: &Tensor| {
-        if channels_last {
-            to_channels_last(t)
-        } else {
-            t.clone()
-        }
-    };
-    let unlay = |t: &Tensor| {
-        if channels_last {
-            to_channels_first(t)
-        } else {
-            t.clone()
-        }
-    };
+    let lay = |t: &Tensor| layout(t, channels_last);
+    let unlay = |t: &Tensor| channels_first(t, channels_last);
     let outs = run_ranks(batches.len(), |comm| {
         let r = comm.rank();
         let (x, dy, z) = (
@@ -78,39 +127,11 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
             st.var_unbiased,
         ))
     });
-    // Reference through candle autograd on the whole batch; loss = Σ y·dy.
-    let xv = Var::from_tensor(&x).unwrap();
-    let zv = Var::from_tensor(&z).unwrap();
-    let wv = Var::new(p.weight.as_slice(), x.device()).unwrap();
-    let bv = Var::new(p.bias.as_slice(), x.device()).unwrap();
-    let (y, _, var) = reference_bn(
-        xv.as_tensor(),
-        Some(wv.as_tensor()),
-        Some(bv.as_tensor()),
-        Some(zv.as_tensor()),
-        true,
-        eps,
-    );
-    let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
-    let split = |t: &Tensor| split_batch(t, batches);
-    let (ys, dxs, dzs) = (
-        split(&y),
-        split(g.get(xv.as_tensor()).unwrap()),
-        split(g.get(zv.as_tensor()).unwrap()),
-    );
-    for (r, o) in outs.iter().enumerate() {
-        assert_close(&format!("y rank {r}"), &o.0, &ys[r], TOL);
-        assert_close(&format!("dx rank {r}"), &o.1, &dxs[r], TOL);
-        assert_close(&format!("dz rank {r}"), &o.2, &dzs[r], TOL);
-    }
-    let sum = |i: usize| {
-        outs.iter()
-            .map(|o| if i == 3 { o.3.clone() } else { o.4.clone() })
-            .reduce(|a, b| (a + b).unwrap())
-            .unwrap()
-    };
-    assert_close("Σ dγ", &sum(3), g.get(wv.as_tensor()).unwrap(), TOL * 1e3);
-    assert_close("Σ dβ", &sum(4), g.get(bv.as_tensor()).unwrap(), TOL * 1e3);
+    let ranks: Vec<[Tensor; 5]> = outs
+        .iter()
+        .map(|o| [&o.0, &o.1, &o.2, &o.3, &o.4].map(Tensor::clone))
+        .collect();
+    let var = assert_matches_reference("", &ranks, [&x, &z, &dy], &p, eps, batches);
     let n = (x.elem_count() / c) as f64;
     assert_close(
         "unbiased var",
@@ -165,7 +186,7 @@ fn half_inputs_give_f64_statistics() -> anyhow::Result<()> {
 
 /// `batch_norm_elemt_autograd` with `StatsGrad::Synced` on 3 ranks (one of them empty), its
 /// gradients from candle's autograd: y, dx, dz, Σdγ and Σdβ equal the whole-batch f64
-/// reference's; with `StatsGrad::Constant` dx has no statistics term: `dx = γ·invstd·g`.
+/// reference's.
 #[test]
 fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
     let (dims, batches, c, eps) = (&[5, 3, 4, 6][..], &[3, 0, 2][..], 3, 1e-5);
@@ -174,20 +195,8 @@ fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
     let z = randn(23, dims, 0.3, 1.0);
     let p = Params::random(24, c);
     for channels_last in [false, true] {
-        let lay = |t: &Tensor| {
-            if channels_last {
-                to_channels_last(t)
-            } else {
-                t.clone()
-            }
-        };
-        let unlay = |t: &Tensor| {
-            if channels_last {
-                to_channels_first(t)
-            } else {
-                t.clone()
-            }
-        };
+        let lay = |t: &Tensor| layout(t, channels_last);
+        let unlay = |t: &Tensor| channels_first(t, channels_last);
         let outs = run_ranks(batches.len(), |comm| {
             let r = comm.rank();
             let xv = Var::from_tensor(&lay(&split_batch(&x, batches)[r]))?;
@@ -212,54 +221,28 @@ fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
             )?;
             let g = (&y * &dy)?.sum_all()?.backward()?;
             let grad = |v: &Var| g.get(v.as_tensor()).cloned().expect("a gradient");
-            Ok((
+            Ok([
                 unlay(&y),
                 unlay(&grad(&xv)),
                 unlay(&grad(&zv)),
                 grad(&wv),
                 grad(&bv),
-            ))
+            ])
         });
-        let xv = Var::from_tensor(&x)?;
-        let zv = Var::from_tensor(&z)?;
-        let wv = Var::new(p.weight.as_slice(), x.device())?;
-        let bv = Var::new(p.bias.as_slice(), x.device())?;
-        let (y, _, _) = reference_bn(
-            xv.as_tensor(),
-            Some(wv.as_tensor()),
-            Some(bv.as_tensor()),
-            Some(zv.as_tensor()),
-            true,
-            eps,
-        );
-        let g = (&y * &dy)?.sum_all()?.backward()?;
-        let split = |t: &Tensor| split_batch(t, batches);
-        let (ys, dxs, dzs) = (
-            split(&y),
-            split(g.get(xv.as_tensor()).unwrap()),
-            split(g.get(zv.as_tensor()).unwrap()),
-        );
-        let what = if channels_last { "NHWC" } else { "NCHW" };
-        for (r, o) in outs.iter().enumerate() {
-            assert_close(&format!("{what} y rank {r}"), &o.0, &ys[r], TOL);
-            assert_close(&format!("{what} dx rank {r}"), &o.1, &dxs[r], TOL);
-            assert_close(&format!("{what} dz rank {r}"), &o.2, &dzs[r], TOL);
-        }
-        let sum = |i: usize| {
-            outs.iter()
-                .map(|o| if i == 3 { o.3.clone() } else { o.4.clone() })
-                .reduce(|a, b| (a + b).unwrap())
-                .unwrap()
-        };
-        let (gw, gb) = (
-            g.get(wv.as_tensor()).unwrap(),
-            g.get(bv.as_tensor()).unwrap(),
-        );
-        assert_close(&format!("{what} Σ dγ"), &sum(3), gw, TOL * 1e3);
-        assert_close(&format!("{what} Σ dβ"), &sum(4), gb, TOL * 1e3);
+        let what = if channels_last { "NHWC " } else { "NCHW " };
+        assert_matches_reference(what, &outs, [&x, &z, &dy], &p, eps, batches);
     }
+    Ok(())
+}
 
-    // Constant statistics: dx = γ·invstd·dy, nothing from the statistics (no ReLU here).
+/// `batch_norm_elemt_autograd` with `StatsGrad::Constant` (running statistics): no gradient
+/// through the statistics, `dx = γ·invstd·dy` (no ReLU here).
+#[test]
+fn the_autograd_form_with_constant_statistics() -> anyhow::Result<()> {
+    let (dims, c) = (&[5, 3, 4, 6][..], 3);
+    let x = randn(21, dims, 1.5, 2.0);
+    let dy = randn(22, dims, 0.0, 1.0);
+    let p = Params::random(24, c);
     let (mean, invstd) = (
         Tensor::new(&[0.5f64, -1.0, 2.0], x.device())?,
         Tensor::new(&[1.5f64, 0.25, 2.0], x.device())?,

@@ -151,21 +151,7 @@ pub(super) fn serve(
                     break;
                 }
                 if Instant::now() >= deadline {
-                    let mut missing: Vec<usize> = (1..env.world_size)
-                        .filter(|r| !served.contains(r))
-                        .collect();
-                    missing.truncate(16);
-                    dropped.truncate(4);
-                    bail!(
-                        "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
-                        env.master_addr,
-                        env.master_port,
-                        if dropped.is_empty() {
-                            String::new()
-                        } else {
-                            format!(" (dropped connections: {})", dropped.join("; "))
-                        }
-                    )
+                    return Err(timed_out(env, timeout, &served, &dropped));
                 }
                 if idle {
                     std::thread::sleep(Duration::from_millis(2));
@@ -178,6 +164,31 @@ pub(super) fn serve(
         }
         result
     })
+}
+
+/// Rank 0's error when the deadline passed before every rank was served: the first missing
+/// ranks and dropped connections.
+fn timed_out(
+    env: &DistEnv,
+    timeout: Duration,
+    served: &HashSet<usize>,
+    dropped: &[String],
+) -> candle_core::Error {
+    let missing: Vec<usize> = (1..env.world_size)
+        .filter(|r| !served.contains(r))
+        .take(16)
+        .collect();
+    let dropped = &dropped[..dropped.len().min(4)];
+    candle_core::Error::Msg(format!(
+        "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
+        env.master_addr,
+        env.master_port,
+        if dropped.is_empty() {
+            String::new()
+        } else {
+            format!(" (dropped connections: {})", dropped.join("; "))
+        }
+    ))
 }
 
 /// Answers one client on rank 0; `(id, seq)`: the job identity and this rendezvous' number.
