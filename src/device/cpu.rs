@@ -391,11 +391,7 @@ pub(crate) fn row_sums(rows: usize, a: &mut [f64], b: &mut [f64], t: &impl Terms
 
 /// `(Σu, Σv)` of a channels-first segment of `len` values, summed as rows of [`LANES`] lanes
 /// by [`row_sums`] (`t`'s constants repeated [`LANES`] times), the last `len % LANES` values
-/// into the first lanes.
-///
-/// Through [`row_sums`] rather than with accumulators of its own: the compiler then paired
-/// `a[i]` with `b[i]` in two-lane vectors (to vectorise the two final sums together), at a
-/// third of the speed.
+/// into the first lanes (one loop for both layouts).
 #[inline(always)]
 pub(crate) fn segment_sums(len: usize, t: &impl Terms) -> (f64, f64) {
     let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
