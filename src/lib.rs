@@ -53,11 +53,11 @@ pub mod batch_norm;
 pub mod collective;
 pub mod data_parallel;
 mod device;
-/// The launch configurations of the CUDA kernels in `kernels/`, shared by the CUDA path and the
-/// kernels' emulation tests (`tests/kernels_emulated/`), which is why it is reachable; not part
-/// of the API.
+/// The launch configurations and argument lists of the CUDA kernels in `kernels/`, shared by
+/// the CUDA path and the kernels' emulation tests (`tests/kernels_emulated/`), which is why
+/// they are reachable; not part of the API.
 #[doc(hidden)]
-pub use device::launch;
+pub use device::{args, launch};
 pub mod ops;
 pub mod parallel;
 

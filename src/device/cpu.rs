@@ -161,6 +161,17 @@ impl Geometry {
     pub fn rows(&self) -> bool {
         self.channels_last || self.s == 1
     }
+
+    /// The input as the kernels see it: rows of channels when [`Self::rows`], else planes.
+    #[cfg(feature = "cuda")]
+    pub fn extent(&self) -> super::args::Extent {
+        super::args::Extent {
+            n: self.n,
+            c: self.c,
+            hw: self.s,
+            channels_last: self.rows(),
+        }
+    }
 }
 
 /// The contiguous data of a CPU storage as a slice of `T`.

@@ -1,6 +1,6 @@
 //! The CUDA floor the ops and the NCCL backend stand on (feature `cuda`): the fatbin images compiled from
-//! `kernels/*.cu` by `build.rs` and loaded once per device, kernel lookup by `<root>_<dtype>`
-//! name, launch configurations from [`super::launch`], device views of inputs, and the
+//! `kernels/*.cu` by `build.rs` and loaded once per device, kernel lookup by name, the launch of
+//! a call built by [`super::args`], device views of inputs, and the
 //! persistent arrival counters of the grid-split reductions. Every kernel is enqueued on the
 //! candle device's stream; nothing here waits for the GPU.
 
@@ -9,13 +9,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs,
-    LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+    DeviceSlice, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
+use super::args::{Arg, Buffer, Call};
 use super::launch::Launch;
 
 /// The fatbin of every `kernels/<file>.cu` (`pub const <FILE>: &[u8]`) and `SASS_ARCHS`.
@@ -104,20 +105,8 @@ pub(crate) fn function(dev: &CudaDevice, module: Module, name: &str) -> Result<C
     Ok(f)
 }
 
-/// Entry point `<root>_<dtype>` of a kernel family (another dtype: an error naming `op`).
-pub(crate) fn kernel_name(op: &str, root: &str, dtype: DType) -> Result<String> {
-    let suffix = match dtype {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        d => bail!("{op}: unsupported dtype {d:?} on CUDA (expected f32, f64, f16 or bf16)"),
-    };
-    Ok(format!("{root}_{suffix}"))
-}
-
 /// cudarc's launch configuration of one of our launches.
-pub(crate) fn config(l: Launch) -> LaunchConfig {
+fn config(l: Launch) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
         block_dim: (l.block[0], l.block[1], l.block[2]),
@@ -125,57 +114,72 @@ pub(crate) fn config(l: Launch) -> LaunchConfig {
     }
 }
 
-/// Launches `module`'s entry point `name` on `dev`'s stream with the arguments listed in the
-/// kernel's parameter order: device buffers as `&CudaSlice`/`&CudaView` (outputs `&mut`),
-/// optional ones as `&Opt`/`&mut OptMut`, scalars as references to `i64`/`i32`/`f64`.
-macro_rules! launch_kernel {
-    ($dev:expr, $module:expr, $name:expr, $launch:expr, [$($arg:expr),* $(,)?]) => {{
-        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-        use candle_core::cuda_backend::WrapErr;
-        let func = $crate::device::cuda::function($dev, $module, &$name)?;
-        let stream = $dev.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
-        $(builder.arg($arg);)*
-        // SAFETY: every call site passes exactly the parameters of the `extern "C"` entry point
-        // `$name` in `kernels/*.cu`, in order and with the same types (device pointers for
-        // pointers, i64 for `long long`, i32 for `int`, f64 for `double`); every buffer holds at
-        // least the elements the launch configuration `$launch` makes the kernel touch, which
-        // `device::launch` derives from the same (n, c, hw) the kernel receives.
-        unsafe { builder.launch($crate::device::cuda::config($launch)) }.w()?;
-    }};
+/// The buffers of one launch as [`Buffer`]s for the builders of [`super::args`], holding
+/// cudarc's stream-ordering guards (wait for the buffer's last writer before, record this
+/// launch's use after) until the launch is enqueued.
+pub(crate) struct Buffers<'a> {
+    stream: &'a CudaStream,
+    guards: Vec<SyncOnDrop<'a>>,
 }
-pub(crate) use launch_kernel;
 
-/// A null device pointer, for the optional pointer parameters (`z`, `y`, `params`, `dz`).
-static NULL: u64 = 0;
-
-/// An optional read-only kernel argument: the view's device pointer, or null.
-pub(crate) struct Opt<'v, 'c, T>(pub Option<&'v CudaView<'c, T>>);
-
-// SAFETY: pushes exactly one pointer-sized argument through cudarc's own implementations (the
-// view's, which also records the stream events, or a null `u64` that lives forever).
-unsafe impl<'a, 'b: 'a, 'v: 'a, 'c: 'v, T> PushKernelArg<&'b Opt<'v, 'c, T>> for LaunchArgs<'a> {
-    fn arg(&mut self, arg: &'b Opt<'v, 'c, T>) -> &mut Self {
-        match arg.0 {
-            Some(v) => self.arg(v),
-            None => self.arg(&NULL),
+impl<'a> Buffers<'a> {
+    /// Buffers of a launch on `stream` (the candle device's stream).
+    pub fn on(stream: &'a CudaStream) -> Self {
+        Self {
+            stream,
+            guards: Vec::with_capacity(12),
         }
+    }
+
+    /// A buffer the kernel reads (or, for the layer's running statistics held under a read
+    /// lock, updates in place; see `Running`).
+    pub fn read<T>(&mut self, v: &'a impl DevicePtr<T>) -> Buffer {
+        let len = v.len();
+        let (addr, guard) = v.device_ptr(self.stream);
+        self.guards.push(guard);
+        Buffer { addr, len }
+    }
+
+    /// A buffer the kernel writes.
+    pub fn write<T>(&mut self, v: &'a mut impl DevicePtrMut<T>) -> Buffer {
+        let len = v.len();
+        let (addr, guard) = v.device_ptr_mut(self.stream);
+        self.guards.push(guard);
+        Buffer { addr, len }
     }
 }
 
-/// An optional written kernel argument: the view's device pointer, or null.
-pub(crate) struct OptMut<'v, 'c, T>(pub Option<&'v mut CudaViewMut<'c, T>>);
-
-// SAFETY: as for `Opt`, through cudarc's implementation for mutable views.
-unsafe impl<'a, 'b: 'a, 'v: 'a, 'c: 'v, T> PushKernelArg<&'b mut OptMut<'v, 'c, T>>
-    for LaunchArgs<'a>
-{
-    fn arg(&mut self, arg: &'b mut OptMut<'v, 'c, T>) -> &mut Self {
-        match arg.0.as_mut() {
-            Some(v) => self.arg(&mut **v),
-            None => self.arg(&NULL),
-        }
+/// Enqueues `call` (built by [`super::args`], `None`: nothing to launch) from `module` on the
+/// stream of `buffers`, then releases their guards.
+pub(crate) fn launch(
+    dev: &CudaDevice,
+    module: Module,
+    call: Option<Call>,
+    buffers: Buffers<'_>,
+) -> Result<()> {
+    let Some(call) = call else {
+        return Ok(());
+    };
+    let func = function(dev, module, &call.name)?;
+    let mut builder = buffers.stream.launch_builder(&func);
+    for arg in &call.args {
+        match arg {
+            Arg::Ptr(p) => builder.arg(p),
+            Arg::I64(v) => builder.arg(v),
+            Arg::I32(v) => builder.arg(v),
+            Arg::F64(v) => builder.arg(v),
+        };
     }
+    // SAFETY: `call` comes from the builder of `device::args` for this entry point, which lists
+    // exactly the parameters of the `extern "C"` function `call.name` in `kernels/*.cu`, in
+    // order and with their types (pointers as u64 device addresses, `long long` as i64, `int`
+    // as i32, `double` as f64), after checking that every buffer holds at least the elements
+    // the launch configuration makes the kernel touch; the addresses come from live views whose
+    // guards `buffers` holds until after the launch is enqueued. The emulation tests run the
+    // same lists on the host.
+    unsafe { builder.launch(config(call.launch)) }.w()?;
+    drop(buffers);
+    Ok(())
 }
 
 /// The contiguous elements of a CUDA input as a view (the ops make their inputs contiguous).

@@ -206,9 +206,8 @@ pub(crate) fn apply_cuda(
     params: Option<(&candle_core::CudaStorage, &Layout)>,
     relu: bool,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::cuda::{
-        dispatch, kernel_name, launch_kernel, view, Aux, KernelElem, Module, Opt,
-    };
+    use crate::device::args::Apply;
+    use crate::device::cuda::{dispatch, launch, view, Aux, Buffers, KernelElem, Module};
     use candle_core::CudaStorage;
 
     fn run<T: KernelElem>(
@@ -235,27 +234,19 @@ pub(crate) fn apply_cuda(
             .transpose()?;
         // SAFETY: the kernel writes every element of y.
         let mut y = unsafe { dev.alloc::<T>(g.len())? };
-        let rows = g.rows();
-        let name = kernel_name(
-            OP,
-            if rows {
-                "bn_apply_nhwc"
-            } else {
-                "bn_apply_nchw"
-            },
-            x.0.dtype(),
-        )?;
-        let (n, c, hw, relu) = (g.n as i64, g.c as i64, g.s as i64, i32::from(relu));
-        if let Some(l) = crate::device::launch::elementwise(g.n, g.c, g.s, rows) {
-            let (z, p) = (Opt(zv.as_ref()), Opt(pv.as_ref()));
-            launch_kernel!(
-                dev,
-                Module::Apply,
-                name,
-                l,
-                [&xv, &z, &mean, &invstd, &p, &mut y, &n, &c, &hw, &relu]
-            );
+        let stream = dev.cuda_stream();
+        let mut b = Buffers::on(&stream);
+        let call = Apply {
+            x: b.read(&xv),
+            z: zv.as_ref().map(|v| b.read(v)),
+            mean: b.read(&mean),
+            invstd: b.read(&invstd),
+            params: pv.as_ref().map(|v| b.read(v)),
+            y: b.write(&mut y),
+            relu,
         }
+        .call(OP, x.0.dtype(), &g.extent())?;
+        launch(dev, Module::Apply, call, b)?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     }
     dispatch!(OP, x.0.dtype(), run(x, z, g, mean, invstd, params, relu))

@@ -202,9 +202,8 @@ fn backward_elemt_cuda(
     y: Option<(&candle_core::CudaStorage, &Layout)>,
     op: &BackwardElemtOp,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::cuda::{
-        dispatch, kernel_name, launch_kernel, view, Aux, KernelElem, Module, Opt, OptMut,
-    };
+    use crate::device::args::BackwardElemt;
+    use crate::device::cuda::{dispatch, launch, view, Aux, Buffers, KernelElem, Module};
     use candle_core::CudaStorage;
 
     fn run<T: KernelElem>(
@@ -238,25 +237,24 @@ fn backward_elemt_cuda(
         let len = g.len();
         // SAFETY: the kernel writes every element of dx, and of dz when asked.
         let mut out = unsafe { dev.alloc::<T>(if op.want_dz { 2 * len } else { len })? };
-        let rows = g.rows();
-        let root = if rows {
-            "bn_backward_elemt_nhwc"
-        } else {
-            "bn_backward_elemt_nchw"
-        };
-        let name = kernel_name(OP, root, x.0.dtype())?;
-        let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
-        if let Some(l) = crate::device::launch::elementwise(g.n, g.c, g.s, rows) {
+        {
             let (mut dx, mut dz) = out.split_at_mut(len);
-            let (y, w) = (Opt(yv.as_ref()), Opt(wv.as_ref()));
-            let mut dz = OptMut(op.want_dz.then_some(&mut dz));
-            launch_kernel!(
-                dev,
-                Module::BackwardElemt,
-                name,
-                l,
-                [&dyv, &xv, &y, &mean, &invstd, &w, &sums, &count, &mut dx, &mut dz, &n, &c, &hw]
-            );
+            let stream = dev.cuda_stream();
+            let mut b = Buffers::on(&stream);
+            let call = BackwardElemt {
+                dy: b.read(&dyv),
+                x: b.read(&xv),
+                y: yv.as_ref().map(|v| b.read(v)),
+                mean: b.read(&mean),
+                invstd: b.read(&invstd),
+                weight: wv.as_ref().map(|v| b.read(v)),
+                sums: b.read(&sums),
+                count: b.read(&count),
+                dx: b.write(&mut dx),
+                dz: op.want_dz.then(|| b.write(&mut dz)),
+            }
+            .call(OP, x.0.dtype(), &g.extent())?;
+            launch(dev, Module::BackwardElemt, call, b)?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }

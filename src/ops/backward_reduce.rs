@@ -154,9 +154,9 @@ fn backward_reduce_cuda(
     g: &Geometry,
     mean: &Tensor,
 ) -> Result<candle_core::CudaStorage> {
+    use crate::device::args::{BackwardReduce, Scratch};
     use crate::device::cuda::{
-        dispatch, kernel_name, launch_kernel, view, with_counters, workspace, Aux, KernelElem,
-        Module, Opt,
+        dispatch, launch, view, with_counters, workspace, Aux, Buffers, KernelElem, Module,
     };
     use candle_core::CudaStorage;
 
@@ -177,26 +177,25 @@ fn backward_reduce_cuda(
             .transpose()?;
         // SAFETY: the kernel writes all 2·C values (zeros for an empty batch).
         let mut out = unsafe { dev.alloc::<f64>(2 * g.c)? };
-        let rows = g.rows();
-        let root = if rows {
-            "bn_backward_reduce_nhwc"
-        } else {
-            "bn_backward_reduce_nchw"
-        };
-        let name = kernel_name(OP, root, x.0.dtype())?;
-        let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
-        if let Some(r) = crate::device::launch::reduction(g.n, g.c, g.s, rows) {
+        let e = g.extent();
+        if let Some(r) = e.reduction() {
             let mut work = workspace(dev, r.work_len)?;
+            let stream = dev.cuda_stream();
             with_counters(dev, r.counters, |counters| {
-                let y = Opt(yv.as_ref());
-                launch_kernel!(
-                    dev,
-                    Module::BackwardReduce,
-                    name,
-                    r.launch,
-                    [&dyv, &xv, &y, &mean, &mut out, &mut work, counters, &n, &c, &hw]
-                );
-                Ok(())
+                let mut b = Buffers::on(&stream);
+                let call = BackwardReduce {
+                    dy: b.read(&dyv),
+                    x: b.read(&xv),
+                    y: yv.as_ref().map(|v| b.read(v)),
+                    mean: b.read(&mean),
+                    out: b.write(&mut out),
+                    scratch: Scratch {
+                        work: b.write(&mut work),
+                        counters: b.write(counters),
+                    },
+                }
+                .call(OP, x.0.dtype(), &e)?;
+                launch(dev, Module::BackwardReduce, call, b)
             })?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

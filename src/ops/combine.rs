@@ -158,7 +158,8 @@ fn finalize_cuda<R: crate::device::cuda::KernelElem + candle_core::WithDType>(
     (ks, kl): (&candle_core::CudaStorage, &Layout),
     running: Option<&super::running::RunningAux<'_>>,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>> {
-    use crate::device::cuda::{launch_kernel, view, Module, Opt};
+    use crate::device::args::{Finalize, RunningBuffers};
+    use crate::device::cuda::{launch, view, Buffers, Module};
     let dev = &ss.device;
     let (sums, shift) = (
         view::<f64>(OP, ss, sl, "sums")?,
@@ -166,28 +167,33 @@ fn finalize_cuda<R: crate::device::cuda::KernelElem + candle_core::WithDType>(
     );
     // SAFETY: the kernel writes all ROWS·C values.
     let mut out = unsafe { dev.alloc::<f64>(row::ROWS * op.c)? };
-    let (mean, var, batches) = match running {
-        Some(r) => (
-            Some(r.mean.view::<R>("running_mean")?),
-            Some(r.var.view::<R>("running_var")?),
-            Some(r.batches.view::<i64>("num_batches_tracked")?),
-        ),
-        None => (None, None, None),
+    let running = match running {
+        Some(r) => Some((
+            r.mean.view::<R>("running_mean")?,
+            r.var.view::<R>("running_var")?,
+            r.batches.view::<i64>("num_batches_tracked")?,
+        )),
+        None => None,
     };
-    let (mean, var, batches) = (Opt(mean.as_ref()), Opt(var.as_ref()), Opt(batches.as_ref()));
-    let (momentum, eps, c) = (op.momentum, op.eps, op.c as i64);
-    if let Some(l) = crate::device::launch::finalize(op.c) {
-        // The running statistics are written through their (read-locked) views: device
-        // memory that no Rust reference covers, written only by kernels on this stream (the
-        // layer's variables; see `Running`).
-        launch_kernel!(
-            dev,
-            Module::Stats,
-            crate::device::cuda::kernel_name(OP, "bn_finalize", R::DTYPE)?,
-            l,
-            [&sums, &shift, &mut out, &mean, &var, &batches, &momentum, &eps, &c]
-        );
+    let stream = dev.cuda_stream();
+    let mut b = Buffers::on(&stream);
+    // The running statistics are written through their (read-locked) views: device memory that
+    // no Rust reference covers, written only by kernels on this stream (the layer's variables;
+    // see `Running`).
+    let call = Finalize {
+        sums: b.read(&sums),
+        shift: b.read(&shift),
+        out: b.write(&mut out),
+        running: running.as_ref().map(|(mean, var, batches)| RunningBuffers {
+            mean: b.read(mean),
+            var: b.read(var),
+            batches: b.read(batches),
+        }),
+        momentum: op.momentum,
+        eps: op.eps,
     }
+    .call(OP, R::DTYPE, op.c)?;
+    launch(dev, Module::Stats, call, b)?;
     Ok(out)
 }
 

@@ -135,14 +135,19 @@ impl Pool {
         dx
     }
 
-    /// The kernels' geometry arguments, in their parameter order after the pointers.
+    /// The pooling as the kernels see it.
     #[cfg(feature = "cuda")]
-    fn args(&self) -> ([i64; 5], [i32; 3]) {
-        let l = |v: usize| v as i64;
-        (
-            [l(self.planes), l(self.h), l(self.w), l(self.oh), l(self.ow)],
-            [self.k as i32, self.s as i32, self.p as i32],
-        )
+    fn extent(&self) -> crate::device::args::PoolExtent {
+        crate::device::args::PoolExtent {
+            planes: self.planes,
+            h: self.h,
+            w: self.w,
+            oh: self.oh,
+            ow: self.ow,
+            k: self.k,
+            s: self.s,
+            p: self.p,
+        }
     }
 }
 
@@ -170,26 +175,23 @@ impl CustomOp1 for MaxPoolOp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::device::cuda::{dispatch, kernel_name, launch_kernel, view, KernelElem, Module};
+        use crate::device::args::MaxPoolFwd;
+        use crate::device::cuda::{dispatch, launch, view, Buffers, KernelElem, Module};
         use candle_core::CudaStorage;
 
         fn run<T: KernelElem>(p: &Pool, s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
             let dev = &s.device;
             let x = view::<T>(POOL, s, l, "input")?;
-            let len = p.planes * p.oh * p.ow;
             // SAFETY: the kernel writes every output element.
-            let mut y = unsafe { dev.alloc::<T>(len)? };
-            if let Some(launch) = crate::device::launch::grid_stride(len) {
-                let ([planes, h, w, oh, ow], [k, st, pd]) = p.args();
-                let name = kernel_name(POOL, "max_pool2d_fwd", s.dtype())?;
-                launch_kernel!(
-                    dev,
-                    Module::MaxPool,
-                    name,
-                    launch,
-                    [&x, &mut y, &planes, &h, &w, &oh, &ow, &k, &st, &pd]
-                );
+            let mut y = unsafe { dev.alloc::<T>(p.planes * p.oh * p.ow)? };
+            let stream = dev.cuda_stream();
+            let mut b = Buffers::on(&stream);
+            let call = MaxPoolFwd {
+                x: b.read(&x),
+                y: b.write(&mut y),
             }
+            .call(POOL, s.dtype(), &p.extent())?;
+            launch(dev, Module::MaxPool, call, b)?;
             Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
         let out = dispatch!(POOL, s.dtype(), run(&self.0, s, l))?;
@@ -239,7 +241,8 @@ impl CustomOp2 for MaxPoolBackwardOp {
         dys: &candle_core::CudaStorage,
         dyl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::device::cuda::{dispatch, kernel_name, launch_kernel, view, KernelElem, Module};
+        use crate::device::args::MaxPoolBwd;
+        use crate::device::cuda::{dispatch, launch, view, Buffers, KernelElem, Module};
         use candle_core::CudaStorage;
 
         fn run<T: KernelElem>(
@@ -254,20 +257,17 @@ impl CustomOp2 for MaxPoolBackwardOp {
                 view::<T>(POOL, xs, xl, "input")?,
                 view::<T>(POOL, dys, dyl, "gradient")?,
             );
-            let len = p.planes * p.h * p.w;
             // SAFETY: the kernel writes every element of dx.
-            let mut dx = unsafe { dev.alloc::<T>(len)? };
-            if let Some(launch) = crate::device::launch::grid_stride(len) {
-                let ([planes, h, w, oh, ow], [k, st, pd]) = p.args();
-                let name = kernel_name(POOL, "max_pool2d_bwd", xs.dtype())?;
-                launch_kernel!(
-                    dev,
-                    Module::MaxPool,
-                    name,
-                    launch,
-                    [&x, &dy, &mut dx, &planes, &h, &w, &oh, &ow, &k, &st, &pd]
-                );
+            let mut dx = unsafe { dev.alloc::<T>(p.planes * p.h * p.w)? };
+            let stream = dev.cuda_stream();
+            let mut b = Buffers::on(&stream);
+            let call = MaxPoolBwd {
+                x: b.read(&x),
+                dy: b.read(&dy),
+                dx: b.write(&mut dx),
             }
+            .call(POOL, xs.dtype(), &p.extent())?;
+            launch(dev, Module::MaxPool, call, b)?;
             Ok(CudaStorage::wrap_cuda_slice(dx, dev.clone()))
         }
         let out = dispatch!(POOL, xs.dtype(), run(&self.0, xs, xl, dys, dyl))?;

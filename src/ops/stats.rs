@@ -144,9 +144,8 @@ fn stats_cuda(
     kl: &Layout,
     g: &Geometry,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::cuda::{
-        dispatch, kernel_name, launch_kernel, view, with_counters, workspace, Module,
-    };
+    use crate::device::args::{Scratch, Stats};
+    use crate::device::cuda::{dispatch, launch, view, with_counters, workspace, Buffers, Module};
     use candle_core::cuda_backend::CudaDType;
     use candle_core::CudaStorage;
 
@@ -158,29 +157,27 @@ fn stats_cuda(
         g: &Geometry,
     ) -> Result<CudaStorage> {
         let dev = &xs.device;
-        let rows = g.rows();
-        let root = if rows {
-            "bn_stats_nhwc"
-        } else {
-            "bn_stats_nchw"
-        };
-        let name = kernel_name(OP, root, xs.dtype())?;
         let x = view::<T>(OP, xs, xl, "input")?;
         let shift = view::<f64>(OP, ks, kl, "shift")?;
         // SAFETY: the kernel writes all 3·C values (zeros for an empty batch).
         let mut out = unsafe { dev.alloc::<f64>(3 * g.c)? };
-        let (n, c, hw) = (g.n as i64, g.c as i64, g.s as i64);
-        if let Some(r) = crate::device::launch::reduction(g.n, g.c, g.s, rows) {
+        let e = g.extent();
+        if let Some(r) = e.reduction() {
             let mut work = workspace(dev, r.work_len)?;
+            let stream = dev.cuda_stream();
             with_counters(dev, r.counters, |counters| {
-                launch_kernel!(
-                    dev,
-                    Module::Stats,
-                    name,
-                    r.launch,
-                    [&x, &shift, &mut out, &mut work, counters, &n, &c, &hw]
-                );
-                Ok(())
+                let mut b = Buffers::on(&stream);
+                let call = Stats {
+                    x: b.read(&x),
+                    shift: b.read(&shift),
+                    out: b.write(&mut out),
+                    scratch: Scratch {
+                        work: b.write(&mut work),
+                        counters: b.write(counters),
+                    },
+                }
+                .call(OP, xs.dtype(), &e)?;
+                launch(dev, Module::Stats, call, b)
             })?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))

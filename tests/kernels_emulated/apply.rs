@@ -1,7 +1,7 @@
 //! The emulated kernels of the forward elementwise pass (`bn_apply_*`) against the CPU op.
 
 use candle_core::Tensor;
-use candle_distributed::launch;
+use candle_distributed::args::Apply;
 use candle_distributed::ops;
 
 use crate::common::{assert_close_rel, tol};
@@ -9,7 +9,7 @@ use crate::harness::*;
 
 #[test]
 fn apply_matches_the_cpu_op() {
-    for_each_launch(|dtype, suffix, case, k, sched| {
+    for_each_launch(|dtype, case, k, sched| {
         // Alternate the optional parts across schedules: residual, ReLU, parameters.
         let (residual, relu, affine) = (k != 1, k != 0, k != 2);
         let x = case.data(7, 2.0, dtype);
@@ -33,10 +33,6 @@ fn apply_matches_the_cpu_op() {
             case.cl,
         )
         .unwrap();
-        let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
-            assert_eq!(want.elem_count(), 0);
-            return;
-        };
         let params = Tensor::stack(&[&w, &b], 0).unwrap();
         let (mut xb, mut zb, mut mb, mut ib, mut pb) = (
             Buf::of(&x),
@@ -46,18 +42,21 @@ fn apply_matches_the_cpu_op() {
             Buf::of(&params),
         );
         let mut y = Buf::poisoned(dtype, &case.dims());
-        let mut args = vec![
-            xb.ptr(),
-            if residual { zb.ptr() } else { null() },
-            mb.ptr(),
-            ib.ptr(),
-            if affine { pb.ptr() } else { null() },
-            y.ptr(),
-        ];
-        args.extend(case.sizes());
-        args.push(Arg::I32(relu as i32));
-        let name = format!("bn_apply_{}_{suffix}", layout(case.cl));
-        run(&name, &cfg, args, sched);
+        let apply = Apply {
+            x: xb.buffer(),
+            z: residual.then(|| zb.buffer()),
+            mean: mb.buffer(),
+            invstd: ib.buffer(),
+            params: affine.then(|| pb.buffer()),
+            y: y.buffer(),
+            relu,
+        };
+        let Some(call) = apply.call("test", dtype, &case.extent()).unwrap() else {
+            assert_eq!(want.elem_count(), 0);
+            return;
+        };
+        run(&call, sched);
+        let name = &call.name;
         assert_close_rel(
             &format!("{name} {case:?} {sched}"),
             &y.tensor(),

@@ -1,7 +1,7 @@
 //! The emulated kernels of the backward reduction and elementwise passes (`bn_backward_reduce_*`, `bn_backward_elemt_*`) against the CPU op.
 
 use candle_core::{Device, Tensor};
-use candle_distributed::launch;
+use candle_distributed::args::{BackwardElemt, BackwardReduce};
 use candle_distributed::ops;
 
 use crate::common::{assert_close_rel, tol};
@@ -9,7 +9,7 @@ use crate::harness::*;
 
 #[test]
 fn backward_reduce_matches_the_cpu_op() {
-    for_each_launch(|dtype, suffix, case, k, sched| {
+    for_each_launch(|dtype, case, k, sched| {
         let relu = k != 1;
         let dy = case.data(13, 0.0, dtype);
         let x = case.data(14, 1.0, dtype);
@@ -20,14 +20,17 @@ fn backward_reduce_matches_the_cpu_op() {
             ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl).unwrap();
         let (mut db, mut xb, mut yb, mut mb) =
             (Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean));
-        let inputs = vec![
-            db.ptr(),
-            xb.ptr(),
-            if relu { yb.ptr() } else { null() },
-            mb.ptr(),
-        ];
-        let name = format!("bn_backward_reduce_{}_{suffix}", layout(case.cl));
-        let got = reduce(&name, &case, inputs, 2, sched);
+        let (name, got) = reduce(&case, 2, sched, |out, scratch| {
+            let reduce = BackwardReduce {
+                dy: db.buffer(),
+                x: xb.buffer(),
+                y: relu.then(|| yb.buffer()),
+                mean: mb.buffer(),
+                out,
+                scratch,
+            };
+            reduce.call("test", dtype, &case.extent()).unwrap().unwrap()
+        });
         assert_close_rel(
             &format!("{name} {case:?} {sched}"),
             &got,
@@ -39,7 +42,7 @@ fn backward_reduce_matches_the_cpu_op() {
 
 #[test]
 fn backward_elemt_matches_the_cpu_op() {
-    for_each_launch(|dtype, suffix, case, k, sched| {
+    for_each_launch(|dtype, case, k, sched| {
         let (relu, want_dz, affine) = (k != 1, k != 2, k != 0);
         let dy = case.data(16, 0.0, dtype);
         let x = case.data(17, 1.0, dtype);
@@ -72,10 +75,6 @@ fn backward_elemt_matches_the_cpu_op() {
             case.cl,
         )
         .unwrap();
-        let Some(cfg) = launch::elementwise(case.n, case.c, case.hw, case.cl) else {
-            assert_eq!(dx_want.elem_count(), 0);
-            return;
-        };
         let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
             Buf::of(&dy),
             Buf::of(&x),
@@ -88,21 +87,24 @@ fn backward_elemt_matches_the_cpu_op() {
         );
         let mut dx = Buf::poisoned(dtype, &case.dims());
         let mut dz = Buf::poisoned(dtype, &case.dims());
-        let mut args = vec![
-            db.ptr(),
-            xb.ptr(),
-            if relu { yb.ptr() } else { null() },
-            mb.ptr(),
-            ib.ptr(),
-            if affine { wb.ptr() } else { null() },
-            sb.ptr(),
-            cb.ptr(),
-            dx.ptr(),
-            if want_dz { dz.ptr() } else { null() },
-        ];
-        args.extend(case.sizes());
-        let name = format!("bn_backward_elemt_{}_{suffix}", layout(case.cl));
-        run(&name, &cfg, args, sched);
+        let elemt = BackwardElemt {
+            dy: db.buffer(),
+            x: xb.buffer(),
+            y: relu.then(|| yb.buffer()),
+            mean: mb.buffer(),
+            invstd: ib.buffer(),
+            weight: affine.then(|| wb.buffer()),
+            sums: sb.buffer(),
+            count: cb.buffer(),
+            dx: dx.buffer(),
+            dz: want_dz.then(|| dz.buffer()),
+        };
+        let Some(call) = elemt.call("test", dtype, &case.extent()).unwrap() else {
+            assert_eq!(dx_want.elem_count(), 0);
+            return;
+        };
+        run(&call, sched);
+        let name = &call.name;
         let what = format!("{name} {case:?} {sched}");
         assert_close_rel(
             &format!("{what} dx"),

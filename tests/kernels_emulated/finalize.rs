@@ -1,17 +1,17 @@
 //! The emulated kernels of finalize (`bn_finalize_*`) against the CPU op.
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::launch;
+use candle_distributed::args::{Finalize, RunningBuffers};
 use candle_distributed::ops;
 
 use crate::common::assert_close_rel;
 use crate::harness::*;
 
-/// Launches `bn_finalize_<suffix>` on sums `[3, C]` and shift `[C]` (f64), with the running
+/// Launches `bn_finalize_<dtype>` on sums `[3, C]` and shift `[C]` (f64), with the running
 /// mean, variance and `num_batches_tracked` buffers when given (null pointers otherwise);
 /// returns the output rows `[10, C]`.
 fn finalize(
-    suffix: &str,
+    dtype: DType,
     sums: &Tensor,
     shift: &Tensor,
     running: Option<(&mut Buf, &mut Buf, &mut Buf)>,
@@ -22,14 +22,19 @@ fn finalize(
     let c = shift.elem_count();
     let (mut sb, mut kb) = (Buf::of(sums), Buf::of(shift));
     let mut out = Buf::poisoned(DType::F64, &[10, c]);
-    let mut args = vec![sb.ptr(), kb.ptr(), out.ptr()];
-    match running {
-        Some((m, v, b)) => args.extend([m.ptr(), v.ptr(), b.ptr()]),
-        None => args.extend([null(), null(), null()]),
-    }
-    args.extend([Arg::F64(momentum), Arg::F64(eps), Arg::I64(c as i64)]);
-    let name = format!("bn_finalize_{suffix}");
-    run(&name, &launch::finalize(c).unwrap(), args, sched);
+    let f = Finalize {
+        sums: sb.buffer(),
+        shift: kb.buffer(),
+        out: out.buffer(),
+        running: running.map(|(m, v, b)| RunningBuffers {
+            mean: m.buffer(),
+            var: v.buffer(),
+            batches: b.buffer(),
+        }),
+        momentum,
+        eps,
+    };
+    run(&f.call("test", dtype, c).unwrap().unwrap(), sched);
     out.tensor()
 }
 
@@ -55,7 +60,7 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
         let x = case.data(3, 7.0, DType::F64);
         let shift = per_channel(c, 4, 6.5, 7.5);
         let sums = ops::batch_norm_stats(&x, &shift, false).unwrap();
-        let got = finalize("f64", &sums, &shift, None, momentum, eps, "random:3");
+        let got = finalize(DType::F64, &sums, &shift, None, momentum, eps, "random:3");
         let row = |i: usize| got.get(i).unwrap();
         let count = (n * hw) as f64;
         assert_close_rel(
@@ -116,7 +121,7 @@ fn finalize_holds_a_non_finite_channel() {
     )
     .unwrap();
     let shift = Tensor::new(&[1.5f64, -2.0, 0.25], &Device::Cpu).unwrap();
-    let got = finalize("f64", &sums, &shift, None, momentum, eps, "random:3")
+    let got = finalize(DType::F64, &sums, &shift, None, momentum, eps, "random:3")
         .to_vec2::<f64>()
         .unwrap();
     let (mean0, unbiased0) = (1.5 + 3.0 / 12.0, (40.0 - 3.0 * 3.0 / 12.0) / 11.0);
@@ -166,7 +171,7 @@ fn finalize_updates_the_running_statistics_in_place() {
         let mut bb = Buf::of(&Tensor::new(&[41i64], &Device::Cpu).unwrap());
         let name = format!("bn_finalize_{suffix}");
         let running = Some((&mut mb, &mut vb, &mut bb));
-        let rows = finalize(suffix, &sums, &shift, running, momentum, eps, "random:5")
+        let rows = finalize(dtype, &sums, &shift, running, momentum, eps, "random:5")
             .to_vec2::<f64>()
             .unwrap();
         let as_f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::launch::{self, Launch};
+use candle_distributed::args::{Arg, Buffer, Call, Extent, Scratch};
 use rand::{Rng, SeedableRng};
 
 /// Orders in which the emulator resumes a block's threads between barriers.
@@ -88,34 +88,32 @@ pub fn emu() -> &'static Emu {
     })
 }
 
-/// One kernel argument, held where the emulator can read it (as cuLaunchKernel takes them).
-#[derive(Clone, Copy)]
-pub enum Arg {
-    Ptr(*mut c_void),
-    I64(i64),
-    I32(i32),
-    F64(f64),
-}
-
-impl Arg {
-    pub fn addr(&mut self) -> *mut c_void {
-        match self {
-            Arg::Ptr(p) => p as *mut *mut c_void as *mut c_void,
-            Arg::I64(v) => v as *mut i64 as *mut c_void,
-            Arg::I32(v) => v as *mut i32 as *mut c_void,
-            Arg::F64(v) => v as *mut f64 as *mut c_void,
-        }
+/// Where the emulator reads one argument from (as cuLaunchKernel takes them: the address of
+/// each parameter's value).
+fn addr(arg: &mut Arg) -> *mut c_void {
+    match arg {
+        Arg::Ptr(p) => p as *mut u64 as *mut c_void,
+        Arg::I64(v) => v as *mut i64 as *mut c_void,
+        Arg::I32(v) => v as *mut i32 as *mut c_void,
+        Arg::F64(v) => v as *mut f64 as *mut c_void,
     }
 }
 
-pub fn run(name: &str, cfg: &Launch, mut args: Vec<Arg>, schedule: &str) {
+/// Runs `call`, as built by `candle_distributed::args` for the CUDA path, under `schedule`.
+pub fn run(call: &Call, schedule: &str) {
     let e = emu();
-    let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(Arg::addr).collect();
-    let (cname, csched) = (CString::new(name).unwrap(), CString::new(schedule).unwrap());
+    let name = &call.name;
+    let mut args = call.args.clone();
+    let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(addr).collect();
+    let (cname, csched) = (
+        CString::new(name.as_str()).unwrap(),
+        CString::new(schedule).unwrap(),
+    );
+    let cfg = &call.launch;
     let mut err = vec![0 as c_char; 1024];
     // SAFETY: `emu_launch` has the signature of `LaunchFn` (tests/emu/emu.cpp); the argument
-    // pointers point at live values of the kernel's parameter types, and every buffer pointer
-    // covers the extent the kernel's documented shapes give it.
+    // pointers point at live values of the kernel's parameter types (the list the CUDA path
+    // launches), and every buffer holds what the launch touches (checked by the builder).
     let rc = unsafe {
         let f: libloading::Symbol<LaunchFn> = e.lib.get(b"emu_launch").unwrap();
         f(
@@ -228,25 +226,24 @@ impl Buf {
         }
     }
 
-    /// The buffer's address. Buffers of 16 bytes or more come from malloc, 16-byte aligned on
-    /// our platforms, so the kernels' 16-byte paths run; asserted, so that they cannot silently
-    /// fall back to the scalar path.
-    pub fn ptr(&mut self) -> Arg {
+    /// The buffer as a kernel receives it: its address and its length in elements. Buffers of
+    /// 16 bytes or more come from malloc, 16-byte aligned on our platforms, so the kernels'
+    /// 16-byte paths run; asserted, so that they cannot silently fall back to the scalar path.
+    pub fn buffer(&mut self) -> Buffer {
         let p = self.bytes.as_mut_ptr();
         assert!(
             self.bytes.len() < 16 || (p as usize).is_multiple_of(16),
             "test buffer not 16-byte aligned"
         );
-        Arg::Ptr(p as *mut c_void)
+        Buffer {
+            addr: p as u64,
+            len: self.bytes.len() / self.dtype.size_in_bytes(),
+        }
     }
 
     pub fn tensor(&self) -> Tensor {
         Tensor::from_raw_buffer(&self.bytes, self.dtype, &self.dims, &Device::Cpu).unwrap()
     }
-}
-
-pub fn null() -> Arg {
-    Arg::Ptr(std::ptr::null_mut())
 }
 
 // ------------------------------------------------------------------------------ inputs
@@ -269,12 +266,14 @@ impl Case {
         }
     }
 
-    pub fn sizes(&self) -> [Arg; 3] {
-        [
-            Arg::I64(self.n as i64),
-            Arg::I64(self.c as i64),
-            Arg::I64(self.hw as i64),
-        ]
+    /// The case as the kernels see it.
+    pub fn extent(&self) -> Extent {
+        Extent {
+            n: self.n,
+            c: self.c,
+            hw: self.hw,
+            channels_last: self.cl,
+        }
     }
 
     /// Seeded values of mean `mean` and spread about 1, rounded to `dtype`.
@@ -341,14 +340,6 @@ pub fn per_channel(c: usize, seed: u64, lo: f64, hi: f64) -> Tensor {
     Tensor::from_vec(v, c, &Device::Cpu).unwrap()
 }
 
-pub fn layout(cl: bool) -> &'static str {
-    if cl {
-        "nhwc"
-    } else {
-        "nchw"
-    }
-}
-
 /// The dtype of the per-channel parameters the kernels take (f64 for f64 inputs, else f32).
 pub fn acc(dtype: DType) -> DType {
     if dtype == DType::F64 {
@@ -360,43 +351,52 @@ pub fn acc(dtype: DType) -> DType {
 
 // ------------------------------------------------------------------------------ the tests
 
-/// Runs a reduction kernel twice on the same counters (they must be left at zero) and returns
-/// its output.
-pub fn reduce(name: &str, case: &Case, inputs: Vec<Arg>, rows: usize, sched: &str) -> Tensor {
-    let r = launch::reduction(case.n, case.c, case.hw, case.cl).unwrap();
+/// Runs the reduction `call(out, scratch)` builds twice on the same counters (they must be
+/// left at zero) and returns its name and output `[rows, C]`.
+pub fn reduce(
+    case: &Case,
+    rows: usize,
+    sched: &str,
+    mut call: impl FnMut(Buffer, Scratch) -> Call,
+) -> (String, Tensor) {
+    let r = case.extent().reduction().unwrap();
     let mut counters = Buf::zeros_u32(r.counters);
     let mut work = Buf::poisoned(DType::F64, &[r.work_len.max(1)]);
-    let mut first = None;
+    let mut first: Option<(String, Tensor)> = None;
     for _ in 0..2 {
         let mut out = Buf::poisoned(DType::F64, &[rows, case.c]);
-        let mut args = inputs.clone();
-        args.extend([out.ptr(), work.ptr(), counters.ptr()]);
-        args.extend(case.sizes());
-        run(name, &r.launch, args, sched);
+        let scratch = Scratch {
+            work: work.buffer(),
+            counters: counters.buffer(),
+        };
+        let c = call(out.buffer(), scratch);
+        run(&c, sched);
         let t = out.tensor();
-        if let Some(f) = &first {
+        if let Some((_, f)) = &first {
             assert_eq!(
                 crate::common::max_abs_diff(f, &t),
                 0.0,
-                "{name}: a second launch differs"
+                "{}: a second launch differs",
+                c.name
             );
         }
-        first = Some(t);
+        first = Some((c.name, t));
     }
+    let (name, out) = first.unwrap();
     assert!(
         counters.bytes.iter().all(|&b| b == 0),
         "{name}: counters not reset"
     );
-    first.unwrap()
+    (name, out)
 }
 
-/// Runs `body(dtype, suffix, case, k, schedule)` for every dtype, test shape and schedule
-/// (`k` indexes the schedule, used to vary the optional parts of a kernel across launches).
-pub fn for_each_launch(mut body: impl FnMut(DType, &str, Case, usize, &str)) {
-    for (dtype, suffix) in DTYPES {
+/// Runs `body(dtype, case, k, schedule)` for every dtype, test shape and schedule (`k` indexes
+/// the schedule, used to vary the optional parts of a kernel across launches).
+pub fn for_each_launch(mut body: impl FnMut(DType, Case, usize, &str)) {
+    for (dtype, _) in DTYPES {
         for case in cases() {
             for (k, sched) in SCHEDULES.iter().enumerate() {
-                body(dtype, suffix, case, k, sched);
+                body(dtype, case, k, sched);
             }
         }
     }

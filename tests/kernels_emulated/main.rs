@@ -1,7 +1,8 @@
 //! The CUDA kernels of `kernels/*.cu`, compiled unchanged by g++ against the emulator in
-//! `tests/emu/`, launched by name with the launch configurations of
-//! `candle_distributed::launch` and compared with the CPU ops on the same inputs, under the
-//! three thread orders of the emulator (forward, reverse, random). Needs g++ only; no CUDA.
+//! `tests/emu/`, launched with the calls the CUDA path makes (entry point, launch configuration
+//! and argument list from `candle_distributed::args`, buffer sizes checked there) and compared
+//! with the CPU ops on the same inputs, under the three thread orders of the emulator
+//! (forward, reverse, random). Needs g++ only; no CUDA.
 
 //!
 //! `harness.rs`: the emulator, device buffers, the test shapes and the launch loop; one file per

@@ -1,7 +1,7 @@
 //! The emulated kernels of max pooling (`max_pool2d_fwd_*`, `max_pool2d_bwd_*`) against the CPU op.
 
 use candle_core::{Device, Tensor};
-use candle_distributed::launch;
+use candle_distributed::args::{Call, MaxPoolBwd, MaxPoolFwd, PoolExtent};
 use candle_distributed::ops;
 
 use crate::common::assert_close_rel;
@@ -33,7 +33,7 @@ fn max_pool_matches_the_cpu_op() {
             )
             .unwrap()
         };
-        for (dtype, suffix) in DTYPES {
+        for (dtype, _) in DTYPES {
             let x = grid(&dims).to_dtype(dtype).unwrap();
             let dy = (grid(&odims) * 0.25).unwrap().to_dtype(dtype).unwrap();
             let xv = candle_core::Var::from_tensor(&x).unwrap();
@@ -45,40 +45,52 @@ fn max_pool_matches_the_cpu_op() {
                 .backward()
                 .unwrap();
             let dx_cpu = g.get(xv.as_tensor()).unwrap().clone();
-            // (planes, h, w, oh, ow) as long long, then (k, s, p) as int.
-            let geometry = || {
-                [dims[0] * dims[1], dims[2], dims[3], oh, ow]
-                    .map(|v| Arg::I64(v as i64))
-                    .into_iter()
-                    .chain([k, s, p].map(|v| Arg::I32(v as i32)))
-            };
-            // The launch the CUDA path makes, and one block that must loop over everything.
-            let one_block = |total: usize| {
-                launch::grid_stride(total).map(|mut l| {
-                    l.grid = [1, 1, 1];
-                    l
-                })
+            let e = PoolExtent {
+                planes: dims[0] * dims[1],
+                h: dims[2],
+                w: dims[3],
+                oh,
+                ow,
+                k,
+                s,
+                p,
             };
             for sched in SCHEDULES {
-                for grid in [launch::grid_stride, one_block] {
+                for grid in [as_built as fn(Call) -> Call, one_block] {
                     let (mut xb, mut dyb) = (Buf::of(&x), Buf::of(&dy));
                     let mut yb = Buf::poisoned(dtype, &odims);
                     let mut dxb = Buf::poisoned(dtype, &dims);
                     let what = format!("{dims:?} (k, s, p) = {:?} {dtype:?} {sched}", (k, s, p));
-                    if let Some(l) = grid(odims.iter().product()) {
-                        let mut args = vec![xb.ptr(), yb.ptr()];
-                        args.extend(geometry());
-                        run(&format!("max_pool2d_fwd_{suffix}"), &l, args, sched);
+                    let fwd = MaxPoolFwd {
+                        x: xb.buffer(),
+                        y: yb.buffer(),
+                    };
+                    if let Some(call) = fwd.call("test", dtype, &e).unwrap() {
+                        run(&grid(call), sched);
                         assert_close_rel(&format!("forward {what}"), &yb.tensor(), &y_cpu, 0.0);
                     }
-                    if let Some(l) = grid(dims.iter().product()) {
-                        let mut args = vec![xb.ptr(), dyb.ptr(), dxb.ptr()];
-                        args.extend(geometry());
-                        run(&format!("max_pool2d_bwd_{suffix}"), &l, args, sched);
+                    let bwd = MaxPoolBwd {
+                        x: xb.buffer(),
+                        dy: dyb.buffer(),
+                        dx: dxb.buffer(),
+                    };
+                    if let Some(call) = bwd.call("test", dtype, &e).unwrap() {
+                        run(&grid(call), sched);
                         assert_close_rel(&format!("backward {what}"), &dxb.tensor(), &dx_cpu, 0.0);
                     }
                 }
             }
         }
     }
+}
+
+/// The launch the CUDA path makes.
+fn as_built(call: Call) -> Call {
+    call
+}
+
+/// The same launch in one block, which must loop over everything.
+fn one_block(mut call: Call) -> Call {
+    call.launch.grid = [1, 1, 1];
+    call
 }
