@@ -18,7 +18,8 @@ use candle_distributed::ops::{
 };
 use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 
 const SHAPES: [[usize; 4]; 3] = [[32, 64, 32, 32], [64, 256, 14, 14], [8, 32, 112, 112]];
 
@@ -38,96 +39,117 @@ fn bench(c: &mut Criterion) {
         rayon::current_num_threads()
     );
     let comm: Arc<dyn Collective> = ThreadGroup::new(1).unwrap().remove(0);
-    let dev = Device::Cpu;
-    for [n, ch, h, w] in SHAPES {
+    for shape in SHAPES {
         for channels_last in [false, true] {
-            let layout = if channels_last { "nhwc" } else { "nchw" };
-            let mut group = c.benchmark_group(format!("{n}x{ch}x{h}x{w}/{layout}"));
-            let dims: Vec<usize> = if channels_last {
-                vec![n, h, w, ch]
-            } else {
-                vec![n, ch, h, w]
-            };
-            let bytes = (n * ch * h * w * 4) as u64;
-            let x = Tensor::randn(1f32, 2f32, dims.as_slice(), &dev).unwrap();
-            let dy = Tensor::randn(0f32, 1f32, dims.as_slice(), &dev).unwrap();
-            let vm = VarMap::new();
-            let cfg = SyncBatchNormConfig {
-                channels_last,
-                ..Default::default()
-            };
-            let bn = sync_batch_norm(
-                ch,
-                cfg,
-                VarBuilder::from_varmap(&vm, DType::F32, &dev),
-                comm.clone(),
-            )
-            .unwrap();
-
-            group.throughput(Throughput::Bytes(3 * bytes));
-            group.bench_function("syncbn_forward", |b| {
-                b.iter(|| bn.forward_t(&x, true).unwrap())
-            });
-
-            let shift = Tensor::zeros(ch, DType::F64, &dev).unwrap();
-            let sums = batch_norm_stats(&x, &shift, channels_last).unwrap();
-            let st = batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
-            let weight = Tensor::ones(ch, DType::F32, &dev).unwrap();
-            group.throughput(Throughput::Bytes(5 * bytes));
-            group.bench_function("syncbn_backward_ops", |b| {
-                b.iter(|| {
-                    let red =
-                        batch_norm_backward_reduce(&dy, &x, &st.mean, None, channels_last).unwrap();
-                    batch_norm_backward_elemt(
-                        &dy,
-                        &x,
-                        &st.mean,
-                        &st.invstd,
-                        Some(&weight),
-                        &red,
-                        &st.count,
-                        None,
-                        false,
-                        channels_last,
-                    )
-                    .unwrap()
-                })
-            });
-
-            let xv = Var::from_tensor(&x).unwrap();
-            group.throughput(Throughput::Bytes(8 * bytes));
-            group.bench_function("syncbn_forward_backward_autograd", |b| {
-                b.iter(|| {
-                    bn.forward_t(xv.as_tensor(), true)
-                        .unwrap()
-                        .backward()
-                        .unwrap()
-                })
-            });
-
-            if !channels_last {
-                let vm = VarMap::new();
-                let reference =
-                    candle_nn::batch_norm(ch, 1e-5, VarBuilder::from_varmap(&vm, DType::F32, &dev))
-                        .unwrap();
-                group.throughput(Throughput::Bytes(3 * bytes));
-                group.bench_function("candle_nn_forward", |b| {
-                    b.iter(|| reference.forward_t(&x, true).unwrap())
-                });
-                group.throughput(Throughput::Bytes(8 * bytes));
-                group.bench_function("candle_nn_forward_backward_autograd", |b| {
-                    b.iter(|| {
-                        reference
-                            .forward_t(xv.as_tensor(), true)
-                            .unwrap()
-                            .backward()
-                            .unwrap()
-                    })
-                });
-            }
-            group.finish();
+            bench_shape(c, &comm, shape, channels_last);
         }
     }
+}
+
+/// The layer's forward, the two backward ops and forward + backward through autograd on one
+/// shape; candle-nn's BatchNorm beside them in NCHW (it has no channels-last form).
+fn bench_shape(
+    c: &mut Criterion,
+    comm: &Arc<dyn Collective>,
+    [n, ch, h, w]: [usize; 4],
+    channels_last: bool,
+) {
+    let dev = Device::Cpu;
+    let layout = if channels_last { "nhwc" } else { "nchw" };
+    let mut group = c.benchmark_group(format!("{n}x{ch}x{h}x{w}/{layout}"));
+    let dims: Vec<usize> = if channels_last {
+        vec![n, h, w, ch]
+    } else {
+        vec![n, ch, h, w]
+    };
+    let bytes = (n * ch * h * w * 4) as u64;
+    let x = Tensor::randn(1f32, 2f32, dims.as_slice(), &dev).unwrap();
+    let dy = Tensor::randn(0f32, 1f32, dims.as_slice(), &dev).unwrap();
+    let vm = VarMap::new();
+    let cfg = SyncBatchNormConfig {
+        channels_last,
+        ..Default::default()
+    };
+    let bn = sync_batch_norm(
+        ch,
+        cfg,
+        VarBuilder::from_varmap(&vm, DType::F32, &dev),
+        comm.clone(),
+    )
+    .unwrap();
+
+    group.throughput(Throughput::Bytes(3 * bytes));
+    group.bench_function("syncbn_forward", |b| {
+        b.iter(|| bn.forward_t(&x, true).unwrap())
+    });
+
+    let shift = Tensor::zeros(ch, DType::F64, &dev).unwrap();
+    let sums = batch_norm_stats(&x, &shift, channels_last).unwrap();
+    let st = batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
+    let weight = Tensor::ones(ch, DType::F32, &dev).unwrap();
+    group.throughput(Throughput::Bytes(5 * bytes));
+    group.bench_function("syncbn_backward_ops", |b| {
+        b.iter(|| {
+            let red = batch_norm_backward_reduce(&dy, &x, &st.mean, None, channels_last).unwrap();
+            batch_norm_backward_elemt(
+                &dy,
+                &x,
+                &st.mean,
+                &st.invstd,
+                Some(&weight),
+                &red,
+                &st.count,
+                None,
+                false,
+                channels_last,
+            )
+            .unwrap()
+        })
+    });
+
+    let xv = Var::from_tensor(&x).unwrap();
+    group.throughput(Throughput::Bytes(8 * bytes));
+    group.bench_function("syncbn_forward_backward_autograd", |b| {
+        b.iter(|| {
+            bn.forward_t(xv.as_tensor(), true)
+                .unwrap()
+                .backward()
+                .unwrap()
+        })
+    });
+
+    if !channels_last {
+        bench_candle_nn(&mut group, ch, &x, &xv, bytes);
+    }
+    group.finish();
+}
+
+/// candle-nn's BatchNorm (training mode): forward, and forward + backward through autograd.
+fn bench_candle_nn(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    ch: usize,
+    x: &Tensor,
+    xv: &Var,
+    bytes: u64,
+) {
+    let dev = Device::Cpu;
+    let vm = VarMap::new();
+    let reference =
+        candle_nn::batch_norm(ch, 1e-5, VarBuilder::from_varmap(&vm, DType::F32, &dev)).unwrap();
+    group.throughput(Throughput::Bytes(3 * bytes));
+    group.bench_function("candle_nn_forward", |b| {
+        b.iter(|| reference.forward_t(x, true).unwrap())
+    });
+    group.throughput(Throughput::Bytes(8 * bytes));
+    group.bench_function("candle_nn_forward_backward_autograd", |b| {
+        b.iter(|| {
+            reference
+                .forward_t(xv.as_tensor(), true)
+                .unwrap()
+                .backward()
+                .unwrap()
+        })
+    });
 }
 
 criterion_group! {

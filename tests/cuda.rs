@@ -45,119 +45,73 @@ fn functional_ops_match_the_cpu() {
     for dtype in DTYPES {
         for (k, dims) in SHAPES.iter().enumerate() {
             for cl in [false, true] {
-                let c = if cl { dims[dims.len() - 1] } else { dims[1] };
-                let what = format!("{dtype:?} {dims:?} channels_last={cl}");
-                let seed = 100 * k as u64;
-                let x = randn(seed, dims, 3.0, 2.0).to_dtype(dtype).unwrap();
-                let z = randn(seed + 1, dims, 0.0, 1.0).to_dtype(dtype).unwrap();
-                let dy = randn(seed + 2, dims, 0.0, 1.0).to_dtype(dtype).unwrap();
-                let shift = randn(seed + 3, &[c], 3.0, 0.5);
-                let w = randn(seed + 4, &[c], 1.0, 0.25);
-                let b = randn(seed + 5, &[c], 0.0, 0.25);
-                let t = tol::gpu_vs_cpu(dtype);
-
-                let sums = ops::batch_norm_stats(&x, &shift, cl).unwrap();
-                let sums_gpu = ops::batch_norm_stats(&on(&x, &dev), &on(&shift, &dev), cl).unwrap();
-                assert_close_rel(&format!("stats {what}"), &sums_gpu, &sums, t);
-                if sums
-                    .get(0)
-                    .unwrap()
-                    .get(0)
-                    .unwrap()
-                    .to_scalar::<f64>()
-                    .unwrap()
-                    <= 1.0
-                {
-                    continue;
-                }
-                let st = ops::batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
-                let st_gpu =
-                    ops::batch_norm_gather_stats(&on(&sums, &dev), &on(&shift, &dev), 1e-5)
-                        .unwrap();
-                assert_close_rel(
-                    &format!("gather mean {what}"),
-                    &st_gpu.mean,
-                    &st.mean,
-                    1e-12,
-                );
-                assert_close_rel(
-                    &format!("gather invstd {what}"),
-                    &st_gpu.invstd,
-                    &st.invstd,
-                    1e-12,
-                );
-
-                let y = ops::batch_norm_elemt(
-                    &x,
-                    &st.mean,
-                    &st.invstd,
-                    Some(&w),
-                    Some(&b),
-                    Some(&z),
-                    true,
-                    cl,
-                )
-                .unwrap();
-                let y_gpu = ops::batch_norm_elemt(
-                    &on(&x, &dev),
-                    &on(&st.mean, &dev),
-                    &on(&st.invstd, &dev),
-                    Some(&on(&w, &dev)),
-                    Some(&on(&b, &dev)),
-                    Some(&on(&z, &dev)),
-                    true,
-                    cl,
-                )
-                .unwrap();
-                assert_close_rel(&format!("elemt {what}"), &y_gpu, &y, t);
-
-                let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), cl).unwrap();
-                let red_gpu = ops::batch_norm_backward_reduce(
-                    &on(&dy, &dev),
-                    &on(&x, &dev),
-                    &on(&st.mean, &dev),
-                    Some(&on(&y, &dev)),
-                    cl,
-                )
-                .unwrap();
-                assert_close_rel(&format!("backward_reduce {what}"), &red_gpu, &red, t);
-
-                let (dx, dz) = ops::batch_norm_backward_elemt(
-                    &dy,
-                    &x,
-                    &st.mean,
-                    &st.invstd,
-                    Some(&w),
-                    &red,
-                    &st.count,
-                    Some(&y),
-                    true,
-                    cl,
-                )
-                .unwrap();
-                let (dx_gpu, dz_gpu) = ops::batch_norm_backward_elemt(
-                    &on(&dy, &dev),
-                    &on(&x, &dev),
-                    &on(&st.mean, &dev),
-                    &on(&st.invstd, &dev),
-                    Some(&on(&w, &dev)),
-                    &on(&red, &dev),
-                    &on(&st.count, &dev),
-                    Some(&on(&y, &dev)),
-                    true,
-                    cl,
-                )
-                .unwrap();
-                assert_close_rel(&format!("backward_elemt dx {what}"), &dx_gpu, &dx, t);
-                assert_close_rel(
-                    &format!("backward_elemt dz {what}"),
-                    &dz_gpu.unwrap(),
-                    &dz.unwrap(),
-                    t,
-                );
+                ops_match_on(&dev, dtype, dims, cl, 100 * k as u64);
             }
         }
     }
+}
+
+/// `f` on the CPU and on `dev` (each moving the CPU's inputs to its device), compared with
+/// tolerance `t`; returns the CPU's result, the input of the next op on both sides.
+fn on_both(what: &str, dev: &Device, t: f64, f: impl Fn(&Device) -> Tensor) -> Tensor {
+    let want = f(&Device::Cpu);
+    assert_close_rel(what, &f(dev), &want, t);
+    want
+}
+
+/// Statistics, gather, apply and both backward passes of one shape on `dev` against the CPU.
+fn ops_match_on(dev: &Device, dtype: DType, dims: &[usize], cl: bool, seed: u64) {
+    let c = if cl { dims[dims.len() - 1] } else { dims[1] };
+    let what = format!("{dtype:?} {dims:?} channels_last={cl}");
+    let x = randn(seed, dims, 3.0, 2.0).to_dtype(dtype).unwrap();
+    let z = randn(seed + 1, dims, 0.0, 1.0).to_dtype(dtype).unwrap();
+    let dy = randn(seed + 2, dims, 0.0, 1.0).to_dtype(dtype).unwrap();
+    let shift = randn(seed + 3, &[c], 3.0, 0.5);
+    let w = randn(seed + 4, &[c], 1.0, 0.25);
+    let b = randn(seed + 5, &[c], 0.0, 0.25);
+    let t = tol::gpu_vs_cpu(dtype);
+    let sums = on_both(&format!("stats {what}"), dev, t, |d| {
+        ops::batch_norm_stats(&on(&x, d), &on(&shift, d), cl).unwrap()
+    });
+    let count = sums.get(0).unwrap().get(0).unwrap();
+    if count.to_scalar::<f64>().unwrap() <= 1.0 {
+        return;
+    }
+    let gather = |d: &Device| ops::batch_norm_gather_stats(&on(&sums, d), &on(&shift, d), 1e-5);
+    let (st, st_gpu) = (gather(&Device::Cpu).unwrap(), gather(dev).unwrap());
+    assert_close_rel(
+        &format!("gather mean {what}"),
+        &st_gpu.mean,
+        &st.mean,
+        1e-12,
+    );
+    assert_close_rel(
+        &format!("gather invstd {what}"),
+        &st_gpu.invstd,
+        &st.invstd,
+        1e-12,
+    );
+    let (mean, invstd) = (&st.mean, &st.invstd);
+    let y = on_both(&format!("elemt {what}"), dev, t, |d| {
+        let (w, b, z) = (on(&w, d), on(&b, d), on(&z, d));
+        let (m, i) = (on(mean, d), on(invstd, d));
+        ops::batch_norm_elemt(&on(&x, d), &m, &i, Some(&w), Some(&b), Some(&z), true, cl).unwrap()
+    });
+    let red = on_both(&format!("backward_reduce {what}"), dev, t, |d| {
+        let (dy, x, m, y) = (on(&dy, d), on(&x, d), on(mean, d), on(&y, d));
+        ops::batch_norm_backward_reduce(&dy, &x, &m, Some(&y), cl).unwrap()
+    });
+    let elemt = |d: &Device| {
+        let (dy, x, y, w) = (on(&dy, d), on(&x, d), on(&y, d), on(&w, d));
+        let (m, i, red, n) = (on(mean, d), on(invstd, d), on(&red, d), on(&st.count, d));
+        let (dx, dz) =
+            ops::batch_norm_backward_elemt(&dy, &x, &m, &i, Some(&w), &red, &n, Some(&y), true, cl)
+                .unwrap();
+        (dx, dz.unwrap())
+    };
+    let ((dx, dz), (dx_gpu, dz_gpu)) = (elemt(&Device::Cpu), elemt(dev));
+    assert_close_rel(&format!("backward_elemt dx {what}"), &dx_gpu, &dx, t);
+    assert_close_rel(&format!("backward_elemt dz {what}"), &dz_gpu, &dz, t);
 }
 
 /// A layer on `dev` with parameters γ, β given by `seed`, over `comm`.

@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_distributed::collective::{Collective, Pending, ReduceOp};
 use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
 use candle_nn::{
@@ -300,6 +300,30 @@ fn different_models_fail_on_every_rank(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A trainable variable that is not one of `all` (here on rank 1 only: a variable outside the
+/// model) would never be broadcast: an error on every rank, naming it where it is.
+fn a_stray_trainable_variable_fails_on_every_rank(dev: &Device) -> anyhow::Result<()> {
+    let errs = run_ranks_on(2, dev, |comm| {
+        let all = vec![("w".to_string(), Var::ones(3, DType::F32, dev)?)];
+        let mut trainable = all.clone();
+        if comm.rank() == 1 {
+            trainable.push(("w".to_string(), Var::ones(3, DType::F32, dev)?));
+        }
+        Ok(DataParallel::from_vars(all, trainable, comm.clone())
+            .unwrap_err()
+            .to_string())
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(
+            e.contains("every trainable variable must be one of `all`")
+                && e.contains("on rank(s) [1]"),
+            "{e}"
+        );
+        assert_eq!(e.contains(r#"here: ["w"]"#), rank == 1, "{e}");
+    }
+    Ok(())
+}
+
 /// Replicas start from rank 0's weights on every device: the broadcast and the model check
 /// travel on the variables' device (NCCL takes nothing else).
 fn replicas_start_from_rank_0(dev: &Device) -> anyhow::Result<()> {
@@ -409,5 +433,6 @@ device_tests!(
     small_buckets_give_the_same_steps,
     a_missing_gradient_counts_as_zero,
     different_models_fail_on_every_rank,
+    a_stray_trainable_variable_fails_on_every_rank,
     replicas_start_from_rank_0,
 );

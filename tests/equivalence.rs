@@ -62,15 +62,29 @@ fn step_data(case: &Case, step: usize) -> (Tensor, Tensor, Tensor) {
 
 fn run_case(case: &Case, dev: &Device) {
     let params = Params::random(7, case.c);
+    let eval_x = randn(999, &case.dims(case.batches.iter().sum()), 1.0, 2.0);
+    let outs = run_ranks(case, &params, &eval_x, dev);
+    // Reference: one process, concatenated batch.
+    let reference = Reference::new(case, &params);
+    let (rm, rv) = check_steps(case, &reference, &outs);
+    if case.config.track_running_stats {
+        check_running(&outs, &rm, &rv);
+        check_eval_with_running(case, &params, &eval_x, &outs, (&rm, &rv));
+    } else {
+        check_eval_with_local(case, &reference, &eval_x, &outs);
+    }
+}
+
+/// The layer on `case.batches.len()` ranks for `STEPS` training steps, then one eval step on
+/// `eval_x`: each rank's outputs, gradients and state.
+fn run_ranks(case: &Case, params: &Params, eval_x: &Tensor, dev: &Device) -> Vec<RankOut> {
     let world = case.batches.len();
     let cl = case.config.channels_last;
     let to_layout = |t: &Tensor| if cl { to_channels_last(t) } else { t.clone() };
     let from_layout = |t: &Tensor| if cl { to_channels_first(t) } else { t.clone() };
-    let eval_x = randn(999, &case.dims(case.batches.iter().sum()), 1.0, 2.0);
-
-    let outs = run_ranks_on(world, dev, |comm| {
+    run_ranks_on(world, dev, |comm| {
         let r = comm.rank();
-        let (bn, vm) = layer(case.c, case.config, comm, Some(&params), DType::F64, dev);
+        let (bn, vm) = layer(case.c, case.config, comm, Some(params), DType::F64, dev);
         let mut ys = Vec::new();
         let mut last = None;
         for step in 0..STEPS {
@@ -97,7 +111,7 @@ fn run_case(case: &Case, dev: &Device) {
         } else {
             None
         };
-        let x_eval = on(dev, &to_layout(&split_batch(&eval_x, &case.batches)[r]));
+        let x_eval = on(dev, &to_layout(&split_batch(eval_x, &case.batches)[r]));
         let z_eval = on(
             dev,
             &to_layout(&split_batch(&step_data(case, 0).1, &case.batches)[r]),
@@ -130,17 +144,40 @@ fn run_case(case: &Case, dev: &Device) {
             num_batches: bn.num_batches_tracked(),
             eval_y: from_layout(&cpu(&eval_y)),
         })
-    });
+    })
+}
 
-    // Reference: one process, concatenated batch.
+/// The single-process reference's parameters (variables, for their gradients).
+struct Reference {
+    w: Var,
+    b: Var,
+    affine: bool,
+}
+
+impl Reference {
+    fn new(case: &Case, params: &Params) -> Self {
+        Self {
+            w: Var::new(params.weight.as_slice(), &candle_core::Device::Cpu).unwrap(),
+            b: Var::new(params.bias.as_slice(), &candle_core::Device::Cpu).unwrap(),
+            affine: case.config.affine,
+        }
+    }
+
+    fn wt_bt(&self) -> (Option<&Tensor>, Option<&Tensor>) {
+        if self.affine {
+            (Some(self.w.as_tensor()), Some(self.b.as_tensor()))
+        } else {
+            (None, None)
+        }
+    }
+}
+
+/// Every training step's outputs, then the last step's gradients, against the reference on
+/// the concatenated batch; returns the reference's running mean and variance.
+fn check_steps(case: &Case, reference: &Reference, outs: &[RankOut]) -> (Vec<f64>, Vec<f64>) {
     let eps = case.config.eps;
-    let w = Var::new(params.weight.as_slice(), &candle_core::Device::Cpu).unwrap();
-    let b = Var::new(params.bias.as_slice(), &candle_core::Device::Cpu).unwrap();
-    let (wt, bt) = if case.config.affine {
-        (Some(w.as_tensor()), Some(b.as_tensor()))
-    } else {
-        (None, None)
-    };
+    let (wt, bt) = reference.wt_bt();
+    let (w, b) = (&reference.w, &reference.b);
     let relu = case.config.fuse_relu;
     let (mut rm, mut rv) = (vec![0.0; case.c], vec![1.0; case.c]);
     for step in 0..STEPS {
@@ -155,7 +192,7 @@ fn run_case(case: &Case, dev: &Device) {
             relu,
             eps,
         );
-        for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(&outs).enumerate() {
+        for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(outs).enumerate() {
             assert_close(
                 &format!("output, step {step}, rank {r}"),
                 &out.y[step],
@@ -207,79 +244,97 @@ fn run_case(case: &Case, dev: &Device) {
             );
         }
     }
-    if case.config.track_running_stats {
-        for (r, out) in outs.iter().enumerate() {
-            let (m, v) = out.running.as_ref().unwrap();
-            assert_eq!(
-                out.num_batches, STEPS as u64,
-                "num_batches_tracked on rank {r}"
-            );
-            let t = |v: &Vec<f64>| Tensor::new(v.as_slice(), &candle_core::Device::Cpu).unwrap();
-            assert_close(&format!("running_mean rank {r}"), &t(m), &t(&rm), tol::F64);
-            assert_close(&format!("running_var rank {r}"), &t(v), &t(&rv), tol::F64);
-            // Every rank holds bitwise the same running statistics.
-            assert_eq!(
-                out.running, outs[0].running,
-                "running stats of rank {r} differ from rank 0"
-            );
-        }
-        // Eval: normalise with the running statistics, no communication.
-        let bshape: Vec<usize> = (0..eval_x.rank())
-            .map(|i| if i == 1 { case.c } else { 1 })
-            .collect();
-        let col = |v: &[f64]| {
-            Tensor::new(v, &candle_core::Device::Cpu)
-                .unwrap()
-                .reshape(bshape.as_slice())
-                .unwrap()
-        };
-        let sd: Vec<f64> = rv.iter().map(|v| (v + eps).sqrt()).collect();
-        let mut y = eval_x
-            .broadcast_sub(&col(&rm))
+    (rm, rv)
+}
+
+/// Running statistics and `num_batches_tracked` on every rank: the reference's, bitwise the
+/// same on every rank.
+fn check_running(outs: &[RankOut], rm: &[f64], rv: &[f64]) {
+    for (r, out) in outs.iter().enumerate() {
+        let (m, v) = out.running.as_ref().unwrap();
+        assert_eq!(
+            out.num_batches, STEPS as u64,
+            "num_batches_tracked on rank {r}"
+        );
+        let t = |v: &[f64]| Tensor::new(v, &candle_core::Device::Cpu).unwrap();
+        assert_close(&format!("running_mean rank {r}"), &t(m), &t(rm), tol::F64);
+        assert_close(&format!("running_var rank {r}"), &t(v), &t(rv), tol::F64);
+        // Every rank holds bitwise the same running statistics.
+        assert_eq!(
+            out.running, outs[0].running,
+            "running stats of rank {r} differ from rank 0"
+        );
+    }
+}
+
+/// Eval with running statistics: normalised with them, no communication.
+fn check_eval_with_running(
+    case: &Case,
+    params: &Params,
+    eval_x: &Tensor,
+    outs: &[RankOut],
+    (rm, rv): (&[f64], &[f64]),
+) {
+    let (eps, relu) = (case.config.eps, case.config.fuse_relu);
+    let bshape: Vec<usize> = (0..eval_x.rank())
+        .map(|i| if i == 1 { case.c } else { 1 })
+        .collect();
+    let col = |v: &[f64]| {
+        Tensor::new(v, &candle_core::Device::Cpu)
             .unwrap()
-            .broadcast_div(&col(&sd))
+            .reshape(bshape.as_slice())
+            .unwrap()
+    };
+    let sd: Vec<f64> = rv.iter().map(|v| (v + eps).sqrt()).collect();
+    let mut y = eval_x
+        .broadcast_sub(&col(rm))
+        .unwrap()
+        .broadcast_div(&col(&sd))
+        .unwrap();
+    if case.config.affine {
+        y = y
+            .broadcast_mul(&col(&params.weight))
+            .unwrap()
+            .broadcast_add(&col(&params.bias))
             .unwrap();
-        if case.config.affine {
-            y = y
-                .broadcast_mul(&col(&params.weight))
-                .unwrap()
-                .broadcast_add(&col(&params.bias))
-                .unwrap();
+    }
+    if case.residual {
+        y = (y + step_data(case, 0).1).unwrap();
+    }
+    if relu {
+        y = y.relu().unwrap();
+    }
+    for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(outs).enumerate() {
+        assert_close(
+            &format!("eval output rank {r}"),
+            &out.eval_y,
+            piece,
+            tol::F64,
+        );
+    }
+}
+
+/// Eval without running statistics: each rank normalises with its own batch statistics.
+fn check_eval_with_local(case: &Case, reference: &Reference, eval_x: &Tensor, outs: &[RankOut]) {
+    let (eps, relu) = (case.config.eps, case.config.fuse_relu);
+    let (wt, bt) = reference.wt_bt();
+    let zs = split_batch(&step_data(case, 0).1, &case.batches);
+    for (r, (piece, out)) in split_batch(eval_x, &case.batches)
+        .iter()
+        .zip(outs)
+        .enumerate()
+    {
+        if piece.dim(0).unwrap() == 0 {
+            assert_eq!(out.eval_y.dims(), piece.dims());
+            continue;
         }
-        if case.residual {
-            y = (y + step_data(case, 0).1).unwrap();
-        }
-        if relu {
-            y = y.relu().unwrap();
-        }
-        for (r, (piece, out)) in split_batch(&y, &case.batches).iter().zip(&outs).enumerate() {
-            assert_close(
-                &format!("eval output rank {r}"),
-                &out.eval_y,
-                piece,
-                tol::F64,
-            );
-        }
-    } else {
-        // Eval without running statistics: each rank normalises with its own batch statistics.
-        let zs = split_batch(&step_data(case, 0).1, &case.batches);
-        for (r, (piece, out)) in split_batch(&eval_x, &case.batches)
-            .iter()
-            .zip(&outs)
-            .enumerate()
-        {
-            if piece.dim(0).unwrap() == 0 {
-                assert_eq!(out.eval_y.dims(), piece.dims());
-                continue;
-            }
-            let (y, _, _) = reference_bn(piece, wt, bt, case.residual.then_some(&zs[r]), relu, eps);
-            assert_close(
-                &format!("local eval output rank {r}"),
-                &out.eval_y,
-                &y,
-                tol::F64,
-            );
-        }
+        let (y, _, _) = reference_bn(piece, wt, bt, case.residual.then_some(&zs[r]), relu, eps);
+        assert_close(
+            &format!("local eval output rank {r}"),
+            &out.eval_y,
+            &y,
+            tol::F64,
+        );
     }
 }
 

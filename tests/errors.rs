@@ -414,3 +414,41 @@ fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
     expect_err(err, &["relu output dtype F64 differs from input dtype F32"]);
     Ok(())
 }
+
+/// Per-channel arguments of the functional ops need their documented shape and a float dtype:
+/// as many values in another shape (the backward's `[2, C]` sums transposed, a `[1, C]` shift)
+/// or integer statistics are errors naming the argument, while the same values in the right
+/// form are accepted.
+#[test]
+fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
+    use candle_distributed::ops::{batch_norm_backward_elemt, batch_norm_elemt, batch_norm_stats};
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?;
+    let mean = Tensor::new(&[0.1f64, 0.2, 0.3], &dev)?;
+    let invstd = Tensor::new(&[1.5f64, 2.0, 0.5], &dev)?;
+    let sums = Tensor::new(&[[0.3f64, 0.1, 0.2], [1.0, 2.0, 3.0]], &dev)?;
+    let count = Tensor::new(&[24f64], &dev)?;
+    let elemt = |sums: &Tensor| {
+        batch_norm_backward_elemt(
+            &x, &x, &mean, &invstd, None, sums, &count, None, false, false,
+        )
+        .map(|(dx, _)| dx)
+    };
+    elemt(&sums)?;
+    expect_err(
+        elemt(&sums.t()?),
+        &["expected sums of shape [2, 3] in a float dtype, got shape [3, 2]"],
+    );
+    batch_norm_stats(&x, &mean, false)?;
+    expect_err(
+        batch_norm_stats(&x, &mean.unsqueeze(0)?, false),
+        &["expected shift of shape [3]", "got shape [1, 3]"],
+    );
+    let apply = |mean: &Tensor| batch_norm_elemt(&x, mean, &invstd, None, None, None, false, false);
+    apply(&mean)?;
+    expect_err(
+        apply(&Tensor::new(&[0u32, 1, 2], &dev)?),
+        &["expected mean of shape [3] in a float dtype, got shape [3] U32"],
+    );
+    Ok(())
+}

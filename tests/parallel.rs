@@ -296,24 +296,19 @@ fn parallel_layers_match_finite_differences(dev: &Device) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Column(8 → 16) → ReLU → Row(16 → 5) over 4 ranks against the unsharded MLP on the same global
-/// input: outputs, the input gradient, and every weight gradient (shards gathered = full).
-fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
-    let (w1, b1, w2, b2) = (
-        randn(1, &[16, 8], 0.0, 0.5),
-        randn(2, &[16], 0.0, 0.5),
-        randn(3, &[5, 16], 0.0, 0.5),
-        randn(4, &[5], 0.0, 0.5),
-    );
-    let x = randn(5, &[8, 8], 0.0, 1.0);
-    let target = randn(6, &[8, 5], 0.0, 1.0);
-    // The unsharded reference with candle autograd.
+/// The MLP `relu(x·W1ᵀ + b1)·W2ᵀ + b2` in one process with candle autograd, under the loss
+/// `Σ (y − target)²`: the output and the gradients of W1, W2, x and b2.
+fn unsharded_mlp(
+    x: &Tensor,
+    target: &Tensor,
+    [w1, b1, w2, b2]: [&Tensor; 4],
+) -> (Tensor, [Tensor; 4]) {
     let (xv, w1v, b1v, w2v, b2v) = (
-        Var::from_tensor(&x).unwrap(),
-        Var::from_tensor(&w1).unwrap(),
-        Var::from_tensor(&b1).unwrap(),
-        Var::from_tensor(&w2).unwrap(),
-        Var::from_tensor(&b2).unwrap(),
+        Var::from_tensor(x).unwrap(),
+        Var::from_tensor(w1).unwrap(),
+        Var::from_tensor(b1).unwrap(),
+        Var::from_tensor(w2).unwrap(),
+        Var::from_tensor(b2).unwrap(),
     );
     let h = xv
         .as_tensor()
@@ -328,7 +323,7 @@ fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
         .unwrap()
         .broadcast_add(b2v.as_tensor())
         .unwrap();
-    let loss = (&y - &target).unwrap().sqr().unwrap().sum_all().unwrap();
+    let loss = (&y - target).unwrap().sqr().unwrap().sum_all().unwrap();
     let g = loss.backward().unwrap();
     let want = [
         g.get(w1v.as_tensor()).unwrap().clone(),
@@ -336,6 +331,21 @@ fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
         g.get(xv.as_tensor()).unwrap().clone(),
         g.get(b2v.as_tensor()).unwrap().clone(),
     ];
+    (y, want)
+}
+
+/// Column(8 → 16) → ReLU → Row(16 → 5) over 4 ranks against the unsharded MLP on the same global
+/// input: outputs, the input gradient, and every weight gradient (shards gathered = full).
+fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
+    let (w1, b1, w2, b2) = (
+        randn(1, &[16, 8], 0.0, 0.5),
+        randn(2, &[16], 0.0, 0.5),
+        randn(3, &[5, 16], 0.0, 0.5),
+        randn(4, &[5], 0.0, 0.5),
+    );
+    let x = randn(5, &[8, 8], 0.0, 1.0);
+    let target = randn(6, &[8, 5], 0.0, 1.0);
+    let (y, want) = unsharded_mlp(&x, &target, [&w1, &b1, &w2, &b2]);
     for mode in [ParallelMode::AllReduce, ParallelMode::ReduceScatter] {
         let outs = run_ranks_on(4, dev, |c| {
             let vm = VarMap::new();

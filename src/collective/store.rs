@@ -191,8 +191,9 @@ impl TcpStoreClient {
     ///
     /// # Errors
     ///
-    /// When no client sets `key` before `deadline` (the wait is cancelled, and the connection is
-    /// not marked failed); when an earlier request on this connection failed; when the server
+    /// When no client sets `key` before `deadline` (the wait is cancelled; the connection stays
+    /// usable once the server confirms the cancellation, and refuses later requests when it does
+    /// not within 5 s); when an earlier request on this connection failed; when the server
     /// answers the wait with an unexpected byte or announces a value longer than
     /// [`MAX_VALUE_BYTES`]; or when sending or reading fails or does not finish by `deadline`.
     pub fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
@@ -235,21 +236,117 @@ impl TcpStoreClient {
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) =>
             {
-                // Cancel, then read until the server confirms (a late STOP_WAITING may come
-                // first), so the connection stays usable.
-                let _ = self.stream.set_read_timeout(Some(Duration::from_secs(5)));
-                let _ = self.stream.write_all(&[CANCEL_WAIT]);
-                for _ in 0..2 {
-                    if self.stream.read_exact(&mut b).is_err() || b[0] == WAIT_CANCELED {
-                        break;
-                    }
-                }
+                let in_step = self.cancel_wait();
+                self.poisoned = !in_step;
+                let closed = if in_step {
+                    ""
+                } else {
+                    "; the server did not confirm the cancellation, so this connection takes no \
+                     further requests"
+                };
                 Err(err(
                     &self.peer,
-                    format!("timed out waiting for key {key:?}"),
+                    format!("timed out waiting for key {key:?}{closed}"),
                 ))
             }
-            Err(e) => Err(err(&self.peer, format!("waiting for key {key:?}: {e}"))),
+            Err(e) => {
+                self.poisoned = true;
+                Err(err(&self.peer, format!("waiting for key {key:?}: {e}")))
+            }
         }
+    }
+
+    /// CANCEL_WAIT after a WAIT that timed out, then reads until the server confirms (a late
+    /// STOP_WAITING may come first). True when it did: the connection is in step again.
+    fn cancel_wait(&mut self) -> bool {
+        let grace = Some(Duration::from_secs(5));
+        if self.stream.set_read_timeout(grace).is_err()
+            || self.stream.write_all(&[CANCEL_WAIT]).is_err()
+        {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        for _ in 0..2 {
+            match self.stream.read_exact(&mut b) {
+                Ok(()) if b[0] == WAIT_CANCELED => return true,
+                Ok(()) if b[0] == STOP_WAITING => {}
+                _ => return false,
+            }
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+    use std::thread::JoinHandle;
+
+    use super::*;
+
+    /// A server that completes the handshake, lets one WAIT time out, answers its CANCEL_WAIT
+    /// with `answer`, then returns every byte the client sends until it hangs up.
+    fn one_wait_server(answer: &'static [u8]) -> (u16, JoinHandle<Vec<u8>>) {
+        let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let h = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut hello = [0u8; 10];
+            s.read_exact(&mut hello).unwrap();
+            s.write_all(&hello[6..]).unwrap();
+            // WAIT: the query byte, the key count (u64), then one key (u64 length, bytes).
+            let mut head = [0u8; 17];
+            s.read_exact(&mut head).unwrap();
+            assert_eq!(head[0], WAIT);
+            let len = u64::from_le_bytes(head[9..].try_into().unwrap());
+            s.read_exact(&mut vec![0u8; len as usize]).unwrap();
+            let mut cancel = [0u8; 1];
+            s.read_exact(&mut cancel).unwrap();
+            assert_eq!(cancel[0], CANCEL_WAIT);
+            s.write_all(answer).unwrap();
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+            rest
+        });
+        (port, h)
+    }
+
+    fn soon(ms: u64) -> Instant {
+        Instant::now() + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn a_confirmed_cancellation_leaves_the_connection_usable() {
+        let (port, server) = one_wait_server(&[STOP_WAITING, WAIT_CANCELED]);
+        let mut c = TcpStoreClient::connect("127.0.0.1", port, soon(5000)).unwrap();
+        let e = c.get("never", soon(200)).unwrap_err().to_string();
+        assert!(e.ends_with("timed out waiting for key \"never\""), "{e}");
+        c.set("k", b"v", soon(5000)).unwrap();
+        drop(c);
+        let rest = server.join().unwrap();
+        assert_eq!(
+            rest.first(),
+            Some(&SET),
+            "the SET reached the server: {rest:?}"
+        );
+    }
+
+    #[test]
+    fn an_unconfirmed_cancellation_closes_the_connection_to_requests() {
+        let (port, server) = one_wait_server(&[9]);
+        let mut c = TcpStoreClient::connect("127.0.0.1", port, soon(5000)).unwrap();
+        let e = c.get("never", soon(200)).unwrap_err().to_string();
+        assert!(e.contains("did not confirm the cancellation"), "{e}");
+        let e = c.set("k", b"v", soon(5000)).unwrap_err().to_string();
+        assert!(
+            e.contains("an earlier request on this connection failed"),
+            "{e}"
+        );
+        drop(c);
+        assert_eq!(
+            server.join().unwrap(),
+            b"",
+            "nothing sent after the failure"
+        );
     }
 }

@@ -103,7 +103,9 @@ impl DataParallel {
     ///
     /// # Errors
     ///
-    /// When the ranks' `all` lists differ in names, shapes or dtypes (an error on every rank); when
+    /// When the ranks' `all` lists differ in names, shapes or dtypes, or their `trainable` lists
+    /// in names, or when a `trainable` entry is not one of `all` (the same variable under the
+    /// same name) on some rank (each an error on every rank); when
     /// the check's all-gather or a broadcast fails (a rank that left, a timeout, a variable on
     /// another device than the communicator takes); or when a variable cannot be set to rank 0's
     /// value. After a failed broadcast this rank's variables are all unchanged.
@@ -117,7 +119,7 @@ impl DataParallel {
         // The fingerprint travels on the variables' device, which is the communicator's (NCCL
         // takes tensors on its own GPU only).
         let device = all.first().map_or(Device::Cpu, |(_, v)| v.device().clone());
-        check_same_model(&*comm, &all, &device)?;
+        check_same_model(&*comm, &all, &trainable, &device)?;
         // Every broadcast first, then every assignment: a failure in the middle (a rank that
         // left, a timeout) leaves this rank's variables all as they were, not half rank 0's.
         let from_root = all
@@ -298,9 +300,15 @@ impl DataParallel {
 }
 
 /// Errors on every rank unless every rank has the same variable names, shapes and dtypes.
-fn check_same_model(comm: &dyn Collective, all: &[(String, Var)], device: &Device) -> Result<()> {
-    // FNV-1a over names, dims and dtypes; compared through an all-gather, so that every rank
-    // sees every fingerprint and fails alike.
+fn check_same_model(
+    comm: &dyn Collective,
+    all: &[(String, Var)],
+    trainable: &[(String, Var)],
+    device: &Device,
+) -> Result<()> {
+    // FNV-1a over names, dims and dtypes, then the trainable names; compared through an
+    // all-gather with each rank's count of trainable variables missing from `all`, so that
+    // every rank sees every verdict and fails alike.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |bytes: &[u8]| {
         for &b in bytes {
@@ -314,11 +322,40 @@ fn check_same_model(comm: &dyn Collective, all: &[(String, Var)], device: &Devic
         }
         eat(v.dtype().as_str().as_bytes());
     }
-    let mine = Tensor::new(&[[all.len() as i64, (h >> 1) as i64]], device)?;
+    eat(b"\0trainable");
+    for (name, _) in trainable {
+        eat(name.as_bytes());
+        eat(b"\0");
+    }
+    // A trainable variable must be one of `all` (the same variable under the same name), or
+    // rank 0 would never broadcast it and the replicas would start apart.
+    let stray: Vec<&str> = trainable
+        .iter()
+        .filter(|(name, v)| {
+            !all.iter()
+                .any(|(n, w)| n == name && w.as_tensor().id() == v.as_tensor().id())
+        })
+        .map(|(name, _)| name.as_str())
+        .collect();
+    let mine = Tensor::new(
+        &[[all.len() as i64, (h >> 1) as i64, stray.len() as i64]],
+        device,
+    )?;
     let every = comm.all_gather(&mine)?.to_vec2::<i64>()?;
+    let ranks: Vec<usize> = (0..every.len()).filter(|&r| every[r][2] > 0).collect();
+    if !ranks.is_empty() {
+        let here = if stray.is_empty() {
+            String::new()
+        } else {
+            format!("; here: {stray:?}")
+        };
+        bail!(
+            "data_parallel: every trainable variable must be one of `all` (the same variable under the same name), which rank 0 broadcasts; not so on rank(s) {ranks:?}{here}"
+        )
+    }
     if every.iter().any(|f| f != &every[0]) {
         bail!(
-            "data_parallel: the ranks' models differ (variable count and fingerprint per rank: {:?}); every rank must build the same model",
+            "data_parallel: the ranks' models differ (variable count, fingerprint of the variables and trainable names, stray count per rank: {:?}); every rank must build the same model",
             every
         )
     }

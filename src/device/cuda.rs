@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
-    DeviceSlice, LaunchConfig, PushKernelArg, SyncOnDrop,
+    LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};

@@ -363,7 +363,7 @@ impl CustomOp2 for ApplyOp {
 /// # Errors
 ///
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `mean`, `invstd`,
-/// `weight` or `bias` is not on `x`'s device or does not hold `C` values; when `residual` differs
+/// `weight` or `bias` is not on `x`'s device, not of shape `[C]` or not of a float dtype; when `residual` differs
 /// from `x` in shape, dtype or device; on a GPU, when a CUDA allocation or kernel launch fails.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_elemt(
@@ -394,11 +394,11 @@ pub fn batch_norm_elemt(
         (None, None) => None,
         (w, b) => {
             let w = match w {
-                Some(w) => per_channel_f64("weight", w, c)?,
+                Some(w) => per_channel_f64("weight", w, &[c])?,
                 None => Tensor::ones(c, DType::F64, dev)?,
             };
             let b = match b {
-                Some(b) => per_channel_f64("bias", b, c)?,
+                Some(b) => per_channel_f64("bias", b, &[c])?,
                 None => Tensor::zeros(c, DType::F64, dev)?,
             };
             Some(Tensor::stack(&[w, b], 0)?.to_dtype(acc)?)
@@ -406,8 +406,8 @@ pub fn batch_norm_elemt(
     };
     let op = ApplyOp {
         geometry,
-        mean: per_channel_f64("mean", mean, c)?,
-        invstd: per_channel_f64("invstd", invstd, c)?,
+        mean: per_channel_f64("mean", mean, &[c])?,
+        invstd: per_channel_f64("invstd", invstd, &[c])?,
         params,
         relu,
     };

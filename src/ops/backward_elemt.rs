@@ -387,8 +387,8 @@ impl CustomOp3 for BackwardElemtOp {
 ///
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `dy` or
 /// `relu_output` differs from `x` in shape, dtype or device; when `mean`, `invstd`, `weight`,
-/// `sums` or `count` is not on `x`'s device or holds the wrong number of values (`C` each, `2·C`
-/// for `sums`, 1 or `C` for `count`); on a GPU, when a CUDA allocation or kernel launch fails.
+/// `sums` or `count` is not on `x`'s device or of the wrong shape (`[C]` each, `[2, C]` for
+/// `sums`, one value or `[C]` for `count`) or not of a float dtype; on a GPU, when a CUDA allocation or kernel launch fails.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_backward_elemt(
     dy: &Tensor,
@@ -423,17 +423,17 @@ pub fn batch_norm_backward_elemt(
             .to_dtype(DType::F64)?
             .broadcast_as(c)?
             .contiguous()?,
-        _ => per_channel_f64("count", count, c)?,
+        _ => per_channel_f64("count", count, &[c])?,
     };
     let weight = weight
-        .map(|w| per_channel_f64("weight", w, c).and_then(|w| w.to_dtype(acc_dtype(x.dtype()))))
+        .map(|w| per_channel_f64("weight", w, &[c]).and_then(|w| w.to_dtype(acc_dtype(x.dtype()))))
         .transpose()?;
     let op = BackwardElemtOp {
         geometry,
-        mean: per_channel_f64("mean", mean, c)?,
-        invstd: per_channel_f64("invstd", invstd, c)?,
+        mean: per_channel_f64("mean", mean, &[c])?,
+        invstd: per_channel_f64("invstd", invstd, &[c])?,
         weight,
-        sums: per_channel_f64("sums", sums, 2 * c)?,
+        sums: per_channel_f64("sums", sums, &[2, c])?,
         count,
         want_dz,
     };

@@ -300,8 +300,8 @@ impl CustomOp3 for BackwardReduceOp {
 /// # Errors
 ///
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `dy` or
-/// `relu_output` differs from `x` in shape, dtype or device; when `mean` is not on `x`'s device or
-/// does not hold `C` values; on a GPU, when a CUDA allocation or kernel launch fails.
+/// `relu_output` differs from `x` in shape, dtype or device; when `mean` is not on `x`'s device,
+/// not of shape `[C]` or not of a float dtype; on a GPU, when a CUDA allocation or kernel launch fails.
 pub fn batch_norm_backward_reduce(
     dy: &Tensor,
     x: &Tensor,
@@ -314,7 +314,7 @@ pub fn batch_norm_backward_reduce(
     check_device("mean", mean, x.device())?;
     let op = BackwardReduceOp {
         geometry,
-        mean: per_channel_f64("mean", mean, geometry.c)?,
+        mean: per_channel_f64("mean", mean, &[geometry.c])?,
     };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);
     match relu_output {

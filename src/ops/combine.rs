@@ -216,7 +216,7 @@ pub(crate) fn finalize(
     if let Some(r) = &running {
         r.check(c, sums.device())?;
     }
-    let shift = per_channel_f64("shift", shift, c)?;
+    let shift = per_channel_f64("shift", shift, &[c])?;
     let sums = sums.to_dtype(DType::F64)?.contiguous()?;
     sums.apply_op2_no_bwd(
         &shift,
@@ -275,7 +275,7 @@ pub struct BatchStats {
 ///
 /// # Errors
 ///
-/// When `sums` is not `[3, C]` with `C` the number of values in `shift`, or the two are on
+/// When `shift` is not `[C]` in a float dtype or `sums` not `[3, C]`, or the two are on
 /// different devices; on the CPU, when the global count is at most 1 (see above); on a GPU, when a
 /// CUDA allocation or kernel launch fails.
 pub fn batch_norm_gather_stats(sums: &Tensor, shift: &Tensor, eps: f64) -> Result<BatchStats> {

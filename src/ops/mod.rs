@@ -57,16 +57,19 @@ use crate::device::cpu::{slice, Elem};
 /// Name used in error messages.
 pub(crate) const OP: &str = "sync-batch-norm";
 
-/// A per-channel tensor of `len` values as a contiguous `[len]` f64 tensor on its own device
-/// (a no-op for one that already is).
-pub(crate) fn per_channel_f64(what: &str, t: &Tensor, len: usize) -> Result<Tensor> {
-    if t.elem_count() != len {
+/// A per-channel tensor of shape `dims` (`[C]`, or `[2, C]` for the backward sums) as a
+/// contiguous f64 tensor on its own device (a no-op for one that already is). Another shape,
+/// even with as many values (a transposed `[C, 2]`), or a non-float dtype is an error naming
+/// `what`.
+pub(crate) fn per_channel_f64(what: &str, t: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    if t.dims() != dims || !t.dtype().is_float() {
         bail!(
-            "{OP}: expected {what} with {len} values, got shape {:?}",
-            t.dims()
+            "{OP}: expected {what} of shape {dims:?} in a float dtype, got shape {:?} {:?}",
+            t.dims(),
+            t.dtype()
         )
     }
-    t.flatten_all()?.to_dtype(DType::F64)?.contiguous()
+    t.to_dtype(DType::F64)?.contiguous()
 }
 
 /// Accumulation dtype of the element-wise kernels for an input dtype: f64 for f64, else f32.

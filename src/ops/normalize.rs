@@ -54,8 +54,8 @@ pub enum StatsGrad {
 /// # Errors
 ///
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `mean`,
-/// `invstd`, `count`, `γ` or `β` is not on `x`'s device or a per-channel tensor does not hold
-/// `C` values; when `residual` differs from `x` in shape, dtype or device; on a GPU, when a
+/// `invstd`, `count`, `γ` or `β` is not on `x`'s device or `mean`, `invstd`, `γ` or `β`
+/// is not of shape `[C]` in a float dtype; when `residual` differs from `x` in shape, dtype or device; on a GPU, when a
 /// CUDA allocation or kernel launch fails. The backward fails as the collective does.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_elemt_autograd(
@@ -82,15 +82,11 @@ pub fn batch_norm_elemt_autograd(
         Some((w, b)) => {
             check_device("weight", w, dev)?;
             check_device("bias", b, dev)?;
-            for (what, t) in [("weight", w), ("bias", b)] {
-                if t.elem_count() != c {
-                    bail!(
-                        "{OP}: expected {what} with {c} values, got shape {:?}",
-                        t.dims()
-                    )
-                }
-            }
-            Tensor::stack(&[w.flatten_all()?, b.flatten_all()?], 0)?
+            let (w, b) = (
+                per_channel_f64("weight", w, &[c])?,
+                per_channel_f64("bias", b, &[c])?,
+            );
+            Tensor::stack(&[w, b], 0)?
         }
         None => identity_params(c, dev)?,
     }
@@ -102,8 +98,8 @@ pub fn batch_norm_elemt_autograd(
     };
     let op = NormFn {
         geometry,
-        mean: per_channel_f64("mean", mean, c)?,
-        invstd: per_channel_f64("invstd", invstd, c)?,
+        mean: per_channel_f64("mean", mean, &[c])?,
+        invstd: per_channel_f64("invstd", invstd, &[c])?,
         count: count.flatten_all()?.to_dtype(DType::F64)?,
         batch_stats,
         comm,

@@ -200,12 +200,12 @@ fn stats_cuda(
 ///
 /// # Errors
 ///
-/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `shift` does not
-/// hold `C` values or is not on `x`'s device; on a GPU, when a CUDA allocation or kernel launch
+/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `shift` is not
+/// of shape `[C]` in a float dtype or not on `x`'s device; on a GPU, when a CUDA allocation or kernel launch
 /// fails.
 pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, channels_last: bool) -> Result<Tensor> {
     let geometry = Geometry::of(OP, x.dims(), channels_last)?;
-    let shift = per_channel_f64("shift", shift, geometry.c)?;
+    let shift = per_channel_f64("shift", shift, &[geometry.c])?;
     x.contiguous()?
         .apply_op2_no_bwd(&shift, &StatsOp { geometry })
 }

@@ -196,9 +196,15 @@ fn a_damaged_checkpoint_is_refused() {
     .unwrap();
     std::fs::write(dir.join("checkpoint.json.tmp"), &json_bytes[..10]).unwrap();
     ok("with a half-written successor");
-    // Two saves of the same epoch with other contents (a run restarted into the same
-    // directory) use two tensor files: the second never overwrites the file the first JSON
-    // names, so a kill between its tensor file and its JSON leaves the first loadable.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Two saves of the same epoch with other contents (a run restarted into the same directory)
+/// use two tensor files: the second never overwrites the file the first JSON names, so a kill
+/// between its tensor file and its JSON leaves the first loadable.
+#[test]
+fn two_saves_of_one_epoch_use_two_tensor_files() {
+    let dir = fresh_dir("same-epoch");
     let save = |v: f32| {
         let t = Tensor::new(&[v, 2.0], &Device::Cpu).unwrap();
         let meta = checkpoint::Meta {

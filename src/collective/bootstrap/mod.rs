@@ -146,9 +146,14 @@ static RENDEZVOUS: AtomicU64 = AtomicU64::new(0);
 /// order.
 ///
 /// # Errors
-/// On every rank that does not complete within `timeout`, naming what it waited for; on rank 0
-/// when it cannot listen (standalone) or reach the store; on a rank refused by rank 0 (another
-/// job, an impossible rank), with the reason.
+/// On every rank that does not complete within `timeout`, naming what it waited for (standalone
+/// rank 0 waits until every rank has its copy). On rank 0, also when it passes no payload or
+/// one of more than [`MAX_PAYLOAD`] bytes (the others then time out), when it cannot listen on
+/// `master_port` (standalone), or when it cannot reach torchrun's store or write the payload
+/// there. On the other ranks, also when rank 0 refuses them (another job or restart, a rank
+/// outside the world), with its reason, when the address answering announces more than
+/// [`MAX_PAYLOAD`] bytes (not a rank 0 of ours), and, through torchrun's store, when the store
+/// cannot be reached or answers outside its protocol.
 pub fn share_bytes(env: &DistEnv, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
     share_bytes_round(
         env,

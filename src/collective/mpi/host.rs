@@ -48,6 +48,13 @@ impl HostBuf {
         })
     }
 
+    /// The input of a call, copied before the ranks agree on it: a failure becomes this rank's
+    /// verdict in [`super::MpiCollective::agree`] (see [`Staged::verdict`]), so that the call
+    /// fails on every rank alike instead of leaving the others waiting in MPI.
+    pub(super) fn staged(t: &Tensor) -> Staged {
+        Staged(Self::of(t).map_err(|e| format!("copying the input to the host failed: {e}")))
+    }
+
     /// A zeroed buffer of the same type and `len` values.
     pub(super) fn zeros_like(&self, len: usize) -> Self {
         match self {
@@ -68,6 +75,24 @@ impl HostBuf {
     ) -> Result<Tensor> {
         let t = with_buf!(self, v => Tensor::from_vec(v, dims, &Device::Cpu)?);
         t.to_dtype(dtype)?.to_device(device)
+    }
+}
+
+/// A call's input on the host, or why it is not there.
+pub(super) struct Staged(std::result::Result<HostBuf, String>);
+
+impl Staged {
+    /// This rank's verdict on the call: `checks`, then whether the copy succeeded.
+    pub(super) fn verdict(
+        &self,
+        checks: std::result::Result<(), String>,
+    ) -> std::result::Result<(), String> {
+        checks.and_then(|()| self.0.as_ref().map(|_| ()).map_err(Clone::clone))
+    }
+
+    /// The buffer, once `agree` accepted the call (which it does not when the copy failed).
+    pub(super) fn take(self, op: &'static str) -> Result<HostBuf> {
+        self.0.map_err(|e| invalid(op, e))
     }
 }
 

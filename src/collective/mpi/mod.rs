@@ -315,9 +315,8 @@ impl MpiCollective {
         )
     }
 
-    /// The element-wise reduction of an agreed call (`agree` has run).
-    fn reduce(&self, op: &'static str, t: &Tensor, rop: ReduceOp) -> Result<Tensor> {
-        let send = HostBuf::of(t)?;
+    /// The element-wise reduction of an agreed call (`agree` has run) of `t`, staged in `send`.
+    fn reduce(&self, op: &'static str, send: HostBuf, t: &Tensor, rop: ReduceOp) -> Result<Tensor> {
         let n = t.elem_count();
         let mut recv = send.zeros_like(n);
         let mpi_op = match rop {

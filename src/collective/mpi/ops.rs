@@ -27,8 +27,9 @@ impl Collective for MpiCollective {
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "all_reduce";
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
-        self.agree(OP, desc, avg_dtype(t, op))?;
-        self.reduce(OP, t, op)
+        let send = HostBuf::staged(t);
+        self.agree(OP, desc, send.verdict(avg_dtype(t, op)))?;
+        self.reduce(OP, send.take(OP)?, t, op)
     }
 
     /// All-reduce on the host, after the ranks agree on the call, then this rank's rows.
@@ -45,8 +46,9 @@ impl Collective for MpiCollective {
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         });
-        self.agree(OP, desc, local)?;
-        let full = self.reduce(OP, t, op)?;
+        let send = HostBuf::staged(t);
+        self.agree(OP, desc, send.verdict(local))?;
+        let full = self.reduce(OP, send.take(OP)?, t, op)?;
         scatter_rows(&full, self.rank, self.world)
     }
 
@@ -66,7 +68,9 @@ impl Collective for MpiCollective {
             Ok(())
         };
         let desc = Self::descriptor(Op::AllGather, t, rest, t.rank() as i64);
-        self.agree(OP, desc, local)?;
+        let send = HostBuf::staged(t);
+        self.agree(OP, desc, send.verdict(local))?;
+        let send = send.take(OP)?;
         let row: usize = rest.iter().product();
         let mut rows = vec![0i64; self.world];
         let mine = [t.dims()[0] as i64];
@@ -97,7 +101,6 @@ impl Collective for MpiCollective {
             })
             .collect();
         let total: usize = counts.iter().map(|&c| c as usize).sum();
-        let send = HostBuf::of(t)?;
         let mut recv = send.zeros_like(total);
         macro_rules! gather {
             ($s:expr, $r:expr) => {{
@@ -140,12 +143,13 @@ impl Collective for MpiCollective {
         } else {
             Ok(())
         };
+        let send = HostBuf::staged(t);
         self.agree(
             OP,
             Self::descriptor(Op::Broadcast(root), t, t.dims(), root as i64),
-            local,
+            send.verdict(local),
         )?;
-        let mut buf = HostBuf::of(t)?;
+        let mut buf = send.take(OP)?;
         let root_proc = self.comm.process_at_rank(root as i32);
         with_buf!(&mut buf, v => mpi::request::scope(|scope| {
             let req = locked(|| root_proc.immediate_broadcast_into(scope, &mut v[..]));

@@ -157,7 +157,8 @@ impl NcclGroup {
         let raws = RawComm::init_group(&refs, world, &id, &ranks).map_err(|f| f.error("new", 0))?;
         // Every rank's start-up is polled to completion (under one deadline) before any
         // watchdog exists; on failure the handles are dropped, which aborts them.
-        watchdog::wait_ready(&raws, &ranks, "new", timeout).map_err(|e| call_error(0, "new", e))?;
+        watchdog::wait_ready(&raws, &ranks, "new", timeout)
+            .map_err(|(rank, e)| call_error(rank, "new", e))?;
         let mut comms = Vec::with_capacity(world);
         let mut raws = raws.into_iter();
         for (rank, device) in devices.into_iter().enumerate() {
@@ -293,7 +294,7 @@ impl NcclCollective {
         let comm = RawComm::init_rank(&ctx, world, &id, rank).map_err(|f| f.error("init", rank))?;
         // Polled to completion before the watchdog exists; dropped (aborted) on failure.
         watchdog::wait_ready(std::slice::from_ref(&comm), &[rank], "init", timeout)
-            .map_err(|e| call_error(rank, "init", e))?;
+            .map_err(|(rank, e)| call_error(rank, "init", e))?;
         Ok(Arc::new(Self::start(comm, device, rank, world, timeout)?))
     }
 

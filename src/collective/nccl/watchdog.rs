@@ -273,14 +273,14 @@ impl Watch {
 
 /// Polls communicators that are starting (`ncclCommInitRankConfig`, several of one NCCL group
 /// from one thread) until each is done, under one deadline, before any watchdog sees them:
-/// `Err` on an NCCL error or at the deadline (the caller drops them, which aborts them).
-/// `ranks[i]` names `comms[i]` in the error.
+/// `Err` on an NCCL error or at the deadline (the caller drops them, which aborts them), with
+/// the rank whose communicator failed: `ranks[i]` names `comms[i]`.
 pub(super) fn wait_ready(
     comms: &[RawComm],
     ranks: &[usize],
     op: &'static str,
     timeout: Duration,
-) -> Result<(), CallError> {
+) -> Result<(), (usize, CallError)> {
     let deadline = Instant::now() + timeout;
     let mut busy: Vec<usize> = (0..comms.len()).collect();
     while !busy.is_empty() {
@@ -290,12 +290,14 @@ pub(super) fn wait_ready(
                 Ok(Progress::Done) => {}
                 Ok(Progress::InProgress) if Instant::now() < deadline => still.push(i),
                 Ok(Progress::InProgress) => {
-                    return Err(CallError::Broken(format!(
-                        "rank {}: {op} did not complete in NCCL within {timeout:?} (a rank that never arrived?); the communicator was aborted",
-                        ranks[i]
-                    )))
+                    return Err((
+                        ranks[i],
+                        CallError::Broken(format!(
+                            "{op} did not complete in NCCL within {timeout:?} (a rank that never arrived?); the communicator was aborted"
+                        )),
+                    ))
                 }
-                Err(f) => return Err(CallError::Nccl(f)),
+                Err(f) => return Err((ranks[i], CallError::Nccl(f))),
             }
         }
         busy = still;

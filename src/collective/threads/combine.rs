@@ -11,18 +11,31 @@ pub(super) fn combine(
     call: u64,
     cs: &[Contribution],
 ) -> std::result::Result<Tensor, CollectiveError> {
-    let first = &cs[0];
-    let same_rest = |c: &Contribution| match first.kind {
-        Op::AllGather | Op::Split => {
-            c.tensor.rank() >= 1
-                && first.tensor.rank() >= 1
-                && c.tensor.dims()[1..] == first.tensor.dims()[1..]
+    let kind = cs[0].kind;
+    let mut tensors: Vec<&Tensor> = Vec::with_capacity(cs.len());
+    for (r, c) in cs.iter().enumerate() {
+        match &c.input {
+            Ok(t) => tensors.push(t),
+            Err(why) => {
+                return Err(CollectiveError::invalid(
+                    BACKEND,
+                    c.kind.name(),
+                    format!("rank {r} could not take part in call #{call}: {why}"),
+                ))
+            }
         }
-        _ => c.tensor.dims() == first.tensor.dims(),
+    }
+    let first = tensors[0];
+    let same_rest = |t: &Tensor| match kind {
+        Op::AllGather | Op::Split => {
+            t.rank() >= 1 && first.rank() >= 1 && t.dims()[1..] == first.dims()[1..]
+        }
+        _ => t.dims() == first.dims(),
     };
     let agree = cs
         .iter()
-        .all(|c| c.kind == first.kind && c.tensor.dtype() == first.tensor.dtype() && same_rest(c));
+        .zip(&tensors)
+        .all(|(c, t)| c.kind == kind && t.dtype() == first.dtype() && same_rest(t));
     let mismatch = |why: &str| CollectiveError::Mismatch {
         backend: BACKEND,
         call,
@@ -40,13 +53,12 @@ pub(super) fn combine(
             "every rank must call the same collective with the same dtype and shape",
         ));
     }
-    let invalid = |detail: String| CollectiveError::invalid(BACKEND, first.kind.name(), detail);
-    let tensors: Vec<&Tensor> = cs.iter().map(|c| &c.tensor).collect();
-    let result = match first.kind {
+    let invalid = |detail: String| CollectiveError::invalid(BACKEND, kind.name(), detail);
+    let result = match kind {
         Op::AllReduce(op) => reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?,
         Op::ReduceScatter(op) => {
             // Checked here, once, so that every rank gets the same error.
-            scatter_rows(&first.tensor, 0, cs.len()).map_err(|e| invalid(e.to_string()))?;
+            scatter_rows(first, 0, cs.len()).map_err(|e| invalid(e.to_string()))?;
             reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?
         }
         Op::AllGather | Op::Split => {
@@ -61,7 +73,7 @@ pub(super) fn combine(
             }
             tensors[root].clone()
         }
-        Op::Barrier => first.tensor.clone(),
+        Op::Barrier => first.clone(),
     };
     Ok(result)
 }
@@ -89,4 +101,31 @@ fn reduce(ts: &[&Tensor], op: ReduceOp) -> Result<Tensor> {
         acc = (acc / ts.len() as f64)?;
     }
     acc.to_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// A rank whose input never reached the host (a failed device copy) still fills its slot:
+    /// the call fails on every rank with the reason, instead of the others waiting for it.
+    #[test]
+    fn a_rank_without_an_input_fails_the_call_for_everyone() {
+        let kind = Op::AllReduce(ReduceOp::Sum);
+        let t = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let cs = [
+            Contribution { kind, input: Ok(t) },
+            Contribution {
+                kind,
+                input: Err("device lost".into()),
+            },
+        ];
+        let e = combine(7, &cs).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 1 could not take part in call #7: device lost"),
+            "{e}"
+        );
+    }
 }

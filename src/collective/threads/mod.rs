@@ -160,20 +160,20 @@ struct Finished {
     readers_left: usize,
 }
 
+/// What one rank brought to a call: its input on the host, or why it could not copy it there
+/// (the call then fails on every rank alike, and the group stays in step).
 #[derive(Debug)]
 struct Contribution {
     kind: Op,
-    tensor: Tensor,
+    input: std::result::Result<Tensor, String>,
 }
 
 impl Contribution {
     fn describe(&self) -> String {
-        format!(
-            "{} {:?} {:?}",
-            self.kind,
-            self.tensor.dtype(),
-            self.tensor.dims()
-        )
+        match &self.input {
+            Ok(t) => format!("{} {:?} {:?}", self.kind, t.dtype(), t.dims()),
+            Err(_) => format!("{} without an input", self.kind),
+        }
     }
 }
 
@@ -223,7 +223,12 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
     // can hold the last reference to a rank's communicator (a layer's op keeps its `Arc`), and
     // the communicator's `Drop` takes the lock this function holds when it drops the
     // contributions: a rank that finished first would deadlock the last one.
-    let tensor = t.to_device(&Device::Cpu)?.detach();
+    // A failed copy still takes part: the call number is taken, and the others are waiting
+    // for this rank in that slot.
+    let input = t
+        .to_device(&Device::Cpu)
+        .map(|h| h.detach())
+        .map_err(|e| e.to_string());
     let mut st = lock(&sh.state);
     if let Some(reason) = &st.broken {
         return Err(left(rank, kind, call, reason.clone()).into());
@@ -232,7 +237,7 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
         .pending
         .entry(call)
         .or_insert_with(|| (0..sh.world).map(|_| None).collect());
-    slots[rank] = Some(Contribution { kind, tensor });
+    slots[rank] = Some(Contribution { kind, input });
     if slots.iter().all(Option::is_some) {
         let slots = st.pending.remove(&call).unwrap_or_default();
         let contributions: Vec<Contribution> = slots.into_iter().flatten().collect();
@@ -246,6 +251,19 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
         );
         sh.cv.notify_all();
     }
+    wait_for_result(sh, st, rank, call, kind, &device)
+}
+
+/// Waits (holding `st` between wake-ups) until call `call`'s result is there, the group breaks
+/// or the timeout passes; takes this rank's copy of the result on `device`.
+fn wait_for_result(
+    sh: &Shared,
+    mut st: MutexGuard<'_, State>,
+    rank: usize,
+    call: u64,
+    kind: Op,
+    device: &Device,
+) -> Result<Tensor> {
     let deadline = Instant::now() + sh.timeout;
     loop {
         if let Some(fin) = st.done.get_mut(&call) {
@@ -261,7 +279,7 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
             let aliases = matches!(kind, Op::Broadcast(root) if root != rank);
             return result
                 .map_err(Into::into)
-                .and_then(|t| t.to_device(&device))
+                .and_then(|t| t.to_device(device))
                 .and_then(|t| if aliases { t.copy() } else { Ok(t.detach()) });
         }
         if let Some(reason) = &st.broken {

@@ -98,7 +98,7 @@ impl Extent {
 }
 
 /// The suffix of the entry point of `dtype`; another dtype is an error naming `op`.
-pub fn suffix(op: &str, dtype: DType) -> Result<&'static str> {
+fn suffix(op: &str, dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
         DType::F32 => "f32",
         DType::F64 => "f64",
