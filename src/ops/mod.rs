@@ -62,6 +62,12 @@ pub(crate) const OP: &str = "sync-batch-norm";
 /// even with as many values (a transposed `[C, 2]`), or a non-float dtype is an error naming
 /// `what`.
 pub(crate) fn per_channel_f64(what: &str, t: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    check_per_channel(what, t, dims)?;
+    t.to_dtype(DType::F64)?.contiguous()
+}
+
+/// Errors unless `t` has shape `dims` and a float dtype (see [`per_channel_f64`]).
+pub(crate) fn check_per_channel(what: &str, t: &Tensor, dims: &[usize]) -> Result<()> {
     if t.dims() != dims || !t.dtype().is_float() {
         bail!(
             "{OP}: expected {what} of shape {dims:?} in a float dtype, got shape {:?} {:?}",
@@ -69,7 +75,7 @@ pub(crate) fn per_channel_f64(what: &str, t: &Tensor, dims: &[usize]) -> Result<
             t.dtype()
         )
     }
-    t.to_dtype(DType::F64)?.contiguous()
+    Ok(())
 }
 
 /// Accumulation dtype of the element-wise kernels for an input dtype: f64 for f64, else f32.

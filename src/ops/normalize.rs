@@ -14,7 +14,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result,
 use super::apply::{apply_cpu, ApplyCoef};
 use super::{
     acc_dtype, batch_norm_backward_elemt, batch_norm_backward_reduce, check_device,
-    check_same_shape, per_channel_f64, OP,
+    check_per_channel, check_same_shape, per_channel_f64, OP,
 };
 use crate::collective::{Collective, ReduceOp};
 use crate::device::cpu::{slice, Geometry};
@@ -82,10 +82,8 @@ pub fn batch_norm_elemt_autograd(
         Some((w, b)) => {
             check_device("weight", w, dev)?;
             check_device("bias", b, dev)?;
-            let (w, b) = (
-                per_channel_f64("weight", w, &[c])?,
-                per_channel_f64("bias", b, &[c])?,
-            );
+            check_per_channel("weight", w, &[c])?;
+            check_per_channel("bias", b, &[c])?;
             Tensor::stack(&[w, b], 0)?
         }
         None => identity_params(c, dev)?,
