@@ -34,9 +34,9 @@ fn allocator_setting() -> String {
 
 fn bench(c: &mut Criterion) {
     eprintln!(
-        "allocator: {}; rayon threads: {}",
+        "allocator: {}; candle CPU threads: {}",
         allocator_setting(),
-        rayon::current_num_threads()
+        candle_core::utils::get_num_threads()
     );
     let comm: Arc<dyn Collective> = ThreadGroup::new(1).unwrap().remove(0);
     for shape in SHAPES {

@@ -9,9 +9,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
-use crate::device::cpu::{self, slice, Elem, Real};
+use crate::device::cpu::{self, chunks_on_pool, slice, Elem, Real};
 
 /// Name used in error messages.
 const POOL: &str = "max_pool2d";
@@ -100,14 +99,13 @@ impl Pool {
     fn forward_cpu<T: Elem>(&self, x: &[T]) -> Vec<T> {
         let (hw, ohw) = (self.h * self.w, self.oh * self.ow);
         let mut y = vec![T::from_f64(0.0); self.planes * ohw];
-        if ohw > 0 {
-            y.par_chunks_mut(ohw)
-                .zip(x.par_chunks(hw.max(1)))
-                .for_each(|(yp, xp)| {
-                    for (o, v) in yp.iter_mut().enumerate() {
-                        *v = xp[self.argmax(xp, o / self.ow, o % self.ow)];
-                    }
-                });
+        if ohw > 0 && hw > 0 {
+            chunks_on_pool(&mut y, ohw, |p, yp| {
+                let xp = &x[p * hw..(p + 1) * hw];
+                for (o, v) in yp.iter_mut().enumerate() {
+                    *v = xp[self.argmax(xp, o / self.ow, o % self.ow)];
+                }
+            });
         }
         y
     }
@@ -118,19 +116,18 @@ impl Pool {
         let (hw, ohw) = (self.h * self.w, self.oh * self.ow);
         let mut dx = vec![T::from_f64(0.0); self.planes * hw];
         if hw > 0 {
-            dx.par_chunks_mut(hw)
-                .zip(x.par_chunks(hw))
-                .zip(dy.par_chunks(ohw.max(1)))
-                .for_each(|((dxp, xp), dyp)| {
-                    let mut acc = vec![<T::R as Real>::ZERO; hw];
-                    for (o, g) in dyp.iter().enumerate().take(ohw) {
-                        let at = self.argmax(xp, o / self.ow, o % self.ow);
-                        acc[at] = acc[at] + g.load();
-                    }
-                    for (d, a) in dxp.iter_mut().zip(acc) {
-                        *d = T::store(a);
-                    }
-                });
+            chunks_on_pool(&mut dx, hw, |p, dxp| {
+                let xp = &x[p * hw..(p + 1) * hw];
+                let dyp = &dy[p * ohw..(p + 1) * ohw];
+                let mut acc = vec![<T::R as Real>::ZERO; hw];
+                for (o, g) in dyp.iter().enumerate() {
+                    let at = self.argmax(xp, o / self.ow, o % self.ow);
+                    acc[at] = acc[at] + g.load();
+                }
+                for (d, a) in dxp.iter_mut().zip(acc) {
+                    *d = T::store(a);
+                }
+            });
         }
         dx
     }
