@@ -6,7 +6,7 @@ mod common;
 
 use std::process::Command;
 
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use candle_distributed::ops;
 
 const CHILD: &str = "CANDLE_DISTRIBUTED_THREAD_COUNT_CHILD";
