@@ -1,8 +1,8 @@
 //! Differentiable collectives and tensor-parallel layers on thread ranks: central finite
 //! differences of the stated objective for every op and both layers in both modes; a sharded
-//! 2-layer MLP against the unsharded one; a contrastive loss over all-gathered features with
-//! data-parallel averaging against one process; asynchronous collectives making progress
-//! while the caller does something else.
+//! 2-layer MLP against the unsharded one; asynchronous collectives making progress while the
+//! caller does something else. (A contrastive loss over all-gathered features:
+//! `tests/contrastive.rs`.)
 
 mod common;
 
@@ -12,8 +12,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::parallel::{self, ColumnParallelLinear, ParallelMode, RowParallelLinear};
-use candle_distributed::DataParallel;
-use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{VarBuilder, VarMap};
 use common::*;
 
 /// What a rank computes from its input: the op under test.
@@ -116,7 +115,6 @@ fn replicated(world: usize, dims: &[usize], seed: u64) -> Vec<Tensor> {
 
 fn collectives_match_finite_differences(dev: &Device) -> anyhow::Result<()> {
     let sum = Objective::SumOverRanks;
-    let rep = Objective::Replicated;
     // all_gather along dim 1 with unequal sizes (2, 1, 3) per rank.
     let uneven: Vec<Tensor> = (0..3)
         .map(|r| randn(10 + r, &[2, [2, 1, 3][r as usize]], 0.0, 1.0))
@@ -157,6 +155,14 @@ fn collectives_match_finite_differences(dev: &Device) -> anyhow::Result<()> {
         false,
         dev,
     );
+    Ok(())
+}
+
+/// The tensor-parallel region helpers (copy in, reduce out, scatter in, gather out) against
+/// finite differences of the objective their gradient is documented for.
+fn parallel_region_helpers_match_finite_differences(dev: &Device) -> anyhow::Result<()> {
+    let sum = Objective::SumOverRanks;
+    let rep = Objective::Replicated;
     fd_check(
         "copy_to_parallel",
         3,
@@ -405,50 +411,6 @@ fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// InfoNCE: 4 ranks embed their 3 pairs, all-gather the embeddings, compute the same global loss
-/// and average gradients with DataParallel: the steps equal one process on the 12 pairs.
-fn contrastive_loss_over_gathered_features_matches_one_process(dev: &Device) -> anyhow::Result<()> {
-    let a = randn(11, &[12, 6], 0.0, 1.0);
-    let b = (&a + randn(12, &[12, 6], 0.0, 0.3)).unwrap();
-    let w0 = randn(13, &[4, 6], 0.0, 0.5);
-    let info_nce = |za: &Tensor, zb: &Tensor| -> candle_core::Result<Tensor> {
-        let logits = (za.matmul(&zb.t()?)? / 0.5)?;
-        let labels = Tensor::arange(0u32, za.dim(0)? as u32, za.device())?;
-        candle_nn::loss::cross_entropy(&logits, &labels)
-    };
-    const STEPS: usize = 3;
-    let dist = run_ranks_on(4, dev, |c| {
-        let vm = VarMap::new();
-        let w = vm.get((4, 6), "w", candle_nn::Init::Const(0.0), DType::F64, dev)?;
-        vm.data().lock().unwrap()["w"].set(&on(dev, &w0))?;
-        let dp = DataParallel::new(&vm, c.clone())?;
-        let mut opt = SGD::new(dp.trainable(), 0.5)?;
-        let (ar, br) = (a.narrow(0, 3 * c.rank(), 3)?, b.narrow(0, 3 * c.rank(), 3)?);
-        let (ar, br) = (on(dev, &ar), on(dev, &br));
-        for _ in 0..STEPS {
-            let za = parallel::all_gather(&ar.matmul(&w.t()?)?, &c, 0)?;
-            let zb = parallel::all_gather(&br.matmul(&w.t()?)?, &c, 0)?;
-            let loss = info_nce(&za, &zb)?;
-            opt.step(&dp.sync_gradients(loss.backward()?)?)?;
-        }
-        Ok(cpu(&w.copy()?))
-    });
-    let w = Var::from_tensor(&w0).unwrap();
-    let mut opt = SGD::new(vec![w.clone()], 0.5).unwrap();
-    for _ in 0..STEPS {
-        let loss = info_nce(
-            &a.matmul(&w.as_tensor().t().unwrap()).unwrap(),
-            &b.matmul(&w.as_tensor().t().unwrap()).unwrap(),
-        )
-        .unwrap();
-        opt.step(&loss.backward().unwrap()).unwrap();
-    }
-    for (r, got) in dist.iter().enumerate() {
-        assert_close(&format!("rank {r} weights"), got, w.as_tensor(), tol::F64);
-    }
-    Ok(())
-}
-
 /// An async all-reduce returns before the other rank has even called its part: rank 1 only
 /// calls after rank 0 reports that its start returned (a blocking start would deadlock into
 /// the timeout).
@@ -495,7 +457,7 @@ fn async_collectives_return_before_the_peers_arrive() {
 
 device_tests!(
     collectives_match_finite_differences,
+    parallel_region_helpers_match_finite_differences,
     parallel_layers_match_finite_differences,
     sharded_mlp_matches_the_unsharded_one,
-    contrastive_loss_over_gathered_features_matches_one_process,
 );
