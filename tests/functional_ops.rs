@@ -272,3 +272,56 @@ fn the_autograd_form_with_constant_statistics() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `batch_norm_backward_elemt` with a different global count per channel (`[C]`), one of them 0:
+/// each channel uses its own `n` (as the CUDA kernel does), and a channel without values gets
+/// no correction terms. Reference: the formula evaluated element by element in f64.
+#[test]
+fn per_channel_counts_are_per_channel() -> anyhow::Result<()> {
+    let (n, c, s) = (2, 3, 4);
+    let x = randn(41, &[n, c, s], 1.0, 2.0);
+    let dy = randn(42, &[n, c, s], 0.0, 1.0);
+    let mean = Tensor::new(&[0.9f64, 1.1, 1.3], &x.device().clone())?;
+    let invstd = Tensor::new(&[0.7f64, 1.4, 0.9], x.device())?;
+    let w = Tensor::new(&[1.5f64, -0.5, 2.0], x.device())?;
+    let sums = Tensor::new(&[[3.0f64, -2.0, 5.0], [7.0, 4.0, -6.0]], x.device())?;
+    let counts = [10.0f64, 20.0, 0.0];
+    let count = Tensor::new(&counts, x.device())?;
+    let (dx, _) = batch_norm_backward_elemt(
+        &dy,
+        &x,
+        &mean,
+        &invstd,
+        Some(&w),
+        &sums,
+        &count,
+        None,
+        false,
+        false,
+    )?;
+    let (xv, dyv, dxv) = (
+        x.flatten_all()?.to_vec1::<f64>()?,
+        dy.flatten_all()?.to_vec1::<f64>()?,
+        dx.flatten_all()?.to_vec1::<f64>()?,
+    );
+    let (m, is, wv, sv) = (
+        mean.to_vec1::<f64>()?,
+        invstd.to_vec1::<f64>()?,
+        w.to_vec1::<f64>()?,
+        sums.to_vec2::<f64>()?,
+    );
+    for (i, got) in dxv.iter().enumerate() {
+        let j = (i / s) % c;
+        let (b, k) = if counts[j] > 0.0 {
+            (sv[0][j] / counts[j], is[j] * is[j] * sv[1][j] / counts[j])
+        } else {
+            (0.0, 0.0)
+        };
+        let want = wv[j] * is[j] * (dyv[i] - b - (xv[i] - m[j]) * k);
+        assert!(
+            (got - want).abs() <= 1e-12 * (1.0 + want.abs()),
+            "element {i} (channel {j}): {got} vs {want}"
+        );
+    }
+    Ok(())
+}

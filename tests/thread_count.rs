@@ -11,12 +11,12 @@ use candle_distributed::ops;
 
 const CHILD: &str = "CANDLE_DISTRIBUTED_THREAD_COUNT_CHILD";
 
-/// Every op on seeded f32 inputs large enough for many work items (channels-first planes of
-/// 3·2^15 values, channels-last rows of 96 channels), as one line of hexadecimal bits.
+/// Every op on seeded f32 inputs large enough to run on the pool (over 2^20 values; planes of
+/// 3·2^15 values, rows of 96 channels), as one line of hexadecimal bits.
 fn fingerprint() -> anyhow::Result<String> {
     let mut out = String::new();
     for (dims, cl) in [
-        (&[4usize, 3, 160, 160][..], false),
+        (&[4usize, 3, 320, 320][..], false),
         (&[8, 40, 40, 96][..], true),
     ] {
         let x = common::randn(1, dims, 2.0, 1.5).to_dtype(DType::F32)?;

@@ -329,12 +329,13 @@ fn check_same_model(
     }
     // A trainable variable must be one of `all` (the same variable under the same name), or
     // rank 0 would never broadcast it and the replicas would start apart.
+    let known: std::collections::HashSet<(&str, candle_core::TensorId)> = all
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_tensor().id()))
+        .collect();
     let stray: Vec<&str> = trainable
         .iter()
-        .filter(|(name, v)| {
-            !all.iter()
-                .any(|(n, w)| n == name && w.as_tensor().id() == v.as_tensor().id())
-        })
+        .filter(|(name, v)| !known.contains(&(name.as_str(), v.as_tensor().id())))
         .map(|(name, _)| name.as_str())
         .collect();
     let mine = Tensor::new(

@@ -222,7 +222,7 @@ where
         let nrows = g.n * g.s;
         let per = (BLOCK / c).max(1);
         let items = nrows.div_ceil(per);
-        let parts: Vec<Vec<f64>> = map_indexed(items, |i| {
+        let parts: Vec<Vec<f64>> = map_indexed(items, g.len(), |i| {
             let mut acc = vec![0f64; 2 * c];
             rows(i * per, ((i + 1) * per).min(nrows), &mut acc);
             acc
@@ -234,7 +234,7 @@ where
         let s = g.s;
         let segs = s.div_ceil(BLOCK);
         let items = g.n * c * segs;
-        let parts: Vec<(f64, f64)> = map_indexed(items, |i| {
+        let parts: Vec<(f64, f64)> = map_indexed(items, g.len(), |i| {
             let (p, seg) = (i / segs, i % segs);
             let lo = p * s + seg * BLOCK;
             plane(p % c, lo, (lo + BLOCK).min((p + 1) * s))
@@ -303,7 +303,7 @@ pub(crate) fn elementwise<T, P, Q>(
         "outputs of one length"
     );
     let (o1, o2) = (Disjoint::new(out1), out2.map(Disjoint::new));
-    on_pool(len.div_ceil(block), |i| {
+    on_pool(len.div_ceil(block), len, |i| {
         let (lo, hi) = (i * block, len.min((i + 1) * block));
         // SAFETY: the pool hands every block index to one call only, so the ranges
         // `lo..hi` taken here never overlap, and they lie within the outputs' common length.
@@ -312,21 +312,51 @@ pub(crate) fn elementwise<T, P, Q>(
     });
 }
 
-/// Runs `f(i)` for every `i < items` on candle's CPU worker pool, the threads candle's own CPU
-/// ops run on (`candle_core::utils::barrier_pool`), indices handed out in chunks as threads
-/// free up. A second pool beside it (rayon's, which this crate used before) competed with
-/// candle's workers, which spin for a while after every candle op: on 2 cores the layer's
-/// forward after a backward took 1.8 ms instead of 1.0 (64x256x14x14 NHWC, 2026-11-23).
-pub(crate) fn on_pool(items: usize, f: impl Fn(usize) + Sync) {
-    candle_core::utils::barrier_pool().execute_chunked(items, |range| range.for_each(&f));
+/// Values (elements of the input) below which a kernel runs on the calling thread (see
+/// [`on_pool`]).
+const MIN_POOL_VALUES: usize = 1 << 20;
+
+/// Runs `f(i)` for every `i < items` of a job over `values` values: on candle's CPU worker pool,
+/// the threads candle's own CPU ops run on (`candle_core::utils::barrier_pool`), indices handed
+/// out in chunks as threads free up; on the calling thread below [`MIN_POOL_VALUES`].
+///
+/// Why this pool: a second one beside it (rayon's, which this crate used before) competed with
+/// candle's workers, which spin for a while after every candle op. Why not always: the pool
+/// runs one job at a time, so thread ranks (`ThreadGroup`) would queue for it with their
+/// small tensors, which they otherwise work on side by side.
+///
+/// A panic in `f` is caught in the pool and raised again here, once every index has run: a
+/// panic unwinding through the pool's own lock would poison it for the rest of the process.
+pub(crate) fn on_pool(items: usize, values: usize, f: impl Fn(usize) + Sync) {
+    if values < MIN_POOL_VALUES {
+        (0..items).for_each(f);
+        return;
+    }
+    let panicked = std::sync::Mutex::new(None);
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        let run = std::panic::AssertUnwindSafe(|| range.for_each(&f));
+        if let Err(payload) = std::panic::catch_unwind(run) {
+            let mut first = panicked.lock().unwrap_or_else(|e| e.into_inner());
+            first.get_or_insert(payload);
+        }
+    });
+    let payload = panicked.into_inner().unwrap_or_else(|e| e.into_inner());
+    if let Some(payload) = payload {
+        std::panic::resume_unwind(payload);
+    }
 }
 
-/// `[f(0), f(1), …]` for `items` indices, computed on the pool ([`on_pool`]), in index order
+/// `[f(0), f(1), …]` for `items` indices of a job over `values` values, computed as
+/// [`on_pool`] runs them, in index order
 /// whatever thread computed each: the reductions' partial sums combine in a fixed order.
-pub(crate) fn map_indexed<R: Send>(items: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+pub(crate) fn map_indexed<R: Send>(
+    items: usize,
+    values: usize,
+    f: impl Fn(usize) -> R + Sync,
+) -> Vec<R> {
     let mut out: Vec<R> = Vec::with_capacity(items);
     let slots = Disjoint::new(&mut out.spare_capacity_mut()[..items]);
-    on_pool(items, |i| {
+    on_pool(items, values, |i| {
         // SAFETY: every index is handed to one call only, so no two calls touch one slot.
         let slot = unsafe { slots.range(i, i + 1) };
         slot[0].write(f(i));
@@ -346,7 +376,7 @@ pub(crate) fn chunks_on_pool<T: Send>(
 ) {
     let (len, chunk) = (out.len(), chunk.max(1));
     let out = Disjoint::new(out);
-    on_pool(len.div_ceil(chunk), |i| {
+    on_pool(len.div_ceil(chunk), len, |i| {
         let (lo, hi) = (i * chunk, len.min((i + 1) * chunk));
         // SAFETY: every chunk index is handed to one call only: the ranges never overlap.
         f(i, unsafe { out.range(lo, hi) })
@@ -354,28 +384,30 @@ pub(crate) fn chunks_on_pool<T: Send>(
 }
 
 /// A slice that several threads write through, each in ranges no other thread touches.
-struct Disjoint<T> {
+struct Disjoint<'a, T> {
     ptr: *mut T,
     len: usize,
+    /// The exclusive borrow of the slice, for as long as ranges of it can be taken.
+    _slice: std::marker::PhantomData<&'a mut [T]>,
 }
 
 // SAFETY: the slice is only reached through `range`, whose callers guarantee that concurrent
 // ranges are disjoint; the values move between threads, hence `T: Send`.
-unsafe impl<T: Send> Sync for Disjoint<T> {}
+unsafe impl<T: Send> Sync for Disjoint<'_, T> {}
 
-impl<T> Disjoint<T> {
-    fn new(s: &mut [T]) -> Self {
+impl<'a, T> Disjoint<'a, T> {
+    fn new(s: &'a mut [T]) -> Self {
         Self {
             ptr: s.as_mut_ptr(),
             len: s.len(),
+            _slice: std::marker::PhantomData,
         }
     }
 
     /// Elements `lo..hi`.
     ///
     /// # Safety
-    /// No other live reference may overlap `lo..hi` (no two threads ask for overlapping
-    /// ranges), and the slice `new` was given must outlive the returned one.
+    /// No other live reference may overlap `lo..hi`: no two threads ask for overlapping ranges.
     #[allow(clippy::mut_from_ref)]
     unsafe fn range(&self, lo: usize, hi: usize) -> &mut [T] {
         assert!(
@@ -383,7 +415,8 @@ impl<T> Disjoint<T> {
             "range {lo}..{hi} of {}",
             self.len
         );
-        // SAFETY: in bounds (asserted), and exclusive by the caller's contract.
+        // SAFETY: in bounds (asserted), borrowed exclusively for `'a` (the marker), and
+        // exclusive among the callers by their contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(lo), hi - lo) }
     }
 }

@@ -2,7 +2,7 @@
 //! with a residual, `dz = g`, written in one pass.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::{acc_dtype, backward_slices, check_device, check_same_shape, per_channel_f64, OP};
 use std::mem::MaybeUninit;
@@ -29,16 +29,17 @@ impl ElemtCoef {
         invstd: &[f64],
         weight: Option<&[f64]>,
         sums: &[f64],
-        count: f64,
+        count: &[f64],
     ) -> Self {
         let c = mean.len();
         let a = (0..c)
             .map(|j| weight.map_or(1.0, |w| w[j]) * invstd[j])
             .collect();
-        let n = if count > 0.0 { count } else { 1.0 };
-        let b = (0..c).map(|j| sums[j] / n).collect();
+        // A channel without values anywhere (n = 0) gets no correction terms, as on CUDA.
+        let per_n = |j: usize, v: f64| if count[j] > 0.0 { v / count[j] } else { 0.0 };
+        let b = (0..c).map(|j| per_n(j, sums[j])).collect();
         let k = (0..c)
-            .map(|j| invstd[j] * invstd[j] * sums[c + j] / n)
+            .map(|j| per_n(j, invstd[j] * invstd[j] * sums[c + j]))
             .collect();
         Self { mean, a, b, k }
     }
@@ -49,16 +50,12 @@ impl ElemtCoef {
             Some(w) => Some(w.to_dtype(DType::F64)?.to_vec1::<f64>()?),
             None => None,
         };
-        let count = match op.count.to_vec1::<f64>()?.first() {
-            Some(&n) => n,
-            None => 0.0,
-        };
         Ok(Self::new(
             op.mean.to_vec1::<f64>()?,
             &op.invstd.to_vec1::<f64>()?,
             weight.as_deref(),
             &op.sums.flatten_all()?.to_vec1::<f64>()?,
-            count,
+            &op.count.to_vec1::<f64>()?,
         ))
     }
 }
@@ -418,6 +415,12 @@ pub fn batch_norm_backward_elemt(
         }
     }
     let count = match count.elem_count() {
+        1 if !count.dtype().is_float() => {
+            bail!(
+                "{OP}: expected count in a float dtype, got {:?}",
+                count.dtype()
+            )
+        }
         1 => count
             .flatten_all()?
             .to_dtype(DType::F64)?

@@ -74,8 +74,11 @@ pub fn batch_norm_elemt_autograd(
     for (what, t) in [("mean", mean), ("invstd", invstd), ("count", count)] {
         check_device(what, t, dev)?;
     }
-    if count.elem_count() == 0 {
-        bail!("{OP}: count holds no value (expected the global count n per channel)")
+    if count.elem_count() != 1 && count.elem_count() != c {
+        bail!(
+            "{OP}: count must hold one value or {c} (the global count n per channel), got shape {:?}",
+            count.dims()
+        )
     }
     let acc = acc_dtype(x.dtype());
     let params = match affine {
