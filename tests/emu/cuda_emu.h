@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 // ---------------------------------------------------------------- built-in variables and types
@@ -51,8 +52,20 @@ template <typename T> T shfl_t(unsigned mask, T v, Shfl kind, int arg, int width
 }
 
 // Type-erased kernel registry: `Reg r("name", &fn)` makes fn launchable by name with void** args.
+// Each kernel is registered with its signature, one letter per parameter (see `param_code`),
+// which a launch must match: an argument list one short, one long or with an `int` for a
+// `long long` is refused instead of read out of bounds.
 using Invoker = void (*)(void* fn, void** args);
-void register_kernel(const char* name, void* fn, Invoker invoke);
+void register_kernel(const char* name, void* fn, Invoker invoke, std::string signature);
+
+// 'p' a pointer, 'l' an 8-byte integer, 'i' a 4-byte integer, 'd' a double, '?' anything else.
+template <typename T> constexpr char param_code() {
+    if (std::is_pointer<T>::value) return 'p';
+    if (std::is_integral<T>::value && sizeof(T) == 8) return 'l';
+    if (std::is_integral<T>::value && sizeof(T) == 4) return 'i';
+    if (std::is_same<T, double>::value) return 'd';
+    return '?';
+}
 
 template <typename... A> struct Unpack {
     template <size_t... I> static void call(void* fn, void** args, std::index_sequence<I...>) {
@@ -63,7 +76,8 @@ template <typename... A> struct Unpack {
 
 struct Reg {
     template <typename... A> Reg(const char* name, void (*fn)(A...)) {
-        register_kernel(name, reinterpret_cast<void*>(fn), &Unpack<A...>::invoke);
+        register_kernel(name, reinterpret_cast<void*>(fn), &Unpack<A...>::invoke,
+                        std::string{param_code<A>()...});
     }
 };
 

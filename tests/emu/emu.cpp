@@ -24,6 +24,7 @@ enum class WarpOp { Sync, Shfl, Ballot };
 struct KernelEntry {
     void* fn;
     Invoker invoke;
+    std::string signature;
 };
 
 std::map<std::string, KernelEntry>& registry() {
@@ -299,8 +300,8 @@ unsigned ballot(unsigned mask, bool pred) {
     return (unsigned)warp_op(WarpOp::Ballot, mask, 0, Shfl::Idx, 0, 32, pred);
 }
 
-void register_kernel(const char* name, void* fn, Invoker invoke) {
-    registry()[name] = KernelEntry{fn, invoke};
+void register_kernel(const char* name, void* fn, Invoker invoke, std::string signature) {
+    registry()[name] = KernelEntry{fn, invoke, std::move(signature)};
 }
 
 }  // namespace emu
@@ -320,10 +321,12 @@ size_t emu_kernel_names(char* buf, size_t len) {
 }
 
 // Launches kernel `name` on grid × block with `smem` bytes of dynamic shared memory and the
-// kernel's arguments as pointers to their values (as cuLaunchKernel takes them). `schedule`:
-// "forward", "reverse" or "random:SEED". Returns 0, or 1 with a message in err.
+// kernel's arguments as pointers to their values (as cuLaunchKernel takes them), described by
+// `signature` (one letter per argument, see `param_code`), which must be the kernel's.
+// `schedule`: "forward", "reverse" or "random:SEED". Returns 0, or 1 with a message in err.
 int emu_launch(const char* name, const unsigned grid[3], const unsigned block[3], size_t smem,
-               void** args, const char* schedule, char* err, size_t err_len) {
+               void** args, const char* signature, const char* schedule, char* err,
+               size_t err_len) {
     auto set_err = [&](const std::string& m) {
         if (err && err_len) {
             size_t k = std::min(err_len - 1, m.size());
@@ -334,6 +337,9 @@ int emu_launch(const char* name, const unsigned grid[3], const unsigned block[3]
     };
     auto it = emu::registry().find(name);
     if (it == emu::registry().end()) return set_err(std::string("no kernel named ") + name);
+    if (it->second.signature != signature)
+        return set_err(std::string(name) + ": arguments '" + signature +
+                       "' do not match the kernel's parameters '" + it->second.signature + "'");
     emu::Schedule sched;
     if (!emu::parse_schedule(schedule, sched))
         return set_err(std::string("bad schedule '") + schedule + "' (forward|reverse|random:SEED)");

@@ -49,6 +49,7 @@ type LaunchFn = unsafe extern "C" fn(
     usize,
     *mut *mut c_void,
     *const c_char,
+    *const c_char,
     *mut c_char,
     usize,
 ) -> i32;
@@ -88,6 +89,16 @@ pub fn emu() -> &'static Emu {
     })
 }
 
+/// The emulator's letter for an argument (`param_code` in `tests/emu/cuda_emu.h`).
+fn code(arg: &Arg) -> char {
+    match arg {
+        Arg::Ptr(_) => 'p',
+        Arg::I64(_) => 'l',
+        Arg::I32(_) => 'i',
+        Arg::F64(_) => 'd',
+    }
+}
+
 /// Where the emulator reads one argument from (as cuLaunchKernel takes them: the address of
 /// each parameter's value).
 fn addr(arg: &mut Arg) -> *mut c_void {
@@ -109,11 +120,14 @@ pub fn run(call: &Call, schedule: &str) {
         CString::new(name.as_str()).unwrap(),
         CString::new(schedule).unwrap(),
     );
+    let csig = CString::new(call.args.iter().map(code).collect::<String>()).unwrap();
     let cfg = &call.launch;
     let mut err = vec![0 as c_char; 1024];
-    // SAFETY: `emu_launch` has the signature of `LaunchFn` (tests/emu/emu.cpp); the argument
-    // pointers point at live values of the kernel's parameter types (the list the CUDA path
-    // launches), and every buffer holds what the launch touches (checked by the builder).
+    // SAFETY: `emu_launch` has the signature of `LaunchFn` (tests/emu/emu.cpp); it reads the
+    // arguments only after checking their kinds and number (`csig`) against the kernel's
+    // parameters; the argument pointers point at live values of those types (the list the
+    // CUDA path launches), and every buffer holds what the launch touches (checked by the
+    // builder).
     let rc = unsafe {
         let f: libloading::Symbol<LaunchFn> = e.lib.get(b"emu_launch").unwrap();
         f(
@@ -122,6 +136,7 @@ pub fn run(call: &Call, schedule: &str) {
             cfg.block.as_ptr(),
             cfg.shared_mem_bytes as usize,
             ptrs.as_mut_ptr(),
+            csig.as_ptr(),
             csched.as_ptr(),
             err.as_mut_ptr(),
             err.len(),

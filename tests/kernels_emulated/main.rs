@@ -60,3 +60,54 @@ fn every_entry_point_is_launched_by_a_test() {
         }
     }
 }
+
+/// An argument list that does not match the kernel's parameters (one argument short, or an
+/// `int` where the kernel takes a `long long`) is refused before the kernel reads it.
+#[test]
+fn a_mismatched_argument_list_is_refused() {
+    use candle_core::DType;
+    use candle_distributed::args::{Arg, Scratch, Stats};
+    use harness::{per_channel, run, Buf, Case};
+
+    let case = Case {
+        n: 2,
+        c: 3,
+        hw: 4,
+        cl: false,
+    };
+    let r = case.extent().reduction().unwrap();
+    let (mut xb, mut kb) = (
+        Buf::of(&case.data(1, 0.0, DType::F32)),
+        Buf::of(&per_channel(3, 2, -0.5, 0.5)),
+    );
+    let mut out = Buf::poisoned(DType::F64, &[3, 3]);
+    let mut work = Buf::poisoned(DType::F64, &[r.work_len.max(1)]);
+    let mut counters = Buf::zeros_u32(r.counters);
+    let stats = Stats {
+        x: xb.buffer(),
+        shift: kb.buffer(),
+        out: out.buffer(),
+        scratch: Scratch {
+            work: work.buffer(),
+            counters: counters.buffer(),
+        },
+    };
+    let call = stats
+        .call("test", DType::F32, &case.extent())
+        .unwrap()
+        .unwrap();
+    run(&call, "forward");
+    let mut short = call.clone();
+    short.args.pop();
+    let mut narrow = call.clone();
+    *narrow.args.last_mut().unwrap() = Arg::I32(4);
+    for (what, bad) in [("one short", short), ("an int for a long long", narrow)] {
+        let err = std::panic::catch_unwind(|| run(&bad, "forward")).unwrap_err();
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(
+            msg.contains("arguments 'pppppll")
+                && msg.contains("do not match the kernel's parameters 'pppppll"),
+            "{what}: {msg}"
+        );
+    }
+}
