@@ -346,9 +346,9 @@ pub(crate) fn on_pool(items: usize, values: usize, f: impl Fn(usize) + Sync) {
     }
 }
 
-/// `[f(0), f(1), …]` for `items` indices of a job over `values` values, computed as
-/// [`on_pool`] runs them, in index order
-/// whatever thread computed each: the reductions' partial sums combine in a fixed order.
+/// `[f(0), f(1), …]` for `items` indices of a job over `values` values, run as [`on_pool`]
+/// runs them and returned in index order whatever thread computed each, so that the
+/// reductions' partial sums combine in a fixed order.
 pub(crate) fn map_indexed<R: Send>(
     items: usize,
     values: usize,
