@@ -1,13 +1,17 @@
-// A CUDA emulator for the kernels in kernels/*.cu, compiled by g++ (test-only).
+// A CUDA emulator for the kernels in kernels/*.cu (and, in the simulated device of gpu-sim/,
+// candle's kernels), compiled by g++ (test-only).
 //
 // Blocks run one after another on the calling OS thread. The threads of a block are fibers
-// (ucontext) that switch only at __syncthreads, __syncwarp, shuffles and ballots; the order in
-// which runnable fibers resume is chosen by the launch's schedule (forward, reverse or a seeded
-// random permutation per round), so a missing barrier shows up under some order. Undefined
-// behaviour that a GPU would tolerate silently is a launch error here: a barrier some threads
-// never reach, a warp operation whose mask names exited, absent or diverged lanes, a shuffle
-// reading a lane outside its mask. Dynamic shared memory is filled with 0xFF bytes (NaN for
-// every float type) at every block start.
+// (a small assembly context switch, stacks from a per-thread pool) that switch only at
+// __syncthreads, __syncwarp, shuffles and ballots; a thread that never blocks runs to its end
+// on one stack, which the next thread then reuses. The order in which runnable fibers resume is
+// chosen by the launch's schedule (forward, reverse or a seeded random permutation per round),
+// so a missing barrier shows up under some order. Undefined behaviour that a GPU would tolerate
+// silently is a launch error here: a barrier some threads never reach (strict mode; the
+// lenient mode counts exited threads as arrived, as sm_70 and later GPUs do), a warp operation
+// whose mask names exited, absent or diverged lanes, a shuffle reading a lane outside its mask.
+// Dynamic shared memory is filled with 0xFF bytes (NaN for every float type) at every block
+// start.
 //
 // It cannot see true races, memory-model bugs, occupancy, launch-resource limits or timing.
 #pragma once
@@ -18,6 +22,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // ---------------------------------------------------------------- built-in variables and types
 struct dim3 {
@@ -27,10 +32,15 @@ struct dim3 {
 
 namespace emu {
 
-struct Fiber;
-Fiber* current();
-const dim3& thread_idx();
-extern thread_local dim3 block_idx, block_dim, grid_dim;
+// Thread-local state read by every kernel: the sim builds these with the initial-exec TLS model
+// (EMU_TLS_INITIAL_EXEC), so that a kernel module loaded later reads them without a call.
+#ifdef EMU_TLS_INITIAL_EXEC
+#define EMU_TLS __attribute__((tls_model("initial-exec")))
+#else
+#define EMU_TLS
+#endif
+extern thread_local const dim3* cur_tid EMU_TLS;
+extern thread_local dim3 block_idx EMU_TLS, block_dim EMU_TLS, grid_dim EMU_TLS;
 void* dynamic_smem();
 
 void syncthreads();
@@ -54,9 +64,17 @@ template <typename T> T shfl_t(unsigned mask, T v, Shfl kind, int arg, int width
 // Type-erased kernel registry: `Reg r("name", &fn)` makes fn launchable by name with void** args.
 // Each kernel is registered with its signature, one letter per parameter (see `param_code`),
 // which a launch must match: an argument list one short, one long or with an `int` for a
-// `long long` is refused instead of read out of bounds.
+// `long long` is refused instead of read out of bounds. Each parameter also records its size
+// (checked against the PTX's `.param` list by the simulated driver) and, for a pointer, whether
+// the kernel may write through it (a pointer to non-const) or only reads (a pointer to const).
 using Invoker = void (*)(void* fn, void** args);
-void register_kernel(const char* name, void* fn, Invoker invoke, std::string signature);
+enum class Access : char { Value, Read, Write };
+struct Param {
+    unsigned size;
+    Access access;
+};
+void register_kernel(const char* name, void* fn, Invoker invoke, std::string signature,
+                     std::vector<Param> params);
 
 // 'p' a pointer, 'l' an 8-byte integer, 'i' a 4-byte integer, 'd' a double, '?' anything else.
 template <typename T> constexpr char param_code() {
@@ -65,6 +83,11 @@ template <typename T> constexpr char param_code() {
     if (std::is_integral<T>::value && sizeof(T) == 4) return 'i';
     if (std::is_same<T, double>::value) return 'd';
     return '?';
+}
+template <typename T> Param param_info() {
+    if (!std::is_pointer<T>::value) return Param{(unsigned)sizeof(T), Access::Value};
+    using P = typename std::remove_pointer<T>::type;
+    return Param{(unsigned)sizeof(T), std::is_const<P>::value ? Access::Read : Access::Write};
 }
 
 template <typename... A> struct Unpack {
@@ -77,13 +100,13 @@ template <typename... A> struct Unpack {
 struct Reg {
     template <typename... A> Reg(const char* name, void (*fn)(A...)) {
         register_kernel(name, reinterpret_cast<void*>(fn), &Unpack<A...>::invoke,
-                        std::string{param_code<A>()...});
+                        std::string{param_code<A>()...}, std::vector<Param>{param_info<A>()...});
     }
 };
 
 }  // namespace emu
 
-#define threadIdx (::emu::thread_idx())
+#define threadIdx (*::emu::cur_tid)
 #define blockIdx (::emu::block_idx)
 #define blockDim (::emu::block_dim)
 #define gridDim (::emu::grid_dim)
@@ -116,107 +139,6 @@ template <typename T> T __shfl_xor_sync(unsigned m, T v, int lane_mask, int w = 
 }
 inline unsigned __ballot_sync(unsigned m, int pred) { return ::emu::ballot(m, pred != 0); }
 
-// Blocks run sequentially and fibers switch only at the calls above, so an atomic is a plain
-// read-modify-write here.
-template <typename T> T atomicAdd(T* p, T v) {
-    T old = *p;
-    *p = old + v;
-    return old;
-}
-inline unsigned atomicInc(unsigned* p, unsigned limit) {
-    unsigned old = *p;
-    *p = old >= limit ? 0 : old + 1;
-    return old;
-}
+#include "emu_half.h"
+#include "emu_math.h"
 
-template <typename T> T __ldg(const T* p) { return *p; }
-inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
-inline double rsqrt(double v) { return 1.0 / std::sqrt(v); }
-// Round-to-nearest double arithmetic that is never fused (the host compiler does not contract
-// these calls into an FMA).
-inline double __dadd_rn(double a, double b) { volatile double r = a + b; return r; }
-inline double __dsub_rn(double a, double b) { volatile double r = a - b; return r; }
-inline double __dmul_rn(double a, double b) { volatile double r = a * b; return r; }
-inline float __fdividef(float a, float b) { return a / b; }
-using std::fmaxf;
-using std::max;
-using std::min;
-
-// ---------------------------------------------------------------- half and bfloat16 storage
-// IEEE binary16 and bfloat16 with round-to-nearest-even conversions, as cuda_fp16.h and
-// cuda_bf16.h provide (only what the kernels use).
-struct __half {
-    uint16_t bits;
-};
-struct __nv_bfloat16 {
-    uint16_t bits;
-};
-
-inline float __half2float(__half h) {
-    uint32_t s = (uint32_t)(h.bits & 0x8000u) << 16, e = (h.bits >> 10) & 0x1f, m = h.bits & 0x3ff;
-    uint32_t f;
-    if (e == 0) {
-        if (m == 0) {
-            f = s;
-        } else {  // subnormal: normalise
-            e = 127 - 15 + 1;
-            while ((m & 0x400u) == 0) {
-                m <<= 1;
-                e--;
-            }
-            f = s | (e << 23) | ((m & 0x3ffu) << 13);
-        }
-    } else if (e == 31) {
-        f = s | 0x7f800000u | (m << 13);
-    } else {
-        f = s | ((e + 127 - 15) << 23) | (m << 13);
-    }
-    float out;
-    std::memcpy(&out, &f, 4);
-    return out;
-}
-
-inline __half __float2half(float v) {
-    uint32_t f;
-    std::memcpy(&f, &v, 4);
-    uint32_t s = (f >> 16) & 0x8000u;
-    int32_t e = (int32_t)((f >> 23) & 0xff) - 127 + 15;
-    uint32_t m = f & 0x7fffffu;
-    uint16_t bits;
-    if (((f >> 23) & 0xff) == 0xff) {  // inf or nan
-        bits = (uint16_t)(s | 0x7c00u | (m ? 0x200u : 0));
-    } else if (e >= 31) {
-        bits = (uint16_t)(s | 0x7c00u);
-    } else if (e <= 0) {  // subnormal or zero
-        if (e < -10) {
-            bits = (uint16_t)s;
-        } else {
-            m |= 0x800000u;
-            uint32_t shift = (uint32_t)(14 - e);
-            uint32_t half_m = m >> shift, rem = m & ((1u << shift) - 1), mid = 1u << (shift - 1);
-            if (rem > mid || (rem == mid && (half_m & 1))) half_m++;
-            bits = (uint16_t)(s | half_m);
-        }
-    } else {
-        uint32_t half_m = m >> 13, rem = m & 0x1fffu;
-        uint32_t out = s | ((uint32_t)e << 10) | half_m;
-        if (rem > 0x1000u || (rem == 0x1000u && (half_m & 1))) out++;  // may carry into e
-        bits = (uint16_t)out;
-    }
-    return __half{bits};
-}
-
-inline float __bfloat162float(__nv_bfloat16 b) {
-    uint32_t f = (uint32_t)b.bits << 16;
-    float out;
-    std::memcpy(&out, &f, 4);
-    return out;
-}
-
-inline __nv_bfloat16 __float2bfloat16(float v) {
-    uint32_t f;
-    std::memcpy(&f, &v, 4);
-    if ((f & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{(uint16_t)((f >> 16) | 0x40)};
-    f += 0x7fffu + ((f >> 16) & 1);
-    return __nv_bfloat16{(uint16_t)(f >> 16)};
-}

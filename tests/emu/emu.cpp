@@ -1,80 +1,185 @@
-// The emulator's runtime: fibers, the block scheduler, warp operations and the C launch API
-// used by tests/kernels_emulated.rs. See cuda_emu.h for what it models and what it cannot.
-#include <ucontext.h>
+// The emulator's runtime: fibers, the block scheduler, warp operations, the kernel registries
+// and the C launch API used by tests/kernels_emulated. See cuda_emu.h for what it models and
+// what it cannot.
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <map>
 #include <memory>
 #include <random>
 #include <utility>
 #include <vector>
 
-#include "cuda_emu.h"
+#include "emu_runtime.h"
+
+// ------------------------------------------------------------------------- the context switch
+// emu_ctx_switch(save, load): saves the callee-saved registers, MXCSR and the x87 control word
+// on the current stack, stores the stack pointer in *save, and resumes the context whose stack
+// pointer is `load` (System V x86-64: rbx, rbp, r12-r15 are callee-saved).
+#if !defined(__x86_64__)
+#error "the emulator's fibers are written for x86-64"
+#endif
+extern "C" void emu_ctx_switch(void** save, void* load);
+asm(R"(
+    .text
+    .p2align 4
+    .type emu_ctx_switch,@function
+emu_ctx_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_ctx_switch, .-emu_ctx_switch
+)");
 
 namespace emu {
 
+thread_local const dim3* cur_tid EMU_TLS = nullptr;
+thread_local dim3 block_idx EMU_TLS, block_dim EMU_TLS, grid_dim EMU_TLS;
+
 namespace {
 
-constexpr size_t kStack = 256 * 1024;
+// A fiber's stack: 256 KiB with a guard page below it; a thread uses only what it touches.
+constexpr size_t kStack = 256 * 1024, kGuard = 4096;
 
-enum class State { Ready, Barrier, Warp, Done };
-enum class WarpOp { Sync, Shfl, Ballot };
-
-struct KernelEntry {
-    void* fn;
-    Invoker invoke;
-    std::string signature;
+struct StackPool {
+    std::vector<char*> free;
+    char* get() {
+        if (!free.empty()) {
+            char* s = free.back();
+            free.pop_back();
+            return s;
+        }
+        void* m = mmap(nullptr, kStack + kGuard, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED) return nullptr;
+        mprotect(m, kGuard, PROT_NONE);
+        return static_cast<char*>(m);
+    }
+    void put(char* s) { free.push_back(s); }
+    ~StackPool() {
+        for (char* s : free) munmap(s, kStack + kGuard);
+    }
 };
+thread_local StackPool t_stacks;
 
-std::map<std::string, KernelEntry>& registry() {
-    static std::map<std::string, KernelEntry> r;
-    return r;
-}
+enum class State : unsigned char { Fresh, Ready, Barrier, Warp, Done };
+enum class WarpOp : unsigned char { Sync, Shfl, Ballot };
+
+const dim3 kHostTid(0, 0, 0);
 
 }  // namespace
 
 struct Fiber {
-    ucontext_t ctx;
+    void* sp = nullptr;
+    char* stack = nullptr;
     dim3 tid;
-    unsigned linear = 0;
-    State state = State::Ready;
+    State state = State::Fresh;
     // Pending warp operation.
     WarpOp op = WarpOp::Sync;
-    unsigned mask = 0;
-    uint64_t value = 0;
-    Shfl kind = Shfl::Idx;
-    int arg = 0, width = 32;
     bool pred = false;
+    Shfl kind = Shfl::Idx;
+    unsigned mask = 0;
+    int arg = 0, width = 32;
+    uint64_t value = 0;
     uint64_t result = 0;
 };
 
 namespace {
 
 struct Launch {
-    ucontext_t scheduler;
+    void* sched_sp = nullptr;
     std::vector<Fiber> fibers;
-    std::vector<std::unique_ptr<char[]>> stacks;
     std::vector<unsigned char> smem;
     Fiber* cur = nullptr;
-    KernelEntry kernel{};
+    const KernelEntry* kernel = nullptr;
     void** args = nullptr;
+    bool lenient = false;
     bool failed = false;
     std::string error;
 };
 
 thread_local Launch* g_launch = nullptr;
 
-void fiber_main() {
+// The scheduler's own failure path: a fiber that calls fail() records the error and never
+// resumes; the launch is then abandoned.
+struct Abort {};
+
+void release_stacks(Launch& l) {
+    for (Fiber& f : l.fibers) {
+        if (f.stack) t_stacks.put(f.stack);
+        f.stack = nullptr;
+    }
+}
+
+extern "C" void emu_fiber_entry() {
     Launch* l = g_launch;
-    l->kernel.invoke(l->kernel.fn, l->args);
-    l->cur->state = State::Done;
-    swapcontext(&l->cur->ctx, &l->scheduler);
+    Fiber* f = l->cur;
+    l->kernel->invoke(l->kernel->fn, l->args);
+    f->state = State::Done;
+    emu_ctx_switch(&f->sp, l->sched_sp);
+    __builtin_unreachable();
+}
+
+// The initial frame of a fiber: what emu_ctx_switch pops (MXCSR and control word, six
+// registers), then emu_fiber_entry as the return address, then a null return address for
+// emu_fiber_entry itself, which leaves the stack 16-byte aligned minus 8 at its entry.
+void* initial_frame(char* stack) {
+    auto* top = reinterpret_cast<uint64_t*>(stack + kGuard + kStack);
+    uint32_t mxcsr;
+    uint16_t fpcw;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fpcw));
+    *--top = 0;
+    *--top = reinterpret_cast<uint64_t>(&emu_fiber_entry);
+    for (int i = 0; i < 6; i++) *--top = 0;
+    *--top = (uint64_t)mxcsr | ((uint64_t)fpcw << 32);
+    return top;
+}
+
+void resume(Launch& l, Fiber& f) {
+    if (f.state == State::Fresh) {
+        f.stack = t_stacks.get();
+        if (!f.stack) {
+            l.failed = true;
+            l.error = "no memory for a fiber stack";
+            throw Abort{};
+        }
+        f.sp = initial_frame(f.stack);
+    }
+    f.state = State::Ready;
+    l.cur = &f;
+    cur_tid = &f.tid;
+    emu_ctx_switch(&l.sched_sp, f.sp);
+    cur_tid = &kHostTid;
+    l.cur = nullptr;
+    if (f.state == State::Done) {
+        t_stacks.put(f.stack);
+        f.stack = nullptr;
+    }
+    if (l.failed) throw Abort{};
 }
 
 void yield_to_scheduler() {
     Launch* l = g_launch;
-    swapcontext(&l->cur->ctx, &l->scheduler);
+    emu_ctx_switch(&l->cur->sp, l->sched_sp);
 }
 
 std::string where(const Fiber& f) {
@@ -162,70 +267,40 @@ bool resolve_barrier(Launch& l) {
         if (f.state == State::Done) done++;
     }
     if (waiting == 0) return false;
-    if (waiting + done == l.fibers.size() && done > 0) {
+    if (waiting + done == l.fibers.size() && done > 0 && !l.lenient) {
         for (const Fiber& f : l.fibers)
             if (f.state == State::Barrier)
                 fail(where(f) + ": __syncthreads not reached by " + std::to_string(done) +
                      " exited threads of the block");
     }
-    if (waiting != l.fibers.size()) return false;
-    for (Fiber& f : l.fibers) f.state = State::Ready;
+    if (waiting + done != l.fibers.size()) return false;
+    for (Fiber& f : l.fibers)
+        if (f.state == State::Barrier) f.state = State::Ready;
     return true;
 }
 
-struct Schedule {
-    enum { Forward, Reverse, Random } mode = Forward;
-    uint64_t seed = 0;
-};
-
-bool parse_schedule(const char* s, Schedule& out) {
-    std::string v = s ? s : "forward";
-    if (v == "forward") {
-        out.mode = Schedule::Forward;
-    } else if (v == "reverse") {
-        out.mode = Schedule::Reverse;
-    } else if (v.rfind("random:", 0) == 0) {
-        out.mode = Schedule::Random;
-        out.seed = std::strtoull(v.c_str() + 7, nullptr, 10);
-    } else {
-        return false;
-    }
-    return true;
-}
-
-// The scheduler's own failure path: a fiber that calls fail() records the error and never
-// resumes; the launch is then abandoned.
-struct Abort {};
-
-void run_block(Launch& l, const Schedule& sched, std::mt19937_64& rng) {
+void run_block(Launch& l, const Schedule& sched, std::mt19937_64& rng,
+               std::vector<unsigned>& order) {
     const unsigned n = (unsigned)l.fibers.size();
     std::fill(l.smem.begin(), l.smem.end(), (unsigned char)0xFF);
     for (unsigned i = 0; i < n; i++) {
         Fiber& f = l.fibers[i];
-        f = Fiber{};
-        f.linear = i;
-        f.tid = dim3(i % block_dim.x, (i / block_dim.x) % block_dim.y, i / (block_dim.x * block_dim.y));
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = l.stacks[i].get();
-        f.ctx.uc_stack.ss_size = kStack;
-        f.ctx.uc_link = nullptr;
-        makecontext(&f.ctx, fiber_main, 0);
+        f.state = State::Fresh;
+        f.tid = dim3(i % block_dim.x, (i / block_dim.x) % block_dim.y,
+                     i / (block_dim.x * block_dim.y));
     }
-    std::vector<unsigned> order(n);
-    for (unsigned i = 0; i < n; i++) order[i] = i;
     for (;;) {
-        if (sched.mode == Schedule::Reverse) {
-            for (unsigned i = 0; i < n; i++) order[i] = n - 1 - i;
-        } else if (sched.mode == Schedule::Random) {
-            std::shuffle(order.begin(), order.end(), rng);
-        }
-        for (unsigned i : order) {
-            Fiber& f = l.fibers[i];
-            if (f.state != State::Ready) continue;
-            l.cur = &f;
-            swapcontext(&l.scheduler, &f.ctx);
-            l.cur = nullptr;
-            if (l.failed) throw Abort{};
+        if (sched.mode == Schedule::Forward) {
+            for (unsigned i = 0; i < n; i++) {
+                Fiber& f = l.fibers[i];
+                if (f.state == State::Fresh || f.state == State::Ready) resume(l, f);
+            }
+        } else {
+            if (sched.mode == Schedule::Random) std::shuffle(order.begin(), order.end(), rng);
+            for (unsigned i : order) {
+                Fiber& f = l.fibers[i];
+                if (f.state == State::Fresh || f.state == State::Ready) resume(l, f);
+            }
         }
         bool all_done = std::all_of(l.fibers.begin(), l.fibers.end(),
                                     [](const Fiber& f) { return f.state == State::Done; });
@@ -241,17 +316,20 @@ void run_block(Launch& l, const Schedule& sched, std::mt19937_64& rng) {
     }
 }
 
+Registry*& loading_registry() {
+    static thread_local Registry* r = nullptr;
+    return r;
+}
+
 }  // namespace
 
-thread_local dim3 block_idx, block_dim, grid_dim;
-
-Fiber* current() { return g_launch ? g_launch->cur : nullptr; }
-
-const dim3& thread_idx() {
-    static thread_local dim3 host(0, 0, 0);
-    Fiber* f = current();
-    return f ? f->tid : host;
+Registry& global_registry() {
+    static Registry r;
+    return r;
 }
+
+ModuleLoad::ModuleLoad(Registry* into) : saved(loading_registry()) { loading_registry() = into; }
+ModuleLoad::~ModuleLoad() { loading_registry() = saved; }
 
 void* dynamic_smem() { return g_launch->smem.data(); }
 
@@ -263,21 +341,21 @@ void* dynamic_smem() { return g_launch->smem.data(); }
     }
     if (l->cur) {
         // Never resumed: the scheduler abandons the launch.
-        swapcontext(&l->cur->ctx, &l->scheduler);
+        emu_ctx_switch(&l->cur->sp, l->sched_sp);
     }
     // Called from the scheduler itself.
     throw Abort{};
 }
 
 void syncthreads() {
-    Fiber* f = current();
+    Fiber* f = g_launch->cur;
     f->state = State::Barrier;
     yield_to_scheduler();
 }
 
 static uint64_t warp_op(WarpOp op, unsigned mask, uint64_t value, Shfl kind, int arg, int width,
                         bool pred) {
-    Fiber* f = current();
+    Fiber* f = g_launch->cur;
     f->op = op;
     f->mask = mask;
     f->value = value;
@@ -300,8 +378,87 @@ unsigned ballot(unsigned mask, bool pred) {
     return (unsigned)warp_op(WarpOp::Ballot, mask, 0, Shfl::Idx, 0, 32, pred);
 }
 
-void register_kernel(const char* name, void* fn, Invoker invoke, std::string signature) {
-    registry()[name] = KernelEntry{fn, invoke, std::move(signature)};
+void register_kernel(const char* name, void* fn, Invoker invoke, std::string signature,
+                     std::vector<Param> params) {
+    Registry* r = loading_registry();
+    (r ? *r : global_registry())[name] =
+        KernelEntry{fn, invoke, std::move(signature), std::move(params)};
+}
+
+bool parse_schedule(const char* s, Schedule& out) {
+    std::string v = s ? s : "forward";
+    if (v == "forward") {
+        out.mode = Schedule::Forward;
+    } else if (v == "reverse") {
+        out.mode = Schedule::Reverse;
+    } else if (v.rfind("random:", 0) == 0) {
+        out.mode = Schedule::Random;
+        out.seed = std::strtoull(v.c_str() + 7, nullptr, 10);
+    } else {
+        return false;
+    }
+    return true;
+}
+
+bool in_kernel() { return g_launch != nullptr; }
+
+void abandon() {
+    if (!g_launch) return;
+    release_stacks(*g_launch);
+    delete g_launch;
+    g_launch = nullptr;
+    cur_tid = &kHostTid;
+}
+
+bool run(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, std::string& error) {
+    const dim3 grid = cfg.grid, block = cfg.block;
+    const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
+    if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 ||
+        grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535) {
+        char buf[200];
+        std::snprintf(buf, sizeof buf,
+                      "invalid launch configuration: grid (%u,%u,%u), block (%u,%u,%u)", grid.x,
+                      grid.y, grid.z, block.x, block.y, block.z);
+        error = buf;
+        return false;
+    }
+    if (cfg.smem > 48 * 1024) {
+        error = "dynamic shared memory of " + std::to_string(cfg.smem) +
+                " bytes: over 48 KiB needs an opt-in (cuFuncSetAttribute)";
+        return false;
+    }
+    if (g_launch) {
+        error = "a launch from inside a kernel";
+        return false;
+    }
+    auto* l = new Launch;
+    l->kernel = &kernel;
+    l->args = args;
+    l->lenient = cfg.lenient_barriers;
+    l->fibers.resize(threads);
+    l->smem.assign(cfg.smem, 0xFF);
+    g_launch = l;
+    cur_tid = &kHostTid;
+    grid_dim = grid;
+    block_dim = block;
+    std::mt19937_64 rng(cfg.schedule.seed);
+    std::vector<unsigned> order(threads);
+    for (unsigned i = 0; i < threads; i++)
+        order[i] = cfg.schedule.mode == Schedule::Reverse ? (unsigned)threads - 1 - i : i;
+    bool ok = true;
+    try {
+        for (unsigned z = 0; z < grid.z; z++)
+            for (unsigned y = 0; y < grid.y; y++)
+                for (unsigned x = 0; x < grid.x; x++) {
+                    block_idx = dim3(x, y, z);
+                    run_block(*l, cfg.schedule, rng, order);
+                }
+    } catch (Abort&) {
+        ok = false;
+        error = l->error;
+    }
+    abandon();
+    return ok;
 }
 
 }  // namespace emu
@@ -311,7 +468,7 @@ extern "C" {
 // Names of every registered kernel, separated by '\n', into buf (truncated to len).
 size_t emu_kernel_names(char* buf, size_t len) {
     std::string all;
-    for (const auto& kv : emu::registry()) all += kv.first + "\n";
+    for (const auto& kv : emu::global_registry()) all += kv.first + "\n";
     if (buf && len) {
         size_t k = std::min(len - 1, all.size());
         std::memcpy(buf, all.data(), k);
@@ -335,43 +492,21 @@ int emu_launch(const char* name, const unsigned grid[3], const unsigned block[3]
         }
         return 1;
     };
-    auto it = emu::registry().find(name);
-    if (it == emu::registry().end()) return set_err(std::string("no kernel named ") + name);
+    auto it = emu::global_registry().find(name);
+    if (it == emu::global_registry().end())
+        return set_err(std::string("no kernel named ") + name);
     if (it->second.signature != signature)
         return set_err(std::string(name) + ": arguments '" + signature +
                        "' do not match the kernel's parameters '" + it->second.signature + "'");
-    emu::Schedule sched;
-    if (!emu::parse_schedule(schedule, sched))
+    emu::LaunchConfig cfg;
+    if (!emu::parse_schedule(schedule, cfg.schedule))
         return set_err(std::string("bad schedule '") + schedule + "' (forward|reverse|random:SEED)");
-    const unsigned threads = block[0] * block[1] * block[2];
-    if (threads == 0 || threads > 1024 || grid[0] * grid[1] * grid[2] == 0 || grid[1] > 65535 ||
-        grid[2] > 65535)
-        return set_err("invalid launch configuration");
-    if (smem > 48 * 1024) return set_err("dynamic shared memory over 48 KiB needs an opt-in");
-    emu::Launch l;
-    l.kernel = it->second;
-    l.args = args;
-    l.fibers.resize(threads);
-    l.smem.assign(smem, 0xFF);
-    for (unsigned i = 0; i < threads; i++) l.stacks.emplace_back(new char[emu::kStack]);
-    emu::Launch* saved = emu::g_launch;
-    emu::g_launch = &l;
-    emu::grid_dim = dim3(grid[0], grid[1], grid[2]);
-    emu::block_dim = dim3(block[0], block[1], block[2]);
-    std::mt19937_64 rng(sched.seed);
-    int rc = 0;
-    try {
-        for (unsigned z = 0; z < grid[2]; z++)
-            for (unsigned y = 0; y < grid[1]; y++)
-                for (unsigned x = 0; x < grid[0]; x++) {
-                    emu::block_idx = dim3(x, y, z);
-                    emu::run_block(l, sched, rng);
-                }
-    } catch (emu::Abort&) {
-        rc = set_err(std::string(name) + ": " + l.error);
-    }
-    emu::g_launch = saved;
-    return rc;
+    cfg.grid = dim3(grid[0], grid[1], grid[2]);
+    cfg.block = dim3(block[0], block[1], block[2]);
+    cfg.smem = smem;
+    std::string error;
+    if (!emu::run(it->second, args, cfg, error)) return set_err(std::string(name) + ": " + error);
+    return 0;
 }
 
 }  // extern "C"

@@ -1,0 +1,141 @@
+// Devices, primary contexts, the per-thread current context, sticky errors and logging.
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+
+#include "sim.h"
+
+namespace sim {
+
+void log(const char* fmt, ...) {
+    char buf[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    std::fprintf(stderr, "gpu-sim: %s\n", buf);
+}
+
+void fatal(const char* fmt, ...) {
+    char buf[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    std::fprintf(stderr, "gpu-sim: fatal: %s\n", buf);
+    std::abort();
+}
+
+int device_count() {
+    static const int n = [] {
+        const char* v = std::getenv("GPU_SIM_DEVICES");
+        int k = v ? std::atoi(v) : 4;
+        if (k < 0 || k > 64) fatal("GPU_SIM_DEVICES=%s: expected 0 to 64", v);
+        return k;
+    }();
+    return n;
+}
+
+const char* device_name() { return "gpu-sim (simulated on the CPU, not a GPU)"; }
+
+uint64_t device_memory() { return 16ull << 30; }
+
+namespace {
+
+struct Primary {
+    Context* ctx = nullptr;
+    int refs = 0;
+};
+
+std::mutex g_ctx_mutex;
+std::map<int, Primary>& primaries() {
+    static std::map<int, Primary> p;
+    return p;
+}
+std::set<Context*>& live_contexts() {
+    static std::set<Context*> s;
+    return s;
+}
+thread_local Context* t_current = nullptr;
+
+}  // namespace
+
+Context* primary_context(int device) {
+    if (device < 0 || device >= device_count()) return nullptr;
+    std::lock_guard<std::mutex> g(g_ctx_mutex);
+    Primary& p = primaries()[device];
+    if (!p.ctx) {
+        p.ctx = new Context;
+        p.ctx->device = device;
+        live_contexts().insert(p.ctx);
+        p.ctx->legacy = create_stream(p.ctx, StreamKind::Legacy);
+    }
+    return p.ctx;
+}
+
+// Retain/release of the primary context (cuDevicePrimaryCtxRetain/Release). On the last
+// release the context is reset: its memory is freed and it can no longer be used (the handle
+// becomes invalid; a later retain makes a new one), as the driver API reference says of
+// cuDevicePrimaryCtxRelease.
+Context* primary_retain(int device) {
+    Context* c = primary_context(device);
+    if (!c) return nullptr;
+    std::lock_guard<std::mutex> g(g_ctx_mutex);
+    primaries()[device].refs++;
+    return c;
+}
+
+CUresult primary_release(int device) {
+    Context* dead = nullptr;
+    {
+        std::lock_guard<std::mutex> g(g_ctx_mutex);
+        auto it = primaries().find(device);
+        if (it == primaries().end() || it->second.refs == 0) return CUDA_ERROR_INVALID_CONTEXT;
+        if (--it->second.refs == 0) {
+            dead = it->second.ctx;
+            it->second.ctx = nullptr;
+            live_contexts().erase(dead);
+        }
+    }
+    if (dead) {
+        // Work still queued finishes first (the driver waits for the device before a reset).
+        std::vector<Stream*> streams;
+        {
+            std::lock_guard<std::mutex> g(dead->m);
+            streams = dead->streams;
+        }
+        streams.push_back(dead->legacy);
+        for (Stream* s : streams) wait_stream(s);
+        dead->alive = false;
+        for (Stream* s : streams) destroy_stream(s);
+        mem_reset_device(device);
+    }
+    return CUDA_SUCCESS;
+}
+
+Context* current_context() { return t_current; }
+void set_current_context(Context* c) { t_current = c; }
+
+bool valid_context(Context* c) {
+    std::lock_guard<std::mutex> g(g_ctx_mutex);
+    return live_contexts().count(c) != 0;
+}
+
+void set_sticky(Context* c, CUresult code, const std::string& why) {
+    int expected = CUDA_SUCCESS;
+    c->sticky.compare_exchange_strong(expected, code);
+    log("device %d: %s", c->device, why.c_str());
+}
+
+CUresult enter(Context** out) {
+    Context* c = t_current;
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!c->alive) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    int s = c->sticky.load();
+    if (s != CUDA_SUCCESS) return s;
+    *out = c;
+    return CUDA_SUCCESS;
+}
+
+}  // namespace sim

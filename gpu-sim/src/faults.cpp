@@ -1,0 +1,86 @@
+// Running a kernel with its memory faults caught: a SIGSEGV or SIGBUS raised by kernel code
+// (an access to a guard page, to freed or unmapped memory) ends the launch with the faulting
+// address instead of killing the process, as a GPU reports an illegal address. Signals raised
+// outside a kernel go to the handler that was installed before (Rust's, or the default).
+#include <setjmp.h>
+#include <signal.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "faults.h"
+#include "sim.h"
+
+namespace sim {
+
+namespace {
+
+struct sigaction g_old_segv, g_old_bus;
+std::once_flag g_installed;
+thread_local sigjmp_buf t_jump;
+thread_local volatile sig_atomic_t t_guarded = 0;
+thread_local volatile uintptr_t t_fault_addr = 0;
+thread_local char* t_altstack = nullptr;
+
+void handler(int sig, siginfo_t* info, void* uctx) {
+    if (t_guarded) {
+        t_guarded = 0;
+        t_fault_addr = reinterpret_cast<uintptr_t>(info->si_addr);
+        siglongjmp(t_jump, 1);
+    }
+    const struct sigaction& old = sig == SIGSEGV ? g_old_segv : g_old_bus;
+    if (old.sa_flags & SA_SIGINFO) {
+        if (old.sa_sigaction) old.sa_sigaction(sig, info, uctx);
+        return;
+    }
+    if (old.sa_handler == SIG_IGN) return;
+    if (old.sa_handler != SIG_DFL && old.sa_handler) {
+        old.sa_handler(sig);
+        return;
+    }
+    // Default action: reinstall it; returning re-executes the faulting access, which kills.
+    signal(sig, SIG_DFL);
+}
+
+void install() {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = handler;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_old_segv);
+    sigaction(SIGBUS, &sa, &g_old_bus);
+}
+
+// Fiber stacks are small and a fault may hit one: the handler runs on a stack of its own.
+void ensure_altstack() {
+    if (t_altstack) return;
+    const size_t size = 64 * 1024;
+    t_altstack = static_cast<char*>(std::malloc(size));
+    stack_t st;
+    st.ss_sp = t_altstack;
+    st.ss_size = size;
+    st.ss_flags = 0;
+    sigaltstack(&st, nullptr);
+}
+
+}  // namespace
+
+bool guarded_run(const emu::KernelEntry& k, void** args, const emu::LaunchConfig& cfg,
+                 std::string& error, uint64_t* fault_addr) {
+    std::call_once(g_installed, install);
+    ensure_altstack();
+    *fault_addr = 0;
+    if (sigsetjmp(t_jump, 1) != 0) {
+        emu::abandon();
+        *fault_addr = t_fault_addr;
+        error = "memory fault";
+        return false;
+    }
+    t_guarded = 1;
+    bool ok = emu::run(k, args, cfg, error);
+    t_guarded = 0;
+    return ok;
+}
+
+}  // namespace sim

@@ -1,0 +1,470 @@
+// The arithmetic of the simulated cuBLAS GEMMs, callable without the driver (gpu-sim/tests/
+// blas_ref.cpp tests it directly; cublas.cpp runs it as stream work).
+//
+// C = alpha * op(A) * op(B) + beta * C, column-major, op(A) m x k, op(B) k x n, C m x n, for
+// `batch` matrices `stride_*` elements apart (cuBLAS reference, "cublas<t>gemm" and
+// "cublasGemmStridedBatchedEx"). Written from the documentation; the arithmetic of each mode:
+//
+//   F64        f64 data, products and a double accumulator.
+//   F32        f32/f16/bf16 data converted exactly to float, float products, float accumulator,
+//              the result rounded once to the storage type (round to nearest even).
+//              (CUBLAS_COMPUTE_32F, _32F_PEDANTIC, and the _FAST_* types with 16-bit data,
+//              whose inputs already are 16-bit: the tensor cores take them as they are.)
+//   F32_TF32   as F32, but f32 inputs are first rounded to TF32 (10 explicit mantissa bits,
+//              round to nearest even), as the tensor cores do (CUBLAS_COMPUTE_32F_FAST_TF32).
+//   F32_F16    as F32, but f32 inputs are first rounded to binary16 (_32F_FAST_16F).
+//   F32_BF16   as F32, but f32 inputs are first rounded to bfloat16 (_32F_FAST_16BF).
+//   F16        f16 data, a binary16 accumulator rounded after every multiply-add (the product
+//              of two halves is exact in float; the add is done in double and rounded once to
+//              binary16), then alpha * acc rounded to binary16, then + beta * C rounded once
+//              (CUBLAS_COMPUTE_16F, _16F_PEDANTIC).
+//
+// Summation order (every mode): each element of C is one plain loop over p = 0 .. k-1,
+// acc = 0; acc += op(A)[i,p] * op(B)[p,j], then C = alpha * acc (+ beta * C). No split-k, no
+// pairwise or blocked partial sums: the blocking below only changes which elements are
+// computed together, not the order of any element's additions, so the result does not depend
+// on the blocking or on the vector width (x86-64 without -mfma never contracts a*b+c; where
+// the compiler may contract, scalar and vector code contract alike).
+//
+// Special cases (the reference BLAS rules, which the cuBLAS documentation follows):
+//   m == 0 or n == 0: nothing is touched;
+//   k == 0 or alpha == 0: C = beta * C, A and B are not read;
+//   beta == 0: C is not read (NaN or Inf in C does not propagate), C = alpha * op(A) op(B).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace gemm {
+
+// ------------------------------------------------------------------------------ data types
+enum class Type { F32, F64, F16, BF16 };
+
+inline size_t type_size(Type t) {
+    switch (t) {
+        case Type::F64: return 8;
+        case Type::F32: return 4;
+        default: return 2;
+    }
+}
+inline const char* type_name(Type t) {
+    switch (t) {
+        case Type::F32: return "f32";
+        case Type::F64: return "f64";
+        case Type::F16: return "f16";
+        default: return "bf16";
+    }
+}
+
+enum class Mode { F64, F32, F32_TF32, F32_F16, F32_BF16, F16 };
+
+inline const char* mode_name(Mode m) {
+    switch (m) {
+        case Mode::F64: return "f64";
+        case Mode::F32: return "f32";
+        case Mode::F32_TF32: return "f32 (tf32 inputs)";
+        case Mode::F32_F16: return "f32 (f16 inputs)";
+        case Mode::F32_BF16: return "f32 (bf16 inputs)";
+        default: return "f16 accumulation";
+    }
+}
+
+// The data type combinations each mode takes (A and B always of one type):
+//   F64: f64/f64/f64; F16: f16/f16/f16;
+//   F32 and its _FAST variants: A=B in {f32, f16, bf16}, C = A's type or f32.
+inline bool supported(Mode mode, Type a, Type b, Type c) {
+    if (a != b) return false;
+    switch (mode) {
+        case Mode::F64: return a == Type::F64 && c == Type::F64;
+        case Mode::F16: return a == Type::F16 && c == Type::F16;
+        default: return a != Type::F64 && (c == a || c == Type::F32);
+    }
+}
+
+// --------------------------------------------------------------------- 16-bit conversions
+// Bit-level, round to nearest even, a NaN becomes the canonical NaN 0x7fff (as the GPU's cvt
+// and tests/emu/emu_half.h produce). Written here rather than taken from emu_half.h because
+// these run once per element of every packed operand and output: that header converts through
+// frexp/ldexp in double, about 20 times slower. gpu-sim/tests/blas_ref.cpp checks them against
+// emu_half.h's __half2float/__float2half/__bfloat162float/__float2bfloat16 (every 16-bit
+// pattern, and floats around every rounding boundary).
+inline float bits_to_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline uint32_t float_to_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float
+        const float v = (float)m * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    if (e == 31) return bits_to_float(sign | 0x7f800000u | (m << 13));  // Inf, NaN
+    return bits_to_float(sign | ((e + 112u) << 23) | (m << 13));       // rebias 15 -> 127
+}
+
+inline uint16_t float_to_half(float x) {
+    const uint32_t f = float_to_bits(x), sign = (f >> 16) & 0x8000u, a = f & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7fffu;                       // NaN
+    if (a >= 0x38800000u) {                                    // >= 2^-14: a normal half (or Inf)
+        if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u);  // >= 2^16 (and Inf): Inf
+        uint32_t h = (a - 0x38000000u) >> 13;                  // exponent rebased, 10 bits kept
+        const uint32_t rem = a & 0x1fffu;
+        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;  // may carry up to Inf: right
+        return (uint16_t)(sign | h);
+    }
+    if (a <= 0x33000000u) return (uint16_t)sign;  // <= 2^-25 (half the smallest subnormal): 0
+    // A subnormal half: the value in units of 2^-24, rounded (2^-25 < |x| < 2^-14).
+    const uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126u - e;  // 14 .. 24
+    uint32_t h = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u), mid = 1u << (shift - 1u);
+    if (rem > mid || (rem == mid && (h & 1u))) h++;  // may become the smallest normal: right
+    return (uint16_t)(sign | h);
+}
+
+inline float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
+
+inline uint16_t float_to_bf16(float x) {
+    uint32_t f = float_to_bits(x);
+    if ((f & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;  // NaN
+    f += 0x7fffu + ((f >> 16) & 1u);                       // carries up to Inf where it should
+    return (uint16_t)(f >> 16);
+}
+
+// Rounds to TF32: 1 sign bit, 8 exponent bits, 10 explicit mantissa bits, round to nearest
+// even (a carry into the exponent is right, up to infinity); Inf and NaN unchanged.
+inline float round_tf32(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) return x;
+    u += 0xfffu + ((u >> 13) & 1u);
+    u &= ~0x1fffu;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+inline float round_f16(float x) { return half_to_float(float_to_half(x)); }
+inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+// Rounds a double once, to nearest even, to binary16 (as a float holding the half value):
+// round to odd into float first (float keeps 13 bits more than binary16, so the second rounding
+// sees an exact sticky bit and the two roundings equal one).
+inline float round_f16_from_double(double x) {
+    float f = (float)x;
+    if ((double)f != x && std::isfinite(f)) {
+        if (std::fabs((double)f) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        u |= 1u;
+        std::memcpy(&f, &u, 4);
+    }
+    return round_f16(f);
+}
+
+// Storage wrappers, so that overloads can tell f16 from bf16.
+struct H16 {
+    uint16_t v;
+};
+struct B16 {
+    uint16_t v;
+};
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+inline float widen(H16 x) { return half_to_float(x.v); }
+inline float widen(B16 x) { return bf16_to_float(x.v); }
+inline void narrow(float v, float* p) { *p = v; }
+inline void narrow(double v, double* p) { *p = v; }
+inline void narrow(float v, H16* p) { p->v = float_to_half(v); }
+inline void narrow(float v, B16* p) { p->v = float_to_bf16(v); }
+
+// ------------------------------------------------------------------------------ the problem
+struct Problem {
+    bool trans_a = false, trans_b = false;  // op(X) = X^T (CUBLAS_OP_T or _C for real data)
+    int64_t m = 0, n = 0, k = 0;
+    Type a_type = Type::F32, b_type = Type::F32, c_type = Type::F32;
+    const void* a = nullptr;
+    int64_t lda = 0, stride_a = 0;  // strides in elements
+    const void* b = nullptr;
+    int64_t ldb = 0, stride_b = 0;
+    void* c = nullptr;
+    int64_t ldc = 0, stride_c = 0;
+    int64_t batch = 1;
+    Mode mode = Mode::F32;
+    // The scale factors, exactly (they come from float, double or half values).
+    double alpha = 1, beta = 0;
+};
+
+// The bytes a column-major matrix (rows x cols, leading dimension ld) and its `batch - 1`
+// followers `stride` elements apart can touch, relative to its pointer: [*lo, *lo + *len).
+// *len is 0 when there is nothing to touch. False if the range does not fit in 63 bits.
+inline bool extent(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64_t batch,
+                   size_t elem, int64_t* lo, uint64_t* len) {
+    *lo = 0;
+    *len = 0;
+    if (rows <= 0 || cols <= 0 || batch <= 0) return true;
+    __int128 one = (__int128)ld * (cols - 1) + rows;  // elements of one matrix
+    __int128 span = (__int128)stride * (batch - 1);
+    __int128 first = span < 0 ? span : 0;
+    __int128 last = one + (span > 0 ? span : 0);
+    __int128 lo_b = first * (__int128)elem, len_b = (last - first) * (__int128)elem;
+    const __int128 lim = (__int128)1 << 62;
+    if (lo_b < -lim || lo_b > lim || len_b > lim) return false;
+    *lo = (int64_t)lo_b;
+    *len = (uint64_t)len_b;
+    return true;
+}
+
+namespace detail {
+
+template <class T> struct Vec;
+template <> struct Vec<float> {
+    typedef float type __attribute__((vector_size(16)));
+    static constexpr int lanes = 4;
+};
+template <> struct Vec<double> {
+    typedef double type __attribute__((vector_size(16)));
+    static constexpr int lanes = 2;
+};
+
+constexpr int NR = 6;  // columns of C per micro tile
+template <class T> constexpr int mr() { return 2 * Vec<T>::lanes; }  // rows per micro tile
+
+// The micro kernel: out (MR x NR, column-major) = sum over p of ap[p] (MR rows) * bp[p] (NR
+// columns), each element accumulated in order p = 0 .. k-1 from 0.
+template <class T>
+inline void micro(int64_t k, const T* __restrict ap, const T* __restrict bp, T* __restrict out) {
+    typedef typename Vec<T>::type V;
+    constexpr int L = Vec<T>::lanes, MR = 2 * L;
+    V c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {};
+    V c30 = {}, c31 = {}, c40 = {}, c41 = {}, c50 = {}, c51 = {};
+    for (int64_t p = 0; p < k; ++p, ap += MR, bp += NR) {
+        V a0, a1;
+        std::memcpy(&a0, ap, sizeof a0);
+        std::memcpy(&a1, ap + L, sizeof a1);
+        const T b0 = bp[0], b1 = bp[1], b2 = bp[2], b3 = bp[3], b4 = bp[4], b5 = bp[5];
+        c00 += a0 * b0;
+        c01 += a1 * b0;
+        c10 += a0 * b1;
+        c11 += a1 * b1;
+        c20 += a0 * b2;
+        c21 += a1 * b2;
+        c30 += a0 * b3;
+        c31 += a1 * b3;
+        c40 += a0 * b4;
+        c41 += a1 * b4;
+        c50 += a0 * b5;
+        c51 += a1 * b5;
+    }
+    std::memcpy(out + 0 * L, &c00, sizeof(V));
+    std::memcpy(out + 1 * L, &c01, sizeof(V));
+    std::memcpy(out + 2 * L, &c10, sizeof(V));
+    std::memcpy(out + 3 * L, &c11, sizeof(V));
+    std::memcpy(out + 4 * L, &c20, sizeof(V));
+    std::memcpy(out + 5 * L, &c21, sizeof(V));
+    std::memcpy(out + 6 * L, &c30, sizeof(V));
+    std::memcpy(out + 7 * L, &c31, sizeof(V));
+    std::memcpy(out + 8 * L, &c40, sizeof(V));
+    std::memcpy(out + 9 * L, &c41, sizeof(V));
+    std::memcpy(out + 10 * L, &c50, sizeof(V));
+    std::memcpy(out + 11 * L, &c51, sizeof(V));
+}
+
+enum class Round { None, TF32, F16, BF16 };
+
+template <class T> inline void round_all(T* p, size_t n, Round r) {
+    if (r == Round::None) return;
+    for (size_t i = 0; i < n; i++) {
+        float v = (float)p[i];
+        v = r == Round::TF32 ? round_tf32(v) : r == Round::F16 ? round_f16(v) : round_bf16(v);
+        p[i] = (T)v;
+    }
+}
+
+// C = beta * C (k == 0 or alpha == 0); C is not read when beta == 0.
+template <class T, class SC>
+void scale_c(int64_t m, int64_t n, SC* c, int64_t ldc, T beta) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < m; i++) {
+            SC* p = c + i + j * ldc;
+            narrow(beta == T(0) ? T(0) : (T)(beta * widen(*p)), p);
+        }
+}
+
+// One matrix of the F64/F32 modes, T the accumulator type.
+template <class T, class SA, class SB, class SC>
+void blocked(const Problem& pr, const SA* a, const SB* b, SC* c, Round rnd, std::vector<T>& abuf,
+             std::vector<T>& bbuf) {
+    constexpr int MR = mr<T>();
+    const int64_t m = pr.m, n = pr.n, k = pr.k, lda = pr.lda, ldb = pr.ldb, ldc = pr.ldc;
+    const T alpha = (T)pr.alpha, beta = (T)pr.beta;
+    if (k == 0 || alpha == T(0)) return scale_c<T>(m, n, c, ldc, beta);
+    // Rows of op(A) packed per block: about 1 MiB of packed A, whole micro panels.
+    int64_t mc = ((int64_t)1 << 20) / (k * (int64_t)sizeof(T));
+    mc = std::max<int64_t>(MR, mc / MR * MR);
+    mc = std::min<int64_t>(mc, (m + MR - 1) / MR * MR);
+    abuf.assign((size_t)(mc * k), T(0));
+    bbuf.assign((size_t)(k * NR), T(0));
+    T tile[MR * NR];
+    for (int64_t ic = 0; ic < m; ic += mc) {
+        const int64_t mcur = std::min(mc, m - ic), panels = (mcur + MR - 1) / MR;
+        // Pack op(A)[ic .. ic+mcur, 0 .. k) as panels of MR rows: abuf[q][p][r].
+        for (int64_t q = 0; q < panels; q++) {
+            T* dst = abuf.data() + q * MR * k;
+            const int64_t i0 = ic + q * MR, rows = std::min<int64_t>(MR, m - i0);
+            if (!pr.trans_a) {
+                for (int64_t p = 0; p < k; p++) {
+                    const SA* src = a + i0 + p * lda;
+                    for (int64_t r = 0; r < rows; r++) dst[p * MR + r] = (T)widen(src[r]);
+                    for (int64_t r = rows; r < MR; r++) dst[p * MR + r] = T(0);
+                }
+            } else {
+                for (int64_t r = 0; r < rows; r++) {
+                    const SA* src = a + (i0 + r) * lda;
+                    for (int64_t p = 0; p < k; p++) dst[p * MR + r] = (T)widen(src[p]);
+                }
+                for (int64_t r = rows; r < MR; r++)
+                    for (int64_t p = 0; p < k; p++) dst[p * MR + r] = T(0);
+            }
+        }
+        round_all(abuf.data(), (size_t)(panels * MR * k), rnd);
+        for (int64_t jc = 0; jc < n; jc += NR) {
+            const int64_t cols = std::min<int64_t>(NR, n - jc);
+            // Pack op(B)[0 .. k, jc .. jc+cols) as bbuf[p][col].
+            T* dst = bbuf.data();
+            if (!pr.trans_b) {
+                for (int64_t cc = 0; cc < cols; cc++) {
+                    const SB* src = b + (jc + cc) * ldb;
+                    for (int64_t p = 0; p < k; p++) dst[p * NR + cc] = (T)widen(src[p]);
+                }
+            } else {
+                for (int64_t p = 0; p < k; p++) {
+                    const SB* src = b + jc + p * ldb;
+                    for (int64_t cc = 0; cc < cols; cc++) dst[p * NR + cc] = (T)widen(src[cc]);
+                }
+            }
+            for (int64_t cc = cols; cc < NR; cc++)
+                for (int64_t p = 0; p < k; p++) dst[p * NR + cc] = T(0);
+            round_all(dst, (size_t)(k * NR), rnd);
+            for (int64_t q = 0; q < panels; q++) {
+                micro<T>(k, abuf.data() + q * MR * k, dst, tile);
+                const int64_t i0 = ic + q * MR, rows = std::min<int64_t>(MR, m - i0);
+                for (int64_t cc = 0; cc < cols; cc++) {
+                    SC* col = c + (jc + cc) * ldc + i0;
+                    const T* t = tile + cc * MR;
+                    if (beta == T(0)) {
+                        for (int64_t r = 0; r < rows; r++) narrow((T)(alpha * t[r]), col + r);
+                    } else {
+                        for (int64_t r = 0; r < rows; r++) {
+                            T v = alpha * t[r];
+                            v += beta * (T)widen(col[r]);
+                            narrow(v, col + r);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// One matrix of the F16 mode (binary16 accumulator, rounded after every multiply-add).
+inline void half_acc(const Problem& pr, const H16* a, const H16* b, H16* c, std::vector<float>& abuf,
+                     std::vector<float>& bbuf) {
+    const int64_t m = pr.m, n = pr.n, k = pr.k, lda = pr.lda, ldb = pr.ldb, ldc = pr.ldc;
+    const float alpha = (float)pr.alpha, beta = (float)pr.beta;  // binary16 values
+    auto finish = [&](float ab, H16* p) {  // ab = alpha * acc, already a binary16 value
+        float v = ab;
+        if (beta != 0.0f) v = round_f16_from_double((double)ab + (double)beta * widen(*p));
+        p->v = float_to_half(v);
+    };
+    if (k == 0 || alpha == 0.0f) {
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < m; i++) finish(0.0f, c + i + j * ldc);
+        return;
+    }
+    // op(A) row-major (abuf[i*k + p]), one column of op(B) at a time (bbuf[p]).
+    abuf.resize((size_t)(m * k));
+    bbuf.resize((size_t)k);
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t p = 0; p < k; p++)
+            abuf[i * k + p] = widen(pr.trans_a ? a[p + i * lda] : a[i + p * lda]);
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t p = 0; p < k; p++) bbuf[p] = widen(pr.trans_b ? b[j + p * ldb] : b[p + j * ldb]);
+        for (int64_t i = 0; i < m; i++) {
+            const float* ar = abuf.data() + i * k;
+            float acc = 0.0f;
+            for (int64_t p = 0; p < k; p++) {
+                const float prod = ar[p] * bbuf[p];  // exact: 11 x 11 significant bits
+                acc = round_f16_from_double((double)acc + (double)prod);
+            }
+            finish(round_f16(alpha * acc), c + i + j * ldc);  // alpha * acc exact in float
+        }
+    }
+}
+
+template <class T, class SA, class SC>
+void run_typed(const Problem& pr, Round rnd) {
+    std::vector<T> abuf, bbuf;
+    const SA* a = static_cast<const SA*>(pr.a);
+    const SA* b = static_cast<const SA*>(pr.b);
+    SC* c = static_cast<SC*>(pr.c);
+    for (int64_t i = 0; i < pr.batch; i++)
+        blocked<T, SA, SA, SC>(pr, a + i * pr.stride_a, b + i * pr.stride_b, c + i * pr.stride_c, rnd,
+                               abuf, bbuf);
+}
+
+}  // namespace detail
+
+// Runs the whole problem (every batch, one after another). The caller has checked
+// supported(mode, a_type, b_type, c_type) and the extents. Returns false (doing nothing) for a
+// combination `supported` refuses.
+inline bool run(const Problem& pr) {
+    using namespace detail;
+    if (!supported(pr.mode, pr.a_type, pr.b_type, pr.c_type)) return false;
+    if (pr.m <= 0 || pr.n <= 0 || pr.batch <= 0) return true;
+    if (pr.mode == Mode::F64) {
+        run_typed<double, double, double>(pr, Round::None);
+        return true;
+    }
+    if (pr.mode == Mode::F16) {
+        std::vector<float> abuf, bbuf;
+        const H16* a = static_cast<const H16*>(pr.a);
+        const H16* b = static_cast<const H16*>(pr.b);
+        H16* c = static_cast<H16*>(pr.c);
+        for (int64_t i = 0; i < pr.batch; i++)
+            half_acc(pr, a + i * pr.stride_a, b + i * pr.stride_b, c + i * pr.stride_c, abuf, bbuf);
+        return true;
+    }
+    // The float modes: the input rounding applies to f32 inputs only (16-bit inputs already are
+    // of a type the fast modes take as is).
+    Round rnd = Round::None;
+    if (pr.a_type == Type::F32) {
+        if (pr.mode == Mode::F32_TF32) rnd = Round::TF32;
+        if (pr.mode == Mode::F32_F16) rnd = Round::F16;
+        if (pr.mode == Mode::F32_BF16) rnd = Round::BF16;
+    }
+    const bool c32 = pr.c_type == Type::F32;
+    switch (pr.a_type) {
+        case Type::F32: run_typed<float, float, float>(pr, rnd); break;
+        case Type::F16:
+            if (c32) run_typed<float, H16, float>(pr, rnd);
+            else run_typed<float, H16, H16>(pr, rnd);
+            break;
+        case Type::BF16:
+            if (c32) run_typed<float, B16, float>(pr, rnd);
+            else run_typed<float, B16, B16>(pr, rnd);
+            break;
+        default: return false;
+    }
+    return true;
+}
+
+}  // namespace gemm

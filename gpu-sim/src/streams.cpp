@@ -1,0 +1,254 @@
+// Streams as FIFO worker threads, the legacy stream's implicit synchronisation, per-thread
+// default streams, and the happens-before race checker that runs at every enqueue.
+#include <cinttypes>
+
+#include "sim.h"
+
+namespace sim {
+
+namespace {
+
+std::mutex g_hb;            // guards every Clock, Allocation access state and the host clock
+Clock g_host_clock;         // what the host has observed complete (all host threads as one)
+std::atomic<uint64_t> g_next_stream{1};
+
+uint64_t at(const Clock& c, const Stream* s) {
+    auto it = c.find(s);
+    return it == c.end() ? 0 : it->second;
+}
+
+void merge(Clock& into, const Clock& from) {
+    for (const auto& kv : from) {
+        uint64_t& v = into[kv.first];
+        if (kv.second > v) v = kv.second;
+    }
+}
+
+std::string stream_name(const Stream* s) {
+    const char* k = s->kind == StreamKind::Legacy      ? "legacy stream"
+                    : s->kind == StreamKind::PerThread ? "per-thread stream"
+                    : s->kind == StreamKind::Blocking  ? "stream"
+                                                       : "non-blocking stream";
+    char b[96];
+    std::snprintf(b, sizeof b, "%s #%" PRIu64 " of device %d", k, s->id, s->ctx->device);
+    return b;
+}
+
+void worker_loop(Stream* s) {
+    for (;;) {
+        std::pair<uint64_t, Op> item;
+        {
+            std::unique_lock<std::mutex> lk(s->m);
+            s->cv.wait(lk, [&] { return !s->queue.empty() || s->destroyed; });
+            if (s->queue.empty()) return;  // destroyed and drained
+            item = std::move(s->queue.front());
+            s->queue.pop_front();
+        }
+        for (const Dep& d : item.second.deps) {
+            std::unique_lock<std::mutex> lk(d.stream->m);
+            d.stream->cv.wait(lk, [&] { return d.stream->completed >= d.seq; });
+        }
+        // After a sticky error the context is unusable: queued work is dropped.
+        if (s->ctx->sticky.load() == CUDA_SUCCESS && item.second.run) item.second.run();
+        {
+            std::lock_guard<std::mutex> lk(s->m);
+            s->completed = item.first;
+        }
+        s->cv.notify_all();
+    }
+}
+
+// Per-thread default streams of the calling thread, one per context; marked for destruction
+// when the thread exits (they drain first).
+struct PerThread {
+    std::map<Context*, Stream*> streams;
+    ~PerThread() {
+        for (auto& kv : streams) destroy_stream(kv.second);
+    }
+};
+thread_local PerThread t_per_thread;
+
+}  // namespace
+
+Stream* create_stream(Context* ctx, StreamKind kind) {
+    auto* s = new Stream;
+    s->ctx = ctx;
+    s->kind = kind;
+    s->id = g_next_stream++;
+    s->worker = std::thread(worker_loop, s);
+    s->worker.detach();
+    if (kind != StreamKind::Legacy) {
+        std::lock_guard<std::mutex> g(ctx->m);
+        ctx->streams.push_back(s);
+    }
+    return s;
+}
+
+void destroy_stream(Stream* s) {
+    // The stream object itself stays allocated: events and dependencies may still name it
+    // (cuStreamDestroy returns at once and the stream's work completes). Only its worker goes.
+    {
+        std::lock_guard<std::mutex> lk(s->m);
+        s->destroyed = true;
+    }
+    s->cv.notify_all();
+    if (s->kind == StreamKind::Legacy) return;
+    std::lock_guard<std::mutex> g(s->ctx->m);
+    auto& v = s->ctx->streams;
+    for (size_t i = 0; i < v.size(); i++)
+        if (v[i] == s) {
+            v.erase(v.begin() + i);
+            break;
+        }
+}
+
+Stream* resolve_stream(Context* ctx, CUstream h, std::string& why) {
+    if (h == nullptr || h == SIM_STREAM_LEGACY) return ctx->legacy;
+    if (h == SIM_STREAM_PER_THREAD) {
+        Stream*& s = t_per_thread.streams[ctx];
+        if (!s) s = create_stream(ctx, StreamKind::PerThread);
+        return s;
+    }
+    auto* s = reinterpret_cast<Stream*>(h);
+    std::lock_guard<std::mutex> g(ctx->m);
+    for (Stream* t : ctx->streams)
+        if (t == s && !t->destroyed) return s;
+    char b[64];
+    std::snprintf(b, sizeof b, "%p", (void*)h);
+    why = std::string("stream handle ") + b + " is not a live stream of the current context (device " +
+          std::to_string(ctx->device) + ")";
+    return nullptr;
+}
+
+// The legacy stream's implicit synchronisation (CUDA driver API, "Stream synchronization
+// behavior"): work on the legacy stream waits for all blocking streams of its context, and
+// work on a blocking stream (created without CU_STREAM_NON_BLOCKING, or a per-thread stream)
+// waits for the legacy stream. Caller holds g_hb.
+static std::vector<Dep> implicit_deps(Stream* s) {
+    std::vector<Dep> deps;
+    auto add = [&](Stream* t) {
+        std::lock_guard<std::mutex> lk(t->m);
+        if (t->enqueued > t->completed) deps.push_back(Dep{t, t->enqueued});
+        merge(s->clock, t->clock);
+    };
+    if (s->kind == StreamKind::Legacy) {
+        std::vector<Stream*> others;
+        {
+            std::lock_guard<std::mutex> g(s->ctx->m);
+            others = s->ctx->streams;
+        }
+        for (Stream* t : others)
+            if (t->kind != StreamKind::NonBlocking) add(t);
+    } else if (s->kind != StreamKind::NonBlocking) {
+        add(s->ctx->legacy);
+    }
+    return deps;
+}
+
+// Checks one buffer use of an operation at time `t` of stream `s` whose clock is `now`, then
+// records it. Caller holds g_hb. Returns "" or the report.
+static std::string check_use(Stream* s, uint64_t t, const Clock& now, Allocation& a,
+                             const BufferUse& u) {
+    std::string report;
+    auto conflict = [&](const Allocation::Access& prior, const char* kind) {
+        char b[512];
+        std::snprintf(b, sizeof b,
+                      "race on allocation #%" PRIu64 " (%zu bytes, device %d): %s on %s is not "
+                      "ordered after the %s by %s on %s (no event record/wait or "
+                      "synchronisation between them)",
+                      a.id, a.size, a.device, u.what.c_str(), stream_name(s).c_str(), kind,
+                      prior.what.c_str(), stream_name(prior.stream).c_str());
+        report = b;
+    };
+    const auto& w = a.last_write;
+    if (w.stream && w.stream != s && at(now, w.stream) < w.time) conflict(w, "write");
+    if (u.write && report.empty())
+        for (const auto& r : a.reads)
+            if (r.stream != s && at(now, r.stream) < r.time) {
+                conflict(r, "read");
+                break;
+            }
+    if (u.write) {
+        a.last_write = Allocation::Access{s, t, u.what};
+        a.reads.clear();
+    } else {
+        bool found = false;
+        for (auto& r : a.reads)
+            if (r.stream == s) {
+                r = Allocation::Access{s, t, u.what};
+                found = true;
+            }
+        if (!found) a.reads.push_back(Allocation::Access{s, t, u.what});
+    }
+    return report;
+}
+
+CUresult enqueue(Stream* s, Op op, const std::vector<BufferUse>& uses, uint64_t* seq_out) {
+    std::string race;
+    uint64_t seq;
+    {
+        std::lock_guard<std::mutex> hb(g_hb);
+        std::vector<Dep> deps = implicit_deps(s);
+        op.deps.insert(op.deps.end(), deps.begin(), deps.end());
+        merge(s->clock, g_host_clock);
+        const uint64_t t = ++s->clock[s];
+        for (const BufferUse& u : uses) {
+            std::string r = check_use(s, t, s->clock, *u.alloc, u);
+            if (race.empty()) race = r;
+        }
+        std::lock_guard<std::mutex> lk(s->m);
+        seq = ++s->enqueued;
+        s->queue.emplace_back(seq, std::move(op));
+    }
+    s->cv.notify_all();
+    if (seq_out) *seq_out = seq;
+    if (!race.empty()) {
+        set_sticky(s->ctx, CUDA_ERROR_LAUNCH_FAILED, race);
+        count_race();
+        return CUDA_ERROR_LAUNCH_FAILED;
+    }
+    return CUDA_SUCCESS;
+}
+
+bool stream_done(Stream* s, uint64_t seq) {
+    std::lock_guard<std::mutex> lk(s->m);
+    return s->completed >= seq;
+}
+
+void wait_stream(Stream* s) {
+    Clock observed;
+    uint64_t seq;
+    {
+        std::lock_guard<std::mutex> hb(g_hb);  // enqueue advances both under g_hb
+        observed = s->clock;
+        std::lock_guard<std::mutex> lk(s->m);
+        seq = s->enqueued;
+    }
+    wait_seq(s, seq);
+    merge_into_host(observed);
+}
+
+void wait_seq(Stream* s, uint64_t seq) {
+    std::unique_lock<std::mutex> lk(s->m);
+    s->cv.wait(lk, [&] { return s->completed >= seq; });
+    s->counts.host_syncs++;
+}
+
+Clock stream_clock(Stream* s) {
+    std::lock_guard<std::mutex> hb(g_hb);
+    return s->clock;
+}
+
+void merge_into_stream(Stream* s, const Clock& c) {
+    std::lock_guard<std::mutex> hb(g_hb);
+    merge(s->clock, c);
+}
+
+void merge_into_host(const Clock& c) {
+    std::lock_guard<std::mutex> hb(g_hb);
+    merge(g_host_clock, c);
+}
+
+
+
+}  // namespace sim

@@ -1,0 +1,35 @@
+// Kernels for the simulator's self-tests (gpu-sim/tests/selftest.cpp): each plants one defect
+// class, or is a correct kernel the tests misuse.
+#include <cstdint>
+
+#ifndef __CUDACC__
+// The emulator refuses what sm_70 tolerates (a barrier that exited threads skip), as for our
+// own kernels.
+extern "C" {
+int gpusim_strict_barriers = 1;
+}
+#endif
+
+// out[i] = in[i] + 1 for i < n.
+extern "C" __global__ void sim_add_one(const float* in, float* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = in[i] + 1.0f;
+}
+
+// Writes out[n + past] once: `past` elements beyond the end of an n-element buffer.
+extern "C" __global__ void sim_write_past(float* out, int n, int past) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[n + past] = 1.0f;
+}
+
+// Reads through a pointer stored in device memory (a pointer the launch check cannot see).
+extern "C" __global__ void sim_read_indirect(const uint64_t* where, float* out) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = *reinterpret_cast<const float*>(where[0]);
+}
+
+// A barrier that some threads never reach (they exit first): undefined behaviour before sm_70,
+// refused by the strict emulator.
+extern "C" __global__ void sim_divergent_barrier(float* out) {
+    if (threadIdx.x >= 16) return;
+    __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}

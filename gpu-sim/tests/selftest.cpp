@@ -1,0 +1,423 @@
+// The simulator's own tests: each plants one defect of a class the simulator must catch (or
+// follows a rule it must model) and checks the outcome through the driver API, the way a
+// program on a GPU would see it. Run by scripts/test-gpu-sim.sh with the simulated libcuda
+// first on LD_LIBRARY_PATH. `selftest PTX` runs every test; `selftest PTX bench` measures the
+// executor's rate on a barrier-free kernel.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_types.h"
+#include "gpusim.h"
+
+extern "C" {
+CUresult cuInit(unsigned);
+CUresult cuDevicePrimaryCtxRetain(CUcontext*, CUdevice);
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuCtxSynchronize(void);
+CUresult cuModuleLoadData(CUmodule*, const void*);
+CUresult cuModuleGetFunction(CUfunction*, CUmodule, const char*);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, CUstream, void**, void**);
+CUresult cuMemAlloc_v2(CUdeviceptr*, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemAllocAsync(CUdeviceptr*, size_t, CUstream);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void*, size_t, CUstream);
+CUresult cuMemcpyDtoHAsync_v2(void*, CUdeviceptr, size_t, CUstream);
+CUresult cuStreamCreate(CUstream*, unsigned);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuEventCreate(CUevent*, unsigned);
+CUresult cuEventRecord(CUevent, CUstream);
+CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned);
+CUresult cuGetErrorName(CUresult, const char**);
+int cuGraphCreate(void*, unsigned);
+}
+
+namespace {
+
+std::string g_ptx;
+int g_failed = 0, g_passed = 0;
+
+// One device's primary context for the duration of a test; released (and so reset) at the end.
+struct Device {
+    int ordinal;
+    CUmodule mod = nullptr;
+    explicit Device(int d) : ordinal(d) {
+        CUcontext c;
+        cuDevicePrimaryCtxRetain(&c, d);
+        cuCtxSetCurrent(c);
+        cuModuleLoadData(&mod, g_ptx.c_str());
+    }
+    ~Device() {
+        cuCtxSetCurrent(nullptr);
+        cuDevicePrimaryCtxRelease_v2(ordinal);
+    }
+    CUfunction fn(const char* name) {
+        CUfunction f = nullptr;
+        cuModuleGetFunction(&f, mod, name);
+        return f;
+    }
+};
+
+const char* name(CUresult r) {
+    const char* n = "?";
+    cuGetErrorName(r, &n);
+    return n;
+}
+
+#define EXPECT(cond, ...)                                         \
+    do {                                                          \
+        if (!(cond)) {                                            \
+            std::printf("    expected %s: ", #cond);              \
+            std::printf(__VA_ARGS__);                             \
+            std::printf("\n");                                    \
+            return false;                                         \
+        }                                                         \
+    } while (0)
+
+CUdeviceptr upload(const std::vector<float>& v, CUstream s = nullptr) {
+    CUdeviceptr p;
+    // A synchronous allocation: usable from every stream.
+    cuMemAlloc_v2(&p, v.size() * 4);
+    cuMemcpyHtoDAsync_v2(p, v.data(), v.size() * 4, s);
+    return p;
+}
+
+std::vector<float> download(CUdeviceptr p, size_t n, CUstream s = nullptr) {
+    std::vector<float> v(n);
+    cuMemcpyDtoHAsync_v2(v.data(), p, n * 4, s);
+    return v;
+}
+
+CUresult add_one(Device& d, CUdeviceptr in, CUdeviceptr out, int n, CUstream s) {
+    void* args[] = {&in, &out, &n};
+    return cuLaunchKernel(d.fn("sim_add_one"), (n + 127) / 128, 1, 1, 128, 1, 1, 0, s, args,
+                          nullptr);
+}
+
+// ------------------------------------------------------------------ pointers a launch touches
+bool host_pointer_argument_is_refused() {
+    Device d(0);
+    std::vector<float> host(64, 1.0f);
+    CUdeviceptr out = upload(host);
+    auto faults = gpusim_faults();
+    CUresult r = add_one(d, (CUdeviceptr)host.data(), out, 64, nullptr);
+    EXPECT(r == CUDA_ERROR_INVALID_VALUE, "got %s", name(r));
+    EXPECT(gpusim_faults() == faults + 1, "a fault counted");
+    return true;
+}
+
+bool freed_pointer_argument_is_refused() {
+    Device d(0);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), out = upload(std::vector<float>(64));
+    cuMemFree_v2(in);
+    CUresult r = add_one(d, in, out, 64, nullptr);
+    EXPECT(r == CUDA_ERROR_INVALID_VALUE, "got %s", name(r));
+    return true;
+}
+
+bool other_devices_pointer_is_refused() {
+    CUdeviceptr elsewhere;
+    {
+        CUcontext c;
+        cuDevicePrimaryCtxRetain(&c, 1);
+        cuCtxSetCurrent(c);
+        cuMemAlloc_v2(&elsewhere, 256);
+    }
+    bool ok = [&] {
+        Device d(0);
+        CUdeviceptr out = upload(std::vector<float>(64));
+        CUresult r = add_one(d, elsewhere, out, 64, nullptr);
+        EXPECT(r == CUDA_ERROR_INVALID_VALUE, "got %s", name(r));
+        return true;
+    }();
+    cuDevicePrimaryCtxRelease_v2(1);
+    return ok;
+}
+
+bool write_past_the_end_faults_and_sticks() {
+    Device d(0);
+    // 1024 floats fill their pages exactly: the next address is a guard page.
+    CUdeviceptr out = upload(std::vector<float>(1024));
+    int n = 1024, past = 0;
+    void* args[] = {&out, &n, &past};
+    CUresult r = cuLaunchKernel(d.fn("sim_write_past"), 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    EXPECT(r == CUDA_SUCCESS, "the launch itself is accepted, got %s", name(r));
+    r = cuCtxSynchronize();
+    EXPECT(r == CUDA_ERROR_ILLEGAL_ADDRESS, "got %s", name(r));
+    CUdeviceptr more;
+    r = cuMemAlloc_v2(&more, 64);
+    EXPECT(r == CUDA_ERROR_ILLEGAL_ADDRESS, "the error is sticky, got %s", name(r));
+    return true;
+}
+
+bool write_into_the_alignment_slack_is_caught() {
+    Device d(0);
+    CUdeviceptr out = upload(std::vector<float>(10));  // 40 bytes in a 256-byte slot
+    int n = 10, past = 3;
+    void* args[] = {&out, &n, &past};
+    cuLaunchKernel(d.fn("sim_write_past"), 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    CUresult r = cuCtxSynchronize();
+    EXPECT(r == CUDA_ERROR_ILLEGAL_ADDRESS, "got %s", name(r));
+    return true;
+}
+
+bool freed_memory_is_poisoned() {
+    Device d(0);
+    CUdeviceptr victim = upload(std::vector<float>(64, 5.0f));
+    uint64_t addr = victim;
+    CUdeviceptr where, out = upload(std::vector<float>(1));
+    cuMemAlloc_v2(&where, 8);
+    cuMemcpyHtoDAsync_v2(where, &addr, 8, nullptr);
+    cuMemFree_v2(victim);
+    void* args[] = {&where, &out};
+    cuLaunchKernel(d.fn("sim_read_indirect"), 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    CUresult r = cuCtxSynchronize();
+    EXPECT(r == CUDA_ERROR_ILLEGAL_ADDRESS, "reading freed memory faults, got %s", name(r));
+    return true;
+}
+
+bool copies_are_range_checked() {
+    Device d(0);
+    CUdeviceptr p;
+    cuMemAlloc_v2(&p, 100);
+    std::vector<char> host(200);
+    CUresult r = cuMemcpyHtoDAsync_v2(p, host.data(), 101, nullptr);
+    EXPECT(r == CUDA_ERROR_INVALID_VALUE, "one byte too many, got %s", name(r));
+    r = cuMemcpyDtoHAsync_v2(host.data(), p + 50, 51, nullptr);
+    EXPECT(r == CUDA_ERROR_INVALID_VALUE, "from an offset, got %s", name(r));
+    r = cuMemcpyHtoDAsync_v2(p, reinterpret_cast<void*>(p), 10, nullptr);
+    EXPECT(r == CUDA_ERROR_INVALID_VALUE, "device memory as the host source, got %s", name(r));
+    cuMemFree_v2(p);
+    r = cuMemFree_v2(p);
+    EXPECT(r == CUDA_ERROR_INVALID_VALUE, "a double free, got %s", name(r));
+    return true;
+}
+
+bool a_divergent_barrier_fails_a_strict_launch() {
+    Device d(0);
+    CUdeviceptr out = upload(std::vector<float>(64));
+    void* args[] = {&out};
+    cuLaunchKernel(d.fn("sim_divergent_barrier"), 1, 1, 1, 64, 1, 1, 0, nullptr, args, nullptr);
+    CUresult r = cuCtxSynchronize();
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "got %s", name(r));
+    return true;
+}
+
+// --------------------------------------------------------------------------- stream order
+bool unordered_cross_stream_use_is_a_race() {
+    Device d(0);
+    CUstream a, b;
+    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
+    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), mid, out;
+    cuMemAlloc_v2(&mid, 256);
+    cuMemAlloc_v2(&out, 256);
+    cuCtxSynchronize();
+    auto races = gpusim_races();
+    EXPECT(add_one(d, in, mid, 64, a) == CUDA_SUCCESS, "the writer");
+    CUresult r = add_one(d, mid, out, 64, b);
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "the reader races, got %s", name(r));
+    EXPECT(gpusim_races() == races + 1, "one race counted");
+    return true;
+}
+
+bool an_event_wait_orders_streams() {
+    Device d(0);
+    CUstream a, b;
+    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
+    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), mid, out;
+    cuMemAlloc_v2(&mid, 256);
+    cuMemAlloc_v2(&out, 256);
+    cuCtxSynchronize();
+    CUevent e;
+    cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    EXPECT(add_one(d, in, mid, 64, a) == CUDA_SUCCESS, "the writer");
+    cuEventRecord(e, a);
+    cuStreamWaitEvent(b, e, 0);
+    CUresult r = add_one(d, mid, out, 64, b);
+    EXPECT(r == CUDA_SUCCESS, "got %s", name(r));
+    auto v = download(out, 64, b);
+    EXPECT(v[0] == 3.0f && v[63] == 3.0f, "1 + 1 + 1, got %g", v[0]);
+    return true;
+}
+
+bool a_write_after_an_unordered_read_is_a_race() {
+    Device d(0);
+    CUstream a, b;
+    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
+    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), out;
+    cuMemAlloc_v2(&out, 256);
+    cuCtxSynchronize();
+    EXPECT(add_one(d, in, out, 64, b) == CUDA_SUCCESS, "the reader");
+    // The host has not waited for the reader: a write on another stream is unordered with it.
+    CUresult r = add_one(d, out, in, 64, a);
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "got %s", name(r));
+    return true;
+}
+
+bool the_legacy_stream_orders_blocking_streams_only() {
+    Device d(0);
+    CUstream blocking, nonblocking;
+    cuStreamCreate(&blocking, CU_STREAM_DEFAULT);
+    cuStreamCreate(&nonblocking, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), mid, out;
+    cuMemAlloc_v2(&mid, 256);
+    cuMemAlloc_v2(&out, 256);
+    cuCtxSynchronize();
+    EXPECT(add_one(d, in, mid, 64, blocking) == CUDA_SUCCESS, "the writer");
+    CUresult r = add_one(d, mid, out, 64, nullptr);
+    EXPECT(r == CUDA_SUCCESS, "legacy after blocking is ordered, got %s", name(r));
+    r = add_one(d, in, mid, 64, nonblocking);
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "a non-blocking stream is not ordered, got %s", name(r));
+    return true;
+}
+
+bool per_thread_streams_are_distinct() {
+    Device d(0);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), mid, out;
+    cuMemAlloc_v2(&mid, 256);
+    cuMemAlloc_v2(&out, 256);
+    cuCtxSynchronize();
+    CUcontext c;
+    cuDevicePrimaryCtxRetain(&c, 0);
+    CUresult writer = CUDA_ERROR_UNKNOWN;
+    std::thread t([&] {
+        cuCtxSetCurrent(c);
+        writer = add_one(d, in, mid, 64, SIM_STREAM_PER_THREAD);
+    });
+    t.join();
+    CUresult r = add_one(d, mid, out, 64, SIM_STREAM_PER_THREAD);
+    cuDevicePrimaryCtxRelease_v2(0);
+    EXPECT(writer == CUDA_SUCCESS, "the other thread's launch, got %s", name(writer));
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "a tensor handed over without a wait, got %s", name(r));
+    return true;
+}
+
+bool a_stream_ordered_free_must_follow_other_streams_use() {
+    Device d(0);
+    CUstream a, b;
+    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
+    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f), a), buf;
+    cuMemAllocAsync(&buf, 256, a);
+    EXPECT(add_one(d, in, buf, 64, a) == CUDA_SUCCESS, "use on the allocating stream");
+    CUresult r = cuMemFreeAsync(buf, b);
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "a free on another stream, got %s", name(r));
+    return true;
+}
+
+bool pageable_copies_follow_the_completion_rules() {
+    Device d(0);
+    CUstream s;
+    cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+    std::vector<float> host(4096, 2.0f);
+    CUdeviceptr p;
+    cuMemAllocAsync(&p, host.size() * 4, s);
+    cuMemcpyHtoDAsync_v2(p, host.data(), host.size() * 4, s);
+    // The source is staged at the call: changing it afterwards does not change the copy.
+    std::fill(host.begin(), host.end(), -1.0f);
+    std::vector<float> back(4096, 0.0f);
+    cuMemcpyDtoHAsync_v2(back.data(), p, back.size() * 4, s);
+    // Into pageable memory the copy has completed when the call returns.
+    EXPECT(back[0] == 2.0f && back[4095] == 2.0f, "got %g", back[0]);
+    return true;
+}
+
+bool an_unsupported_call_fails_with_its_name() {
+    int r = cuGraphCreate(nullptr, 0);
+    EXPECT(r == CUDA_ERROR_NOT_SUPPORTED, "got %d", r);
+    return true;
+}
+
+bool launches_and_copies_are_counted() {
+    Device d(0);
+    CUstream s;
+    cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+    GpuSimCounts before, after;
+    gpusim_counts(s, 0, &before);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f), s), out;
+    cuMemAllocAsync(&out, 256, s);
+    add_one(d, in, out, 64, s);
+    add_one(d, out, in, 64, s);
+    download(in, 64, s);
+    gpusim_counts(s, 0, &after);
+    EXPECT(after.launches - before.launches == 2, "%llu launches",
+           (unsigned long long)(after.launches - before.launches));
+    EXPECT(after.copies_htod - before.copies_htod == 1, "one upload");
+    EXPECT(after.copies_dtoh - before.copies_dtoh == 1, "one download");
+    EXPECT(after.allocs - before.allocs == 1, "one stream-ordered allocation");
+    return true;
+}
+
+void bench() {
+    Device d(0);
+    const int n = 1 << 24;
+    CUdeviceptr in, out;
+    cuMemAlloc_v2(&in, (size_t)n * 4);
+    cuMemAlloc_v2(&out, (size_t)n * 4);
+    add_one(d, in, out, n, nullptr);  // warm-up: stacks and pages
+    cuCtxSynchronize();
+    auto t0 = std::chrono::steady_clock::now();
+    const int reps = 3;
+    for (int i = 0; i < reps; i++) add_one(d, in, out, n, nullptr);
+    cuCtxSynchronize();
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("sim_add_one: %d launches of %d threads in %.3f s: %.1f M emulated threads/s\n",
+                reps, n, s, reps * (double)n / s / 1e6);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: selftest DEFECTS.ptx [bench]\n");
+        return 2;
+    }
+    std::ifstream f(argv[1]);
+    g_ptx.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    cuInit(0);
+    if (argc > 2 && std::string(argv[2]) == "bench") {
+        bench();
+        return 0;
+    }
+    const std::pair<const char*, std::function<bool()>> tests[] = {
+        {"host_pointer_argument_is_refused", host_pointer_argument_is_refused},
+        {"freed_pointer_argument_is_refused", freed_pointer_argument_is_refused},
+        {"other_devices_pointer_is_refused", other_devices_pointer_is_refused},
+        {"write_past_the_end_faults_and_sticks", write_past_the_end_faults_and_sticks},
+        {"write_into_the_alignment_slack_is_caught", write_into_the_alignment_slack_is_caught},
+        {"freed_memory_is_poisoned", freed_memory_is_poisoned},
+        {"copies_are_range_checked", copies_are_range_checked},
+        {"a_divergent_barrier_fails_a_strict_launch", a_divergent_barrier_fails_a_strict_launch},
+        {"unordered_cross_stream_use_is_a_race", unordered_cross_stream_use_is_a_race},
+        {"an_event_wait_orders_streams", an_event_wait_orders_streams},
+        {"a_write_after_an_unordered_read_is_a_race", a_write_after_an_unordered_read_is_a_race},
+        {"the_legacy_stream_orders_blocking_streams_only", the_legacy_stream_orders_blocking_streams_only},
+        {"per_thread_streams_are_distinct", per_thread_streams_are_distinct},
+        {"a_stream_ordered_free_must_follow_other_streams_use",
+         a_stream_ordered_free_must_follow_other_streams_use},
+        {"pageable_copies_follow_the_completion_rules", pageable_copies_follow_the_completion_rules},
+        {"an_unsupported_call_fails_with_its_name", an_unsupported_call_fails_with_its_name},
+        {"launches_and_copies_are_counted", launches_and_copies_are_counted},
+    };
+    for (const auto& t : tests) {
+        std::printf("test %s ...\n", t.first);
+        std::fflush(stdout);
+        bool ok = t.second();
+        std::printf("test %s ... %s\n", t.first, ok ? "ok" : "FAILED");
+        (ok ? g_passed : g_failed)++;
+    }
+    std::printf("%d passed, %d failed\n", g_passed, g_failed);
+    return g_failed ? 1 : 0;
+}
