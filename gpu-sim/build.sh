@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the simulated device into ${GPU_SIM_OUT:-target/gpu-sim}: lib/ holds libgpusim.so under
+# gpu-sim/build.sh [GOAL...]: builds the simulated device into ${GPU_SIM_OUT:-target/gpu-sim}: lib/ holds libgpusim.so under
 # the sonames a `cuda,nccl` build loads (libcuda.so.1, libcublas.so.13, libcurand.so.10, ...),
 # kernels/ the kernel libraries (candle-kernels' sources at the version in Cargo.lock, read from
 # the cargo registry, and ours from kernels/), bin/ the entry-point tool. Needs g++, make, and
@@ -21,8 +21,9 @@ registry_src() { # crate -> its source folder at the Cargo.lock version
 }
 candle=$(registry_src candle-kernels)
 cudarc=$(registry_src cudarc)
+# Extra arguments are make goals (`selftest` builds the self-tests too).
 make -C gpu-sim -j"$(nproc)" --no-print-directory OUT="$out" CANDLE_SRC="$candle/src" \
-    CUDARC_SRC="$cudarc/src" NVCC="$(command -v nvcc)"
+    CUDARC_SRC="$cudarc/src" NVCC="$(command -v nvcc)" all "$@"
 # libcudart: linked by candle-kernels' static library (never called by the tests); the real
 # one from the nvcc wheels, which never touches the driver at load.
 ln -sf "$CUDA_PATH/lib/libcudart.so.13" "$out/lib/libcudart.so.13"

@@ -100,13 +100,13 @@ CUresult primary_release(int device) {
     }
     if (dead) {
         // Work still queued finishes first (the driver waits for the device before a reset).
+        synchronize_context(dead);
         std::vector<Stream*> streams;
         {
             std::lock_guard<std::mutex> g(dead->m);
             streams = dead->streams;
         }
         streams.push_back(dead->legacy);
-        for (Stream* s : streams) wait_stream(s);
         dead->alive = false;
         for (Stream* s : streams) destroy_stream(s);
         mem_reset_device(device);

@@ -13,6 +13,14 @@
 // one Counts::host_tasks on it, counted when enqueued. A call that returns early (m, n or
 // batchCount 0, or C left unchanged by the reference's quick-return rule) enqueues nothing.
 //
+// Errors (each one logged with the function, the argument and the value): a handle that is
+// not live (never created, destroyed) gives CUBLAS_STATUS_NOT_INITIALIZED; a negative size,
+// a too small leading dimension, a bad transpose code or a NULL scalar
+// CUBLAS_STATUS_INVALID_VALUE; a type/compute-type combination or algo outside the simulated
+// set CUBLAS_STATUS_NOT_SUPPORTED; a context with a sticky error, an unusable stream or a race
+// found when enqueueing CUBLAS_STATUS_EXECUTION_FAILED. cublasDestroy synchronises the
+// handle's context, as the reference says it does (cudaDeviceSynchronize).
+//
 // Deviations, all reported: an argument whose extent is not inside one live allocation of the
 // handle's device is refused at the call with CUBLAS_STATUS_INVALID_VALUE (a GPU would fault
 // later); with CUBLAS_POINTER_MODE_HOST, alpha/beta/result pointing into device memory are
@@ -21,6 +29,8 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -64,9 +74,10 @@ bool lookup(const char* fn, cublasHandle_t h, HandleState* out) {
             return true;
         }
     }
-    sim::log("%s: handle %p is not a live cuBLAS handle (never created, or destroyed): "
-             "CUBLAS_STATUS_NOT_INITIALIZED",
-             fn, (void*)h);
+    sim::log(
+        "%s: handle %p is not a live cuBLAS handle (never created, or destroyed): "
+        "CUBLAS_STATUS_NOT_INITIALIZED",
+        fn, (void*)h);
     return false;
 }
 
@@ -78,9 +89,10 @@ cublasStatus_t check_context(const char* fn, sim::Context* c) {
     }
     int st = c->sticky.load();
     if (st != CUDA_SUCCESS) {
-        sim::log("%s: device %d's context has a sticky error (CUresult %d), nothing can run on it: "
-                 "CUBLAS_STATUS_EXECUTION_FAILED",
-                 fn, c->device, st);
+        sim::log(
+            "%s: device %d's context has a sticky error (CUresult %d), nothing can run on it: "
+            "CUBLAS_STATUS_EXECUTION_FAILED",
+            fn, c->device, st);
         return CUBLAS_STATUS_EXECUTION_FAILED;
     }
     return CUBLAS_STATUS_SUCCESS;
@@ -126,7 +138,8 @@ std::string compute_name(int c) {
         case CUBLAS_COMPUTE_32F_FAST_16BF: return "CUBLAS_COMPUTE_32F_FAST_16BF";
         case CUBLAS_COMPUTE_32F_FAST_TF32: return "CUBLAS_COMPUTE_32F_FAST_TF32";
         case CUBLAS_COMPUTE_32F_EMULATED_16BFX9: return "CUBLAS_COMPUTE_32F_EMULATED_16BFX9";
-        case CUBLAS_COMPUTE_64F_EMULATED_FIXEDPOINT: return "CUBLAS_COMPUTE_64F_EMULATED_FIXEDPOINT";
+        case CUBLAS_COMPUTE_64F_EMULATED_FIXEDPOINT:
+            return "CUBLAS_COMPUTE_64F_EMULATED_FIXEDPOINT";
         default: return "cublasComputeType_t " + std::to_string(c);
     }
 }
@@ -143,7 +156,9 @@ bool to_type(int t, gemm::Type* out) {
 
 // The scale type of alpha and beta.
 enum class Scale { Half, Float, Double };
-size_t scale_size(Scale s) { return s == Scale::Half ? 2 : s == Scale::Float ? 4 : 8; }
+size_t scale_size(Scale s) {
+    return s == Scale::Half ? 2 : s == Scale::Float ? 4 : 8;
+}
 double read_scale(const void* p, Scale s) {
     switch (s) {
         case Scale::Half: {
@@ -166,8 +181,9 @@ double read_scale(const void* p, Scale s) {
 
 bool valid_op(const char* fn, const char* arg, int op) {
     if (op == CUBLAS_OP_N || op == CUBLAS_OP_T || op == CUBLAS_OP_C) return true;
-    sim::log("%s: %s = %d is not CUBLAS_OP_N, CUBLAS_OP_T or CUBLAS_OP_C: CUBLAS_STATUS_INVALID_VALUE",
-             fn, arg, op);
+    sim::log(
+        "%s: %s = %d is not CUBLAS_OP_N, CUBLAS_OP_T or CUBLAS_OP_C: CUBLAS_STATUS_INVALID_VALUE",
+        fn, arg, op);
     return false;
 }
 
@@ -190,8 +206,10 @@ bool check_range(const char* fn, const char* arg, const std::string& desc, uint6
     std::string why;
     std::shared_ptr<sim::Allocation> a;
     const bool wraps = lo < 0 ? ptr < (uint64_t)(-lo) : ptr + (uint64_t)lo < ptr;
-    if (!wraps) a = sim::find_range(ptr + (uint64_t)lo, (size_t)len, device, why);
-    else why = "the range wraps around the address space";
+    if (!wraps)
+        a = sim::find_range(ptr + (uint64_t)lo, (size_t)len, device, why);
+    else
+        why = "the range wraps around the address space";
     if (!a) {
         invalid("%s: %s = %#" PRIx64 " (%s) needs bytes [%#" PRIx64 ", +%" PRIu64
                 ") inside one live allocation of device %d: %s",
@@ -221,8 +239,8 @@ bool check_matrix(const char* fn, const char* arg, const void* p, int64_t rows, 
 }
 
 // A strided vector (n elements, inc apart; a negative inc walks from the far end, as BLAS).
-bool check_vector(const char* fn, const char* arg, const void* p, int64_t n, int64_t inc, size_t elem,
-                  int device, bool write, std::vector<sim::BufferUse>& uses) {
+bool check_vector(const char* fn, const char* arg, const void* p, int64_t n, int64_t inc,
+                  size_t elem, int device, bool write, std::vector<sim::BufferUse>& uses) {
     char desc[128];
     std::snprintf(desc, sizeof desc, "%" PRId64 " elements, increment %" PRId64, n, inc);
     if (n <= 0) return true;
@@ -238,9 +256,10 @@ bool host_scalar(const char* fn, const char* arg, const void* p, Scale s, double
         return false;
     }
     if (sim::is_device_memory((uint64_t)(uintptr_t)p)) {
-        invalid("%s: %s = %p is device memory but the handle's pointer mode is "
-                "CUBLAS_POINTER_MODE_HOST (a real process would crash reading it)",
-                fn, arg, p);
+        invalid(
+            "%s: %s = %p is device memory but the handle's pointer mode is "
+            "CUBLAS_POINTER_MODE_HOST (a real process would crash reading it)",
+            fn, arg, p);
         return false;
     }
     *out = read_scale(p, s);
@@ -260,16 +279,17 @@ bool device_scalar(const char* fn, const char* arg, const void* p, Scale s, int 
 }
 
 // Enqueues `run` on the handle's stream after the checks; counts it.
-cublasStatus_t submit(const char* fn, const HandleState& hs, const char* kind, std::function<void()> run,
-                      const std::vector<sim::BufferUse>& uses, sim::Stream* s) {
+cublasStatus_t submit(const char* fn, const HandleState& hs, const char* kind,
+                      std::function<void()> run, const std::vector<sim::BufferUse>& uses,
+                      sim::Stream* s) {
     sim::Op op;
     op.run = std::move(run);
     op.kind = kind;
     CUresult r = sim::enqueue(s, std::move(op), uses);
     sim::count(s, &sim::Counts::host_tasks);  // enqueue always queues the operation
     if (r != CUDA_SUCCESS) {
-        sim::log("%s: enqueueing on device %d failed (CUresult %d): CUBLAS_STATUS_EXECUTION_FAILED", fn,
-                 hs.ctx->device, r);
+        sim::log("%s: enqueueing on device %d failed (CUresult %d): CUBLAS_STATUS_EXECUTION_FAILED",
+                 fn, hs.ctx->device, r);
         return CUBLAS_STATUS_EXECUTION_FAILED;
     }
     return CUBLAS_STATUS_SUCCESS;
@@ -286,15 +306,17 @@ sim::Stream* stream_of(const char* fn, const HandleState& hs) {
 
 // Every GEMM entry point. `a_type` etc. are cudaDataType values, `compute` a
 // cublasComputeType_t, `algo` a cublasGemmAlgo_t.
-cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int transb, int m, int n, int k,
-                          const void* alpha, const void* A, int a_type, int lda, long long stride_a,
-                          const void* B, int b_type, int ldb, long long stride_b, const void* beta, void* C,
-                          int c_type, int ldc, long long stride_c, int batch, int compute, int algo) {
+cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int transb, int m, int n,
+                          int k, const void* alpha, const void* A, int a_type, int lda,
+                          long long stride_a, const void* B, int b_type, int ldb,
+                          long long stride_b, const void* beta, void* C, int c_type, int ldc,
+                          long long stride_c, int batch, int compute, int algo) {
     HandleState hs;
     if (!lookup(fn, h, &hs)) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (!valid_op(fn, "transa", transa) || !valid_op(fn, "transb", transb))
         return CUBLAS_STATUS_INVALID_VALUE;
-    if (m < 0 || n < 0 || k < 0) return invalid("%s: m = %d, n = %d, k = %d (negative)", fn, m, n, k);
+    if (m < 0 || n < 0 || k < 0)
+        return invalid("%s: m = %d, n = %d, k = %d (negative)", fn, m, n, k);
     if (batch < 0) return invalid("%s: batchCount = %d is negative", fn, batch);
     const bool ta = transa != CUBLAS_OP_N, tb = transb != CUBLAS_OP_N;
     const int a_rows = ta ? k : m, b_rows = tb ? n : k;
@@ -305,9 +327,10 @@ cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int tran
         return invalid("%s: ldb = %d < max(1, %d) (the rows of B as stored, transb = %s)", fn, ldb,
                        b_rows, op_name(transb));
     if (ldc < std::max(1, m)) return invalid("%s: ldc = %d < max(1, m = %d)", fn, ldc, m);
-    const bool algo_ok = (algo >= CUBLAS_GEMM_DEFAULT && algo <= CUBLAS_GEMM_ALGO23) ||
-                         (algo >= CUBLAS_GEMM_DEFAULT_TENSOR_OP && algo <= CUBLAS_GEMM_ALGO15_TENSOR_OP) ||
-                         algo == CUBLAS_GEMM_AUTOTUNE;
+    const bool algo_ok =
+        (algo >= CUBLAS_GEMM_DEFAULT && algo <= CUBLAS_GEMM_ALGO23) ||
+        (algo >= CUBLAS_GEMM_DEFAULT_TENSOR_OP && algo <= CUBLAS_GEMM_ALGO15_TENSOR_OP) ||
+        algo == CUBLAS_GEMM_AUTOTUNE;
     if (!algo_ok) {
         sim::log("%s: algo = %d is not a cublasGemmAlgo_t: CUBLAS_STATUS_NOT_SUPPORTED", fn, algo);
         return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -364,12 +387,13 @@ cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int tran
             break;
     }
     if (!types_known || !mode_known || !gemm::supported(mode, at, bt, ct)) {
-        sim::log("%s: Atype %s, Btype %s, Ctype %s with computeType %s is not supported by the "
-                 "simulated cuBLAS (it takes f64/f64/f64 with COMPUTE_64F; f16/f16/f16 with "
-                 "COMPUTE_16F; A = B of f32, f16 or bf16 with C of that type or f32 with "
-                 "COMPUTE_32F, _PEDANTIC or _FAST_16F/_16BF/_TF32): CUBLAS_STATUS_NOT_SUPPORTED",
-                 fn, dtype_name(a_type).c_str(), dtype_name(b_type).c_str(), dtype_name(c_type).c_str(),
-                 compute_name(compute).c_str());
+        sim::log(
+            "%s: Atype %s, Btype %s, Ctype %s with computeType %s is not supported by the "
+            "simulated cuBLAS (it takes f64/f64/f64 with COMPUTE_64F; f16/f16/f16 with "
+            "COMPUTE_16F; A = B of f32, f16 or bf16 with C of that type or f32 with "
+            "COMPUTE_32F, _PEDANTIC or _FAST_16F/_16BF/_TF32): CUBLAS_STATUS_NOT_SUPPORTED",
+            fn, dtype_name(a_type).c_str(), dtype_name(b_type).c_str(), dtype_name(c_type).c_str(),
+            compute_name(compute).c_str());
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
 
@@ -379,7 +403,8 @@ cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int tran
     std::vector<sim::BufferUse> uses;
     double al = 0, be = 0;
     if (!dev_ptrs) {
-        if (!host_scalar(fn, "alpha", alpha, scale, &al) || !host_scalar(fn, "beta", beta, scale, &be))
+        if (!host_scalar(fn, "alpha", alpha, scale, &al) ||
+            !host_scalar(fn, "beta", beta, scale, &be))
             return CUBLAS_STATUS_INVALID_VALUE;
         // Quick return (the reference BLAS rule): nothing to compute, or C left as it is.
         if (m == 0 || n == 0 || batch == 0) return CUBLAS_STATUS_SUCCESS;
@@ -394,13 +419,14 @@ cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int tran
     // A and B are read unless k == 0 or (with host scalars) alpha == 0.
     const bool reads_ab = k > 0 && (dev_ptrs || al != 0);
     if (reads_ab) {
-        if (!check_matrix(fn, "A", A, ta ? k : m, ta ? m : k, lda, stride_a, batch, gemm::type_size(at),
-                          device, false, uses) ||
-            !check_matrix(fn, "B", B, tb ? n : k, tb ? k : n, ldb, stride_b, batch, gemm::type_size(bt),
-                          device, false, uses))
+        if (!check_matrix(fn, "A", A, ta ? k : m, ta ? m : k, lda, stride_a, batch,
+                          gemm::type_size(at), device, false, uses) ||
+            !check_matrix(fn, "B", B, tb ? n : k, tb ? k : n, ldb, stride_b, batch,
+                          gemm::type_size(bt), device, false, uses))
             return CUBLAS_STATUS_INVALID_VALUE;
     }
-    if (!check_matrix(fn, "C", C, m, n, ldc, stride_c, batch, gemm::type_size(ct), device, true, uses))
+    if (!check_matrix(fn, "C", C, m, n, ldc, stride_c, batch, gemm::type_size(ct), device, true,
+                      uses))
         return CUBLAS_STATUS_INVALID_VALUE;
     sim::Stream* s = stream_of(fn, hs);
     if (!s) return CUBLAS_STATUS_EXECUTION_FAILED;
@@ -434,7 +460,8 @@ cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int tran
             pr.beta = read_scale(beta, scale);
         }
         if (!gemm::run(pr))
-            sim::set_sticky(ctx, CUDA_ERROR_LAUNCH_FAILED, std::string(fn) + ": unsupported GEMM types");
+            sim::set_sticky(ctx, CUDA_ERROR_LAUNCH_FAILED,
+                            std::string(fn) + ": unsupported GEMM types");
     };
     return submit(fn, hs, "gemm", std::move(run), uses, s);
 }
@@ -442,7 +469,8 @@ cublasStatus_t gemm_entry(const char* fn, cublasHandle_t h, int transa, int tran
 // GEMV as a GEMM with one row: y^T = x^T op(A)^T (see cublasSgemv_v2).
 template <class T>
 cublasStatus_t gemv_entry(const char* fn, cublasHandle_t h, int trans, int m, int n, const T* alpha,
-                          const T* A, int lda, const T* x, int incx, const T* beta, T* y, int incy) {
+                          const T* A, int lda, const T* x, int incx, const T* beta, T* y,
+                          int incy) {
     const bool dbl = sizeof(T) == 8;
     const Scale scale = dbl ? Scale::Double : Scale::Float;
     HandleState hs;
@@ -457,7 +485,8 @@ cublasStatus_t gemv_entry(const char* fn, cublasHandle_t h, int trans, int m, in
     std::vector<sim::BufferUse> uses;
     double al = 0, be = 0;
     if (!dev_ptrs) {
-        if (!host_scalar(fn, "alpha", alpha, scale, &al) || !host_scalar(fn, "beta", beta, scale, &be))
+        if (!host_scalar(fn, "alpha", alpha, scale, &al) ||
+            !host_scalar(fn, "beta", beta, scale, &be))
             return CUBLAS_STATUS_INVALID_VALUE;
         if (m == 0 || n == 0 || (al == 0 && be == 1)) return CUBLAS_STATUS_SUCCESS;
     } else {
@@ -509,7 +538,8 @@ cublasStatus_t gemv_entry(const char* fn, cublasHandle_t h, int trans, int m, in
 // ASUM: sum of |x_i| in the data type, in index order. With host pointer mode the call waits for
 // the result (the stream's earlier work first), as cuBLAS does for a scalar returned to the host.
 template <class T>
-cublasStatus_t asum_entry(const char* fn, cublasHandle_t h, int n, const T* x, int incx, T* result) {
+cublasStatus_t asum_entry(const char* fn, cublasHandle_t h, int n, const T* x, int incx,
+                          T* result) {
     HandleState hs;
     if (!lookup(fn, h, &hs)) return CUBLAS_STATUS_NOT_INITIALIZED;
     if (!result) return invalid("%s: result is NULL", fn);
@@ -518,15 +548,15 @@ cublasStatus_t asum_entry(const char* fn, cublasHandle_t h, int n, const T* x, i
     const bool dev_ptrs = hs.pointer_mode == CUBLAS_POINTER_MODE_DEVICE;
     std::vector<sim::BufferUse> uses;
     if (!dev_ptrs && sim::is_device_memory((uint64_t)(uintptr_t)result))
-        return invalid("%s: result = %p is device memory but the handle's pointer mode is "
-                       "CUBLAS_POINTER_MODE_HOST",
-                       fn, (void*)result);
+        return invalid(
+            "%s: result = %p is device memory but the handle's pointer mode is "
+            "CUBLAS_POINTER_MODE_HOST",
+            fn, (void*)result);
     const int64_t len = (n > 0 && incx > 0) ? n : 0;  // n <= 0 or incx <= 0: the sum is 0
     if (!check_vector(fn, "x", x, len, incx, sizeof(T), device, false, uses))
         return CUBLAS_STATUS_INVALID_VALUE;
-    if (dev_ptrs &&
-        !check_range(fn, "result", "the result (CUBLAS_POINTER_MODE_DEVICE)", (uint64_t)(uintptr_t)result,
-                     0, sizeof(T), device, true, uses))
+    if (dev_ptrs && !check_range(fn, "result", "the result (CUBLAS_POINTER_MODE_DEVICE)",
+                                 (uint64_t)(uintptr_t)result, 0, sizeof(T), device, true, uses))
         return CUBLAS_STATUS_INVALID_VALUE;
     sim::Stream* s = stream_of(fn, hs);
     if (!s) return CUBLAS_STATUS_EXECUTION_FAILED;
@@ -548,9 +578,10 @@ cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
     if (!handle) return invalid("cublasCreate_v2: handle is NULL");
     sim::Context* ctx;
     if (CUresult r = sim::enter(&ctx)) {
-        sim::log("cublasCreate_v2: no usable current context (CUresult %d): "
-                 "CUBLAS_STATUS_NOT_INITIALIZED",
-                 r);
+        sim::log(
+            "cublasCreate_v2: no usable current context (CUresult %d): "
+            "CUBLAS_STATUS_NOT_INITIALIZED",
+            r);
         return CUBLAS_STATUS_NOT_INITIALIZED;
     }
     auto* h = new cublasContext;
@@ -571,22 +602,17 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
     {
         std::lock_guard<std::mutex> g(g_handles_m);
         if (!handle || !handles().erase(handle)) {
-            sim::log("cublasDestroy_v2: handle %p is not a live cuBLAS handle: "
-                     "CUBLAS_STATUS_NOT_INITIALIZED",
-                     (void*)handle);
+            sim::log(
+                "cublasDestroy_v2: handle %p is not a live cuBLAS handle: "
+                "CUBLAS_STATUS_NOT_INITIALIZED",
+                (void*)handle);
             return CUBLAS_STATUS_NOT_INITIALIZED;
         }
         ctx = handle->ctx;
     }
     delete handle;
     if (sim::valid_context(ctx) && ctx->alive) {
-        std::vector<sim::Stream*> streams;
-        {
-            std::lock_guard<std::mutex> g(ctx->m);
-            streams = ctx->streams;
-        }
-        streams.push_back(ctx->legacy);
-        for (sim::Stream* s : streams) sim::wait_stream(s);
+        sim::synchronize_context(ctx);
     }
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -594,9 +620,10 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
 cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, CUstream stream) {
     std::lock_guard<std::mutex> g(g_handles_m);
     if (!handle || !handles().count(handle)) {
-        sim::log("cublasSetStream_v2: handle %p is not a live cuBLAS handle: "
-                 "CUBLAS_STATUS_NOT_INITIALIZED",
-                 (void*)handle);
+        sim::log(
+            "cublasSetStream_v2: handle %p is not a live cuBLAS handle: "
+            "CUBLAS_STATUS_NOT_INITIALIZED",
+            (void*)handle);
         return CUBLAS_STATUS_NOT_INITIALIZED;
     }
     handle->stream = stream;  // resolved at each call
@@ -638,13 +665,14 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t handle, int mode) {
     if (!lookup("cublasSetMathMode", handle, &hs)) return CUBLAS_STATUS_NOT_INITIALIZED;
     const int base = mode & ~CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
     if (base == CUBLAS_FP32_EMULATED_BF16X9_MATH || base == CUBLAS_FP64_EMULATED_FIXEDPOINT_MATH) {
-        sim::log("cublasSetMathMode: mode %d (an emulation math mode) is not simulated: "
-                 "CUBLAS_STATUS_NOT_SUPPORTED",
-                 mode);
+        sim::log(
+            "cublasSetMathMode: mode %d (an emulation math mode) is not simulated: "
+            "CUBLAS_STATUS_NOT_SUPPORTED",
+            mode);
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
-    if (base != CUBLAS_DEFAULT_MATH && base != CUBLAS_TENSOR_OP_MATH && base != CUBLAS_PEDANTIC_MATH &&
-        base != CUBLAS_TF32_TENSOR_OP_MATH)
+    if (base != CUBLAS_DEFAULT_MATH && base != CUBLAS_TENSOR_OP_MATH &&
+        base != CUBLAS_PEDANTIC_MATH && base != CUBLAS_TF32_TENSOR_OP_MATH)
         return invalid("cublasSetMathMode: mode = %d is not a cublasMath_t", mode);
     std::lock_guard<std::mutex> g(g_handles_m);
     if (handles().count(handle)) handle->math_mode = mode;
@@ -704,12 +732,14 @@ const char* cublasGetStatusString(cublasStatus_t status) {
         case CUBLAS_STATUS_NOT_INITIALIZED: return "the library was not initialized";
         case CUBLAS_STATUS_ALLOC_FAILED: return "the resource allocation failed";
         case CUBLAS_STATUS_INVALID_VALUE: return "an invalid numeric value was used as an argument";
-        case CUBLAS_STATUS_ARCH_MISMATCH: return "an absent device architectural feature is required";
+        case CUBLAS_STATUS_ARCH_MISMATCH:
+            return "an absent device architectural feature is required";
         case CUBLAS_STATUS_MAPPING_ERROR: return "an access to GPU memory space failed";
         case CUBLAS_STATUS_EXECUTION_FAILED: return "the GPU program failed to execute";
         case CUBLAS_STATUS_INTERNAL_ERROR: return "an internal operation failed";
         case CUBLAS_STATUS_NOT_SUPPORTED: return "the functionality requested is not supported";
-        case CUBLAS_STATUS_LICENSE_ERROR: return "an error was detected when checking the current licensing";
+        case CUBLAS_STATUS_LICENSE_ERROR:
+            return "an error was detected when checking the current licensing";
         default: return "unknown cuBLAS status";
     }
 }
@@ -718,16 +748,16 @@ const char* cublasGetStatusString(cublasStatus_t status) {
 cublasStatus_t cublasSgemm_v2(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
                               const float* alpha, const float* A, int lda, const float* B, int ldb,
                               const float* beta, float* C, int ldc) {
-    return gemm_entry("cublasSgemm_v2", handle, transa, transb, m, n, k, alpha, A, CUDA_R_32F, lda, 0, B,
-                      CUDA_R_32F, ldb, 0, beta, C, CUDA_R_32F, ldc, 0, 1, CUBLAS_COMPUTE_32F,
+    return gemm_entry("cublasSgemm_v2", handle, transa, transb, m, n, k, alpha, A, CUDA_R_32F, lda,
+                      0, B, CUDA_R_32F, ldb, 0, beta, C, CUDA_R_32F, ldc, 0, 1, CUBLAS_COMPUTE_32F,
                       CUBLAS_GEMM_DEFAULT);
 }
 
 cublasStatus_t cublasDgemm_v2(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
-                              const double* alpha, const double* A, int lda, const double* B, int ldb,
-                              const double* beta, double* C, int ldc) {
-    return gemm_entry("cublasDgemm_v2", handle, transa, transb, m, n, k, alpha, A, CUDA_R_64F, lda, 0, B,
-                      CUDA_R_64F, ldb, 0, beta, C, CUDA_R_64F, ldc, 0, 1, CUBLAS_COMPUTE_64F,
+                              const double* alpha, const double* A, int lda, const double* B,
+                              int ldb, const double* beta, double* C, int ldc) {
+    return gemm_entry("cublasDgemm_v2", handle, transa, transb, m, n, k, alpha, A, CUDA_R_64F, lda,
+                      0, B, CUDA_R_64F, ldb, 0, beta, C, CUDA_R_64F, ldc, 0, 1, CUBLAS_COMPUTE_64F,
                       CUBLAS_GEMM_DEFAULT);
 }
 
@@ -735,57 +765,58 @@ cublasStatus_t cublasDgemm_v2(cublasHandle_t handle, int transa, int transb, int
 cublasStatus_t cublasHgemm(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
                            const void* alpha, const void* A, int lda, const void* B, int ldb,
                            const void* beta, void* C, int ldc) {
-    return gemm_entry("cublasHgemm", handle, transa, transb, m, n, k, alpha, A, CUDA_R_16F, lda, 0, B,
-                      CUDA_R_16F, ldb, 0, beta, C, CUDA_R_16F, ldc, 0, 1, CUBLAS_COMPUTE_16F,
+    return gemm_entry("cublasHgemm", handle, transa, transb, m, n, k, alpha, A, CUDA_R_16F, lda, 0,
+                      B, CUDA_R_16F, ldb, 0, beta, C, CUDA_R_16F, ldc, 0, 1, CUBLAS_COMPUTE_16F,
                       CUBLAS_GEMM_DEFAULT);
 }
 
 cublasStatus_t cublasGemmEx(cublasHandle_t handle, int transa, int transb, int m, int n, int k,
-                            const void* alpha, const void* A, int Atype, int lda, const void* B, int Btype,
-                            int ldb, const void* beta, void* C, int Ctype, int ldc, int computeType,
-                            int algo) {
-    return gemm_entry("cublasGemmEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype,
-                      ldb, 0, beta, C, Ctype, ldc, 0, 1, computeType, algo);
+                            const void* alpha, const void* A, int Atype, int lda, const void* B,
+                            int Btype, int ldb, const void* beta, void* C, int Ctype, int ldc,
+                            int computeType, int algo) {
+    return gemm_entry("cublasGemmEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B,
+                      Btype, ldb, 0, beta, C, Ctype, ldc, 0, 1, computeType, algo);
 }
 
-cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m, int n,
-                                         int k, const float* alpha, const float* A, int lda,
-                                         long long strideA, const float* B, int ldb, long long strideB,
-                                         const float* beta, float* C, int ldc, long long strideC,
-                                         int batchCount) {
-    return gemm_entry("cublasSgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A, CUDA_R_32F,
-                      lda, strideA, B, CUDA_R_32F, ldb, strideB, beta, C, CUDA_R_32F, ldc, strideC,
-                      batchCount, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m,
+                                         int n, int k, const float* alpha, const float* A, int lda,
+                                         long long strideA, const float* B, int ldb,
+                                         long long strideB, const float* beta, float* C, int ldc,
+                                         long long strideC, int batchCount) {
+    return gemm_entry("cublasSgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A,
+                      CUDA_R_32F, lda, strideA, B, CUDA_R_32F, ldb, strideB, beta, C, CUDA_R_32F,
+                      ldc, strideC, batchCount, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
 }
 
-cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m, int n,
-                                         int k, const double* alpha, const double* A, int lda,
-                                         long long strideA, const double* B, int ldb, long long strideB,
-                                         const double* beta, double* C, int ldc, long long strideC,
-                                         int batchCount) {
-    return gemm_entry("cublasDgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A, CUDA_R_64F,
-                      lda, strideA, B, CUDA_R_64F, ldb, strideB, beta, C, CUDA_R_64F, ldc, strideC,
-                      batchCount, CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT);
+cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m,
+                                         int n, int k, const double* alpha, const double* A,
+                                         int lda, long long strideA, const double* B, int ldb,
+                                         long long strideB, const double* beta, double* C, int ldc,
+                                         long long strideC, int batchCount) {
+    return gemm_entry("cublasDgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A,
+                      CUDA_R_64F, lda, strideA, B, CUDA_R_64F, ldb, strideB, beta, C, CUDA_R_64F,
+                      ldc, strideC, batchCount, CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT);
 }
 
-cublasStatus_t cublasHgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m, int n,
-                                         int k, const void* alpha, const void* A, int lda,
-                                         long long strideA, const void* B, int ldb, long long strideB,
-                                         const void* beta, void* C, int ldc, long long strideC,
-                                         int batchCount) {
-    return gemm_entry("cublasHgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A, CUDA_R_16F,
-                      lda, strideA, B, CUDA_R_16F, ldb, strideB, beta, C, CUDA_R_16F, ldc, strideC,
-                      batchCount, CUBLAS_COMPUTE_16F, CUBLAS_GEMM_DEFAULT);
+cublasStatus_t cublasHgemmStridedBatched(cublasHandle_t handle, int transa, int transb, int m,
+                                         int n, int k, const void* alpha, const void* A, int lda,
+                                         long long strideA, const void* B, int ldb,
+                                         long long strideB, const void* beta, void* C, int ldc,
+                                         long long strideC, int batchCount) {
+    return gemm_entry("cublasHgemmStridedBatched", handle, transa, transb, m, n, k, alpha, A,
+                      CUDA_R_16F, lda, strideA, B, CUDA_R_16F, ldb, strideB, beta, C, CUDA_R_16F,
+                      ldc, strideC, batchCount, CUBLAS_COMPUTE_16F, CUBLAS_GEMM_DEFAULT);
 }
 
-cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa, int transb, int m, int n,
-                                          int k, const void* alpha, const void* A, int Atype, int lda,
-                                          long long strideA, const void* B, int Btype, int ldb,
-                                          long long strideB, const void* beta, void* C, int Ctype, int ldc,
-                                          long long strideC, int batchCount, int computeType, int algo) {
-    return gemm_entry("cublasGemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda,
-                      strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount,
-                      computeType, algo);
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, int transa, int transb, int m,
+                                          int n, int k, const void* alpha, const void* A, int Atype,
+                                          int lda, long long strideA, const void* B, int Btype,
+                                          int ldb, long long strideB, const void* beta, void* C,
+                                          int Ctype, int ldc, long long strideC, int batchCount,
+                                          int computeType, int algo) {
+    return gemm_entry("cublasGemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A,
+                      Atype, lda, strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC,
+                      batchCount, computeType, algo);
 }
 
 // ------------------------------------------------------------------------------ GEMV, ASUM
@@ -796,16 +827,18 @@ cublasStatus_t cublasSgemv_v2(cublasHandle_t handle, int trans, int m, int n, co
 }
 
 cublasStatus_t cublasDgemv_v2(cublasHandle_t handle, int trans, int m, int n, const double* alpha,
-                              const double* A, int lda, const double* x, int incx, const double* beta,
-                              double* y, int incy) {
+                              const double* A, int lda, const double* x, int incx,
+                              const double* beta, double* y, int incy) {
     return gemv_entry("cublasDgemv_v2", handle, trans, m, n, alpha, A, lda, x, incx, beta, y, incy);
 }
 
-cublasStatus_t cublasSasum_v2(cublasHandle_t handle, int n, const float* x, int incx, float* result) {
+cublasStatus_t cublasSasum_v2(cublasHandle_t handle, int n, const float* x, int incx,
+                              float* result) {
     return asum_entry("cublasSasum_v2", handle, n, x, incx, result);
 }
 
-cublasStatus_t cublasDasum_v2(cublasHandle_t handle, int n, const double* x, int incx, double* result) {
+cublasStatus_t cublasDasum_v2(cublasHandle_t handle, int n, const double* x, int incx,
+                              double* result) {
     return asum_entry("cublasDasum_v2", handle, n, x, incx, result);
 }
 

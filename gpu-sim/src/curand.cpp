@@ -28,6 +28,14 @@
 // counting one Counts::host_tasks on the stream when enqueued. The output must lie inside one
 // live allocation of the generator's device (the context current at curandCreateGenerator);
 // otherwise the call logs why and returns CURAND_STATUS_LAUNCH_FAILURE.
+//
+// Other errors (each logged): a generator that is not live, or whose context was destroyed,
+// CURAND_STATUS_NOT_INITIALIZED; a generator type other than PSEUDO_DEFAULT/PSEUDO_XORWOW
+// CURAND_STATUS_TYPE_ERROR (curandGenerateLongLong too: it needs a 64-bit quasirandom
+// generator); an odd count for the normal and log-normal forms
+// CURAND_STATUS_LENGTH_NOT_MULTIPLE; a context with a sticky error
+// CURAND_STATUS_PREEXISTING_FAILURE; no current context at creation
+// CURAND_STATUS_INITIALIZATION_FAILED. The reference lists no check of stddev, so none is made.
 #include <array>
 #include <cinttypes>
 #include <cmath>
@@ -42,18 +50,18 @@
 #include "sim.h"
 #include "xorwow.h"
 
-using xorwow::Xorwow;
 using xorwow::jump;
 using xorwow::next;
 using xorwow::seeded;
 using xorwow::uniform_d;
 using xorwow::uniform_f;
+using xorwow::Xorwow;
 
 struct curandGenerator_st {
     sim::Context* ctx = nullptr;
     CUstream stream = nullptr;  // as given to curandSetStream, resolved at each generation
     int type = CURAND_RNG_PSEUDO_DEFAULT;
-    uint64_t seed = 0;    // cuRAND's default seed
+    uint64_t seed = 0;    // until set (cudarc always sets one)
     uint64_t offset = 0;  // the absolute offset parameter
     bool restart = true;  // seed or offset set since the last generation
     Xorwow state{};       // the position after the last generation
@@ -67,14 +75,19 @@ std::set<curandGenerator_st*>& generators() {
     return *s;
 }
 
+void log_not_live(const char* fn, curandGenerator_t g) {
+    sim::log(
+        "%s: generator %p is not a live cuRAND generator (never created, or destroyed): "
+        "CURAND_STATUS_NOT_INITIALIZED",
+        fn, (void*)g);
+}
+
 bool live(const char* fn, curandGenerator_t g) {
     {
         std::lock_guard<std::mutex> lk(g_gen_m);
         if (g && generators().count(g)) return true;
     }
-    sim::log("%s: generator %p is not a live cuRAND generator (never created, or destroyed): "
-             "CURAND_STATUS_NOT_INITIALIZED",
-             fn, (void*)g);
+    log_not_live(fn, g);
     return false;
 }
 
@@ -83,44 +96,54 @@ enum class Dist { Bits32, Uniform, Normal, LogNormal };
 // Every generation: checks, then one stream operation writing `n` values of `elem` bytes.
 // `draws` is the number of 32-bit draws it consumes.
 template <class T>
-curandStatus_t generate(const char* fn, curandGenerator_t g, T* out, size_t n, Dist dist, double mean,
-                        double stddev) {
-    if (!live(fn, g)) return CURAND_STATUS_NOT_INITIALIZED;
-    sim::Context* ctx;
-    CUstream stream;
+curandStatus_t generate(const char* fn, curandGenerator_t g, T* out, size_t n, Dist dist,
+                        double mean, double stddev) {
+    sim::Context* ctx = nullptr;
+    CUstream stream = nullptr;
     {
         std::lock_guard<std::mutex> lk(g_gen_m);
-        ctx = g->ctx;
-        stream = g->stream;
+        if (g && generators().count(g)) {
+            ctx = g->ctx;
+            stream = g->stream;
+        }
+    }
+    if (!ctx) {
+        log_not_live(fn, g);
+        return CURAND_STATUS_NOT_INITIALIZED;
     }
     if (!sim::valid_context(ctx) || !ctx->alive) {
-        sim::log("%s: the generator's context has been destroyed: CURAND_STATUS_NOT_INITIALIZED", fn);
+        sim::log("%s: the generator's context has been destroyed: CURAND_STATUS_NOT_INITIALIZED",
+                 fn);
         return CURAND_STATUS_NOT_INITIALIZED;
     }
     if (int st = ctx->sticky.load()) {
-        sim::log("%s: device %d's context has a sticky error (CUresult %d): "
-                 "CURAND_STATUS_PREEXISTING_FAILURE",
-                 fn, ctx->device, st);
+        sim::log(
+            "%s: device %d's context has a sticky error (CUresult %d): "
+            "CURAND_STATUS_PREEXISTING_FAILURE",
+            fn, ctx->device, st);
         return CURAND_STATUS_PREEXISTING_FAILURE;
     }
     const bool pairs = dist == Dist::Normal || dist == Dist::LogNormal;
     if (pairs && n % 2 != 0) {
-        sim::log("%s: n = %zu is odd; a pseudorandom generator makes normal values in pairs: "
-                 "CURAND_STATUS_LENGTH_NOT_MULTIPLE",
-                 fn, n);
+        sim::log(
+            "%s: n = %zu is odd; a pseudorandom generator makes normal values in pairs: "
+            "CURAND_STATUS_LENGTH_NOT_MULTIPLE",
+            fn, n);
         return CURAND_STATUS_LENGTH_NOT_MULTIPLE;
     }
     if (n == 0) return CURAND_STATUS_SUCCESS;
     if (n > ((size_t)1 << 58)) {
-        sim::log("%s: n = %zu values is more than any allocation: CURAND_STATUS_LAUNCH_FAILURE", fn, n);
+        sim::log("%s: n = %zu values is more than any allocation: CURAND_STATUS_LAUNCH_FAILURE", fn,
+                 n);
         return CURAND_STATUS_LAUNCH_FAILURE;
     }
     std::string why;
     auto alloc = sim::find_range((uint64_t)(uintptr_t)out, n * sizeof(T), ctx->device, why);
     if (!alloc) {
-        sim::log("%s: outputPtr = %p (%zu values, %zu bytes) is not inside one live allocation of "
-                 "device %d: %s: CURAND_STATUS_LAUNCH_FAILURE",
-                 fn, (void*)out, n, n * sizeof(T), ctx->device, why.c_str());
+        sim::log(
+            "%s: outputPtr = %p (%zu values, %zu bytes) is not inside one live allocation of "
+            "device %d: %s: CURAND_STATUS_LAUNCH_FAILURE",
+            fn, (void*)out, n, n * sizeof(T), ctx->device, why.c_str());
         return CURAND_STATUS_LAUNCH_FAILURE;
     }
     sim::Stream* s = sim::resolve_stream(ctx, stream, why);
@@ -133,6 +156,12 @@ curandStatus_t generate(const char* fn, curandGenerator_t g, T* out, size_t n, D
     Xorwow start;
     {
         std::lock_guard<std::mutex> lk(g_gen_m);
+        if (!generators().count(g)) {
+            sim::log(
+                "%s: generator %p was destroyed during the call: CURAND_STATUS_NOT_INITIALIZED", fn,
+                (void*)g);
+            return CURAND_STATUS_NOT_INITIALIZED;
+        }
         if (g->restart) {
             g->state = jump(seeded(g->seed), g->offset);
             g->restart = false;
@@ -177,11 +206,12 @@ curandStatus_t generate(const char* fn, curandGenerator_t g, T* out, size_t n, D
                 break;
         }
     };
-    CUresult r = sim::enqueue(s, std::move(op), {sim::BufferUse{alloc, true, std::string(fn) + " outputPtr"}});
+    CUresult r = sim::enqueue(s, std::move(op),
+                              {sim::BufferUse{alloc, true, std::string(fn) + " outputPtr"}});
     sim::count(s, &sim::Counts::host_tasks);  // enqueue always queues the operation
     if (r != CUDA_SUCCESS) {
-        sim::log("%s: enqueueing on device %d failed (CUresult %d): CURAND_STATUS_LAUNCH_FAILURE", fn,
-                 ctx->device, r);
+        sim::log("%s: enqueueing on device %d failed (CUresult %d): CURAND_STATUS_LAUNCH_FAILURE",
+                 fn, ctx->device, r);
         return CURAND_STATUS_LAUNCH_FAILURE;
     }
     return CURAND_STATUS_SUCCESS;
@@ -199,16 +229,18 @@ curandStatus_t curandCreateGenerator(curandGenerator_t* generator, int rng_type)
         return CURAND_STATUS_NOT_INITIALIZED;
     }
     if (rng_type != CURAND_RNG_PSEUDO_DEFAULT && rng_type != CURAND_RNG_PSEUDO_XORWOW) {
-        sim::log("curandCreateGenerator: rng_type %d is not simulated (only CURAND_RNG_PSEUDO_DEFAULT "
-                 "and CURAND_RNG_PSEUDO_XORWOW): CURAND_STATUS_TYPE_ERROR",
-                 rng_type);
+        sim::log(
+            "curandCreateGenerator: rng_type %d is not simulated (only CURAND_RNG_PSEUDO_DEFAULT "
+            "and CURAND_RNG_PSEUDO_XORWOW): CURAND_STATUS_TYPE_ERROR",
+            rng_type);
         return CURAND_STATUS_TYPE_ERROR;
     }
     sim::Context* ctx;
     if (CUresult r = sim::enter(&ctx)) {
-        sim::log("curandCreateGenerator: no usable current context (CUresult %d): "
-                 "CURAND_STATUS_INITIALIZATION_FAILED",
-                 r);
+        sim::log(
+            "curandCreateGenerator: no usable current context (CUresult %d): "
+            "CURAND_STATUS_INITIALIZATION_FAILED",
+            r);
         return CURAND_STATUS_INITIALIZATION_FAILED;
     }
     auto* g = new curandGenerator_st;
@@ -231,9 +263,10 @@ curandStatus_t curandDestroyGenerator(curandGenerator_t generator) {
             return CURAND_STATUS_SUCCESS;
         }
     }
-    sim::log("curandDestroyGenerator: generator %p is not a live cuRAND generator: "
-             "CURAND_STATUS_NOT_INITIALIZED",
-             (void*)generator);
+    sim::log(
+        "curandDestroyGenerator: generator %p is not a live cuRAND generator: "
+        "CURAND_STATUS_NOT_INITIALIZED",
+        (void*)generator);
     return CURAND_STATUS_NOT_INITIALIZED;
 }
 
@@ -244,8 +277,10 @@ curandStatus_t curandSetStream(curandGenerator_t generator, CUstream stream) {
     return CURAND_STATUS_SUCCESS;
 }
 
-curandStatus_t curandSetPseudoRandomGeneratorSeed(curandGenerator_t generator, unsigned long long seed) {
-    if (!live("curandSetPseudoRandomGeneratorSeed", generator)) return CURAND_STATUS_NOT_INITIALIZED;
+curandStatus_t curandSetPseudoRandomGeneratorSeed(curandGenerator_t generator,
+                                                  unsigned long long seed) {
+    if (!live("curandSetPseudoRandomGeneratorSeed", generator))
+        return CURAND_STATUS_NOT_INITIALIZED;
     std::lock_guard<std::mutex> lk(g_gen_m);
     if (generators().count(generator)) {
         generator->seed = seed;
@@ -269,12 +304,14 @@ curandStatus_t curandGenerate(curandGenerator_t generator, unsigned int* outputP
 }
 
 // 64-bit results come only from the 64-bit quasirandom generators (cuRAND reference).
-curandStatus_t curandGenerateLongLong(curandGenerator_t generator, unsigned long long* outputPtr, size_t num) {
+curandStatus_t curandGenerateLongLong(curandGenerator_t generator, unsigned long long* outputPtr,
+                                      size_t num) {
     (void)outputPtr;
     (void)num;
     if (!live("curandGenerateLongLong", generator)) return CURAND_STATUS_NOT_INITIALIZED;
-    sim::log("curandGenerateLongLong: the generator is XORWOW, not a 64-bit quasirandom generator: "
-             "CURAND_STATUS_TYPE_ERROR");
+    sim::log(
+        "curandGenerateLongLong: the generator is XORWOW, not a 64-bit quasirandom generator: "
+        "CURAND_STATUS_TYPE_ERROR");
     return CURAND_STATUS_TYPE_ERROR;
 }
 
@@ -282,29 +319,32 @@ curandStatus_t curandGenerateUniform(curandGenerator_t generator, float* outputP
     return generate("curandGenerateUniform", generator, outputPtr, num, Dist::Uniform, 0, 0);
 }
 
-curandStatus_t curandGenerateUniformDouble(curandGenerator_t generator, double* outputPtr, size_t num) {
+curandStatus_t curandGenerateUniformDouble(curandGenerator_t generator, double* outputPtr,
+                                           size_t num) {
     return generate("curandGenerateUniformDouble", generator, outputPtr, num, Dist::Uniform, 0, 0);
 }
 
 // The reference lists no range check on stddev (a negative one mirrors the values, 0 gives
 // `mean`), so none is made.
-curandStatus_t curandGenerateNormal(curandGenerator_t generator, float* outputPtr, size_t n, float mean,
-                                    float stddev) {
+curandStatus_t curandGenerateNormal(curandGenerator_t generator, float* outputPtr, size_t n,
+                                    float mean, float stddev) {
     return generate("curandGenerateNormal", generator, outputPtr, n, Dist::Normal, mean, stddev);
 }
 
 curandStatus_t curandGenerateNormalDouble(curandGenerator_t generator, double* outputPtr, size_t n,
                                           double mean, double stddev) {
-    return generate("curandGenerateNormalDouble", generator, outputPtr, n, Dist::Normal, mean, stddev);
+    return generate("curandGenerateNormalDouble", generator, outputPtr, n, Dist::Normal, mean,
+                    stddev);
 }
 
-curandStatus_t curandGenerateLogNormal(curandGenerator_t generator, float* outputPtr, size_t n, float mean,
-                                       float stddev) {
-    return generate("curandGenerateLogNormal", generator, outputPtr, n, Dist::LogNormal, mean, stddev);
+curandStatus_t curandGenerateLogNormal(curandGenerator_t generator, float* outputPtr, size_t n,
+                                       float mean, float stddev) {
+    return generate("curandGenerateLogNormal", generator, outputPtr, n, Dist::LogNormal, mean,
+                    stddev);
 }
 
-curandStatus_t curandGenerateLogNormalDouble(curandGenerator_t generator, double* outputPtr, size_t n,
-                                             double mean, double stddev) {
+curandStatus_t curandGenerateLogNormalDouble(curandGenerator_t generator, double* outputPtr,
+                                             size_t n, double mean, double stddev) {
     return generate("curandGenerateLogNormalDouble", generator, outputPtr, n, Dist::LogNormal, mean,
                     stddev);
 }

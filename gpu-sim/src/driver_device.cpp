@@ -152,13 +152,7 @@ CUresult cuCtxGetDevice(CUdevice* d) {
 CUresult cuCtxSynchronize(void) {
     sim::Context* c;
     if (CUresult r = sim::enter(&c)) return r;
-    std::vector<sim::Stream*> streams;
-    {
-        std::lock_guard<std::mutex> g(c->m);
-        streams = c->streams;
-    }
-    streams.push_back(c->legacy);
-    for (sim::Stream* s : streams) sim::wait_stream(s);
+    sim::synchronize_context(c);
     return c->sticky.load();
 }
 

@@ -128,13 +128,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
         return CUDA_ERROR_INVALID_VALUE;
     }
     // cuMemFree synchronises: the memory is released once the device is done with it.
-    std::vector<sim::Stream*> streams;
-    {
-        std::lock_guard<std::mutex> g(ctx->m);
-        streams = ctx->streams;
-    }
-    streams.push_back(ctx->legacy);
-    for (sim::Stream* s : streams) sim::wait_stream(s);
+    sim::synchronize_context(ctx);
     sim::mem_free_now(a);
     sim::count_global(&sim::Counts::frees);
     return CUDA_SUCCESS;

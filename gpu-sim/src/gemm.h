@@ -15,18 +15,19 @@
 //   F32_F16    as F32, but f32 inputs are first rounded to binary16 (_32F_FAST_16F).
 //   F32_BF16   as F32, but f32 inputs are first rounded to bfloat16 (_32F_FAST_16BF).
 //   F16        f16 data, a binary16 accumulator rounded after every multiply-add (the product
-//              of two halves is exact in float; the add is done in double and rounded once to
-//              binary16), then alpha * acc rounded to binary16, then + beta * C rounded once
-//              (CUBLAS_COMPUTE_16F, _16F_PEDANTIC).
+//              of two halves is exact in float, the sum exact in double for the magnitudes
+//              where it matters, then rounded once to binary16), then alpha * acc rounded to
+//              binary16, then + beta * C rounded once (CUBLAS_COMPUTE_16F, _16F_PEDANTIC).
 //
 // Summation order (every mode): each element of C is one plain loop over p = 0 .. k-1,
 // acc = 0; acc += op(A)[i,p] * op(B)[p,j], then C = alpha * acc (+ beta * C). No split-k, no
 // pairwise or blocked partial sums: the blocking below only changes which elements are
 // computed together, not the order of any element's additions, so the result does not depend
-// on the blocking or on the vector width (x86-64 without -mfma never contracts a*b+c; where
-// the compiler may contract, scalar and vector code contract alike).
+// on the blocking or on the vector width. (x86-64's baseline has no FMA, so a*b+c is never
+// contracted and the result equals a scalar loop bit for bit, which blas_ref.cpp checks; a
+// build for a target with FMA may contract, differently in different loops.)
 //
-// Special cases (the reference BLAS rules, which the cuBLAS documentation follows):
+// Special cases (the reference BLAS's rules; cuBLAS documents the beta == 0 one):
 //   m == 0 or n == 0: nothing is touched;
 //   k == 0 or alpha == 0: C = beta * C, A and B are not read;
 //   beta == 0: C is not read (NaN or Inf in C does not propagate), C = alpha * op(A) op(B).
@@ -110,15 +111,15 @@ inline float half_to_float(uint16_t h) {
         return sign ? -v : v;
     }
     if (e == 31) return bits_to_float(sign | 0x7f800000u | (m << 13));  // Inf, NaN
-    return bits_to_float(sign | ((e + 112u) << 23) | (m << 13));       // rebias 15 -> 127
+    return bits_to_float(sign | ((e + 112u) << 23) | (m << 13));        // rebias 15 -> 127
 }
 
 inline uint16_t float_to_half(float x) {
     const uint32_t f = float_to_bits(x), sign = (f >> 16) & 0x8000u, a = f & 0x7fffffffu;
-    if (a > 0x7f800000u) return 0x7fffu;                       // NaN
-    if (a >= 0x38800000u) {                                    // >= 2^-14: a normal half (or Inf)
+    if (a > 0x7f800000u) return 0x7fffu;  // NaN
+    if (a >= 0x38800000u) {               // >= 2^-14: a normal half (or Inf)
         if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u);  // >= 2^16 (and Inf): Inf
-        uint32_t h = (a - 0x38000000u) >> 13;                  // exponent rebased, 10 bits kept
+        uint32_t h = (a - 0x38000000u) >> 13;                     // exponent rebased, 10 bits kept
         const uint32_t rem = a & 0x1fffu;
         if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;  // may carry up to Inf: right
         return (uint16_t)(sign | h);
@@ -132,12 +133,14 @@ inline uint16_t float_to_half(float x) {
     return (uint16_t)(sign | h);
 }
 
-inline float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
+inline float bf16_to_float(uint16_t b) {
+    return bits_to_float((uint32_t)b << 16);
+}
 
 inline uint16_t float_to_bf16(float x) {
     uint32_t f = float_to_bits(x);
     if ((f & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;  // NaN
-    f += 0x7fffu + ((f >> 16) & 1u);                       // carries up to Inf where it should
+    f += 0x7fffu + ((f >> 16) & 1u);                      // carries up to Inf where it should
     return (uint16_t)(f >> 16);
 }
 
@@ -152,22 +155,39 @@ inline float round_tf32(float x) {
     std::memcpy(&x, &u, 4);
     return x;
 }
-inline float round_f16(float x) { return half_to_float(float_to_half(x)); }
-inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+inline float round_f16(float x) {
+    return half_to_float(float_to_half(x));
+}
+inline float round_bf16(float x) {
+    return bf16_to_float(float_to_bf16(x));
+}
 
-// Rounds a double once, to nearest even, to binary16 (as a float holding the half value):
-// round to odd into float first (float keeps 13 bits more than binary16, so the second rounding
-// sees an exact sticky bit and the two roundings equal one).
-inline float round_f16_from_double(double x) {
-    float f = (float)x;
-    if ((double)f != x && std::isfinite(f)) {
-        if (std::fabs((double)f) > std::fabs(x)) f = std::nextafter(f, 0.0f);
-        uint32_t u;
-        std::memcpy(&u, &f, 4);
-        u |= 1u;
-        std::memcpy(&f, &u, 4);
+// Rounds a double once, to nearest even, to binary16 (bit-level, as float_to_half).
+inline uint16_t double_to_half(double x) {
+    uint64_t u;
+    std::memcpy(&u, &x, 8);
+    const uint16_t sign = (uint16_t)((u >> 48) & 0x8000u);
+    const uint64_t a = u & 0x7fffffffffffffffull, mant = a & 0xfffffffffffffull;
+    const int e = (int)(a >> 52);                               // biased by 1023
+    if (a > 0x7ff0000000000000ull) return 0x7fffu;              // NaN
+    if (e >= 1023 - 14) {                                       // >= 2^-14: normal (or Inf)
+        if (e >= 1023 + 16) return (uint16_t)(sign | 0x7c00u);  // >= 2^16: Inf
+        uint32_t h = ((uint32_t)(e - 1008) << 10) | (uint32_t)(mant >> 42);
+        const uint64_t rem = mant & ((1ull << 42) - 1), mid = 1ull << 41;
+        if (rem > mid || (rem == mid && (h & 1u))) h++;  // may carry up to Inf: right
+        return (uint16_t)(sign | h);
     }
-    return round_f16(f);
+    if (a <= 0x3e60000000000000ull) return sign;  // <= 2^-25: 0
+    // A subnormal half: |x| / 2^-24 rounded; 2^-25 < |x| < 2^-14, so shift is 43 .. 53.
+    const uint64_t m = mant | (1ull << 52);
+    const int shift = 1051 - e;
+    uint32_t h = (uint32_t)(m >> shift);
+    const uint64_t rem = m & ((1ull << shift) - 1), mid = 1ull << (shift - 1);
+    if (rem > mid || (rem == mid && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+inline float round_f16_from_double(double x) {
+    return half_to_float(double_to_half(x));
 }
 
 // Storage wrappers, so that overloads can tell f16 from bf16.
@@ -177,14 +197,30 @@ struct H16 {
 struct B16 {
     uint16_t v;
 };
-inline float widen(float x) { return x; }
-inline double widen(double x) { return x; }
-inline float widen(H16 x) { return half_to_float(x.v); }
-inline float widen(B16 x) { return bf16_to_float(x.v); }
-inline void narrow(float v, float* p) { *p = v; }
-inline void narrow(double v, double* p) { *p = v; }
-inline void narrow(float v, H16* p) { p->v = float_to_half(v); }
-inline void narrow(float v, B16* p) { p->v = float_to_bf16(v); }
+inline float widen(float x) {
+    return x;
+}
+inline double widen(double x) {
+    return x;
+}
+inline float widen(H16 x) {
+    return half_to_float(x.v);
+}
+inline float widen(B16 x) {
+    return bf16_to_float(x.v);
+}
+inline void narrow(float v, float* p) {
+    *p = v;
+}
+inline void narrow(double v, double* p) {
+    *p = v;
+}
+inline void narrow(float v, H16* p) {
+    p->v = float_to_half(v);
+}
+inline void narrow(float v, B16* p) {
+    p->v = float_to_bf16(v);
+}
 
 // ------------------------------------------------------------------------------ the problem
 struct Problem {
@@ -225,18 +261,24 @@ inline bool extent(int64_t rows, int64_t cols, int64_t ld, int64_t stride, int64
 
 namespace detail {
 
-template <class T> struct Vec;
-template <> struct Vec<float> {
+template <class T>
+struct Vec;
+template <>
+struct Vec<float> {
     typedef float type __attribute__((vector_size(16)));
     static constexpr int lanes = 4;
 };
-template <> struct Vec<double> {
+template <>
+struct Vec<double> {
     typedef double type __attribute__((vector_size(16)));
     static constexpr int lanes = 2;
 };
 
 constexpr int NR = 6;  // columns of C per micro tile
-template <class T> constexpr int mr() { return 2 * Vec<T>::lanes; }  // rows per micro tile
+template <class T>
+constexpr int mr() {
+    return 2 * Vec<T>::lanes;
+}  // rows per micro tile
 
 // The micro kernel: out (MR x NR, column-major) = sum over p of ap[p] (MR rows) * bp[p] (NR
 // columns), each element accumulated in order p = 0 .. k-1 from 0.
@@ -280,7 +322,8 @@ inline void micro(int64_t k, const T* __restrict ap, const T* __restrict bp, T* 
 
 enum class Round { None, TF32, F16, BF16 };
 
-template <class T> inline void round_all(T* p, size_t n, Round r) {
+template <class T>
+inline void round_all(T* p, size_t n, Round r) {
     if (r == Round::None) return;
     for (size_t i = 0; i < n; i++) {
         float v = (float)p[i];
@@ -376,8 +419,8 @@ void blocked(const Problem& pr, const SA* a, const SB* b, SC* c, Round rnd, std:
 }
 
 // One matrix of the F16 mode (binary16 accumulator, rounded after every multiply-add).
-inline void half_acc(const Problem& pr, const H16* a, const H16* b, H16* c, std::vector<float>& abuf,
-                     std::vector<float>& bbuf) {
+inline void half_acc(const Problem& pr, const H16* a, const H16* b, H16* c,
+                     std::vector<float>& abuf, std::vector<float>& bbuf) {
     const int64_t m = pr.m, n = pr.n, k = pr.k, lda = pr.lda, ldb = pr.ldb, ldc = pr.ldc;
     const float alpha = (float)pr.alpha, beta = (float)pr.beta;  // binary16 values
     auto finish = [&](float ab, H16* p) {  // ab = alpha * acc, already a binary16 value
@@ -390,22 +433,30 @@ inline void half_acc(const Problem& pr, const H16* a, const H16* b, H16* c, std:
             for (int64_t i = 0; i < m; i++) finish(0.0f, c + i + j * ldc);
         return;
     }
-    // op(A) row-major (abuf[i*k + p]), one column of op(B) at a time (bbuf[p]).
-    abuf.resize((size_t)(m * k));
+    // op(A) in panels of R rows (abuf[q][p][r]), one column of op(B) at a time (bbuf[p]); the
+    // R accumulators of a panel are independent chains, interleaved for the CPU's sake.
+    constexpr int R = 8;
+    const int64_t panels = (m + R - 1) / R;
+    abuf.assign((size_t)(panels * R * k), 0.0f);
     bbuf.resize((size_t)k);
     for (int64_t i = 0; i < m; i++)
         for (int64_t p = 0; p < k; p++)
-            abuf[i * k + p] = widen(pr.trans_a ? a[p + i * lda] : a[i + p * lda]);
+            abuf[(i / R) * R * k + p * R + i % R] =
+                widen(pr.trans_a ? a[p + i * lda] : a[i + p * lda]);
     for (int64_t j = 0; j < n; j++) {
-        for (int64_t p = 0; p < k; p++) bbuf[p] = widen(pr.trans_b ? b[j + p * ldb] : b[p + j * ldb]);
-        for (int64_t i = 0; i < m; i++) {
-            const float* ar = abuf.data() + i * k;
-            float acc = 0.0f;
-            for (int64_t p = 0; p < k; p++) {
-                const float prod = ar[p] * bbuf[p];  // exact: 11 x 11 significant bits
-                acc = round_f16_from_double((double)acc + (double)prod);
-            }
-            finish(round_f16(alpha * acc), c + i + j * ldc);  // alpha * acc exact in float
+        for (int64_t p = 0; p < k; p++)
+            bbuf[p] = widen(pr.trans_b ? b[j + p * ldb] : b[p + j * ldb]);
+        for (int64_t q = 0; q < panels; q++) {
+            const float* ap = abuf.data() + q * R * k;
+            float acc[R] = {};
+            for (int64_t p = 0; p < k; p++, ap += R)
+                for (int r = 0; r < R; r++) {
+                    const float prod = ap[r] * bbuf[p];  // exact: 11 x 11 significant bits
+                    acc[r] = round_f16_from_double((double)acc[r] + (double)prod);
+                }
+            const int64_t rows = std::min<int64_t>(R, m - q * R);
+            for (int64_t r = 0; r < rows; r++)  // alpha * acc is exact in float
+                finish(round_f16(alpha * acc[r]), c + q * R + r + j * ldc);
         }
     }
 }
@@ -417,8 +468,8 @@ void run_typed(const Problem& pr, Round rnd) {
     const SA* b = static_cast<const SA*>(pr.b);
     SC* c = static_cast<SC*>(pr.c);
     for (int64_t i = 0; i < pr.batch; i++)
-        blocked<T, SA, SA, SC>(pr, a + i * pr.stride_a, b + i * pr.stride_b, c + i * pr.stride_c, rnd,
-                               abuf, bbuf);
+        blocked<T, SA, SA, SC>(pr, a + i * pr.stride_a, b + i * pr.stride_b, c + i * pr.stride_c,
+                               rnd, abuf, bbuf);
 }
 
 }  // namespace detail
@@ -455,12 +506,16 @@ inline bool run(const Problem& pr) {
     switch (pr.a_type) {
         case Type::F32: run_typed<float, float, float>(pr, rnd); break;
         case Type::F16:
-            if (c32) run_typed<float, H16, float>(pr, rnd);
-            else run_typed<float, H16, H16>(pr, rnd);
+            if (c32)
+                run_typed<float, H16, float>(pr, rnd);
+            else
+                run_typed<float, H16, H16>(pr, rnd);
             break;
         case Type::BF16:
-            if (c32) run_typed<float, B16, float>(pr, rnd);
-            else run_typed<float, B16, B16>(pr, rnd);
+            if (c32)
+                run_typed<float, B16, float>(pr, rnd);
+            else
+                run_typed<float, B16, B16>(pr, rnd);
             break;
         default: return false;
     }

@@ -170,6 +170,8 @@ CUresult enqueue(Stream* s, Op op, const std::vector<BufferUse>& uses, uint64_t*
 void wait_stream(Stream* s);
 // Blocks until `s` has completed operation `seq` (the caller merges what it observed).
 void wait_seq(Stream* s, uint64_t seq);
+// wait_stream on every stream of the context, the legacy stream included.
+void synchronize_context(Context* c);
 bool stream_done(Stream* s, uint64_t seq);
 // The clock of `s` now (for events).
 Clock stream_clock(Stream* s);

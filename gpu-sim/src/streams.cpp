@@ -228,6 +228,16 @@ void wait_stream(Stream* s) {
     merge_into_host(observed);
 }
 
+void synchronize_context(Context* c) {
+    std::vector<Stream*> streams;
+    {
+        std::lock_guard<std::mutex> g(c->m);
+        streams = c->streams;
+    }
+    streams.push_back(c->legacy);
+    for (Stream* s : streams) wait_stream(s);
+}
+
 void wait_seq(Stream* s, uint64_t seq) {
     std::unique_lock<std::mutex> lk(s->m);
     s->cv.wait(lk, [&] { return s->completed >= seq; });

@@ -30,7 +30,8 @@ inline uint32_t next(Xorwow& s) {
 using Bits = std::array<uint64_t, 3>;
 
 inline Bits to_bits(const uint32_t x[5]) {
-    return Bits{(uint64_t)x[0] | (uint64_t)x[1] << 32, (uint64_t)x[2] | (uint64_t)x[3] << 32, (uint64_t)x[4]};
+    return Bits{(uint64_t)x[0] | (uint64_t)x[1] << 32, (uint64_t)x[2] | (uint64_t)x[3] << 32,
+                (uint64_t)x[4]};
 }
 inline void from_bits(const Bits& b, uint32_t x[5]) {
     x[0] = (uint32_t)b[0];
@@ -111,7 +112,9 @@ inline Xorwow seeded(uint64_t seed) {
 
 // The uniforms in (0, 1]: 24 bits of one draw for float, 53 bits of two draws for double.
 // Both are exact in their type; 0 is impossible and 1 possible (cuRAND's range).
-inline double uniform_f(uint32_t a) { return (double)((a >> 8) + 1) * 0x1p-24; }
+inline double uniform_f(uint32_t a) {
+    return (double)((a >> 8) + 1) * 0x1p-24;
+}
 inline double uniform_d(uint32_t a, uint32_t b) {
     return (double)((((uint64_t)a << 21) | (b >> 11)) + 1) * 0x1p-53;
 }

@@ -276,29 +276,71 @@ macro_rules! dispatch {
 }
 pub(crate) use dispatch;
 
-/// Zeroed `u32` arrival counters per CUDA device, reused by every reduction launched on it.
+/// Zeroed `u32` arrival counters per CUDA device and stream, reused by every reduction launched
+/// there.
 ///
 /// The kernels leave them zero again (the last block of a channel resets its counter), so they
-/// are allocated and zeroed once per device and size, never per call. All launches of one
-/// candle device go to its single stream, so two reductions never use the counters at once.
+/// are allocated and zeroed once per device, stream and size, never per call. Launches on one
+/// stream run in order, so two reductions never use the same counters at once. A device made
+/// with `Device::new_cuda` enqueues on the per-thread default stream: each host thread has a
+/// stream of its own there, and thread ranks sharing the device run concurrently, so those
+/// counters are kept per thread (and freed with it).
 static COUNTERS: Mutex<Option<HashMap<DeviceId, CudaSlice<u32>>>> = Mutex::new(None);
+thread_local! {
+    static THREAD_COUNTERS: std::cell::RefCell<HashMap<DeviceId, CudaSlice<u32>>> =
+        std::cell::RefCell::new(HashMap::new());
+}
 
-/// Runs `f` with at least `len` zeroed counters of `dev`.
+/// Whether `dev` enqueues on the calling thread's per-thread default stream.
+fn on_per_thread_stream(dev: &CudaDevice) -> bool {
+    dev.cuda_stream().cu_stream() as usize == PER_THREAD_STREAM
+}
+
+/// The driver's handle of the per-thread default stream (`CU_STREAM_PER_THREAD`).
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// Runs `f` with at least `len` zeroed counters of `dev`'s stream.
 pub(crate) fn with_counters<R>(
     dev: &CudaDevice,
     len: usize,
     f: impl FnOnce(&mut CudaSlice<u32>) -> Result<R>,
 ) -> Result<R> {
+    let fresh_enough = |map: &mut HashMap<DeviceId, CudaSlice<u32>>| -> Result<()> {
+        let stale = map.get(&dev.id()).is_none_or(|c| c.len() < len);
+        if stale {
+            map.insert(dev.id(), dev.alloc_zeros::<u32>(len)?);
+        }
+        Ok(())
+    };
+    if on_per_thread_stream(dev) {
+        return THREAD_COUNTERS.with(|m| {
+            let mut map = m.borrow_mut();
+            fresh_enough(&mut map)?;
+            f(map.get_mut(&dev.id()).expect("inserted above"))
+        });
+    }
     let mut guard = COUNTERS.lock().unwrap_or_else(|e| e.into_inner());
     let map = guard.get_or_insert_with(HashMap::new);
-    let entry = match map.entry(dev.id()) {
-        Entry::Occupied(e) => e.into_mut(),
-        Entry::Vacant(e) => e.insert(dev.alloc_zeros::<u32>(len)?),
-    };
-    if entry.len() < len {
-        *entry = dev.alloc_zeros::<u32>(len)?;
+    fresh_enough(map)?;
+    f(map.get_mut(&dev.id()).expect("inserted above"))
+}
+
+/// Waits until the work the calling thread enqueued on its per-thread default stream (that of
+/// its current CUDA context, if any) has completed: what another thread may read of it is then
+/// written. Per-thread streams are not ordered with each other, so a tensor a thread rank
+/// computed on a device made with `Device::new_cuda` must not be read by another thread before
+/// this.
+pub(crate) fn finish_thread_work() -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    match result::ctx::get_current() {
+        // A driver never initialised in this process: the thread enqueued nothing.
+        Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_INITIALIZED => Ok(()),
+        Err(e) => Err(e).w(),
+        Ok(None) => Ok(()),
+        // SAFETY: the handle is the driver's constant for the calling thread's per-thread
+        // default stream, valid in the current context.
+        Ok(Some(_)) => unsafe { result::stream::synchronize(PER_THREAD_STREAM as _) }.w(),
     }
-    f(entry)
 }
 
 /// Scratch of a reduction's partial sums (`[splits, 2, C]` f64), written before it is read:

@@ -87,6 +87,11 @@ impl ThreadGroup {
     /// panics is an error naming it, and its departure makes the others' pending collectives
     /// fail promptly.
     ///
+    /// With the `cuda` feature, each rank's thread waits for the GPU work it enqueued on its
+    /// per-thread default stream before its result is handed back: the per-thread streams of
+    /// two threads are not ordered with each other, so the caller could otherwise read tensors
+    /// a rank's kernels have not written yet.
+    ///
     /// # Errors
     ///
     /// When `world_size` is 0, and otherwise the failure of the lowest rank that failed: the error
@@ -102,7 +107,7 @@ impl ThreadGroup {
         std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
-                .map(|comm| s.spawn(move || f(comm)))
+                .map(|comm| s.spawn(move || finish_rank(f(comm))))
                 .collect();
             let joined: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
             joined
@@ -116,6 +121,16 @@ impl ThreadGroup {
                 .collect()
         })
     }
+}
+
+/// A rank's result, once the work its thread enqueued on a GPU is complete: the caller's thread
+/// reads what the rank computed, and the per-thread streams of two threads are not ordered.
+fn finish_rank<R>(result: Result<R>) -> Result<R> {
+    #[cfg(feature = "cuda")]
+    if let Ok(v) = result {
+        return crate::device::cuda::finish_thread_work().map(|()| v);
+    }
+    result
 }
 
 #[derive(Debug)]

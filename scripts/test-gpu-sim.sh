@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU half on simulated GPUs (gpu-sim/README.md), no GPU needed: the simulator's
+# self-tests, then every `cuda::` test variant, tests/cuda.rs, the cuda_startup example and the
+# ResNet example on `--device cuda` (4 thread ranks on one simulated GPU) with its `--check`.
+# Builds the simulator and the cuda,nccl binaries in target/cuda with the flags of
+# scripts/check-cuda.sh (so that CI builds them once). GPU_SIM_DEVICES sets the number of
+# simulated GPUs (default 4).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+started=$SECONDS
+. scripts/nvcc-env.sh
+. scripts/cuda-stubs.sh
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+features=cuda,nccl
+
+echo "-- build the simulator and its self-tests"
+gpu-sim/build.sh selftest
+. scripts/gpu-sim-env.sh
+out=$GPU_SIM_OUT
+
+echo "-- the simulator's self-tests: planted defects and driver rules"
+GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
+"$out/bin/half_math"
+"$out/bin/blas_ref"
+"$out/bin/rand_ref"
+"$out/bin/blas_sim"
+
+echo "-- the executor's rate on a barrier-free kernel (for the record, not a test)"
+GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx" bench
+
+echo "-- build the cuda,nccl test and example binaries"
+cargo test --features $features --tests --examples --no-run -q
+
+echo "-- every cuda:: test variant, on simulated GPUs"
+cargo test --features $features --tests -q -- cuda::
+
+echo "-- tests/cuda.rs, on simulated GPUs"
+cargo test --features $features --test cuda -q
+
+echo "-- examples/cuda_startup, on a simulated GPU"
+cargo run --features $features -q --example cuda_startup
+
+echo "-- examples/resnet --device cuda --world-size 4 (tiny), then its --check"
+resnet_out=$(mktemp -d)
+trap 'rm -rf "$resnet_out"' EXIT
+tiny=(--device cuda --world-size 4 --image-size 8 --train-size 64 --val-size 32 --batch-size 16)
+cargo run --features $features -q --example resnet -- "${tiny[@]}" --epochs 1 --out-dir "$resnet_out"
+cargo run --features $features -q --example resnet -- "${tiny[@]}" --check --check-steps 2 \
+    --out-dir "$resnet_out/check"
+
+echo "-- the simulated GPU suites took $((SECONDS - started)) s"

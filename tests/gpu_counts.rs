@@ -1,0 +1,150 @@
+//! What one SyncBatchNorm training step asks of the GPU, counted by the simulated device
+//! (`gpu-sim/`): kernel launches by name, copies, allocations and host synchronisations on the
+//! rank's stream for a training forward and for its backward. A regression (an extra candle op,
+//! a host read) fails here. On a real driver, which has no counters, the tests say so and pass
+//! without checking.
+
+mod common;
+
+use std::ffi::{c_char, c_int, c_void};
+
+use candle_core::{DType, Device, Tensor};
+use candle_distributed::collective::ThreadGroup;
+use candle_distributed::SyncBatchNormConfig;
+use candle_nn::ModuleT;
+
+/// `GpuSimCounts` of `gpu-sim/include/gpusim.h`.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Counts {
+    launches: u64,
+    copies_htod: u64,
+    copies_dtoh: u64,
+    copies_dtod: u64,
+    memsets: u64,
+    allocs: u64,
+    frees: u64,
+    event_records: u64,
+    stream_waits: u64,
+    host_syncs: u64,
+    host_tasks: u64,
+}
+
+impl Counts {
+    fn minus(self, b: Counts) -> Counts {
+        Counts {
+            launches: self.launches - b.launches,
+            copies_htod: self.copies_htod - b.copies_htod,
+            copies_dtoh: self.copies_dtoh - b.copies_dtoh,
+            copies_dtod: self.copies_dtod - b.copies_dtod,
+            memsets: self.memsets - b.memsets,
+            allocs: self.allocs - b.allocs,
+            frees: self.frees - b.frees,
+            event_records: self.event_records - b.event_records,
+            stream_waits: self.stream_waits - b.stream_waits,
+            host_syncs: self.host_syncs - b.host_syncs,
+            host_tasks: self.host_tasks - b.host_tasks,
+        }
+    }
+}
+
+type CountsFn = unsafe extern "C" fn(*mut c_void, c_int, *mut Counts) -> c_int;
+type ResetFn = unsafe extern "C" fn();
+type LogFn = unsafe extern "C" fn(*mut c_char, usize) -> usize;
+
+/// The simulated driver's counters, or None on a real driver.
+struct Sim {
+    lib: libloading::Library,
+}
+
+impl Sim {
+    fn get() -> Option<Sim> {
+        // SAFETY: libcuda.so.1 is already loaded by this process (the cuda build links it);
+        // opening it again only takes a reference, and runs no initialiser.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }.ok()?;
+        // SAFETY: looking a symbol up has no side effect.
+        unsafe { lib.get::<CountsFn>(b"gpusim_counts") }.ok()?;
+        Some(Sim { lib })
+    }
+
+    /// Counts of the calling thread's per-thread default stream (its current context's).
+    fn stream_counts(&self) -> Counts {
+        let mut c = Counts::default();
+        // SAFETY: `gpusim_counts` has this signature (gpu-sim/include/gpusim.h); 0x2 is the
+        // per-thread stream's handle; `c` is a valid `GpuSimCounts`.
+        let rc = unsafe {
+            let f = self.lib.get::<CountsFn>(b"gpusim_counts").unwrap();
+            f(2 as *mut c_void, 0, &mut c)
+        };
+        assert_eq!(rc, 0, "gpusim_counts failed");
+        c
+    }
+
+    /// Clears the launch log.
+    fn reset(&self) {
+        // SAFETY: `gpusim_reset_counts` takes nothing (gpu-sim/include/gpusim.h).
+        unsafe { self.lib.get::<ResetFn>(b"gpusim_reset_counts").unwrap()() }
+    }
+
+    /// The kernels launched since the last reset, in order.
+    fn launched(&self) -> Vec<String> {
+        let mut buf = vec![0 as c_char; 1 << 16];
+        // SAFETY: `gpusim_launch_log` writes at most `len` bytes, NUL-terminated.
+        unsafe { self.lib.get::<LogFn>(b"gpusim_launch_log").unwrap()(buf.as_mut_ptr(), buf.len()) };
+        let bytes: Vec<u8> = buf.iter().take_while(|&&b| b != 0).map(|&b| b as u8).collect();
+        String::from_utf8(bytes).unwrap().lines().map(str::to_string).collect()
+    }
+}
+
+/// What `f` enqueued on the calling thread's stream, and the kernels it launched.
+fn measure(sim: &Sim, f: impl FnOnce()) -> (Counts, Vec<String>) {
+    let dev = common::cuda_device();
+    dev.synchronize().unwrap();
+    sim.reset();
+    let before = sim.stream_counts();
+    f();
+    let counts = sim.stream_counts().minus(before);
+    (counts, sim.launched())
+}
+
+/// One training forward and its backward of an affine layer with running statistics at world
+/// size 1, after a first step (which also makes the shift): the forward is `bn_stats`,
+/// `bn_finalize`, the copy stacking `[γ; β]` and `bn_apply`; the backward `bn_backward_reduce`,
+/// `bn_backward_elemt` and the candle ops that turn the reduced sums into dγ and dβ. Neither
+/// reads anything back to the host.
+#[test]
+fn a_training_step_launches_what_the_readme_states() {
+    let Some(sim) = Sim::get() else {
+        eprintln!("not on the simulated driver: no counters to read");
+        return;
+    };
+    ThreadGroup::run(1, |comm| {
+        let dev = common::cuda_device();
+        let (bn, vm) = common::layer(8, SyncBatchNormConfig::default(), comm, None, DType::F32, &dev);
+        let x = common::randn(1, &[4, 8, 3, 3], 1.0, 2.0).to_device(&dev)?;
+        let xv = candle_core::Var::from_tensor(&x)?;
+        let step = || bn.forward_t(xv.as_tensor(), true).unwrap();
+        let w = Tensor::ones(x.shape(), DType::F32, &dev)?;
+        step().mul(&w)?.sum_all()?.backward()?;
+        let mut y = None;
+        let (fwd, fwd_kernels) = measure(&sim, || y = Some(step()));
+        let y = y.unwrap();
+        let loss = y.mul(&w)?.sum_all()?;
+        let (bwd, bwd_kernels) = measure(&sim, || {
+            loss.backward().unwrap();
+        });
+        drop(vm);
+        eprintln!("forward: {fwd:?}\n  {fwd_kernels:?}\nbackward: {bwd:?}\n  {bwd_kernels:?}");
+        assert_eq!(
+            fwd_kernels,
+            ["bn_stats_nchw_f32", "bn_finalize_f32", "copy2d_f32", "bn_apply_nchw_f32"],
+            "the kernels of a training forward"
+        );
+        assert_eq!(fwd.host_syncs, 0, "a training forward waits for nothing: {fwd:?}");
+        assert_eq!(fwd.copies_dtoh, 0, "a training forward reads nothing back: {fwd:?}");
+        assert_eq!(bwd.host_syncs, 0, "a backward waits for nothing: {bwd:?}");
+        assert_eq!(bwd.copies_dtoh, 0, "a backward reads nothing back: {bwd:?}");
+        Ok(())
+    })
+    .unwrap();
+}
