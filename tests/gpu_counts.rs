@@ -8,8 +8,8 @@ mod common;
 
 use std::ffi::{c_char, c_int, c_void};
 
-use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::ThreadGroup;
+use candle_core::{DType, Tensor};
+use candle_distributed::collective::{ReduceOp, ThreadGroup};
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::ModuleT;
 
@@ -90,9 +90,19 @@ impl Sim {
     fn launched(&self) -> Vec<String> {
         let mut buf = vec![0 as c_char; 1 << 16];
         // SAFETY: `gpusim_launch_log` writes at most `len` bytes, NUL-terminated.
-        unsafe { self.lib.get::<LogFn>(b"gpusim_launch_log").unwrap()(buf.as_mut_ptr(), buf.len()) };
-        let bytes: Vec<u8> = buf.iter().take_while(|&&b| b != 0).map(|&b| b as u8).collect();
-        String::from_utf8(bytes).unwrap().lines().map(str::to_string).collect()
+        unsafe {
+            self.lib.get::<LogFn>(b"gpusim_launch_log").unwrap()(buf.as_mut_ptr(), buf.len())
+        };
+        let bytes: Vec<u8> = buf
+            .iter()
+            .take_while(|&&b| b != 0)
+            .map(|&b| b as u8)
+            .collect();
+        String::from_utf8(bytes)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 }
 
@@ -108,10 +118,18 @@ fn measure(sim: &Sim, f: impl FnOnce()) -> (Counts, Vec<String>) {
 }
 
 /// One training forward and its backward of an affine layer with running statistics at world
-/// size 1, after a first step (which also makes the shift): the forward is `bn_stats`,
-/// `bn_finalize`, the copy stacking `[γ; β]` and `bn_apply`; the backward `bn_backward_reduce`,
-/// `bn_backward_elemt` and the candle ops that turn the reduced sums into dγ and dβ. Neither
-/// reads anything back to the host.
+/// size 1, after a first step (which also makes the shift), on one thread rank of a
+/// `ThreadGroup`.
+///
+/// - The forward launches `bn_stats`, `bn_finalize`, the two copies of candle's stack of
+///   `[γ; β]` and `bn_apply`.
+/// - The backward of `Σ y·w` launches the loss's own kernels (`const_set` seeds the gradient,
+///   `bmul`/`badd` are candle's backward of the product and its accumulation), then
+///   `bn_backward_reduce`, `bn_backward_elemt` and the f64 ops that turn the reduced sums into
+///   dγ and dβ, and candle's accumulation of the gradients.
+/// - Neither waits for the GPU or reads anything back, but for the all-reduce: `ThreadGroup`
+///   stages it through the host (one copy down, one up, one wait), which is counted on its
+///   own and taken off. The NCCL backend's all-reduce stays on the device.
 #[test]
 fn a_training_step_launches_what_the_readme_states() {
     let Some(sim) = Sim::get() else {
@@ -120,30 +138,103 @@ fn a_training_step_launches_what_the_readme_states() {
     };
     ThreadGroup::run(1, |comm| {
         let dev = common::cuda_device();
-        let (bn, vm) = common::layer(8, SyncBatchNormConfig::default(), comm, None, DType::F32, &dev);
-        let x = common::randn(1, &[4, 8, 3, 3], 1.0, 2.0).to_device(&dev)?;
-        let xv = candle_core::Var::from_tensor(&x)?;
-        let step = || bn.forward_t(xv.as_tensor(), true).unwrap();
+        let (bn, _vm) = common::layer(
+            8,
+            SyncBatchNormConfig::default(),
+            comm.clone(),
+            None,
+            DType::F32,
+            &dev,
+        );
+        let x = common::randn(1, &[4, 8, 3, 3], 1.0, 2.0)
+            .to_dtype(DType::F32)?
+            .to_device(&dev)?;
+        let x = candle_core::Var::from_tensor(&x)?;
         let w = Tensor::ones(x.shape(), DType::F32, &dev)?;
-        step().mul(&w)?.sum_all()?.backward()?;
-        let mut y = None;
-        let (fwd, fwd_kernels) = measure(&sim, || y = Some(step()));
-        let y = y.unwrap();
-        let loss = y.mul(&w)?.sum_all()?;
-        let (bwd, bwd_kernels) = measure(&sim, || {
-            loss.backward().unwrap();
+        let loss = || -> candle_core::Result<Tensor> {
+            bn.forward_t(x.as_tensor(), true)?.mul(&w)?.sum_all()
+        };
+        loss()?.backward()?;
+        let sums = Tensor::ones((3, 8), DType::F64, &dev)?;
+        let (staging, _) = measure(&sim, || {
+            comm.all_reduce(&sums, ReduceOp::Sum).unwrap();
         });
-        drop(vm);
+        let mut y = None;
+        let (fwd, fwd_kernels) = measure(&sim, || {
+            y = Some(bn.forward_t(x.as_tensor(), true).unwrap());
+        });
+        let l = y.unwrap().mul(&w)?.sum_all()?;
+        let (bwd, bwd_kernels) = measure(&sim, || {
+            l.backward().unwrap();
+        });
+        eprintln!("all-reduce staging: {staging:?}");
         eprintln!("forward: {fwd:?}\n  {fwd_kernels:?}\nbackward: {bwd:?}\n  {bwd_kernels:?}");
         assert_eq!(
+            (
+                staging.copies_dtoh,
+                staging.copies_htod,
+                staging.host_syncs,
+                staging.launches
+            ),
+            (1, 1, 1, 0),
+            "ThreadGroup's all-reduce of a device tensor: down, combine on the host, up"
+        );
+        assert_eq!(
             fwd_kernels,
-            ["bn_stats_nchw_f32", "bn_finalize_f32", "copy2d_f32", "bn_apply_nchw_f32"],
+            [
+                "bn_stats_nchw_f32",
+                "bn_finalize_f32",
+                "copy2d_f32",
+                "copy2d_f32",
+                "bn_apply_nchw_f32"
+            ],
             "the kernels of a training forward"
         );
-        assert_eq!(fwd.host_syncs, 0, "a training forward waits for nothing: {fwd:?}");
-        assert_eq!(fwd.copies_dtoh, 0, "a training forward reads nothing back: {fwd:?}");
-        assert_eq!(bwd.host_syncs, 0, "a backward waits for nothing: {bwd:?}");
-        assert_eq!(bwd.copies_dtoh, 0, "a backward reads nothing back: {bwd:?}");
+        for (what, c) in [
+            ("forward", fwd.minus(staging)),
+            ("backward", bwd.minus(staging)),
+        ] {
+            assert_eq!(
+                c.host_syncs, 0,
+                "the layer's {what} waits for nothing: {c:?}"
+            );
+            assert_eq!(
+                c.copies_dtoh, 0,
+                "the layer's {what} reads nothing back: {c:?}"
+            );
+        }
+        assert_eq!(
+            fwd.minus(staging).copies_htod,
+            0,
+            "the forward uploads nothing: {fwd:?}"
+        );
+        assert_eq!(
+            bwd_kernels,
+            [
+                "const_set_f32",
+                "badd_f32",
+                "badd_f32",
+                "bmul_f32",
+                "badd_f32",
+                "bmul_f32",
+                "badd_f32",
+                "bn_backward_reduce_nchw_f32",
+                "cast_f32_f64",
+                "cast_f64_f32",
+                "bn_backward_elemt_nchw_f32",
+                "bmul_f64",
+                "copy2d_f64",
+                "copy2d_f64",
+                "cast_f64_f32",
+                "badd_f32",
+                "badd_f32",
+                "badd_f32",
+                "badd_f32",
+                "badd_f32",
+                "badd_f32",
+            ],
+            "the kernels of the backward"
+        );
         Ok(())
     })
     .unwrap();

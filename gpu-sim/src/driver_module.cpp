@@ -334,6 +334,10 @@ CUresult cuLaunchKernel(CUfunction h, unsigned gx, unsigned gy, unsigned gz, uns
     };
     sim::count(s, &sim::Counts::launches);
     sim::log_launch(name);
+    static const bool trace = std::getenv("GPU_SIM_TRACE") != nullptr;
+    if (trace)
+        sim::log("launch %s grid (%u,%u,%u) block (%u,%u,%u) smem %u on stream #%llu", kname, gx,
+                 gy, gz, bx, by, bz, smem, (unsigned long long)s->id);
     return sim::enqueue(s, std::move(op), uses);
 }
 
