@@ -1,4 +1,7 @@
 // Devices, primary contexts, the per-thread current context, sticky errors and logging.
+#include <dlfcn.h>
+#include <execinfo.h>
+
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -50,12 +53,12 @@ struct Primary {
 
 std::mutex g_ctx_mutex;
 std::map<int, Primary>& primaries() {
-    static std::map<int, Primary> p;
-    return p;
+    static auto* p = new std::map<int, Primary>;  // never destroyed (see sim.h)
+    return *p;
 }
 std::set<Context*>& live_contexts() {
-    static std::set<Context*> s;
-    return s;
+    static auto* s = new std::set<Context*>;
+    return *s;
 }
 thread_local Context* t_current = nullptr;
 
@@ -128,9 +131,29 @@ void set_sticky(Context* c, CUresult code, const std::string& why) {
     log("device %d: %s", c->device, why.c_str());
 }
 
+// The nearest exported function on the calling thread's stack (the API entry point that
+// called enter(), perhaps through a helper), for messages.
+static const char* caller() {
+    void* frames[8];
+    int n = backtrace(frames, 8);
+    for (int i = 1; i < n; i++) {
+        Dl_info info;
+        if (dladdr(frames[i], &info) && info.dli_sname) return info.dli_sname;
+    }
+    return "a driver call";
+}
+
 CUresult enter(Context** out) {
     Context* c = t_current;
-    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!c) {
+        log("%s: the calling thread has no current context (CUDA_ERROR_INVALID_CONTEXT)",
+            caller());
+        if (std::getenv("GPU_SIM_BACKTRACE")) {
+            void* frames[40];
+            backtrace_symbols_fd(frames, backtrace(frames, 40), 2);
+        }
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
     if (!c->alive) return CUDA_ERROR_CONTEXT_IS_DESTROYED;
     int s = c->sticky.load();
     if (s != CUDA_SUCCESS) return s;

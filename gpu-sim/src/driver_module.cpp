@@ -39,12 +39,12 @@ struct Module {
 
 std::mutex g_mod;
 std::set<Module*>& modules() {
-    static std::set<Module*> s;
-    return s;
+    static auto* s = new std::set<Module*>;  // never destroyed (see sim.h)
+    return *s;
 }
 std::set<Function*>& functions() {
-    static std::set<Function*> s;
-    return s;
+    static auto* s = new std::set<Function*>;
+    return *s;
 }
 
 // The kernel libraries: every *.so in the folders of GPU_SIM_KERNELS (colon-separated; set by

@@ -8,8 +8,8 @@ namespace {
 
 std::mutex g_events;
 std::set<sim::Event*>& events() {
-    static std::set<sim::Event*> s;
-    return s;
+    static auto* s = new std::set<sim::Event*>;  // never destroyed (see sim.h)
+    return *s;
 }
 
 // The stream of an entry point, or an error with a message naming the call.

@@ -21,16 +21,16 @@ constexpr size_t kQuarantine = 4096;
 
 std::mutex g_mem;
 std::map<uint64_t, std::shared_ptr<Allocation>>& live() {  // by base address
-    static std::map<uint64_t, std::shared_ptr<Allocation>> m;
-    return m;
+    static auto* m = new std::map<uint64_t, std::shared_ptr<Allocation>>;  // never destroyed
+    return *m;
 }
 std::deque<std::shared_ptr<Allocation>>& quarantine() {
-    static std::deque<std::shared_ptr<Allocation>> q;
-    return q;
+    static auto* q = new std::deque<std::shared_ptr<Allocation>>;
+    return *q;
 }
 std::map<int, uint64_t>& used() {
-    static std::map<int, uint64_t> u;
-    return u;
+    static auto* u = new std::map<int, uint64_t>;
+    return *u;
 }
 uint64_t g_next_id = 1;
 

@@ -18,6 +18,10 @@
 
 #include "cuda_types.h"
 
+// Lifetimes: stream workers are detached threads that may still run while the process exits,
+// so every table they can touch (allocations, events, modules, contexts, counters) is
+// allocated once and never destroyed, and streams, events and contexts are never freed.
+
 namespace sim {
 
 struct Context;
@@ -54,7 +58,7 @@ bool valid_context(Context* c);
 void set_sticky(Context* c, CUresult code, const std::string& why);
 // For an entry point: the current context, or an error (no context: CUDA_ERROR_INVALID_CONTEXT;
 // a sticky error: that error). `*out` is set on success.
-CUresult enter(Context** out);
+__attribute__((noinline)) CUresult enter(Context** out);
 
 // --------------------------------------------------------------------------- device memory
 // Allocations are host memory behind an allocation table; each sits at the end of its pages,

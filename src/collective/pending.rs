@@ -7,6 +7,8 @@ use std::thread::JoinHandle;
 
 use candle_core::{Result, Tensor};
 
+use crate::device::Handoff;
+
 /// A started collective. [`Pending::wait`] returns its result (blocking until it is there).
 ///
 /// Dropping a handle without waiting does not cancel the collective: it completes, and its
@@ -59,15 +61,26 @@ impl std::fmt::Debug for Worker {
 }
 
 impl Worker {
-    /// Runs `job` on the communication thread; the returned handle waits for its result.
+    /// Runs `job`, which reads `input`, on the communication thread; the returned handle waits
+    /// for its result. On a GPU the communication thread's stream first waits for the work
+    /// the caller enqueued before this call, and the caller's stream, in [`Pending::wait`],
+    /// for the work that made the result (see `device::Handoff`); the host waits for neither.
     pub fn submit(
         &self,
         name: &str,
+        input: &Tensor,
         job: impl FnOnce() -> Result<Tensor> + Send + 'static,
     ) -> Result<Pending> {
+        // The communication thread reads `input` and the caller's thread the result: on a GPU
+        // their streams are not ordered, so each side waits for the other's mark.
+        let ready = Handoff::mark(input)?;
         let (tx, rx) = mpsc::channel();
         let boxed: Job = Box::new(move || {
-            let _ = tx.send(job());
+            let out = ready.wait().and_then(|()| job()).and_then(|t| {
+                let back = Handoff::mark(&t)?;
+                Ok((t, back))
+            });
+            let _ = tx.send(out);
         });
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         if inner.is_none() {
@@ -86,11 +99,13 @@ impl Worker {
             candle_core::Error::Msg(format!("{name}: the communication thread has stopped"))
         })?;
         Ok(Pending::new(move || {
-            rx.recv().map_err(|_| {
+            let (t, back) = rx.recv().map_err(|_| {
                 candle_core::Error::Msg(
                     "the communication thread stopped before finishing a collective".into(),
                 )
-            })?
+            })??;
+            back.wait()?;
+            Ok(t)
         }))
     }
 }

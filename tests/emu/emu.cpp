@@ -324,8 +324,8 @@ Registry*& loading_registry() {
 }  // namespace
 
 Registry& global_registry() {
-    static Registry r;
-    return r;
+    static auto* r = new Registry;  // never destroyed: kernels may run while the process exits
+    return *r;
 }
 
 ModuleLoad::ModuleLoad(Registry* into) : saved(loading_registry()) { loading_registry() = into; }

@@ -190,9 +190,10 @@ impl MpiCollective {
         }
     }
 
-    /// Runs `f` on the duplicate communicator in the communication thread.
+    /// Runs `f`, which reads `input`, on the duplicate communicator in the communication thread.
     fn start(
         &self,
+        input: &Tensor,
         f: impl FnOnce(&MpiCollective) -> Result<Tensor> + Send + 'static,
     ) -> Result<Pending> {
         let Some(dup) = self.async_comm.clone() else {
@@ -201,7 +202,7 @@ impl MpiCollective {
                 "no duplicate communicator for asynchronous calls".into(),
             ));
         };
-        self.worker.submit(BACKEND, move || f(&dup))
+        self.worker.submit(BACKEND, input, move || f(&dup))
     }
 
     /// Polls `req` until it completes; on timeout prints why and aborts the MPI job.

@@ -216,8 +216,8 @@ impl Collective for MpiCollective {
     /// has stopped fails here; the failures of [`Collective::all_reduce`] come from
     /// [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        let t = t.clone();
-        self.start(move |c| c.all_reduce(&t, op))
+        let input = t.clone();
+        self.start(t, move |c| c.all_reduce(&input, op))
     }
 
     /// [`Collective::all_gather`] on a duplicate of the communicator, run by this rank's
@@ -229,8 +229,8 @@ impl Collective for MpiCollective {
     /// has stopped fails here; the failures of [`Collective::all_gather`] come from
     /// [`Pending::wait`].
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
-        let t = t.clone();
-        self.start(move |c| c.all_gather(&t))
+        let input = t.clone();
+        self.start(t, move |c| c.all_gather(&input))
     }
 
     /// [`Collective::reduce_scatter`] on a duplicate of the communicator, run by this rank's
@@ -242,7 +242,7 @@ impl Collective for MpiCollective {
     /// or has stopped fails here; the failures of [`Collective::reduce_scatter`] come from
     /// [`Pending::wait`].
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        let t = t.clone();
-        self.start(move |c| c.reduce_scatter(&t, op))
+        let input = t.clone();
+        self.start(t, move |c| c.reduce_scatter(&input, op))
     }
 }

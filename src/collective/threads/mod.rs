@@ -90,7 +90,9 @@ impl ThreadGroup {
     /// With the `cuda` feature, each rank's thread waits for the GPU work it enqueued on its
     /// per-thread default stream before its result is handed back: the per-thread streams of
     /// two threads are not ordered with each other, so the caller could otherwise read tensors
-    /// a rank's kernels have not written yet.
+    /// a rank's kernels have not written yet. A calling thread without a current CUDA context
+    /// then takes the context of the ranks' device, so that it can free the tensors they
+    /// returned.
     ///
     /// # Errors
     ///
@@ -114,7 +116,7 @@ impl ThreadGroup {
                 .into_iter()
                 .enumerate()
                 .map(|(rank, res)| match res {
-                    Ok(Ok(v)) => Ok(v),
+                    Ok(Ok((v, ctx))) => adopt_rank_context(&ctx).map(|()| v),
                     Ok(Err(e)) => Err(e.context(format!("rank {rank}"))),
                     Err(_) => Err(candle_core::Error::Msg(format!("rank {rank} panicked"))),
                 })
@@ -125,12 +127,31 @@ impl ThreadGroup {
 
 /// A rank's result, once the work its thread enqueued on a GPU is complete: the caller's thread
 /// reads what the rank computed, and the per-thread streams of two threads are not ordered.
-fn finish_rank<R>(result: Result<R>) -> Result<R> {
+/// With it, the CUDA context the rank used (for [`adopt_rank_context`]).
+fn finish_rank<R>(result: Result<R>) -> Result<(R, RankContext)> {
+    let v = result?;
     #[cfg(feature = "cuda")]
-    if let Ok(v) = result {
-        return crate::device::cuda::finish_thread_work().map(|()| v);
+    return crate::device::cuda::finish_thread_work().map(|ctx| (v, ctx));
+    #[cfg(not(feature = "cuda"))]
+    Ok((v, RankContext))
+}
+
+#[cfg(feature = "cuda")]
+use crate::device::cuda::RankContext;
+/// Nothing to hand over without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+struct RankContext;
+
+/// On the caller's thread: the rank's CUDA context becomes current if the thread has none, so
+/// that it can free the tensors the rank returned (see `RankContext::adopt`).
+fn adopt_rank_context(ctx: &RankContext) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    return ctx.adopt();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ctx;
+        Ok(())
     }
-    result
 }
 
 #[derive(Debug)]
@@ -220,7 +241,8 @@ impl ThreadRank {
         // Detached, as in `complete`: the worker must not hold the caller's graph either.
         let (shared, rank, t) = (self.shared.clone(), self.rank, t.detach());
         let world = self.shared.world;
-        self.worker.submit(BACKEND, move || {
+        let input = t.clone();
+        self.worker.submit(BACKEND, &input, move || {
             let out = complete(&shared, rank, call, kind, &t)?;
             match kind {
                 Op::ReduceScatter(_) => scatter_rows(&out, rank, world),
