@@ -78,13 +78,24 @@ fn pooled(
     cfg: (usize, usize, usize),
     dtype: DType,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let xv = Var::from_tensor(&Tensor::from_vec(x.to_vec(), &dims, dev)?.to_dtype(dtype)?)?;
+    // Cast on the CPU, then moved: candle's CUDA casts launch an empty grid for an empty
+    // tensor, which the driver refuses.
+    let on_dev = |v: &[f64], dims: &[usize]| -> Result<Tensor> {
+        Ok(Tensor::from_vec(v.to_vec(), dims, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(dev)?)
+    };
+    let xv = Var::from_tensor(&on_dev(x, &dims)?)?;
     let y = max_pool2d(xv.as_tensor(), cfg.0, cfg.1, cfg.2)?;
-    let dyt = Tensor::from_vec(dy.to_vec(), y.dims(), dev)?.to_dtype(dtype)?;
+    let dyt = on_dev(dy, y.dims())?;
     let grads = (&y * &dyt)?.sum_all()?.backward()?;
     let dx = grads.get(xv.as_tensor()).expect("gradient of x");
-    let flat =
-        |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?) };
+    let flat = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(common::cpu(t)
+            .to_dtype(DType::F64)?
+            .flatten_all()?
+            .to_vec1()?)
+    };
     Ok((flat(&y)?, flat(dx)?))
 }
 

@@ -75,13 +75,21 @@ impl Norm {
 /// the numbers of a GPU's half-precision convolution with f32 accumulation.
 fn run(c: &Conv2d, x: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
+    let cfg = c.config();
+    let conv =
+        |x: &Tensor, w: &Tensor| x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups);
+    // An empty share on a GPU: see `empty_via_cpu` (the weight's move keeps its edge too).
+    if x.elem_count() == 0 && !x.device().is_cpu() {
+        let w = c
+            .weight()
+            .to_device(&candle_core::Device::Cpu)?
+            .to_dtype(dtype)?;
+        return empty_via_cpu(x, |x| Ok(conv(x, &w)?));
+    }
     if c.weight().dtype() == dtype {
         return Ok(c.forward(x)?);
     }
-    let cfg = c.config();
     let w = c.weight().to_dtype(dtype)?;
-    let conv =
-        |x: &Tensor, w: &Tensor| x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups);
     if x.device().is_cpu() && matches!(dtype, DType::BF16 | DType::F16) {
         let y = conv(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?)?;
         return Ok(y.to_dtype(dtype)?);
@@ -113,6 +121,22 @@ fn bn_in_own_dtype(bn: &BatchNorm, x: &Tensor, train: bool) -> Result<Tensor> {
     Ok(bn
         .forward_t(&x.to_dtype(own)?, train)?
         .to_dtype(x.dtype())?)
+}
+
+/// `f(x)`, computed on the CPU when `x` is an empty share on a GPU, where candle's CUDA kernels
+/// refuse it (a cast or a convolution launches a grid of zero blocks, which the driver
+/// refuses; a reduction divides by zero). The moves keep the autograd edges and copy nothing,
+/// so the layers before still run their backward (and its collectives) on this rank.
+pub fn empty_via_cpu(x: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    if x.elem_count() == 0 && !x.device().is_cpu() {
+        return Ok(f(&x.to_device(&candle_core::Device::Cpu)?)?.to_device(x.device())?);
+    }
+    f(x)
+}
+
+/// `x` in `dtype`, also for an empty share on a GPU.
+pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    empty_via_cpu(x, |x| Ok(x.to_dtype(dtype)?))
 }
 
 /// `downsample.0` (1×1 conv) and `downsample.1` (bn) when the shape changes.
@@ -343,9 +367,7 @@ impl ResNet {
                 y = b.forward(&y, train)?;
             }
         }
-        let pooled = y.mean(D::Minus1)?.mean(D::Minus1)?;
-        Ok(self
-            .fc
-            .forward(&pooled.to_dtype(self.fc.weight().dtype())?)?)
+        let pooled = empty_via_cpu(&y, |y| Ok(y.mean(D::Minus1)?.mean(D::Minus1)?))?;
+        Ok(self.fc.forward(&cast(&pooled, self.fc.weight().dtype())?)?)
     }
 }

@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 
 pub use crate::config::{Config, DeviceKind, Precision, Summary};
 use crate::data::{self, Dataset};
-use crate::model::ResNet;
+use crate::model::{self, ResNet};
 use crate::report::{self, EpochMetrics, Progress};
 use crate::state::{setup, write_outputs, State};
 
@@ -285,7 +285,9 @@ fn train_step(run: &Run, st: &mut State, global: &[usize]) -> Result<[f64; 3]> {
         );
         let augment = cfg.augment.then_some((&mut aug_rng, 2usize));
         let (x, y) = data::batch(run.train, idx, &run.stats, augment, device)?;
-        let logits = st.model.forward(&x.to_dtype(cfg.compute_dtype())?, true)?;
+        let logits = st
+            .model
+            .forward(&model::cast(&x, cfg.compute_dtype())?, true)?;
         let loss = loss_sum(&logits, &y)?;
         // Weighted by W / N: DataParallel's average over the W ranks is then the gradient of
         // the mean loss over the step's N samples.
@@ -378,7 +380,7 @@ fn evaluate(
     let (mut loss, mut correct) = (0.0, 0.0);
     for chunk in idx.chunks(256) {
         let (x, y) = data::batch(val, chunk, stats, None, device)?;
-        let logits = model.forward(&x.to_dtype(cfg.compute_dtype())?, false)?;
+        let logits = model.forward(&model::cast(&x, cfg.compute_dtype())?, false)?;
         loss += candle_nn::loss::cross_entropy(&logits, &y)?
             .to_dtype(DType::F64)?
             .to_scalar::<f64>()?
