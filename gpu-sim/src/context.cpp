@@ -11,22 +11,24 @@
 
 namespace sim {
 
-void log(const char* fmt, ...) {
+static void vlog(const char* prefix, const char* fmt, va_list ap) {
     char buf[4096];
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    std::fprintf(stderr, "gpu-sim: %s%s\n", prefix, buf);
+}
+
+void log(const char* fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
+    vlog("", fmt, ap);
     va_end(ap);
-    std::fprintf(stderr, "gpu-sim: %s\n", buf);
 }
 
 void fatal(const char* fmt, ...) {
-    char buf[4096];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
+    vlog("fatal: ", fmt, ap);
     va_end(ap);
-    std::fprintf(stderr, "gpu-sim: fatal: %s\n", buf);
     std::abort();
 }
 

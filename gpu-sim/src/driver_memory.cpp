@@ -6,16 +6,6 @@
 
 namespace {
 
-CUresult stream_of(const char* call, CUstream h, sim::Context** ctx, sim::Stream** s) {
-    if (CUresult r = sim::enter(ctx)) return r;
-    std::string why;
-    *s = sim::resolve_stream(*ctx, h, why);
-    if (!*s) {
-        sim::log("%s: %s", call, why.c_str());
-        return CUDA_ERROR_INVALID_HANDLE;
-    }
-    return CUDA_SUCCESS;
-}
 
 // A device range an API call touches, or a logged error naming the call and the argument.
 std::shared_ptr<sim::Allocation> range(const char* call, const char* arg, CUdeviceptr p, size_t n,
@@ -92,14 +82,14 @@ CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t size) {
 CUresult cuMemAllocAsync(CUdeviceptr* out, size_t size, CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuMemAllocAsync", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuMemAllocAsync", h, &ctx, &s)) return r;
     return alloc(out, size, s, "cuMemAllocAsync");
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuMemFreeAsync", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuMemFreeAsync", h, &ctx, &s)) return r;
     if (p == 0) return CUDA_SUCCESS;  // an empty stream-ordered allocation (see alloc)
     std::shared_ptr<sim::Allocation> a;
     std::string why;
@@ -174,7 +164,7 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuMemcpyHtoDAsync", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuMemcpyHtoDAsync", h, &ctx, &s)) return r;
     if (n == 0) return CUDA_SUCCESS;
     auto a = range("cuMemcpyHtoDAsync", "destination", dst, n, ctx->device);
     if (!a || !host_range_ok("cuMemcpyHtoDAsync", "source", src, n, ctx->device))
@@ -199,7 +189,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstre
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuMemcpyDtoHAsync", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuMemcpyDtoHAsync", h, &ctx, &s)) return r;
     if (n == 0) return CUDA_SUCCESS;
     auto a = range("cuMemcpyDtoHAsync", "source", src, n, ctx->device);
     if (!a || !host_range_ok("cuMemcpyDtoHAsync", "destination", dst, n, ctx->device))
@@ -222,7 +212,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream h) 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuMemcpyDtoDAsync", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuMemcpyDtoDAsync", h, &ctx, &s)) return r;
     if (n == 0) return CUDA_SUCCESS;
     auto d = range("cuMemcpyDtoDAsync", "destination", dst, n, ctx->device);
     auto a = range("cuMemcpyDtoDAsync", "source", src, n, ctx->device);
@@ -242,7 +232,7 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, 
                            size_t n, CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuMemcpyPeerAsync", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuMemcpyPeerAsync", h, &ctx, &s)) return r;
     auto* dc = reinterpret_cast<sim::Context*>(dst_ctx);
     auto* sc = reinterpret_cast<sim::Context*>(src_ctx);
     if (!sim::valid_context(dc) || !sim::valid_context(sc)) return CUDA_ERROR_INVALID_CONTEXT;
@@ -265,7 +255,7 @@ static CUresult memset_async(const char* call, CUdeviceptr dst, uint32_t value, 
                              size_t count, CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of(call, h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of(call, h, &ctx, &s)) return r;
     if (count == 0) return CUDA_SUCCESS;
     if (dst % width != 0) {
         sim::log("%s: destination 0x%llx is not %u-byte aligned", call, dst, width);

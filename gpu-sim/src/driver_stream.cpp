@@ -12,17 +12,6 @@ std::set<sim::Event*>& events() {
     return *s;
 }
 
-// The stream of an entry point, or an error with a message naming the call.
-CUresult stream_of(const char* call, CUstream h, sim::Context** ctx, sim::Stream** s) {
-    if (CUresult r = sim::enter(ctx)) return r;
-    std::string why;
-    *s = sim::resolve_stream(*ctx, h, why);
-    if (!*s) {
-        sim::log("%s: %s", call, why.c_str());
-        return CUDA_ERROR_INVALID_HANDLE;
-    }
-    return CUDA_SUCCESS;
-}
 
 sim::Event* event_of(const char* call, CUevent h) {
     auto* e = reinterpret_cast<sim::Event*>(h);
@@ -62,7 +51,7 @@ CUresult cuStreamCreateWithPriority(CUstream* out, unsigned flags, int priority)
 CUresult cuStreamGetPriority(CUstream h, int* priority) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuStreamGetPriority", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuStreamGetPriority", h, &ctx, &s)) return r;
     if (!priority) return CUDA_ERROR_INVALID_VALUE;
     *priority = 0;
     return CUDA_SUCCESS;
@@ -77,7 +66,7 @@ CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
 CUresult cuStreamDestroy_v2(CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuStreamDestroy", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuStreamDestroy", h, &ctx, &s)) return r;
     if (s->kind == sim::StreamKind::Legacy || s->kind == sim::StreamKind::PerThread) {
         sim::log("cuStreamDestroy: the legacy and per-thread streams cannot be destroyed");
         return CUDA_ERROR_INVALID_HANDLE;
@@ -89,7 +78,7 @@ CUresult cuStreamDestroy_v2(CUstream h) {
 CUresult cuStreamSynchronize(CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuStreamSynchronize", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuStreamSynchronize", h, &ctx, &s)) return r;
     sim::wait_stream(s);
     return ctx->sticky.load();
 }
@@ -97,7 +86,7 @@ CUresult cuStreamSynchronize(CUstream h) {
 CUresult cuStreamQuery(CUstream h) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuStreamQuery", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuStreamQuery", h, &ctx, &s)) return r;
     sim::Clock observed = sim::stream_clock(s);
     uint64_t seq;
     {
@@ -113,7 +102,7 @@ CUresult cuStreamQuery(CUstream h) {
 CUresult cuStreamIsCapturing(CUstream h, int* status) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuStreamIsCapturing", h, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuStreamIsCapturing", h, &ctx, &s)) return r;
     if (!status) return CUDA_ERROR_INVALID_VALUE;
     *status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
     return CUDA_SUCCESS;
@@ -146,7 +135,7 @@ CUresult cuEventDestroy_v2(CUevent h) {
 CUresult cuEventRecord(CUevent h, CUstream hs) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuEventRecord", hs, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuEventRecord", hs, &ctx, &s)) return r;
     sim::Event* e = event_of("cuEventRecord", h);
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     auto stamp = std::make_shared<double>(0);
@@ -212,7 +201,7 @@ CUresult cuEventSynchronize(CUevent h) {
 CUresult cuStreamWaitEvent(CUstream hs, CUevent h, unsigned flags) {
     sim::Context* ctx;
     sim::Stream* s;
-    if (CUresult r = stream_of("cuStreamWaitEvent", hs, &ctx, &s)) return r;
+    if (CUresult r = sim::stream_of("cuStreamWaitEvent", hs, &ctx, &s)) return r;
     sim::Event* e = event_of("cuStreamWaitEvent", h);
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;

@@ -161,6 +161,9 @@ struct Stream {
 // stream, CU_STREAM_PER_THREAD the calling thread's per-thread stream (created on first use);
 // anything else must be a live stream of `ctx`. Null with `why` on failure.
 Stream* resolve_stream(Context* ctx, CUstream h, std::string& why);
+// For an entry point: the current context and the stream `h` names in it, or an error (logged,
+// naming `call`).
+CUresult stream_of(const char* call, CUstream h, Context** ctx, Stream** s);
 Stream* create_stream(Context* ctx, StreamKind kind);
 void destroy_stream(Stream* s);
 

@@ -102,6 +102,17 @@ void destroy_stream(Stream* s) {
         }
 }
 
+CUresult stream_of(const char* call, CUstream h, Context** ctx, Stream** s) {
+    if (CUresult r = enter(ctx)) return r;
+    std::string why;
+    *s = resolve_stream(*ctx, h, why);
+    if (!*s) {
+        log("%s: %s", call, why.c_str());
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    return CUDA_SUCCESS;
+}
+
 Stream* resolve_stream(Context* ctx, CUstream h, std::string& why) {
     if (h == nullptr || h == SIM_STREAM_LEGACY) return ctx->legacy;
     if (h == SIM_STREAM_PER_THREAD) {

@@ -213,15 +213,25 @@ bool a_divergent_barrier_fails_a_strict_launch() {
 }
 
 // --------------------------------------------------------------------------- stream order
+// Two streams created with `fa` and `fb`, and three buffers of 64 floats: `in` (ones), `mid`
+// and `out`, allocated synchronously and with the upload complete (usable from any stream).
+struct TwoStreams {
+    CUstream a, b;
+    CUdeviceptr in, mid, out;
+    TwoStreams(unsigned fa, unsigned fb) {
+        cuStreamCreate(&a, fa);
+        cuStreamCreate(&b, fb);
+        in = upload(std::vector<float>(64, 1.0f));
+        cuMemAlloc_v2(&mid, 256);
+        cuMemAlloc_v2(&out, 256);
+        cuCtxSynchronize();
+    }
+};
+
 bool unordered_cross_stream_use_is_a_race() {
     Device d(0);
-    CUstream a, b;
-    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
-    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
-    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), mid, out;
-    cuMemAlloc_v2(&mid, 256);
-    cuMemAlloc_v2(&out, 256);
-    cuCtxSynchronize();
+    TwoStreams t(CU_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING);
+    auto [a, b, in, mid, out] = t;
     auto races = gpusim_races();
     EXPECT(add_one(d, in, mid, 64, a) == CUDA_SUCCESS, "the writer");
     CUresult r = add_one(d, mid, out, 64, b);
@@ -232,13 +242,8 @@ bool unordered_cross_stream_use_is_a_race() {
 
 bool an_event_wait_orders_streams() {
     Device d(0);
-    CUstream a, b;
-    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
-    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
-    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), mid, out;
-    cuMemAlloc_v2(&mid, 256);
-    cuMemAlloc_v2(&out, 256);
-    cuCtxSynchronize();
+    TwoStreams t(CU_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING);
+    auto [a, b, in, mid, out] = t;
     CUevent e;
     cuEventCreate(&e, CU_EVENT_DISABLE_TIMING);
     EXPECT(add_one(d, in, mid, 64, a) == CUDA_SUCCESS, "the writer");
@@ -253,12 +258,9 @@ bool an_event_wait_orders_streams() {
 
 bool a_write_after_an_unordered_read_is_a_race() {
     Device d(0);
-    CUstream a, b;
-    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
-    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
-    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), out;
-    cuMemAlloc_v2(&out, 256);
-    cuCtxSynchronize();
+    TwoStreams t(CU_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING);
+    auto [a, b, in, mid, out] = t;
+    (void)mid;
     EXPECT(add_one(d, in, out, 64, b) == CUDA_SUCCESS, "the reader");
     // The host has not waited for the reader: a write on another stream is unordered with it.
     CUresult r = add_one(d, out, in, 64, a);
@@ -268,13 +270,8 @@ bool a_write_after_an_unordered_read_is_a_race() {
 
 bool the_legacy_stream_orders_blocking_streams_only() {
     Device d(0);
-    CUstream blocking, nonblocking;
-    cuStreamCreate(&blocking, CU_STREAM_DEFAULT);
-    cuStreamCreate(&nonblocking, CU_STREAM_NON_BLOCKING);
-    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), mid, out;
-    cuMemAlloc_v2(&mid, 256);
-    cuMemAlloc_v2(&out, 256);
-    cuCtxSynchronize();
+    TwoStreams t(CU_STREAM_DEFAULT, CU_STREAM_NON_BLOCKING);
+    auto [blocking, nonblocking, in, mid, out] = t;
     EXPECT(add_one(d, in, mid, 64, blocking) == CUDA_SUCCESS, "the writer");
     CUresult r = add_one(d, mid, out, 64, nullptr);
     EXPECT(r == CUDA_SUCCESS, "legacy after blocking is ordered, got %s", name(r));
