@@ -11,7 +11,7 @@
 #include "cuda_types.h"
 
 // ------------------------------------------------------------------------------------- cuBLAS
-struct cublasContext;  // the handle's object (cuBLAS names it so); defined in cublas.cpp
+struct cublasContext;  // the handle's object (cuBLAS names it so); cublas_internal.h defines it
 typedef cublasContext* cublasHandle_t;
 typedef int cublasStatus_t;
 

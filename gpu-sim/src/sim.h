@@ -1,6 +1,6 @@
 // The simulated device's shared internals: devices, contexts, the allocation table, streams as
 // FIFO worker threads, events, the happens-before race checker and the counters. The driver API
-// entry points (driver_*.cpp), cuBLAS (cublas.cpp) and cuRAND (curand.cpp) are built on these.
+// entry points (driver_*.cpp), cuBLAS (cublas_*.cpp) and cuRAND (curand.cpp) are built on these.
 // README.md beside this folder lists the rules and where each comes from.
 #pragma once
 
