@@ -58,15 +58,22 @@ void worker_loop(Stream* s) {
     }
 }
 
-// Per-thread default streams of the calling thread, one per context; marked for destruction
-// when the thread exits (they drain first).
+// Per-thread default streams of the calling thread, one per context. The map outlives the
+// thread's destructors (a pointer, never freed): other thread-local destructors, which run in
+// any order relative to the reaper below, may still free memory on the thread's stream.
 struct PerThread {
     std::map<Context*, Stream*> streams;
-    ~PerThread() {
-        for (auto& kv : streams) destroy_stream(kv.second);
+};
+thread_local PerThread* t_per_thread = nullptr;
+// At thread exit: the thread's streams are marked for destruction (they drain first). A stream
+// asked for after that is a new one.
+struct Reaper {
+    ~Reaper() {
+        if (t_per_thread)
+            for (auto& kv : t_per_thread->streams) destroy_stream(kv.second);
     }
 };
-thread_local PerThread t_per_thread;
+thread_local Reaper t_reaper;
 
 }  // namespace
 
@@ -116,8 +123,10 @@ CUresult stream_of(const char* call, CUstream h, Context** ctx, Stream** s) {
 Stream* resolve_stream(Context* ctx, CUstream h, std::string& why) {
     if (h == nullptr || h == SIM_STREAM_LEGACY) return ctx->legacy;
     if (h == SIM_STREAM_PER_THREAD) {
-        Stream*& s = t_per_thread.streams[ctx];
-        if (!s) s = create_stream(ctx, StreamKind::PerThread);
+        (void)&t_reaper;  // registers its destructor on the thread's first per-thread stream
+        if (!t_per_thread) t_per_thread = new PerThread;
+        Stream*& s = t_per_thread->streams[ctx];
+        if (!s || s->destroyed) s = create_stream(ctx, StreamKind::PerThread);
         return s;
     }
     auto* s = reinterpret_cast<Stream*>(h);
