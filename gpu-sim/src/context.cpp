@@ -2,10 +2,12 @@
 #include <dlfcn.h>
 #include <execinfo.h>
 
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <set>
+#include <thread>
 
 #include "sim.h"
 
@@ -145,7 +147,17 @@ static const char* caller() {
     return "a driver call";
 }
 
+namespace {
+thread_local int t_stall_ms = 0;
+}
+
+void stall_next_driver_call(int ms) { t_stall_ms = ms; }
+
 CUresult enter(Context** out) {
+    if (t_stall_ms) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(t_stall_ms));
+        t_stall_ms = 0;
+    }
     Context* c = t_current;
     if (!c) {
         log("%s: the calling thread has no current context (CUDA_ERROR_INVALID_CONTEXT)",

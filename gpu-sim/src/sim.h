@@ -59,6 +59,9 @@ void set_sticky(Context* c, CUresult code, const std::string& why);
 // For an entry point: the current context, or an error (no context: CUDA_ERROR_INVALID_CONTEXT;
 // a sticky error: that error). `*out` is set on success.
 __attribute__((noinline)) CUresult enter(Context** out);
+// Makes the calling thread's next driver entry sleep `ms` first (an injected NCCL fault that
+// widens the window between an NCCL call and the driver calls after it).
+void stall_next_driver_call(int ms);
 
 // --------------------------------------------------------------------------- device memory
 // Allocations are host memory behind an allocation table; each sits at the end of its pages,
