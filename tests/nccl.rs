@@ -428,3 +428,80 @@ fn the_layer_rolls_back_a_step_whose_all_reduce_was_aborted() {
     assert_eq!(batches, 1);
     assert!(msg.contains("before the last training step"), "{msg}");
 }
+
+/// (Fault review D12.) NCCL averages integers as a sum then an integer division; ThreadGroup
+/// and MPI refuse `Avg` on integer dtypes, and so does this backend, without aborting the
+/// communicator.
+#[test]
+fn an_integer_average_is_refused() {
+    gpus();
+    let c = NcclGroup::new(&[0]).unwrap().remove(0);
+    for dtype in [DType::U32, DType::I64, DType::U8] {
+        let t = Tensor::new(&[3f32, 4.0], &c.device())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        for err in [
+            c.all_reduce(&t, ReduceOp::Avg).unwrap_err(),
+            c.reduce_scatter(&t, ReduceOp::Avg).unwrap_err(),
+        ] {
+            assert!(
+                matches!(
+                    CollectiveError::find(&err),
+                    Some(CollectiveError::InvalidArgument { .. })
+                ),
+                "{dtype:?}: {err}"
+            );
+        }
+    }
+    let t = Tensor::new(&[3u32], &c.device()).unwrap();
+    let sum = c.all_reduce(&t, ReduceOp::Sum).unwrap().to_vec1::<u32>();
+    assert_eq!(sum.unwrap(), vec![3]);
+}
+
+/// (Fault review D11.) A `Pending` that outlives its communicator: dropping the communicators
+/// finalizes them, which flushes the collective, so its wait returns the sum.
+#[test]
+fn a_pending_that_outlives_its_communicator_completes() {
+    let n = gpus();
+    const LEN: usize = 1 << 20;
+    let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+    let sums = on_ranks(comms, |c| {
+        let t = Tensor::ones(LEN, DType::F32, &c.device())?;
+        let p = c.all_reduce_async(&t, ReduceOp::Sum)?;
+        drop(c);
+        let v = p.wait()?;
+        Ok(v.sum_all()?.to_scalar::<f32>()?)
+    });
+    for (r, s) in sums.into_iter().enumerate() {
+        assert_eq!(s, (n * LEN) as f32, "rank {r}");
+    }
+}
+
+/// A split where rank 0 passes no color (`NCCL_SPLIT_NOCOLOR`) and the keys reverse the
+/// others' order: rank 0 gets no communicator, the others one of `n - 1` ranks ordered by key.
+#[test]
+fn split_without_a_color_and_with_reversed_keys() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!(
+            "split_without_a_color_and_with_reversed_keys: skipped, needs 2 GPUs (found {n})"
+        );
+        return;
+    }
+    let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+    let outs = on_ranks(comms, |c| {
+        let color = (c.rank() != 0).then_some(7);
+        let Some(sub) = c.split(color, (n - c.rank()) as u32)? else {
+            return Ok(None);
+        };
+        let t = Tensor::new(&[c.rank() as f32], &c.device())?;
+        let sum = sub.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?[0];
+        Ok(Some((sub.rank(), sub.world_size(), sum)))
+    });
+    assert!(outs[0].is_none(), "rank 0 passed no color");
+    let want_sum = (1..n).sum::<usize>() as f32;
+    for (r, out) in outs.into_iter().enumerate().skip(1) {
+        assert_eq!(out, Some((n - 1 - r, n - 1, want_sum)), "rank {r}");
+    }
+}

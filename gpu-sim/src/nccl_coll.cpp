@@ -114,7 +114,7 @@ void reduce(int dtype, uint8_t* out, const uint8_t* const* in, int n, size_t len
 }
 
 // Blocks until the communicator stops (abort or asynchronous error): an injected fault.
-void block(Comm* c) { nccl::wait_until(c, [] { return false; }); }
+void block(Comm* c) { nccl::wait_until(c, [] { return false; }, true); }
 
 // One step `g` of this rank: post `len` bytes (may be 0), wait for every peer's post of the same
 // step, check that they issued the same collective. False when the communicator stopped.
@@ -125,7 +125,7 @@ bool post(Comm* c, const Coll& k, uint64_t g, const uint8_t* src, size_t len) {
             for (int p = 0; p < c->nranks; ++p)
                 if (h->slots[p].consumed.load(std::memory_order_acquire) + 1 < g) return false;
             return true;
-        }))
+        }, true))
         return false;
     nccl::Slot& me = h->slots[c->rank];
     if (len) std::memcpy(c->world.data + size_t(c->rank) * nccl::kChunk, src, len);
@@ -140,7 +140,7 @@ bool post(Comm* c, const Coll& k, uint64_t g, const uint8_t* src, size_t len) {
             for (int p = 0; p < c->nranks; ++p)
                 if (h->slots[p].posted.load(std::memory_order_acquire) < g) return false;
             return true;
-        }))
+        }, true))
         return false;
     for (int p = 0; p < c->nranks; ++p) {
         const nccl::Slot& s = h->slots[p];
@@ -165,9 +165,9 @@ void consumed(Comm* c, uint64_t g) {
 // The stream task of collective `k`.
 void run(Comm* c, const Coll& k) {
     // A communicator's collectives run in the order they were issued, whatever their streams.
-    bool go = nccl::wait_until(c, [&] { return c->done.load() == k.call; });
+    bool go = nccl::wait_until(c, [&] { return c->done.load() == k.call; }, true);
     if (go && nccl::find_fault("skip", c->rank, long(k.call))) block(c);
-    go = go && !c->aborted && !c->async_error;
+    go = go && !c->aborted;
     const size_t es = type_size(k.dtype), per = nccl::kChunk / es;
     const int n = c->nranks, r = c->rank;
     const size_t total = k.kind == kReduceScatter ? k.count * size_t(n) : k.count;

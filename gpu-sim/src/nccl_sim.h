@@ -145,9 +145,11 @@ void unregister_comm(Comm* c);
 ncclResult_t fail(ncclResult_t code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 // Makes `code` the communicator's asynchronous error (the first one stays).
 void set_async(Comm* c, int code, const std::string& why);
-// Polls `cond` until it holds (true) or the communicator stops (false): aborted, an
-// asynchronous error, or a peer process that exited (which becomes ncclRemoteError).
-bool wait_until(Comm* c, const std::function<bool()>& cond);
+// Polls `cond` until it holds (true) or the communicator stops (false). A peer process that
+// exited becomes the asynchronous error ncclRemoteError. A background job stops on an abort
+// or an asynchronous error; a collective on the stream (`task`) only on an abort: after an
+// error, as in NCCL, its kernel waits (without progress) until the communicator is aborted.
+bool wait_until(Comm* c, const std::function<bool()>& cond, bool task = false);
 // Arrives in the world (maps it, claims the rank's slot); false on an error (set async).
 bool join(Comm* c);
 // Whether every rank of the world has arrived; on the first success the name is unlinked.

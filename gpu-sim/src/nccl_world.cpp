@@ -205,11 +205,13 @@ void set_async(Comm* c, int code, const std::string& why) {
     }
 }
 
-bool wait_until(Comm* c, const std::function<bool()>& cond) {
+bool wait_until(Comm* c, const std::function<bool()>& cond, bool task) {
     auto last_scan = std::chrono::steady_clock::now();
     for (unsigned spins = 0;; ++spins) {
-        if (c->aborted.load() || c->async_error.load() != ncclSuccess) return false;
-        if (cond()) return true;
+        if (c->aborted.load()) return false;
+        bool failed = c->async_error.load() != ncclSuccess;
+        if (failed && !task) return false;
+        if (!failed && cond()) return true;
         auto now = std::chrono::steady_clock::now();
         if (c->world.h && now - last_scan > std::chrono::milliseconds(20)) {
             last_scan = now;

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
-use candle_core::cuda_backend::cudarc::nccl::sys;
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
@@ -77,7 +76,7 @@ impl Enqueue<'_> {
                 n
             },
             dtype: s.dtype(),
-            stream: stream.cu_stream() as sys::cudaStream_t,
+            stream: stream.cu_stream() as super::ffi::Stream,
         };
         // SAFETY: both buffers live on this communicator's GPU with the sizes `Buffers` needs
         // (`n` in, `out_len` out, computed from the operation above); the input is kept alive by

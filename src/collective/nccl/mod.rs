@@ -30,7 +30,9 @@
 //! [`super::Checked`] to have every call's op, dtype and count compared first (a debug mode:
 //! one extra small all-gather and a host wait per call).
 
+mod blocking;
 mod enqueue;
+mod ffi;
 mod ops;
 mod raw;
 mod watchdog;
@@ -358,6 +360,17 @@ impl NcclCollective {
     fn enqueue_on(&self, what: Op, t: &Tensor, stream: Option<Arc<CudaStream>>) -> Result<Tensor> {
         let op = what.name();
         self.check_usable(op)?;
+        if let Op::AllReduce(ReduceOp::Avg) | Op::ReduceScatter(ReduceOp::Avg) = what {
+            if !t.dtype().is_float() {
+                return Err(invalid(
+                    op,
+                    format!(
+                        "ReduceOp::Avg needs a float dtype, got {:?} (NCCL would divide the integer sum, truncating)",
+                        t.dtype()
+                    ),
+                ));
+            }
+        }
         if !t.device().same_device(&self.device()) {
             return Err(invalid(
                 op,

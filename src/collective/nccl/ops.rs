@@ -181,12 +181,11 @@ impl Collective for NcclCollective {
     /// failure aborts this communicator too) or the query of the child's rank; a CUDA error
     /// creating the child's side stream.
     fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
-        // NCCL_SPLIT_NOCOLOR is -1.
         let color = match color {
             Some(c) => {
                 i32::try_from(c).map_err(|_| invalid("split", format!("color {c} exceeds i32")))?
             }
-            None => -1,
+            None => super::ffi::SPLIT_NOCOLOR,
         };
         let key =
             i32::try_from(key).map_err(|_| invalid("split", format!("key {key} exceeds i32")))?;

@@ -7,15 +7,17 @@
 //! Communicators are created non-blocking (`config.blocking = 0`): every call returns at
 //! once, possibly with "in progress", after which [`RawComm::state`] is polled before the next
 //! call; so no host thread ever sits inside NCCL, and an abort is always possible between
-//! calls. (`NCCL_COMM_BLOCKING=1` in the environment would override this; don't set it.)
+//! calls. Blocking mode (`NCCL_COMM_BLOCKING`, which NCCL applies over the config) is refused
+//! before the first call and detected after the start-up ([`RawComm::init_group`]).
 
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use candle_core::cuda_backend::cudarc::driver::CudaContext;
-use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::WrapErr;
 
 use super::super::{CollectiveError, Op, ReduceOp};
+use super::ffi::{self, nccl, Nccl};
 use super::BACKEND;
 
 /// An NCCL call's failure: the code by name and NCCL's words for it.
@@ -38,28 +40,32 @@ impl NcclFail {
         .into()
     }
 
-    fn of(code: sys::ncclResult_t, comm: Option<&RawComm>) -> Self {
-        // SAFETY: ncclGetErrorString returns a static string for any code; ncclGetLastError a
-        // string owned by NCCL, valid until the next NCCL call on this thread, copied at once.
+    /// A failure of the crate's own (not a code NCCL returned).
+    fn new(code: &str, detail: impl Into<String>) -> Self {
+        Self {
+            code: code.into(),
+            detail: detail.into(),
+        }
+    }
+
+    fn of(lib: &Nccl, code: c_int, comm: Option<&RawComm>) -> Self {
+        // SAFETY: ncclGetErrorString returns a static string for any code (also an unknown
+        // one); ncclGetLastError a string owned by NCCL, valid until the next NCCL call on this
+        // thread, copied at once. Null is checked for both.
         let (text, last) = unsafe {
-            let text = CStr::from_ptr(sys::ncclGetErrorString(code))
-                .to_string_lossy()
-                .into_owned();
-            let last = match comm {
-                Some(c) => {
-                    let p = sys::ncclGetLastError(c.0);
-                    if p.is_null() {
-                        String::new()
-                    } else {
-                        CStr::from_ptr(p).to_string_lossy().into_owned()
-                    }
+            let read = |p: *const std::ffi::c_char| {
+                if p.is_null() {
+                    String::new()
+                } else {
+                    CStr::from_ptr(p).to_string_lossy().into_owned()
                 }
-                None => String::new(),
             };
+            let text = read((lib.get_error_string)(code));
+            let last = comm.map_or(String::new(), |c| read((lib.get_last_error)(c.0)));
             (text, last)
         };
         Self {
-            code: format!("{code:?}"),
+            code: code_name(code),
             detail: if last.is_empty() {
                 text
             } else {
@@ -69,6 +75,23 @@ impl NcclFail {
     }
 }
 
+/// `ncclResult_t` by name (nccl.h), or by number for a code this crate does not know.
+fn code_name(code: c_int) -> String {
+    let name = match code {
+        0 => "ncclSuccess",
+        1 => "ncclUnhandledCudaError",
+        2 => "ncclSystemError",
+        3 => "ncclInternalError",
+        4 => "ncclInvalidArgument",
+        5 => "ncclInvalidUsage",
+        6 => "ncclRemoteError",
+        7 => "ncclInProgress",
+        8 => "ncclTimeout",
+        _ => return format!("ncclResult {code}"),
+    };
+    name.into()
+}
+
 /// Where a non-blocking call stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Progress {
@@ -76,71 +99,64 @@ pub(super) enum Progress {
     InProgress,
 }
 
-fn check(r: sys::ncclResult_t, comm: Option<&RawComm>) -> Result<Progress, NcclFail> {
-    status(r.result(), comm)
-}
-
-fn status(
-    r: Result<result::NcclStatus, result::NcclError>,
-    comm: Option<&RawComm>,
-) -> Result<Progress, NcclFail> {
-    match r {
-        Ok(result::NcclStatus::InProgress) => Ok(Progress::InProgress),
-        Ok(_) => Ok(Progress::Done),
-        Err(e) => Err(NcclFail::of(e.0, comm)),
+/// A returned code: done, in progress, or (any other value) the failure.
+fn check(lib: &Nccl, code: c_int, comm: Option<&RawComm>) -> Result<Progress, NcclFail> {
+    match code {
+        ffi::SUCCESS => Ok(Progress::Done),
+        ffi::IN_PROGRESS => Ok(Progress::InProgress),
+        _ => Err(NcclFail::of(lib, code, comm)),
     }
 }
 
-/// The size of NCCL 2.17's `ncclConfig_t` (size, magic, version, four ints, one pointer): NCCL
-/// copies only `size` bytes of a caller's config, so the fields it reads are the ones set below
-/// whatever struct version the bindings have.
-const CONFIG_2_17_SIZE: usize = 40;
-const _: () = assert!(std::mem::offset_of!(sys::ncclConfig_t, netName) + 8 == CONFIG_2_17_SIZE);
+fn lib() -> Result<&'static Nccl, NcclFail> {
+    nccl().map_err(|e| NcclFail::new("load", e))
+}
 
 /// `NCCL_CONFIG_INITIALIZER` as of NCCL 2.17 (every field undefined, NCCL's defaults) with
 /// `blocking = 0`.
-fn nonblocking_config() -> sys::ncclConfig_t {
-    // SAFETY: a C struct of integers and pointers, for which all-zero bytes are a valid value;
-    // NCCL reads only the first CONFIG_2_17_SIZE bytes, all set here.
-    let mut c: sys::ncclConfig_t = unsafe { std::mem::zeroed() };
-    c.size = CONFIG_2_17_SIZE;
-    c.magic = 0xcafe_beef;
-    c.version = 21700;
-    c.blocking = 0;
-    c.cgaClusterSize = i32::MIN;
-    c.minCTAs = i32::MIN;
-    c.maxCTAs = i32::MIN;
-    c.netName = std::ptr::null();
-    c
+fn nonblocking_config() -> ffi::Config {
+    ffi::Config {
+        size: std::mem::size_of::<ffi::Config>(),
+        magic: 0xcafe_beef,
+        version: 21700,
+        blocking: 0,
+        cga_cluster_size: i32::MIN,
+        min_ctas: i32::MIN,
+        max_ctas: i32::MIN,
+        net_name: std::ptr::null(),
+    }
 }
 
-fn nccl_type(dtype: candle_core::DType) -> Option<sys::ncclDataType_t> {
+fn nccl_type(dtype: candle_core::DType) -> Option<c_int> {
     use candle_core::DType as D;
-    use sys::ncclDataType_t as T;
+    use ffi::dtype as T;
     Some(match dtype {
-        D::F32 => T::ncclFloat32,
-        D::F64 => T::ncclFloat64,
-        D::F16 => T::ncclFloat16,
-        D::BF16 => T::ncclBfloat16,
-        D::I64 => T::ncclInt64,
-        D::U32 => T::ncclUint32,
-        D::U8 => T::ncclUint8,
+        D::F32 => T::FLOAT32,
+        D::F64 => T::FLOAT64,
+        D::F16 => T::FLOAT16,
+        D::BF16 => T::BFLOAT16,
+        D::I64 => T::INT64,
+        D::U32 => T::UINT32,
+        D::U8 => T::UINT8,
         _ => return None,
     })
 }
 
-fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
-    match op {
-        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
-        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
-        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+fn nccl_op(o: ReduceOp) -> c_int {
+    match o {
+        ReduceOp::Sum => ffi::op::SUM,
+        ReduceOp::Avg => ffi::op::AVG,
+        ReduceOp::Max => ffi::op::MAX,
+        ReduceOp::Min => ffi::op::MIN,
     }
 }
 
 /// A new NCCL unique id (rank 0's, handed to the others).
 pub(super) fn unique_id() -> Result<[u8; 128], NcclFail> {
-    let id = result::get_uniqueid().map_err(|e| NcclFail::of(e.0, None))?;
+    let lib = lib()?;
+    let mut id = ffi::UniqueId { internal: [0; 128] };
+    // SAFETY: `id` is a valid ncclUniqueId for NCCL to fill.
+    check(lib, unsafe { (lib.get_unique_id)(&mut id) }, None)?;
     Ok(id.internal.map(|c| c as u8))
 }
 
@@ -151,35 +167,45 @@ pub(super) struct Buffers {
     pub recv: *mut c_void,
     pub count: usize,
     pub dtype: candle_core::DType,
-    pub stream: sys::cudaStream_t,
+    pub stream: ffi::Stream,
 }
 
 /// The oldest NCCL this backend accepts: 2.27, where a non-blocking communicator's background
 /// job belongs to the communicator (before, it lived in the issuing thread's thread-local
 /// state, so calls on different communicators from different threads, the watchdog's
 /// included, could join or reset each other's jobs).
-pub(super) const MIN_NCCL: i32 = 22700;
+pub(super) const MIN_NCCL: c_int = 22700;
 
-/// Refuses an NCCL older than [`MIN_NCCL`].
-fn check_version() -> Result<(), NcclFail> {
-    let v = result::get_nccl_version().map_err(|e| NcclFail::of(e.0, None))?;
+/// Loads NCCL and refuses a version older than [`MIN_NCCL`], and blocking mode (see
+/// [`super::blocking::blocking_setting`]).
+fn check_usable() -> Result<&'static Nccl, NcclFail> {
+    let lib = lib()?;
+    if let Some(source) = super::blocking::blocking_setting() {
+        return Err(NcclFail::new(
+            "blocking",
+            format!("{source} puts NCCL communicators in blocking mode, under which a call waits inside NCCL with no timeout and no abort can reach it (a missing rank would hang the job forever); this backend refuses it: unset it or set it to 0"),
+        ));
+    }
+    let mut v: c_int = 0;
+    // SAFETY: `v` receives the version.
+    check(lib, unsafe { (lib.get_version)(&mut v) }, None)?;
     if v < MIN_NCCL {
-        return Err(NcclFail {
-            code: "version".into(),
-            detail: format!(
+        return Err(NcclFail::new(
+            "version",
+            format!(
                 "NCCL {}.{}.{} is loaded; this backend needs 2.27 or newer (non-blocking communicators with per-communicator background jobs)",
                 v / 10000,
                 v / 100 % 100,
                 v % 100
             ),
-        });
+        ));
     }
-    Ok(())
+    Ok(lib)
 }
 
 /// An NCCL communicator handle with one owner; dropping it aborts it.
 #[derive(Debug)]
-pub(super) struct RawComm(sys::ncclComm_t);
+pub(super) struct RawComm(ffi::Comm);
 
 // SAFETY: with NCCL ≥ 2.27 (checked before any communicator is made) a communicator may be used
 // from any thread, one call at a time; `RawComm` is not `Sync` and its owner keeps it behind a
@@ -190,9 +216,12 @@ impl Drop for RawComm {
     /// `ncclCommAbort`: a handle dropped on an error path (or by `abort`) stops its kernels and
     /// background work and frees it, whatever state it is in.
     fn drop(&mut self) {
-        // SAFETY: the only handle, dropped once, so no other call can overlap or follow.
-        unsafe {
-            let _ = sys::ncclCommAbort(self.0);
+        // A handle exists only once the library was loaded.
+        if let Ok(lib) = nccl() {
+            // SAFETY: the only handle, dropped once, so no other call can overlap or follow.
+            unsafe {
+                let _ = (lib.comm_abort)(self.0);
+            }
         }
     }
 }
@@ -212,55 +241,66 @@ impl RawComm {
     /// Starts the initialisation of several ranks of one communicator from this thread, one per
     /// GPU (`ctxs[i]` gets rank `ranks[i]`), in one NCCL group, as NCCL requires when one
     /// thread initialises several ranks; poll each one's [`RawComm::state`].
+    ///
+    /// A non-blocking initialisation inside a group always makes `ncclGroupEnd` return "in
+    /// progress"; a synchronous success therefore means that blocking mode is in force (from a
+    /// source [`super::blocking::blocking_setting`] could not read): the communicators are
+    /// aborted and the start refused.
     pub fn init_group(
         ctxs: &[&CudaContext],
         world: usize,
         id: &[u8; 128],
         ranks: &[usize],
     ) -> Result<Vec<Self>, NcclFail> {
-        check_version()?;
-        let internal = id.map(|b| b as std::ffi::c_char);
-        let mut handles = vec![std::ptr::null_mut(); ctxs.len()];
-        status(result::group_start(), None)?;
+        let lib = check_usable()?;
+        let id = ffi::UniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        let mut handles: Vec<ffi::Comm> = vec![std::ptr::null_mut(); ctxs.len()];
+        // SAFETY: no arguments; paired with the group end below, always reached.
+        check(lib, unsafe { (lib.group_start)() }, None)?;
         let mut first_err = None;
         for (i, ctx) in ctxs.iter().enumerate() {
             if let Err(e) = ctx.bind_to_thread().w() {
-                first_err.get_or_insert(NcclFail {
-                    code: "CUDA".into(),
-                    detail: e.to_string(),
-                });
+                first_err.get_or_insert(NcclFail::new("CUDA", e.to_string()));
                 continue;
             }
             let mut config = nonblocking_config();
             // SAFETY: `handles[i]` receives the handle; the id is 128 bytes from
             // ncclGetUniqueId; the config is a valid 2.17-layout struct that outlives the call.
             let r = unsafe {
-                sys::ncclCommInitRankConfig(
+                (lib.comm_init_rank_config)(
                     &mut handles[i],
-                    world as i32,
-                    sys::ncclUniqueId { internal },
-                    ranks[i] as i32,
+                    world as c_int,
+                    id,
+                    ranks[i] as c_int,
                     &mut config,
                 )
             };
-            if let Err(e) = check(r, None) {
+            if let Err(e) = check(lib, r, None) {
                 first_err.get_or_insert(e);
             }
         }
-        let end = status(result::group_end(), None);
+        // SAFETY: closes the group opened above.
+        let end = check(lib, unsafe { (lib.group_end)() }, None);
         let comms: Vec<Self> = handles
             .into_iter()
             .filter(|h| !h.is_null())
             .map(Self)
             .collect();
-        match first_err.or(end.err()) {
+        let err = first_err.or(end.as_ref().err().cloned()).or_else(|| {
+            (end.ok() == Some(Progress::Done)).then(|| {
+                NcclFail::new(
+                    "blocking",
+                    "NCCL completed the start-up synchronously, so its communicators are in blocking mode (NCCL_COMM_BLOCKING set where this crate does not look?), under which no timeout or abort can hold; this backend refuses it",
+                )
+            })
+        });
+        match err {
             None if comms.len() == ctxs.len() => Ok(comms),
             err => {
                 drop(comms); // aborts each
-                Err(err.unwrap_or(NcclFail {
-                    code: "init".into(),
-                    detail: "NCCL returned no communicator".into(),
-                }))
+                Err(err.unwrap_or(NcclFail::new("init", "NCCL returned no communicator")))
             }
         }
     }
@@ -268,41 +308,27 @@ impl RawComm {
     /// The communicator's state (`ncclCommGetAsyncError`): done, still working on the last
     /// call, or failed (asynchronously too: a peer that left, a network error).
     pub fn state(&self) -> Result<Progress, NcclFail> {
-        let mut raw: u32 = 0;
-        // SAFETY: a valid handle; the out-parameter is read as a plain u32 (the function's own
-        // return value is the bindings' enum, whose every value NCCL ≥ 2.27 returns here).
-        let r = unsafe {
-            sys::ncclCommGetAsyncError(self.0, (&mut raw as *mut u32).cast::<sys::ncclResult_t>())
-        };
-        check(r, Some(self))?;
-        match raw {
-            0 => Ok(Progress::Done),
-            7 => Ok(Progress::InProgress),
-            code @ 1..=6 => {
-                // SAFETY: the codes 1 to 6 are variants in every NCCL version the bindings
-                // cover (unhandled CUDA error … remote error).
-                let known = unsafe { std::mem::transmute::<u32, sys::ncclResult_t>(code) };
-                Err(NcclFail::of(known, Some(self)))
-            }
-            8 => Err(NcclFail {
-                code: "ncclTimeout".into(),
-                detail: "NCCL timed out".into(),
-            }),
-            code => Err(NcclFail {
-                code: format!("ncclResult {code}"),
-                detail: "an asynchronous NCCL error these bindings do not name".into(),
-            }),
-        }
+        let lib = lib()?;
+        let mut code: c_int = 0;
+        // SAFETY: a valid handle; the out-parameter is a C int.
+        check(
+            lib,
+            unsafe { (lib.comm_get_async_error)(self.0, &mut code) },
+            Some(self),
+        )?;
+        check(lib, code, Some(self))
     }
 
     /// This rank in the communicator and its size.
     pub fn rank_and_size(&self) -> Result<(usize, usize), NcclFail> {
-        // SAFETY: queries on a valid, initialised handle.
+        let lib = lib()?;
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: queries on a valid, initialised handle into C ints.
         unsafe {
-            let rank = result::comm_user_rank(self.0).map_err(|e| NcclFail::of(e.0, Some(self)))?;
-            let size = result::comm_count(self.0).map_err(|e| NcclFail::of(e.0, Some(self)))?;
-            Ok((rank as usize, size as usize))
+            check(lib, (lib.comm_user_rank)(self.0, &mut rank), Some(self))?;
+            check(lib, (lib.comm_count)(self.0, &mut size), Some(self))?;
         }
+        Ok((rank as usize, size as usize))
     }
 
     /// Enqueues one collective on `b.stream`.
@@ -314,58 +340,64 @@ impl RawComm {
     /// and in `recv` `count` (all-reduce, broadcast, reduce-scatter) or `count × world`
     /// (all-gather).
     pub unsafe fn enqueue(&self, what: Op, b: &Buffers) -> Result<Progress, NcclFail> {
+        let lib = lib()?;
         let Some(ty) = nccl_type(b.dtype) else {
-            return Err(NcclFail {
-                code: "dtype".into(),
-                detail: format!("NCCL has no type for {:?}", b.dtype),
-            });
+            return Err(NcclFail::new(
+                "dtype",
+                format!("NCCL has no type for {:?}", b.dtype),
+            ));
         };
         let (s, r, n, c, st) = (b.send, b.recv, b.count, self.0, b.stream);
         let code = match what {
-            Op::AllReduce(o) => sys::ncclAllReduce(s, r, n, ty, nccl_op(o), c, st),
-            Op::ReduceScatter(o) => sys::ncclReduceScatter(s, r, n, ty, nccl_op(o), c, st),
-            Op::AllGather => sys::ncclAllGather(s, r, n, ty, c, st),
-            Op::Broadcast(root) => sys::ncclBroadcast(s, r, n, ty, root as i32, c, st),
+            Op::AllReduce(o) => (lib.all_reduce)(s, r, n, ty, nccl_op(o), c, st),
+            Op::ReduceScatter(o) => (lib.reduce_scatter)(s, r, n, ty, nccl_op(o), c, st),
+            Op::AllGather => (lib.all_gather)(s, r, n, ty, c, st),
+            Op::Broadcast(root) => (lib.broadcast)(s, r, n, ty, root as c_int, c, st),
             Op::Barrier | Op::Split => {
-                return Err(NcclFail {
-                    code: "op".into(),
-                    detail: format!("{what} is not a collective NCCL enqueues"),
-                })
+                return Err(NcclFail::new(
+                    "op",
+                    format!("{what} is not a collective NCCL enqueues"),
+                ))
             }
         };
-        check(code, Some(self))
+        check(lib, code, Some(self))
     }
 
     /// Starts `ncclCommSplit` (the child inherits non-blocking mode). NCCL fills the returned
     /// slot when the split is done: poll this (the parent's) state, then take the child with
     /// [`Split::child`]. `color` -1 is NCCL_SPLIT_NOCOLOR.
     pub fn split(&self, color: i32, key: i32) -> Result<Split, NcclFail> {
-        let mut slot = Box::new(std::ptr::null_mut());
-        // SAFETY: a valid, ready parent; the slot is on the heap, so its address stays fixed
-        // while NCCL's background job may write it: the `Split` keeps it until the parent's
-        // state is done (NCCL stores the child before it publishes the parent's result) or the
-        // parent is aborted on this thread (which ends the job); a null config asks for the
-        // parent's.
-        let r = unsafe { sys::ncclCommSplit(self.0, color, key, &mut *slot, std::ptr::null_mut()) };
-        check(r, Some(self))?;
+        let lib = lib()?;
+        let slot = Box::new(AtomicPtr::new(std::ptr::null_mut()));
+        // SAFETY: a valid, ready parent. The slot is an atomic on the heap, whose address
+        // (`as_ptr`, derived once here and never from a moved `Box`) stays fixed while NCCL's
+        // background job may write it: the `Split` keeps the box until the parent's state is
+        // done (NCCL stores the child before it publishes the parent's result) or the parent is
+        // aborted (which ends the job). A null config asks for the parent's.
+        let r =
+            unsafe { (lib.comm_split)(self.0, color, key, slot.as_ptr(), std::ptr::null_mut()) };
+        check(lib, r, Some(self))?;
         Ok(Split { slot })
     }
 
     /// Starts `ncclCommFinalize` (flushes the queued collectives); poll the state, then
     /// [`RawComm::destroy`] when it is done, or [`RawComm::abort`].
     pub fn finalize(&self) -> Result<Progress, NcclFail> {
+        let lib = lib()?;
         // SAFETY: a valid handle, finalized at most once (its owner drops it right after).
-        check(unsafe { sys::ncclCommFinalize(self.0) }, Some(self))
+        check(lib, unsafe { (lib.comm_finalize)(self.0) }, Some(self))
     }
 
     /// `ncclCommDestroy`: frees a finalized communicator whose state is done (local, no wait).
     pub fn destroy(self) {
         let handle = self.0;
         std::mem::forget(self);
-        // SAFETY: the only handle, taken out of its owner (which is not dropped, so not also
-        // aborted); finalized and done (the caller's contract).
-        unsafe {
-            let _ = sys::ncclCommDestroy(handle);
+        if let Ok(lib) = nccl() {
+            // SAFETY: the only handle, taken out of its owner (which is not dropped, so not
+            // also aborted); finalized and done (the caller's contract).
+            unsafe {
+                let _ = (lib.comm_destroy)(handle);
+            }
         }
     }
 
@@ -376,15 +408,15 @@ impl RawComm {
     }
 }
 
-/// A split in progress: the slot NCCL writes the child's handle into.
+/// A split in progress: the slot NCCL writes the child's handle into, from its own thread.
 pub(super) struct Split {
-    slot: Box<sys::ncclComm_t>,
+    slot: Box<AtomicPtr<c_void>>,
 }
 
 impl Split {
     /// The child, once the parent's state is done: `None` for a rank that passed no color.
     pub fn child(self) -> Option<RawComm> {
-        let h = *self.slot;
+        let h = self.slot.load(Ordering::Acquire);
         (!h.is_null()).then_some(RawComm(h))
     }
 }

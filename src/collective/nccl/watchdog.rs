@@ -206,7 +206,17 @@ impl Watch {
     }
 
     /// Records a collective enqueued on a stream, by the event recorded after it.
+    ///
+    /// When the communicator was aborted between the NCCL call and this record (an
+    /// asynchronous error the watchdog saw meanwhile), `mark` could not count the collective
+    /// among the unconfirmed ones: it is counted lost here. `broken` is taken first, as in
+    /// `mark`, so that one of the two always sees the other.
     pub fn track(&self, event: CudaEvent, op: &'static str) {
+        let broken = lock(&self.broken);
+        if broken.is_some() {
+            *lock(&self.lost) = true;
+            return;
+        }
         lock(&self.pending).push_back((event, Instant::now(), op));
     }
 
@@ -214,8 +224,9 @@ impl Watch {
     /// communicator), then the enqueued collectives: completed ones are dropped, the oldest
     /// overdue one or a CUDA error aborts.
     fn check(&self, ctx: &CudaContext) {
+        // Aborted (its pending list already judged by `mark`) or closing (judged by
+        // `finish_close`).
         if self.broken().is_some() {
-            lock(&self.pending).clear();
             return;
         }
         let failed = match self.comm.try_lock() {
@@ -260,15 +271,37 @@ impl Watch {
         }
     }
 
-    /// Starts closing: marks the communicator closed and starts `ncclCommFinalize`, which
-    /// flushes its queued collectives. `None` when it was aborted or already closed.
-    pub fn begin_close(&self) -> Option<(RawComm, Result<Progress, NcclFail>)> {
+    /// Starts closing: marks the communicator closed (later calls fail) and starts
+    /// `ncclCommFinalize`, which flushes its queued collectives: whether they were lost is
+    /// decided by [`finish_close`], by how the finalize ends. `None` when it was aborted or
+    /// already closed.
+    pub fn begin_close(self: &Arc<Self>) -> Option<Closing> {
         let mut guard = lock(&self.comm);
-        self.mark("the communicator was dropped".into());
+        lock(&self.broken).get_or_insert_with(|| "the communicator was dropped".into());
         let comm = guard.take()?;
         let started = comm.finalize();
-        Some((comm, started))
+        Some(Closing {
+            watch: self.clone(),
+            comm,
+            started,
+        })
     }
+
+    /// The close ends in an abort: collectives still unconfirmed may never have run.
+    fn lose_pending(&self) {
+        let mut pending = lock(&self.pending);
+        if !pending.is_empty() {
+            *lock(&self.lost) = true;
+        }
+        pending.clear();
+    }
+}
+
+/// A communicator whose finalize was started by [`Watch::begin_close`].
+pub(super) struct Closing {
+    watch: Arc<Watch>,
+    comm: RawComm,
+    started: Result<Progress, NcclFail>,
 }
 
 /// Polls communicators that are starting (`ncclCommInitRankConfig`, several of one NCCL group
@@ -310,24 +343,32 @@ pub(super) fn wait_ready(
 
 /// Finishes closing communicators started by [`Watch::begin_close`] (all of one node's, for
 /// a group driven by one thread): polls each until its finalize is done, within `timeout`,
-/// then destroys it; one that fails or is still busy at the deadline (queued work a departed
-/// peer will never join) is aborted instead, so a drop never hangs.
-pub(super) fn finish_close(closing: Vec<(RawComm, Result<Progress, NcclFail>)>, timeout: Duration) {
+/// then destroys it (its collectives all ran: a `Pending` that outlives it completes); one
+/// that fails or is still busy at the deadline (queued work a departed peer will never join) is
+/// aborted instead, its unconfirmed collectives counted lost, so a drop never hangs.
+pub(super) fn finish_close(closing: Vec<Closing>, timeout: Duration) {
     let deadline = Instant::now() + timeout;
-    let mut busy: Vec<RawComm> = Vec::new();
-    for (comm, started) in closing {
-        match started {
-            Ok(_) => busy.push(comm),
-            Err(_) => comm.abort(),
+    let abort = |c: Closing| {
+        c.watch.lose_pending();
+        c.comm.abort();
+    };
+    let mut busy: Vec<Closing> = Vec::new();
+    for c in closing {
+        match c.started {
+            Ok(_) => busy.push(c),
+            Err(_) => abort(c),
         }
     }
     while !busy.is_empty() {
         let mut still = Vec::new();
-        for comm in busy {
-            match comm.state() {
-                Ok(Progress::Done) => comm.destroy(),
-                Ok(Progress::InProgress) if Instant::now() < deadline => still.push(comm),
-                _ => comm.abort(),
+        for c in busy {
+            match c.comm.state() {
+                Ok(Progress::Done) => {
+                    lock(&c.watch.pending).clear();
+                    c.comm.destroy();
+                }
+                Ok(Progress::InProgress) if Instant::now() < deadline => still.push(c),
+                _ => abort(c),
             }
         }
         busy = still;
