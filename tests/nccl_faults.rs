@@ -132,49 +132,54 @@ struct Seen {
     took: Duration,
 }
 
-/// Two ranks of SyncBatchNorm over NCCL: one good training step (collective #0), then the
-/// step whose all-reduce (#1) the injected fault hits, then one more step, which must fail.
+/// One rank of SyncBatchNorm over NCCL: one good training step (collective #0; `after_good`
+/// runs once its output is read), then the step whose all-reduce (#1) the fault hits, then one
+/// more step, which must fail.
+fn layer_steps(comm: Arc<NcclCollective>, after_good: impl Fn(usize)) -> Result<Seen> {
+    let dev = comm.device();
+    let vb = VarBuilder::from_varmap(&VarMap::new(), DType::F32, &dev);
+    let bn = sync_batch_norm(
+        3,
+        SyncBatchNormConfig::default(),
+        vb,
+        comm.clone() as Arc<dyn Collective>,
+    )?;
+    let x = |seed| {
+        randn(seed, &[4, 3, 2, 2], 1.0, 2.0)
+            .to_dtype(DType::F32)?
+            .to_device(&dev)
+    };
+    let stats = || -> Result<Vec<f32>> {
+        let mut v = bn.running_mean().unwrap().to_vec1::<f32>()?;
+        v.extend(bn.running_var().unwrap().to_vec1::<f32>()?);
+        Ok(v)
+    };
+    bn.forward_t(&x(1 + comm.rank() as u64)?, true)?;
+    let good = stats()?;
+    after_good(comm.rank());
+    let t0 = Instant::now();
+    // The faulted step: enqueued without error, or refused at once.
+    if let Ok(y) = bn.forward_t(&x(10)?, true) {
+        // Waits for the stream, which the watchdog's abort frees.
+        let _ = y.to_device(&Device::Cpu);
+    }
+    let err = match bn.forward_t(&x(20)?, true) {
+        Err(e) => format!("{e:#}"),
+        Ok(_) => "no error".into(),
+    };
+    Ok(Seen {
+        good,
+        end: stats()?,
+        batches: bn.num_batches_tracked(),
+        err,
+        took: t0.elapsed(),
+    })
+}
+
+/// [`layer_steps`] on two thread ranks.
 fn layer_through_a_fault() -> Vec<Seen> {
     let comms = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
-    on_ranks(comms, |comm| {
-        let dev = comm.device();
-        let vb = VarBuilder::from_varmap(&VarMap::new(), DType::F32, &dev);
-        let bn = sync_batch_norm(
-            3,
-            SyncBatchNormConfig::default(),
-            vb,
-            comm.clone() as Arc<dyn Collective>,
-        )?;
-        let x = |seed| {
-            randn(seed, &[4, 3, 2, 2], 1.0, 2.0)
-                .to_dtype(DType::F32)?
-                .to_device(&dev)
-        };
-        let stats = || -> Result<Vec<f32>> {
-            let mut v = bn.running_mean().unwrap().to_vec1::<f32>()?;
-            v.extend(bn.running_var().unwrap().to_vec1::<f32>()?);
-            Ok(v)
-        };
-        bn.forward_t(&x(1 + comm.rank() as u64)?, true)?;
-        let good = stats()?;
-        let t0 = Instant::now();
-        // The faulted step: enqueued without error, or refused at once.
-        if let Ok(y) = bn.forward_t(&x(10)?, true) {
-            // Waits for the stream, which the watchdog's abort frees.
-            let _ = y.to_device(&Device::Cpu);
-        }
-        let err = match bn.forward_t(&x(20)?, true) {
-            Err(e) => format!("{e:#}"),
-            Ok(_) => "no error".into(),
-        };
-        Ok(Seen {
-            good,
-            end: stats()?,
-            batches: bn.num_batches_tracked(),
-            err,
-            took: t0.elapsed(),
-        })
-    })
+    on_ranks(comms, |comm| layer_steps(comm, |_| {}))
 }
 
 /// The assertions shared by every fault a layer step meets.
@@ -440,4 +445,186 @@ fn an_unknown_return_code_is_an_error() {
             LIMIT,
         );
     }
+}
+
+// ------------------------------------------------------------------ ranks as processes
+
+/// Runs the ignored test `name` as `n` processes, one rank each, launched the way torchrun
+/// launches them (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`; the
+/// standalone bootstrap hands NCCL's id over TCP), each on its own GPU; kills them all and
+/// fails past `limit`. Returns each rank's exit status and output.
+fn as_processes(
+    name: &str,
+    n: usize,
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> Option<Vec<(std::process::ExitStatus, String)>> {
+    if !simulated() {
+        eprintln!("{name}: skipped, runs on the simulated NCCL (a machine with {n} GPUs could run it too)");
+        return None;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let job = format!("nccl-processes-{}-{port}", std::process::id());
+    let mut kids = Vec::new();
+    for rank in 0..n {
+        let log = std::env::temp_dir().join(format!("{job}-{rank}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            name,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(CHILD, "1")
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("CANDLE_DISTRIBUTED_JOB_ID", &job)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().unwrap())
+        .stderr(file);
+        kids.push((cmd.spawn().unwrap(), log));
+    }
+    let t0 = Instant::now();
+    let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; n];
+    while status.iter().any(Option::is_none) && t0.elapsed() < limit {
+        for (i, (kid, _)) in kids.iter_mut().enumerate() {
+            if status[i].is_none() {
+                status[i] = kid.try_wait().unwrap();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut out = Vec::new();
+    for ((mut kid, log), st) in kids.into_iter().zip(status) {
+        let st = st.unwrap_or_else(|| {
+            let _ = kid.kill();
+            kid.wait().unwrap()
+        });
+        let text = String::from_utf8_lossy(&std::fs::read(&log).unwrap()).into_owned();
+        let _ = std::fs::remove_file(&log);
+        out.push((st, text));
+    }
+    assert!(
+        t0.elapsed() < limit,
+        "{name}: the ranks hung, killed after {limit:?}:\n{out:#?}"
+    );
+    Some(out)
+}
+
+#[test]
+#[ignore = "run by the process tests, as one rank of several processes"]
+fn child_process_rank() {
+    if !is_child() {
+        return;
+    }
+    let c = NcclCollective::from_env_with_timeout(TIMEOUT).unwrap();
+    let (r, n) = (c.rank(), c.world_size());
+    let dev = c.device();
+    let rf = r as f32;
+    let t = Tensor::new(&[rf + 1.0, -rf], &dev).unwrap();
+    let nf = n as f32;
+    assert_eq!(
+        c.all_reduce(&t, ReduceOp::Sum)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
+        vec![nf * (nf + 1.0) / 2.0, -nf * (nf - 1.0) / 2.0]
+    );
+    let rows = Tensor::full(rf, (r % 3, 2), &Device::Cpu)
+        .unwrap()
+        .to_device(&dev)
+        .unwrap();
+    let gathered = c
+        .all_gather(&rows)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    assert_eq!(gathered.dims(), [(0..n).map(|q| q % 3).sum::<usize>(), 2]);
+    let b = c
+        .broadcast(&Tensor::new(&[rf * 3.0], &dev).unwrap(), n - 1)
+        .unwrap();
+    assert_eq!(b.to_vec1::<f32>().unwrap(), vec![(n - 1) as f32 * 3.0]);
+    let sub = c.split(Some((r % 2) as u32), r as u32).unwrap().unwrap();
+    let ones = Tensor::new(&[1f32], &dev).unwrap();
+    let size = sub
+        .all_reduce(&ones, ReduceOp::Sum)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()[0];
+    assert_eq!(size, (0..n).filter(|q| q % 2 == r % 2).count() as f32);
+    c.barrier().unwrap();
+    println!("rank {r} of {n}: collectives checked");
+}
+
+/// Four processes, one simulated GPU each: the collectives and a split, checked on every rank.
+#[test]
+fn ranks_as_processes() {
+    let Some(out) = as_processes("child_process_rank", 4, &[], Duration::from_secs(120)) else {
+        return;
+    };
+    for (rank, (st, text)) in out.iter().enumerate() {
+        assert!(
+            st.success() && text.contains("collectives checked"),
+            "rank {rank}: {st}\n{text}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "run by the process tests, as one rank of several processes"]
+fn child_process_rank_whose_peer_is_killed() {
+    if !is_child() {
+        return;
+    }
+    let c = NcclCollective::from_env_with_timeout(TIMEOUT).unwrap();
+    let seen = layer_steps(c, |rank| {
+        if rank == 1 {
+            // SIGKILL: no destructor, no NCCL call, the process just disappears.
+            let me = std::process::id().to_string();
+            let _ = Command::new("kill").args(["-9", &me]).status();
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    })
+    .unwrap();
+    assert_rolled_back(std::slice::from_ref(&seen));
+    println!("rank 0: {} after {:?}", seen.err, seen.took);
+}
+
+/// Two processes; rank 1 is killed (SIGKILL) after a good step. Rank 0 gets an error within
+/// the timeout (the simulated NCCL reports the departed process as NCCL's socket transport
+/// does, `ncclRemoteError`) and its layer keeps the good step's state.
+#[test]
+fn a_peer_process_that_is_killed() {
+    let Some(out) = as_processes(
+        "child_process_rank_whose_peer_is_killed",
+        2,
+        &[],
+        Duration::from_secs(60),
+    ) else {
+        return;
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out[1].0.signal(),
+        Some(9),
+        "rank 1 was to be killed:\n{}",
+        out[1].1
+    );
+    assert!(
+        out[0].0.success() && out[0].1.contains("rank 0: "),
+        "rank 0: {}\n{}",
+        out[0].0,
+        out[0].1
+    );
 }

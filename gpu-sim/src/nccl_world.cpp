@@ -222,7 +222,7 @@ bool wait_until(Comm* c, const std::function<bool()>& cond, bool task) {
                     set_async(c, ncclRemoteError,
                               "rank " + std::to_string(p) + " (process " +
                                   std::to_string(s.pid.load()) + ") exited");
-                    return false;
+                    if (!task) return false;
                 }
             }
         }
