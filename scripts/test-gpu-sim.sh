@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU half on simulated GPUs (gpu-sim/README.md), no GPU needed: the simulator's
 # self-tests, then every `cuda::` test variant, tests/cuda.rs, the launch counts of
-# tests/gpu_counts.rs, the cuda_startup example and the
-# ResNet example on `--device cuda` (4 thread ranks on one simulated GPU) with its `--check`.
+# tests/gpu_counts.rs, tests/nccl.rs and tests/nccl_faults.rs (the simulated NCCL), the
+# cuda_startup example, the ResNet example on `--device cuda` (4 thread ranks on one simulated
+# GPU) with its `--check`, and the README's NCCL commands at tiny sizes: `--backend nccl
+# --world-size 4 --check` and `torchrun --nproc_per_node 2` (torchrun from TORCH_VENV).
 # Builds the simulator and the cuda,nccl binaries in target/cuda with the flags of
 # scripts/check-cuda.sh (so that CI builds them once). GPU_SIM_DEVICES sets the number of
 # simulated GPUs (default 4).
@@ -41,6 +43,9 @@ cargo test --features $features --tests -q -- cuda:: --skip cuda::torchvision_mo
 echo "-- tests/cuda.rs and tests/gpu_counts.rs, on simulated GPUs"
 cargo test --features $features --test cuda --test gpu_counts -q
 
+echo "-- tests/nccl.rs and tests/nccl_faults.rs on 4 simulated GPUs and the simulated NCCL"
+GPU_SIM_DEVICES=4 cargo test --features $features --test nccl --test nccl_faults -q
+
 echo "-- examples/cuda_startup, on a simulated GPU"
 cargo run --features $features -q --example cuda_startup
 
@@ -51,5 +56,27 @@ tiny=(--device cuda --world-size 4 --image-size 8 --train-size 64 --val-size 32 
 cargo run --features $features -q --example resnet -- "${tiny[@]}" --epochs 1 --out-dir "$resnet_out"
 cargo run --features $features -q --example resnet -- "${tiny[@]}" --check --check-steps 2 \
     --out-dir "$resnet_out/check"
+
+echo "-- the README's NCCL commands, tiny: --backend nccl --world-size 4 --check, then torchrun"
+small=(--image-size 8 --train-size 64 --val-size 32 --batch-size 16)
+GPU_SIM_DEVICES=4 cargo run --features $features -q --example resnet -- --backend nccl \
+    --world-size 4 "${small[@]}" --check --check-steps 2 --out-dir "$resnet_out/nccl-check"
+# torchrun from the PyTorch that scripts/test-torch.sh installs (TORCH_VENV); only the ranks
+# get the simulated libraries (PyTorch's own CUDA build would otherwise load them).
+torchrun="${TORCH_VENV:-.venv-torch}/bin/torchrun"
+if [ -x "$torchrun" ]; then
+    torchrun=$(realpath "$torchrun")
+    resnet=$(realpath "$CARGO_TARGET_DIR/debug/examples/resnet")
+    summary=$(cd "$resnet_out" && LD_LIBRARY_PATH= "$torchrun" --nproc_per_node 2 --no-python \
+        env LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$resnet" --backend nccl "${small[@]}" \
+        --epochs 1 --out-dir "$resnet_out/torchrun" | tail -1)
+    echo "$summary"
+    grep -q '"world_size":2' <<<"$summary" || { echo "FAIL: torchrun's run did not report 2 ranks"; exit 1; }
+elif [ -n "${GPU_SIM_SKIP_TORCHRUN:-}" ]; then
+    echo "torchrun: skipped (GPU_SIM_SKIP_TORCHRUN set)"
+else
+    echo "FAIL: no torchrun at $torchrun: run scripts/test-torch.sh first (or set GPU_SIM_SKIP_TORCHRUN=1)"
+    exit 1
+fi
 
 echo "-- the simulated GPU suites took $((SECONDS - started)) s"
