@@ -28,6 +28,7 @@ GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/p
 "$out/bin/blas_ref"
 "$out/bin/rand_ref"
 "$out/bin/blas_sim"
+"$out/bin/nccl_selftest"
 
 echo "-- the executor's rate on a barrier-free kernel (for the record, not a test)"
 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx" bench

@@ -1,0 +1,362 @@
+// The simulated NCCL's own tests: each follows a rule of nccl.h or NCCL's user guide that the
+// simulation must model, or plants a defect it must catch, and checks the outcome through the
+// NCCL and driver APIs. Run by scripts/test-gpu-sim.sh with the simulated libraries first on
+// LD_LIBRARY_PATH.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_types.h"
+#include "gpusim.h"
+
+extern "C" {
+CUresult cuInit(unsigned);
+CUresult cuDevicePrimaryCtxRetain(CUcontext*, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuMemAlloc_v2(CUdeviceptr*, size_t);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void*, size_t, CUstream);
+CUresult cuMemcpyDtoHAsync_v2(void*, CUdeviceptr, size_t, CUstream);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+CUresult cuStreamCreate(CUstream*, unsigned);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuStreamQuery(CUstream);
+
+struct ncclUniqueId {
+    char internal[128];
+};
+struct ncclConfig {
+    size_t size;
+    unsigned magic, version;
+    int blocking, cga, min_ctas, max_ctas;
+    const char* net_name;
+};
+typedef void* ncclComm_t;
+int ncclGetVersion(int*);
+int ncclGetUniqueId(ncclUniqueId*);
+int ncclCommInitRankConfig(ncclComm_t*, int, ncclUniqueId, int, ncclConfig*);
+int ncclGroupStart();
+int ncclGroupEnd();
+int ncclCommGetAsyncError(ncclComm_t, int*);
+int ncclAllReduce(const void*, void*, size_t, int, int, ncclComm_t, CUstream);
+int ncclAllGather(const void*, void*, size_t, int, ncclComm_t, CUstream);
+int ncclReduceScatter(const void*, void*, size_t, int, int, ncclComm_t, CUstream);
+int ncclBroadcast(const void*, void*, size_t, int, int, ncclComm_t, CUstream);
+int ncclCommSplit(ncclComm_t, int, int, ncclComm_t*, ncclConfig*);
+int ncclCommFinalize(ncclComm_t);
+int ncclCommDestroy(ncclComm_t);
+int ncclCommAbort(ncclComm_t);
+int ncclCommCount(ncclComm_t, int*);
+}
+
+namespace {
+
+constexpr int kSuccess = 0, kInvalidArgument = 4, kInvalidUsage = 5, kRemoteError = 6,
+              kInProgress = 7, kFloat32 = 7, kInt32 = 2, kSum = 0, kMax = 2;
+
+#define EXPECT(cond, ...)                            \
+    do {                                             \
+        if (!(cond)) {                               \
+            std::printf("    expected %s: ", #cond); \
+            std::printf(__VA_ARGS__);                \
+            std::printf("\n");                       \
+            return false;                            \
+        }                                            \
+    } while (0)
+
+void bind(int device) {
+    CUcontext c;
+    cuDevicePrimaryCtxRetain(&c, device);
+    cuCtxSetCurrent(c);
+}
+
+ncclConfig nonblocking() { return {40, 0xcafebeef, 21700, 0, INT_MIN, INT_MIN, INT_MIN, nullptr}; }
+
+// Polls until the communicator's state is no longer "in progress", for at most `ms`.
+int settle(ncclComm_t c, int ms = 5000) {
+    int s = kInProgress;
+    auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (ncclCommGetAsyncError(c, &s) == kSuccess && s == kInProgress &&
+           std::chrono::steady_clock::now() < end)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return s;
+}
+
+// `n` ranks on devices 0..n-1, initialised in one group from this thread.
+std::vector<ncclComm_t> group(int n) {
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    std::vector<ncclComm_t> comms(n);
+    ncclGroupStart();
+    for (int r = 0; r < n; ++r) {
+        bind(r);
+        ncclConfig cfg = nonblocking();
+        ncclCommInitRankConfig(&comms[r], n, id, r, &cfg);
+    }
+    int end = ncclGroupEnd();
+    if (end != kInProgress) std::printf("    ncclGroupEnd returned %d, not in progress\n", end);
+    for (auto c : comms) settle(c);
+    return comms;
+}
+
+CUdeviceptr upload(const std::vector<float>& v) {
+    CUdeviceptr p;
+    cuMemAlloc_v2(&p, v.size() * 4);
+    cuMemcpyHtoDAsync_v2(p, v.data(), v.size() * 4, nullptr);  // pageable: synchronous
+    return p;
+}
+
+std::vector<float> download(CUdeviceptr p, size_t n) {
+    std::vector<float> v(n);
+    cuMemcpyDtoHAsync_v2(v.data(), p, n * 4, nullptr);  // pageable: synchronous
+    return v;
+}
+
+// Each rank's thread: binds its device, runs `f(rank)`.
+void on_ranks(int n, const std::function<void(int)>& f) {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < n; ++r) ts.emplace_back([r, &f] {
+        bind(r);
+        f(r);
+    });
+    for (auto& t : ts) t.join();
+}
+
+// ------------------------------------------------------------------------------- the rules
+bool a_nonblocking_group_init_is_in_progress_then_ready() {
+    int v = 0;
+    EXPECT(ncclGetVersion(&v) == kSuccess && v >= 22700, "version %d", v);
+    auto comms = group(2);
+    for (auto c : comms) {
+        int s = -1, n = 0;
+        EXPECT(ncclCommGetAsyncError(c, &s) == kSuccess && s == kSuccess, "state %d", s);
+        EXPECT(ncclCommCount(c, &n) == kSuccess && n == 2, "count %d", n);
+        ncclCommAbort(c);
+    }
+    return true;
+}
+
+bool collectives_compute_across_ranks() {
+    auto comms = group(3);
+    std::vector<std::vector<float>> sum(3), max(3), gath(3), scat(3), bc(3);
+    on_ranks(3, [&](int r) {
+        CUstream s;
+        cuStreamCreate(&s, 0);
+        float x = float(r + 1);
+        CUdeviceptr in = upload({x, -x}), out = upload({0, 0}), all = upload(std::vector<float>(6));
+        CUdeviceptr six = upload({1, 2, 3, 4, 5, 6}), one = upload({0, 0}), b = upload({x * 10});
+        ncclAllReduce((void*)in, (void*)out, 2, kFloat32, kSum, comms[r], s);
+        settle(comms[r]);  // the first collective may return "in progress" (connection set-up)
+        sum[r] = (cuStreamSynchronize(s), download(out, 2));
+        ncclAllReduce((void*)in, (void*)out, 2, kFloat32, kMax, comms[r], s);
+        ncclAllGather((void*)in, (void*)all, 2, kFloat32, comms[r], s);
+        ncclReduceScatter((void*)six, (void*)one, 2, kFloat32, kSum, comms[r], s);
+        ncclBroadcast((void*)b, (void*)b, 1, kFloat32, 2, comms[r], s);
+        cuStreamSynchronize(s);
+        max[r] = download(out, 2), gath[r] = download(all, 6), scat[r] = download(one, 2);
+        bc[r] = download(b, 1);
+    });
+    for (int r = 0; r < 3; ++r) {
+        EXPECT(sum[r] == std::vector<float>({6, -6}), "rank %d sum %g %g", r, sum[r][0], sum[r][1]);
+        EXPECT(max[r] == std::vector<float>({3, -1}), "rank %d max", r);
+        EXPECT(gath[r] == std::vector<float>({1, -1, 2, -2, 3, -3}), "rank %d all-gather", r);
+        EXPECT(scat[r] == std::vector<float>({3.f * (2 * r + 1), 3.f * (2 * r + 2)}), "rank %d reduce-scatter", r);
+        EXPECT(bc[r] == std::vector<float>({30}), "rank %d broadcast", r);
+    }
+    for (auto c : comms) ncclCommAbort(c);
+    return true;
+}
+
+// ----------------------------------------------------------------------- planted defects
+bool a_call_before_init_completes_is_misuse() {
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    bind(0);
+    ncclComm_t c;
+    ncclConfig cfg = nonblocking();
+    EXPECT(ncclCommInitRankConfig(&c, 2, id, 0, &cfg) == kInProgress, "in progress");
+    CUdeviceptr p = upload({1});
+    int r = ncclAllReduce((void*)p, (void*)p, 1, kFloat32, kSum, c, nullptr);
+    EXPECT(r == kInvalidUsage, "a collective while the init is in progress: got %d", r);
+    EXPECT(settle(c, 100) == kInProgress, "the missing peer keeps it in progress");
+    EXPECT(ncclCommAbort(c) == kSuccess, "abort in any state");
+    return true;
+}
+
+bool a_buffer_too_small_or_on_another_device_is_refused() {
+    auto comms = group(2);
+    bind(0);
+    CUdeviceptr small = upload({1, 2, 3});
+    int r = ncclAllGather((void*)small, (void*)small, 2, kFloat32, comms[0], nullptr);
+    EXPECT(r == kInvalidArgument, "a receive buffer of 3 floats for 2x2: got %d", r);
+    bind(1);
+    CUdeviceptr other = upload({1, 2});
+    bind(0);
+    r = ncclAllReduce((void*)other, (void*)small, 2, kFloat32, kSum, comms[0], nullptr);
+    EXPECT(r == kInvalidArgument, "a send buffer on device 1 for rank 0's device 0: got %d", r);
+    for (auto c : comms) ncclCommAbort(c);
+    return true;
+}
+
+bool a_missing_peer_blocks_the_stream_until_abort() {
+    auto comms = group(2);
+    bind(0);
+    CUstream s;
+    cuStreamCreate(&s, 0);
+    CUdeviceptr in = upload({5}), out = upload({-7});
+    ncclAllReduce((void*)in, (void*)out, 1, kInt32, kSum, comms[0], s);
+    settle(comms[0]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT(cuStreamQuery(s) == CUDA_ERROR_NOT_READY, "the stream waits for rank 1");
+    EXPECT(ncclCommAbort(comms[0]) == kSuccess, "abort");
+    EXPECT(cuStreamSynchronize(s) == CUDA_SUCCESS, "the abort frees the stream");
+    EXPECT(download(out, 1) == std::vector<float>({-7}), "the aborted collective wrote nothing");
+    ncclCommAbort(comms[1]);
+    return true;
+}
+
+bool an_unordered_read_of_the_output_is_a_race() {
+    auto comms = group(1);
+    bind(0);
+    CUstream a, b;
+    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
+    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr in = upload({1}), out = upload({0}), copy = upload({0});
+    cuStreamSynchronize(nullptr);  // the uploads happen before everything below
+    auto races = gpusim_races();
+    int nr = ncclAllReduce((void*)in, (void*)out, 1, kFloat32, kSum, comms[0], a);
+    EXPECT(nr == kSuccess || nr == kInProgress, "the all-reduce is ordered after the uploads: %d", nr);
+    settle(comms[0]);
+    CUresult r = cuMemcpyDtoDAsync_v2(copy, out, 4, b);
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED && gpusim_races() == races + 1,
+           "reading the all-reduce's output on another stream without an event is a race (got %d)", r);
+    ncclCommAbort(comms[0]);
+    return true;
+}
+
+bool finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle() {
+    auto comms = group(2);
+    EXPECT(ncclCommFinalize(comms[0]) == kInProgress, "finalize is asynchronous");
+    EXPECT(settle(comms[0], 100) == kInProgress, "rank 1 has not finalized: still in progress");
+    ncclCommFinalize(comms[1]);
+    EXPECT(settle(comms[0]) == kSuccess && settle(comms[1]) == kSuccess, "both done");
+    for (auto c : comms) EXPECT(ncclCommDestroy(c) == kSuccess, "destroy");
+    int s;
+    EXPECT(ncclCommGetAsyncError(comms[0], &s) == kInvalidArgument, "a destroyed handle is refused");
+    return true;
+}
+
+bool two_threads_in_one_communicator_is_misuse() {
+    auto comms = group(2);
+    bind(0);
+    std::atomic<int> misuse{0};
+    CUdeviceptr a = upload({1}), b = upload({1});
+    // The first collective sets up connections ("in progress"): settled before the race.
+    ncclAllReduce((void*)a, (void*)b, 1, kFloat32, kSum, comms[0], nullptr);
+    settle(comms[0]);
+    std::vector<std::thread> ts;
+    // Two threads call until one of them is refused (calls take microseconds: thousands of
+    // tries overlap on any machine with two cores), or give up after 20000 each.
+    for (int t = 0; t < 2; ++t) ts.emplace_back([&] {
+        bind(0);
+        for (int i = 0; i < 20000 && misuse == 0; ++i) {
+            int r = ncclAllReduce((void*)a, (void*)b, 1, kFloat32, kSum, comms[0], nullptr);
+            misuse += r == kInvalidUsage;
+        }
+    });
+    for (auto& t : ts) t.join();
+    EXPECT(misuse > 0, "concurrent calls on one communicator were reported");
+    for (auto c : comms) ncclCommAbort(c);
+    return true;
+}
+
+bool split_orders_by_key_and_nocolor_gets_none() {
+    auto comms = group(3);
+    std::vector<ncclComm_t> kids(3, (ncclComm_t)1);
+    on_ranks(3, [&](int r) {
+        ncclCommSplit(comms[r], r == 0 ? -1 : 5, 10 - r, &kids[r], nullptr);
+        settle(comms[r]);
+    });
+    EXPECT(kids[0] == nullptr, "NCCL_SPLIT_NOCOLOR gives no communicator");
+    int n = 0;
+    EXPECT(kids[1] && ncclCommCount(kids[1], &n) == kSuccess && n == 2, "a child of 2");
+    for (auto c : kids)
+        if (c) ncclCommAbort(c);
+    for (auto c : comms) ncclCommAbort(c);
+    return true;
+}
+
+bool a_killed_peer_process_is_a_remote_error() {
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    pid_t kid = fork();
+    if (kid == 0) {  // rank 1: arrives, then dies without a word
+        bind(1);
+        ncclComm_t c;
+        ncclConfig cfg = nonblocking();
+        ncclCommInitRankConfig(&c, 2, id, 1, &cfg);
+        settle(c);
+        kill(getpid(), SIGKILL);
+    }
+    bind(0);
+    ncclComm_t c;
+    ncclConfig cfg = nonblocking();
+    ncclCommInitRankConfig(&c, 2, id, 0, &cfg);
+    EXPECT(settle(c) == kSuccess, "both processes arrived");
+    int status;
+    waitpid(kid, &status, 0);
+    CUstream s;
+    cuStreamCreate(&s, 0);
+    CUdeviceptr p = upload({1});
+    ncclAllReduce((void*)p, (void*)p, 1, kFloat32, kSum, c, s);
+    int state = settle(c, 100);
+    for (int i = 0; i < 100 && state != kRemoteError; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        ncclCommGetAsyncError(c, &state);
+    }
+    EXPECT(state == kRemoteError, "the departed process is reported (state %d)", state);
+    EXPECT(cuStreamQuery(s) == CUDA_ERROR_NOT_READY, "the collective waits for the abort");
+    ncclCommAbort(c);
+    EXPECT(cuStreamSynchronize(s) == CUDA_SUCCESS, "then the stream drains");
+    return true;
+}
+
+}  // namespace
+
+int main() {
+    cuInit(0);
+    // The fork first, before other tests leave threads behind.
+    const std::pair<const char*, std::function<bool()>> tests[] = {
+        {"a_killed_peer_process_is_a_remote_error", a_killed_peer_process_is_a_remote_error},
+        {"a_nonblocking_group_init_is_in_progress_then_ready", a_nonblocking_group_init_is_in_progress_then_ready},
+        {"collectives_compute_across_ranks", collectives_compute_across_ranks},
+        {"a_call_before_init_completes_is_misuse", a_call_before_init_completes_is_misuse},
+        {"a_buffer_too_small_or_on_another_device_is_refused", a_buffer_too_small_or_on_another_device_is_refused},
+        {"a_missing_peer_blocks_the_stream_until_abort", a_missing_peer_blocks_the_stream_until_abort},
+        {"finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle",
+         finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle},
+        {"two_threads_in_one_communicator_is_misuse", two_threads_in_one_communicator_is_misuse},
+        {"split_orders_by_key_and_nocolor_gets_none", split_orders_by_key_and_nocolor_gets_none},
+        // Last: the race it plants makes device 0's error sticky.
+        {"an_unordered_read_of_the_output_is_a_race", an_unordered_read_of_the_output_is_a_race},
+    };
+    int failed = 0, passed = 0;
+    for (const auto& t : tests) {
+        std::printf("test %s ...\n", t.first);
+        std::fflush(stdout);
+        bool ok = t.second();
+        std::printf("test %s ... %s\n", t.first, ok ? "ok" : "FAILED");
+        (ok ? passed : failed)++;
+    }
+    std::printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
