@@ -18,7 +18,7 @@ fn in_file(path: &Path) -> Option<String> {
         .filter_map(|l| l.split_once('='))
         .filter(|(k, _)| k.trim() == VAR)
         .map(|(_, v)| v.trim().to_string())
-        .last()
+        .next_back()
 }
 
 fn blocking(value: &str) -> bool {

@@ -2,12 +2,16 @@
 //! collective is enqueued on the candle device's stream with no host synchronisation (except
 //! `all_gather`, which reads the per-rank row counts, and `barrier`, which waits by definition).
 //!
-//! Layers, as cudarc's own: [`raw`] owns the NCCL handle and every `unsafe` NCCL call;
+//! Layers: [`ffi`] loads NCCL's functions with C return codes; [`blocking`] finds a
+//! `NCCL_COMM_BLOCKING` setting; [`raw`] owns the NCCL handle and every `unsafe` NCCL call;
 //! [`watchdog`] serialises the calls, polls them and aborts on failure; [`enqueue`] turns a
 //! collective into a candle op; this file has the constructors and the `Collective` impl.
 //!
 //! Communicators are non-blocking (`config.blocking = 0`), so no thread ever waits inside
-//! NCCL and an abort is legal between any two calls. NCCL 2.27 or newer is required (checked
+//! NCCL and an abort is legal between any two calls. Blocking mode, which
+//! `NCCL_COMM_BLOCKING` (environment, `NCCL_CONF_FILE`, `~/.nccl.conf`, `/etc/nccl.conf`) would
+//! impose over the config, is refused with an error before the first NCCL call, and again if
+//! the start-up completes synchronously (blocking mode from elsewhere). NCCL 2.27 or newer is required (checked
 //! at creation): older versions keep a non-blocking call's background job in the calling
 //! thread's state, which the watchdog's calls from its own thread would disturb. Failure
 //! handling:
