@@ -68,9 +68,30 @@ fn publish(tmp: &Path, path: &Path) -> Result<()> {
         .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
     let dir = dir.unwrap_or(Path::new("."));
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("syncing directory {}", dir.display()))
+    sync_dir(dir).with_context(|| format!("syncing directory {}", dir.display()))
+}
+
+/// Flushes a written file to disk through a handle with write access (Windows'
+/// `FlushFileBuffers`, behind `sync_all`, refuses a read-only one; Unix accepts either).
+pub fn sync_file(path: &Path) -> Result<()> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("syncing {}", path.display()))
+}
+
+/// Flushes a directory's entries (a rename into it) to disk: `fsync` of the directory on Unix.
+#[cfg(unix)]
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Elsewhere (Windows) a directory cannot be opened as a file without flags the standard
+/// library does not expose, and NTFS journals the rename itself: nothing to do.
+#[cfg(not(unix))]
+pub fn sync_dir(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
 }
 
 /// Saves `tensors` and `meta` (whose `weights*` fields are filled in here) into `dir`. The
@@ -86,7 +107,7 @@ pub fn save(dir: &Path, mut meta: Meta, tensors: &[(String, Tensor)]) -> Result<
         .collect::<Result<_>>()?;
     candle_core::safetensors::save(&map, &tmp)
         .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::File::open(&tmp)?.sync_all()?;
+    sync_file(&tmp)?;
     let bytes = std::fs::read(&tmp)?;
     let crc = crc32fast::hash(&bytes);
     let weights = format!("checkpoint-e{:04}-{crc:08x}.safetensors", meta.epoch);
@@ -110,6 +131,16 @@ pub fn save(dir: &Path, mut meta: Meta, tensors: &[(String, Tensor)]) -> Result<
 /// Loads the checkpoint `path` names: a `checkpoint.json` or the directory holding one.
 /// Refuses, with the file and the reason, an empty or malformed JSON, another format, a
 /// missing, truncated or corrupt tensor file, or a model other than `model`.
+/// The folder a `--resume` path names: the path itself when it is a folder, else the folder of
+/// its `checkpoint.json` (where the run that wrote it also left `metrics.csv`).
+pub fn dir_of(path: &Path) -> std::path::PathBuf {
+    if path.is_dir() {
+        path.to_path_buf()
+    } else {
+        path.parent().unwrap_or(Path::new(".")).to_path_buf()
+    }
+}
+
 pub fn load(path: &Path, model: &str) -> Result<(Meta, HashMap<String, Tensor>)> {
     let json = if path.is_dir() {
         path.join("checkpoint.json")

@@ -32,6 +32,54 @@ pub struct State {
     pub step: usize,
 }
 
+/// Refuses a start where the ranks did not restore the same checkpoint (another file on
+/// another node, a stale copy, a rank launched without `--resume`): one small all-gather of
+/// every rank's (resumed, epoch, step, optimizer step, CRC-32 of the weights), compared on
+/// every rank, so that all refuse together, naming the ranks and what they hold. (Weights are
+/// broadcast from rank 0 anyway; the optimizer's moments, the position and the loss scale are
+/// not, and would diverge silently.)
+fn agree_on_resume(
+    comm: &Arc<dyn Collective>,
+    device: &Device,
+    meta: Option<&checkpoint::Meta>,
+) -> Result<()> {
+    let mine: [f64; 5] = match meta {
+        Some(m) => [
+            1.0,
+            m.epoch as f64,
+            m.step as f64,
+            m.optimizer_step as f64,
+            f64::from(m.weights_crc32),
+        ],
+        None => [0.0; 5],
+    };
+    let all = comm
+        .all_gather(&Tensor::new(&[mine], device)?)?
+        .to_vec2::<f64>()?;
+    if all.iter().all(|row| row.as_slice() == mine.as_slice()) {
+        return Ok(());
+    }
+    let describe = |row: &[f64]| {
+        if row[0] == 0.0 {
+            "no checkpoint".to_string()
+        } else {
+            format!(
+                "epoch {}, step {}, optimizer step {}, weights CRC-32 {:08x}",
+                row[1], row[2], row[3], row[4] as u32
+            )
+        }
+    };
+    let ranks: Vec<String> = all
+        .iter()
+        .enumerate()
+        .map(|(r, row)| format!("rank {r}: {}", describe(row)))
+        .collect();
+    bail!(
+        "--resume: the ranks restored different checkpoints ({}); every rank must load the same one",
+        ranks.join("; ")
+    )
+}
+
 /// Builds the model (from `cfg.resume`'s checkpoint when given; refused if it does not match)
 /// and the optimizer.
 pub fn setup(
@@ -53,6 +101,7 @@ pub fn setup(
         Some(path) => Some(checkpoint::load(path, &cfg.arch.name())?),
         None => None,
     };
+    agree_on_resume(comm, device, resumed.as_ref().map(|(meta, _)| meta))?;
     if let Some((_, tensors)) = &resumed {
         load_vars(&vm, tensors)?;
         // Built again over the loaded variables: SyncBatchNorm reads `num_batches_tracked`

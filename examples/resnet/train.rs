@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_distributed::amp::GradScaler;
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
@@ -12,6 +12,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
+use crate::checkpoint;
 pub use crate::config::{Config, DeviceKind, Precision, Summary};
 use crate::data::{self, Dataset};
 use crate::model::{self, ResNet};
@@ -141,9 +142,10 @@ pub fn train_rank(
         total_steps: cfg.max_steps.unwrap_or(steps_per_epoch * cfg.epochs),
     };
     let start = Instant::now();
-    // On resume, the earlier epochs' rows (the CSV of the run that wrote the checkpoint).
-    let mut metrics: Vec<EpochMetrics> = if cfg.resume.is_some() {
-        report::read_csv(&cfg.out_dir.join("metrics.csv"))?
+    // On resume, the earlier epochs' rows: the CSV beside the checkpoint, written by the run
+    // that wrote it (the new run's --out-dir may be another folder).
+    let mut metrics: Vec<EpochMetrics> = if let Some(resume) = &cfg.resume {
+        report::read_csv(&checkpoint::dir_of(resume).join("metrics.csv"))?
             .into_iter()
             .filter(|m| m.epoch <= st.epoch)
             .collect()
@@ -165,11 +167,21 @@ pub fn train_rank(
             seconds: start.elapsed().as_secs_f64(),
         });
         st.epoch = epoch + 1;
-        if comm.rank() == 0 {
+        // Nothing of the epoch was lost to an aborted collective (the evaluation's all-reduce
+        // included) before rank 0 writes what it computed.
+        comm.deferred_error()?;
+        let written = if comm.rank() == 0 {
             print_epoch(&metrics[metrics.len() - 1]);
             if cfg.write_outputs {
-                write_outputs(cfg, &st, &metrics)?;
+                write_outputs(cfg, &st, &metrics)
+            } else {
+                Ok(())
             }
+        } else {
+            Ok(())
+        };
+        if cfg.write_outputs {
+            agree_on_write(&comm, &device, written)?;
         }
         if st.step >= run.total_steps || cfg.stop_after_epoch == Some(st.epoch) {
             break;
@@ -392,6 +404,24 @@ fn evaluate(
         .to_vec1::<f64>()?;
     let n = val.len().max(1) as f64;
     Ok((g[0] / n, g[1] / n))
+}
+
+/// After rank 0's write of the epoch's outputs: every rank learns its outcome now (one
+/// all-reduce of a flag), instead of at its next collective's timeout. Rank 0 fails with the
+/// write's error, the others with a message pointing to it.
+fn agree_on_write(comm: &Arc<dyn Collective>, device: &Device, written: Result<()>) -> Result<()> {
+    let failed = f32::from(u8::from(written.is_err()));
+    let any = comm
+        .all_reduce(&Tensor::new(&[failed], device)?, ReduceOp::Max)?
+        .to_vec1::<f32>()?[0];
+    written.context("rank 0 could not write the checkpoint and metrics")?;
+    if any > 0.0 {
+        bail!(
+            "rank {}: rank 0 could not write the checkpoint and metrics (its error says why); stopping with it",
+            comm.rank()
+        )
+    }
+    Ok(())
 }
 
 /// Trains on every rank of `cfg.backend` and returns rank 0's summary.

@@ -57,6 +57,130 @@ fn tiny_run(
     train::run(&cfg).unwrap()
 }
 
+/// A resume into another `--out-dir`: the new folder's `metrics.csv` continues the rows of
+/// the run that wrote the checkpoint (they were read from the new, empty folder).
+#[test]
+fn a_resume_into_another_folder_continues_the_metrics() {
+    let (a, b) = (fresh_dir("first-half"), fresh_dir("second-half"));
+    tiny_run(&a, Some(2), false, train::Precision::Full);
+    let cfg = train::Config {
+        arch: Arch::ResNet20,
+        world_size: 3,
+        batch_size: 16,
+        image_size: 8,
+        train_size: 50,
+        val_size: 12,
+        epochs: 3,
+        out_dir: b.clone(),
+        resume: Some(a.join("checkpoint.json")),
+        ..Default::default()
+    };
+    train::run(&cfg).unwrap();
+    let rows = report::read_csv(&b.join("metrics.csv")).unwrap();
+    let first = report::read_csv(&a.join("metrics.csv")).unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.epoch).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    assert_eq!(
+        rows[0].train_loss, first[0].train_loss,
+        "epoch 1's row carried over"
+    );
+    for d in [a, b] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+/// Ranks given different checkpoints (one after epoch 1, one after epoch 2): every rank refuses
+/// to start, naming both (only the weights would have been re-broadcast).
+#[test]
+fn ranks_with_different_checkpoints_refuse_to_start() {
+    let (a, b) = (fresh_dir("after-one"), fresh_dir("after-two"));
+    tiny_run(&a, Some(1), false, train::Precision::Full);
+    tiny_run(&b, Some(2), false, train::Precision::Full);
+    let errs = candle_distributed::collective::ThreadGroup::run(2, |comm| {
+        let cfg = train::Config {
+            arch: Arch::ResNet20,
+            world_size: 2,
+            image_size: 8,
+            resume: Some([&a, &b][comm.rank()].join("checkpoint.json")),
+            ..Default::default()
+        };
+        let got = state::setup(&comm, &Device::Cpu, &cfg, 10);
+        Ok(got.err().map(|e| e.to_string()))
+    })
+    .unwrap();
+    for (r, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or("no error");
+        assert!(
+            e.contains("rank 0: epoch 1") && e.contains("rank 1: epoch 2"),
+            "rank {r}: {e}"
+        );
+    }
+    for d in [a, b] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+/// The two flushes a checkpoint write makes, as this platform runs them: a file through a
+/// handle with write access (a read-only handle fails on Windows), and its directory. A file
+/// that is not there is an error naming it.
+#[test]
+fn checkpoint_files_and_their_folder_are_flushed() {
+    let dir = fresh_dir("sync");
+    let f = dir.join("x.bin");
+    std::fs::write(&f, b"abc").unwrap();
+    checkpoint::sync_file(&f).unwrap();
+    checkpoint::sync_dir(&dir).unwrap();
+    let missing = dir.join("absent.bin");
+    let e = checkpoint::sync_file(&missing).unwrap_err().to_string();
+    assert!(e.contains("absent.bin"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Rank 0's write fails (its `--out-dir` is a file): every rank stops at once with an error
+/// that names the write, none at its next collective's timeout (the default five minutes).
+#[test]
+fn a_failed_write_on_rank_zero_stops_every_rank_at_once() {
+    let dir = fresh_dir("not-a-folder");
+    let file = dir.join("out");
+    std::fs::write(&file, b"a file where the outputs should go").unwrap();
+    let cfg = train::Config {
+        arch: Arch::ResNet20,
+        world_size: 2,
+        batch_size: 8,
+        image_size: 8,
+        train_size: 16,
+        val_size: 8,
+        epochs: 3,
+        out_dir: file,
+        ..Default::default()
+    };
+    let (train_set, val_set) = train::datasets(&cfg).unwrap();
+    let out = candle_distributed::collective::ThreadGroup::run(2, |comm| {
+        let got = train::train_rank(comm, Device::Cpu, &cfg, &train_set, &val_set);
+        Ok((
+            got.err().map(|e| format!("{e:#}")),
+            std::time::Instant::now(),
+        ))
+    })
+    .unwrap();
+    let ends: Vec<_> = out.iter().map(|(_, t)| *t).collect();
+    for (r, (e, _)) in out.iter().enumerate() {
+        let e = e.as_deref().unwrap_or("no error");
+        assert!(
+            e.contains("could not write the checkpoint"),
+            "rank {r}: {e}"
+        );
+    }
+    let apart = ends[0].max(ends[1]) - ends[0].min(ends[1]);
+    assert!(
+        apart < std::time::Duration::from_secs(1),
+        "the ranks stopped {apart:?} apart"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 fn fresh_dir(tag: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("resnet-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -228,13 +228,17 @@ fn identity(env: &DistEnv) -> u64 {
 }
 
 /// One attempt of a client rank at `addr`: the payload, or why the exchange cannot succeed
-/// (rank 0's refusal, a length beyond [`MAX_PAYLOAD`]); an I/O error is worth a retry.
+/// (rank 0's refusal, a length beyond [`MAX_PAYLOAD`]); an I/O error is worth a retry. The
+/// attempt, connect and exchange together, takes at most [`CLIENT_DEADLINE`] (as rank 0
+/// grants each client): an address that accepts and then says nothing costs one attempt, not
+/// the whole timeout.
 fn fetch_from(
     addr: SocketAddr,
     hello: &[u8],
     deadline: Instant,
 ) -> std::io::Result<std::result::Result<Vec<u8>, String>> {
-    let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline).min(CLIENT_DEADLINE))?;
+    let deadline = deadline.min(Instant::now() + CLIENT_DEADLINE);
+    let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline))?;
     write_by(&mut stream, hello, deadline)?;
     let mut head = [0u8; 13];
     read_by(&mut stream, &mut head, deadline)?;
@@ -272,8 +276,8 @@ fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Resul
     hello.extend_from_slice(&seq.to_le_bytes());
     hello.extend_from_slice(&(env.rank as u32).to_le_bytes());
     hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
-    // Every address the name resolves to, in turn: one that refuses, answers garbage or is not
-    // rank 0 does not keep a rank from the others.
+    // Every address the name resolves to, in turn: one that refuses, answers garbage, stays
+    // silent or is not rank 0 does not keep a rank from the others.
     let mut attempt = 0usize;
     loop {
         let last_err = match (env.master_addr.as_str(), env.master_port).to_socket_addrs() {

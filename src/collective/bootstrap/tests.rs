@@ -281,3 +281,33 @@ fn rank_zero_checks_its_payload() {
     let e = share_bytes_round(&env(0, 2, free_port()), 0, Some(&big), LONG).unwrap_err();
     assert!(e.to_string().contains("at most"), "{e}");
 }
+
+/// A listener that accepts and never answers holds the port first (a foreign service, an
+/// un-accepted backlog), then gives it up to the real rank 0: the client's attempt on the
+/// silent connection ends after the per-attempt deadline and the next one reaches rank 0,
+/// long before the overall timeout.
+#[test]
+fn a_silent_listener_costs_one_attempt() {
+    let port = free_port();
+    let silent = TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let timeout = Duration::from_secs(60);
+    let t0 = Instant::now();
+    let got = std::thread::scope(|s| {
+        let client = s.spawn(|| share_bytes_round(&env(1, 2, port), 0, None, timeout));
+        // Accepts the client's first connection, keeps it open and says nothing, then closes
+        // the listener (not the connection) and lets rank 0 bind the port.
+        let (held, _) = silent.accept().unwrap();
+        drop(silent);
+        let server = s.spawn(|| share_bytes_round(&env(0, 2, port), 0, Some(b"id"), timeout));
+        let got = client.join().unwrap();
+        server.join().unwrap().unwrap();
+        drop(held);
+        got
+    });
+    assert_eq!(got.unwrap(), b"id");
+    let took = t0.elapsed();
+    assert!(
+        took < CLIENT_DEADLINE * 3,
+        "the client took {took:?}: it waited on the silent connection beyond its attempt"
+    );
+}
