@@ -47,6 +47,9 @@ fn err(peer: &str, what: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(format!("TCPStore at {peer}: {what}"))
 }
 
+/// Time a GET's answer may take once its WAIT has seen the key, past the caller's deadline.
+const GET_GRACE: Duration = Duration::from_secs(5);
+
 /// Time left until `deadline`, at least 1 ms (socket timeouts refuse zero).
 pub(crate) fn remaining(deadline: Instant) -> Duration {
     deadline
@@ -198,7 +201,9 @@ impl TcpStoreClient {
     /// [`MAX_VALUE_BYTES`]; or when sending or reading fails or does not finish by `deadline`.
     pub fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
         self.wait(key, deadline)?;
-        self.deadline(deadline)?;
+        // The key exists now: its value is one round trip away, however little of the
+        // caller's time is left (a key set just before the deadline is still read).
+        self.deadline(deadline.max(Instant::now() + GET_GRACE))?;
         self.send(&Self::request(GET, key))?;
         let mut len = [0u8; 8];
         self.recv(&mut len, "the GET answer")?;
@@ -313,6 +318,39 @@ mod tests {
 
     fn soon(ms: u64) -> Instant {
         Instant::now() + Duration::from_millis(ms)
+    }
+
+    /// The key is set just before the caller's deadline and the GET's answer comes after it:
+    /// the value is still read (it used to get a 1 ms read timeout and fail).
+    #[test]
+    fn a_key_set_at_the_deadline_is_read() {
+        let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut hello = [0u8; 10];
+            s.read_exact(&mut hello).unwrap();
+            s.write_all(&hello[6..]).unwrap();
+            let mut head = [0u8; 17];
+            s.read_exact(&mut head).unwrap();
+            assert_eq!(head[0], WAIT);
+            let len = u64::from_le_bytes(head[9..].try_into().unwrap());
+            s.read_exact(&mut vec![0u8; len as usize]).unwrap();
+            std::thread::sleep(Duration::from_millis(700));
+            s.write_all(&[STOP_WAITING]).unwrap();
+            let mut get = [0u8; 9];
+            s.read_exact(&mut get).unwrap();
+            assert_eq!(get[0], GET);
+            let len = u64::from_le_bytes(get[1..].try_into().unwrap());
+            s.read_exact(&mut vec![0u8; len as usize]).unwrap();
+            // Answered after the client's deadline (1 s after its start).
+            std::thread::sleep(Duration::from_millis(600));
+            s.write_all(&1u64.to_le_bytes()).unwrap();
+            s.write_all(b"v").unwrap();
+        });
+        let mut c = TcpStoreClient::connect("127.0.0.1", port, soon(5000)).unwrap();
+        assert_eq!(c.get("k", soon(1000)).unwrap(), b"v");
+        server.join().unwrap();
     }
 
     #[test]
