@@ -309,6 +309,9 @@ fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Resul
             "bootstrap: rank {}: rank 0 not reached yet ({last_err}); retrying",
             env.rank
         );
-        std::thread::sleep(Duration::from_millis(50));
+        // Backing off, 50 ms doubling up to 1 s: a rank early by minutes (or many of them)
+        // does not hammer rank 0.
+        let pause = Duration::from_millis(50) * 2u32.saturating_pow(attempt.min(5) as u32);
+        std::thread::sleep(pause.min(Duration::from_secs(1)).min(remaining(deadline)));
     }
 }

@@ -2,7 +2,7 @@
 //! serving the clients concurrently, each under its own deadline, until every rank has
 //! acknowledged the payload.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -84,6 +84,13 @@ pub(super) fn bind(
     Ok(None)
 }
 
+/// Connections answered at once, at most: each holds a thread and two descriptors until its
+/// client is done (at most [`CLIENT_DEADLINE`]). One beyond is closed at once, and its client
+/// retries: a flood of connections cannot exhaust rank 0's threads or descriptors.
+fn max_handlers(world: usize) -> usize {
+    (4 * world).clamp(16, 256)
+}
+
 /// What one client connection turned out to be.
 pub(super) enum Client {
     /// Rank `r` received the payload and acknowledged it.
@@ -103,48 +110,84 @@ pub(super) fn serve(
         return Ok(());
     }
     let listeners = listeners(env)?;
-    let (tx, rx) = mpsc::channel::<Client>();
+    let (tx, rx) = mpsc::channel::<(u64, Client)>();
     let mut served: HashSet<usize> = HashSet::new();
     let mut dropped: Vec<String> = Vec::new();
-    // A handle on every connection, shut down on the way out so that no answering thread
-    // (an idle or slow client) keeps rank 0 waiting once the exchange is over.
-    let mut open: Vec<TcpStream> = Vec::new();
-    let id = identity(env);
+    // A handle on every connection being answered, by number: shut down on the way out so that
+    // no answering thread (an idle or slow client) keeps rank 0 waiting once the exchange is
+    // over, and released as soon as its thread is done.
+    let mut open: HashMap<u64, TcpStream> = HashMap::new();
+    let mut next_conn = 0u64;
+    let (id, cap) = (identity(env), max_handlers(env.world_size));
     std::thread::scope(|s| -> Result<()> {
         let result = (|| -> Result<()> {
             while served.len() + 1 < env.world_size {
                 let mut idle = true;
                 for l in &listeners {
                     match l.accept() {
+                        Ok((stream, _)) if open.len() >= cap => {
+                            // Over the bound: closed now (dropped), the client retries.
+                            idle = false;
+                            drop(stream);
+                            if dropped.len() < 64 {
+                                dropped.push(format!("over {cap} connections at once: closed"));
+                            }
+                        }
                         Ok((stream, peer)) => {
                             idle = false;
-                            if let Ok(c) = stream.try_clone() {
-                                open.push(c);
-                            }
+                            let Ok(handle) = stream.try_clone() else {
+                                continue; // no descriptor for the handle: closed, retried
+                            };
+                            let conn = next_conn;
+                            next_conn += 1;
                             let tx = tx.clone();
                             let client_deadline = (Instant::now() + CLIENT_DEADLINE).min(deadline);
-                            s.spawn(move || {
-                                let outcome =
-                                    answer(stream, env, (id, seq), payload, client_deadline)
-                                        .unwrap_or_else(|e| {
-                                            Client::Dropped(format!("{peer}: {e}"))
-                                        });
-                                let _ = tx.send(outcome);
-                            });
+                            let spawned = std::thread::Builder::new()
+                                .name("bootstrap-answer".into())
+                                .spawn_scoped(s, move || {
+                                    let outcome =
+                                        answer(stream, env, (id, seq), payload, client_deadline)
+                                            .unwrap_or_else(|e| {
+                                                Client::Dropped(format!("{peer}: {e}"))
+                                            });
+                                    let _ = tx.send((conn, outcome));
+                                });
+                            match spawned {
+                                Ok(_) => {
+                                    open.insert(conn, handle);
+                                }
+                                Err(e) => {
+                                    // No thread to be had: the connection is closed (with the
+                                    // closure that owned it) and the client retries.
+                                    log::warn!(
+                                        "bootstrap: rank 0: cannot start a thread for {peer}: {e}"
+                                    );
+                                    dropped.push(format!("{peer}: no thread: {e}"));
+                                }
+                            }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(e) => {
+                            // Out of descriptors (EMFILE) or the like: the connection stays in
+                            // the backlog until one is free.
                             log::warn!("bootstrap: rank 0: accept failed: {e}");
-                            dropped.push(format!("accept: {e}"))
+                            if dropped.len() < 64 {
+                                dropped.push(format!("accept: {e}"));
+                            }
                         }
                     }
                 }
-                while let Ok(c) = rx.try_recv() {
+                while let Ok((conn, c)) = rx.try_recv() {
+                    open.remove(&conn);
                     match c {
                         Client::Served(r) => {
                             served.insert(r);
                         }
-                        Client::Dropped(why) => dropped.push(why),
+                        Client::Dropped(why) => {
+                            if dropped.len() < 64 {
+                                dropped.push(why)
+                            }
+                        }
                     }
                 }
                 if served.len() + 1 >= env.world_size {
@@ -159,7 +202,7 @@ pub(super) fn serve(
             }
             Ok(())
         })();
-        for c in &open {
+        for c in open.values() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
         result

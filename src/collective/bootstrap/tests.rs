@@ -311,3 +311,62 @@ fn a_silent_listener_costs_one_attempt() {
         "the client took {took:?}: it waited on the silent connection beyond its attempt"
     );
 }
+
+/// Rank 0 of `flood_rank_zero`'s test, run in a child process whose descriptor limit is
+/// lowered (the parent sets `FLOOD_PORT`).
+#[test]
+#[ignore = "rank 0 of a_connection_flood_under_a_low_descriptor_limit, in a child process"]
+fn flood_rank_zero() {
+    if let Ok(port) = std::env::var("FLOOD_PORT") {
+        let port = port.parse().unwrap();
+        share_bytes_round(&env(0, 4, port), 0, Some(b"payload"), LONG).unwrap();
+    }
+}
+
+/// Rank 0 in a process limited to 64 descriptors meets 300 connections that are opened and
+/// held silent, then the real ranks 1 to 3: they get the payload, and rank 0 neither crashes
+/// nor fails (each held connection used to keep two descriptors until the end, so `accept`
+/// ran out and the real ranks waited in the backlog until the timeout).
+#[test]
+fn a_connection_flood_under_a_low_descriptor_limit() {
+    use std::process::{Command, Stdio};
+    let port = free_port();
+    let exe = std::env::current_exe().unwrap();
+    let mut rank0 = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 64 && exec \"$0\" collective::bootstrap::tests::flood_rank_zero --exact --ignored --test-threads 1")
+        .arg(&exe)
+        .env("FLOOD_PORT", port.to_string())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    // Rank 0 listens once this connects; the connection is the flood's first.
+    let mut flood = vec![loop {
+        if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            break s;
+        }
+        assert!(t0.elapsed() < LONG, "rank 0 never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    }];
+    for _ in 0..300 {
+        if let Ok(s) = std::net::TcpStream::connect_timeout(
+            &SocketAddr::from(([127, 0, 0, 1], port)),
+            Duration::from_secs(1),
+        ) {
+            flood.push(s);
+        }
+    }
+    let got: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (1..4)
+            .map(|r| s.spawn(move || share_bytes_round(&env(r, 4, port), 0, None, LONG)))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let status = rank0.wait().unwrap();
+    drop(flood);
+    for (r, g) in got.iter().enumerate() {
+        assert_eq!(g.as_ref().unwrap(), b"payload", "rank {}", r + 1);
+    }
+    assert!(status.success(), "rank 0 failed under the flood: {status}");
+}
