@@ -151,3 +151,53 @@ fn a_contribution_with_a_graph_does_not_outlive_its_rank() {
         .recv_timeout(std::time::Duration::from_secs(60))
         .expect("30 rounds of two ranks must finish within 60 s (a rank deadlocked)");
 }
+
+/// A rank that leaves without panicking, with an asynchronous call of a subgroup outstanding,
+/// fails its peer's call on the world group at once: its drop does not wait for that call,
+/// whose peer joins it only after the world call. The call it had started still completes,
+/// with its contribution, when the peer joins it. (Its drop used to wait for the call first,
+/// and both ranks waited for the whole timeout.)
+#[test]
+fn a_rank_that_leaves_with_an_async_call_outstanding_fails_its_peers_at_once() {
+    const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+    const PROMPT: std::time::Duration = std::time::Duration::from_secs(5);
+    let comms = ThreadGroup::with_timeout(2, TIMEOUT).unwrap();
+    let start = std::time::Instant::now();
+    let mut outcomes = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|world| {
+                s.spawn(move || -> anyhow::Result<(String, Vec<f32>)> {
+                    let rank = world.rank();
+                    let sub = world.split(Some(0), rank as u32)?.expect("a member");
+                    let x = Tensor::new(&[rank as f32 + 1.0, 10.0], &Device::Cpu)?;
+                    if rank == 1 {
+                        // Starts the subgroup's call, then leaves (as an error return would).
+                        let pending = sub.all_reduce_async(&x, ReduceOp::Sum)?;
+                        drop((pending, sub, world));
+                        return Ok((String::new(), Vec::new()));
+                    }
+                    let err = world.barrier().expect_err("rank 1 left the world group");
+                    let joined = sub.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?;
+                    Ok((err.to_string(), joined))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("no rank panics"))
+            .collect::<Vec<_>>()
+    });
+    let elapsed = start.elapsed();
+    assert!(
+        elapsed < PROMPT,
+        "rank 0 waited {elapsed:?} (timeout {TIMEOUT:?})"
+    );
+    outcomes.truncate(1);
+    let (msg, joined) = outcomes.pop().unwrap().unwrap();
+    assert!(msg.contains("rank 1 dropped its communicator"), "{msg}");
+    assert_eq!(
+        joined,
+        vec![3.0, 20.0],
+        "rank 1's started call keeps its contribution"
+    );
+}

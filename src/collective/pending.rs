@@ -121,6 +121,16 @@ impl Worker {
     }
 }
 
+impl Worker {
+    /// Lets the submitted jobs finish on the thread, without waiting for them (a later submit
+    /// starts a new thread).
+    pub fn detach(&self) {
+        // Dropping the sender ends the thread's loop after the queued jobs; dropping the join
+        // handle detaches the thread.
+        drop(self.inner.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         self.shutdown();

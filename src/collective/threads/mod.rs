@@ -3,8 +3,12 @@
 //! Every call deposits its tensor in a numbered slot shared by the group; the last rank to
 //! arrive checks that all ranks asked for the same thing, computes the result once (in rank
 //! order, so it is bitwise identical everywhere) and wakes the others. A rank that waits past
-//! the timeout, or that drops its handle (including by panicking), breaks the group: every
-//! rank still waiting, and every later call, fails promptly with the reason.
+//! the timeout, or that panics, breaks the group: every rank still waiting, and every later
+//! call, fails promptly with the reason. A rank that drops its handle without panicking dooms
+//! the calls it never made, at once: a peer waiting in one fails with the reason; the
+//! asynchronous calls the rank had started still complete, on its communication thread,
+//! which the drop does not wait for (a peer that joins them only after another group's call
+//! that needs this rank would otherwise wait for the whole timeout).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -188,6 +192,27 @@ struct State {
     done: HashMap<u64, Finished>,
     /// Why the group can no longer complete collectives.
     broken: Option<String>,
+    /// Ranks that dropped their handle without panicking: each dooms the calls it never made.
+    departed: Vec<Departure>,
+}
+
+/// A rank that dropped its handle after making calls `0..issued`.
+#[derive(Debug)]
+struct Departure {
+    issued: u64,
+    reason: String,
+}
+
+impl State {
+    /// Why call `call` can never complete: the group is broken, or a rank left before making it.
+    fn doomed(&self, call: u64) -> Option<&str> {
+        self.broken.as_deref().or_else(|| {
+            self.departed
+                .iter()
+                .find(|d| d.issued <= call)
+                .map(|d| d.reason.as_str())
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -267,8 +292,8 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
         .map(|h| h.detach())
         .map_err(|e| e.to_string());
     let mut st = lock(&sh.state);
-    if let Some(reason) = &st.broken {
-        return Err(left(rank, kind, call, reason.clone()).into());
+    if let Some(reason) = st.doomed(call) {
+        return Err(left(rank, kind, call, reason.to_string()).into());
     }
     let slots = st
         .pending
@@ -319,8 +344,8 @@ fn wait_for_result(
                 .and_then(|t| t.to_device(device))
                 .and_then(|t| if aliases { t.copy() } else { Ok(t.detach()) });
         }
-        if let Some(reason) = &st.broken {
-            return Err(left(rank, kind, call, reason.clone()).into());
+        if let Some(reason) = st.doomed(call) {
+            return Err(left(rank, kind, call, reason.to_string()).into());
         }
         let now = Instant::now();
         if now >= deadline {
@@ -365,22 +390,25 @@ fn left(rank: usize, kind: Op, call: u64, reason: String) -> CollectiveError {
 
 impl Drop for ThreadRank {
     fn drop(&mut self) {
-        // Started asynchronous calls complete first (a dropped `Pending` still completes),
-        // unless this rank is panicking: then its departure must reach the others at once.
-        if !std::thread::panicking() {
-            self.worker.shutdown();
-        }
         let sh = &*self.shared;
-        let mut st = lock(&sh.state);
-        if st.broken.is_none() {
-            let how = if std::thread::panicking() {
-                "panicked"
+        {
+            let mut st = lock(&sh.state);
+            if std::thread::panicking() {
+                // Its started calls may never get its contribution: every call fails at once.
+                if st.broken.is_none() {
+                    st.broken = Some(format!("rank {} panicked", self.rank));
+                }
             } else {
-                "dropped its communicator"
-            };
-            st.broken = Some(format!("rank {} {how}", self.rank));
+                st.departed.push(Departure {
+                    issued: self.next_call.load(Ordering::SeqCst),
+                    reason: format!("rank {} dropped its communicator", self.rank),
+                });
+            }
+            sh.cv.notify_all();
         }
-        sh.cv.notify_all();
+        // Started asynchronous calls complete on the communication thread (a dropped `Pending`
+        // still completes), without this thread waiting for them.
+        self.worker.detach();
     }
 }
 
