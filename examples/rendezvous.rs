@@ -1,5 +1,6 @@
 //! The start-up exchange on its own: every process of a job launched by torchrun (or with
-//! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` set by hand) receives rank 0's bytes, twice
+//! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `CANDLE_DISTRIBUTED_RUN_ID` set by
+//! hand; `CANDLE_DISTRIBUTED_SECRET` optional, on every rank) receives rank 0's bytes, twice
 //! (two rendezvous, as two communicators would make), and prints them. Under torchrun it goes
 //! through torchrun's own TCPStore; otherwise rank 0 serves the other ranks itself.
 //!

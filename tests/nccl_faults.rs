@@ -488,7 +488,7 @@ fn as_processes(
         .env("WORLD_SIZE", n.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
-        .env("CANDLE_DISTRIBUTED_JOB_ID", &job)
+        .env("CANDLE_DISTRIBUTED_RUN_ID", &job)
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(file.try_clone().unwrap())

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use candle_distributed::collective::bootstrap::{share_bytes_round, DistEnv};
+use candle_distributed::collective::bootstrap::{share_bytes_round, DistEnv, Secret};
 use candle_distributed::collective::store::TcpStoreClient;
 
 fn python() -> String {
@@ -113,33 +113,71 @@ fn our_client_speaks_pytorchs_tcpstore() {
     }
 }
 
-/// Two ranks rendezvous through a PyTorch TCPStore as they would under torchrun's agent.
+/// Two ranks rendezvous through a PyTorch TCPStore as they would under torchrun's agent: in the
+/// clear, then with a shared secret, where the value in the store is sealed (its bytes do not
+/// show the payload) and a rank without the secret is refused with the reason.
 #[test]
 #[ignore = "needs PyTorch: scripts/test-torch.sh"]
 fn share_bytes_through_a_pytorch_store() {
     let server = Server::start("libuv");
-    let env = |rank| DistEnv {
+    let env = |rank, run: &str, secret: Option<&str>| DistEnv {
         rank,
         world_size: 2,
         local_rank: rank,
         master_addr: "127.0.0.1".into(),
         master_port: server.port,
-        job_id: "test-run".into(),
+        run_id: run.into(),
         restart: 0,
         agent_store: true,
+        secret: secret.map(|s| Secret::new(s).unwrap()),
     };
-    let got: Vec<Vec<u8>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                s.spawn(move || {
-                    let p = (r == 0).then_some(&b"nccl-id"[..]);
-                    share_bytes_round(&env(r), 0, p, Duration::from_secs(30)).unwrap()
+    let payload = b"nccl-id: 0123456789abcdef";
+    for (run, secret) in [
+        ("test-run", None),
+        ("sealed-run", Some("a shared secret of 32 bytes.....")),
+    ] {
+        let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|r| {
+                    let env = env(r, run, secret);
+                    s.spawn(move || {
+                        let p = (r == 0).then_some(&payload[..]);
+                        share_bytes_round(&env, 0, p, Duration::from_secs(30)).unwrap()
+                    })
                 })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert_eq!(got, vec![b"nccl-id".to_vec(); 2]);
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got, vec![payload.to_vec(); 2], "{run}");
+    }
+    let stored = TcpStoreClient::connect(
+        "127.0.0.1",
+        server.port,
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap()
+    .get(
+        "candle-distributed/sealed-run/0/0",
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
+    assert!(!stored.windows(8).any(|w| w == &payload[..8]), "sealed");
+    let e = share_bytes_round(&env(1, "sealed-run", None), 0, None, Duration::from_secs(5))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("sealed") && e.contains("CANDLE_DISTRIBUTED_SECRET"),
+        "{e}"
+    );
+    let e = share_bytes_round(
+        &env(1, "sealed-run", Some("another secret, also long enough")),
+        0,
+        None,
+        Duration::from_secs(5),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("fails authentication"), "{e}");
     // Unblock the server script (it waits for `from-rust`).
     let mut c = TcpStoreClient::connect(
         "127.0.0.1",

@@ -10,14 +10,29 @@
 //!   rendezvous (every rank creates its communicators in the same order).
 //! - **Standalone** (any other launcher, or none): rank 0 listens on `MASTER_ADDR:MASTER_PORT`
 //!   (every address the name resolves to, IPv4 and IPv6) and serves clients concurrently, each
-//!   with a short deadline of its own. A client sends `MAGIC`, the job identity, the number of
-//!   the rendezvous, its rank and the world size; rank 0 answers `MAGIC`, a status byte and a
-//!   length-prefixed payload (or, for a client of another job or an impossible rank, the reason
-//!   it is refused; for a client already at the next rendezvous, "retry"), and the client
-//!   acknowledges with one byte. Rank 0 returns once every rank has acknowledged; a
-//!   rank that retries is answered again, an idle, garbled or foreign connection is dropped
-//!   without failing the job, and every length read is bounded.
-
+//!   with a short deadline of its own. A client sends `MAGIC`, the run identity, the number of
+//!   the rendezvous, its rank, the world size, whether it holds a shared secret, and a fresh
+//!   nonce; rank 0 answers `MAGIC`, a status byte and a length-prefixed payload (or, for a
+//!   client of another run or restart or an impossible rank, the reason it is refused; for a
+//!   client already at the next rendezvous, "retry"), and the client acknowledges with one
+//!   byte. Rank 0 returns once every rank has acknowledged; a rank that retries is answered
+//!   again, an idle, garbled or foreign connection is dropped without failing the job, and
+//!   every length read is bounded.
+//!
+//! **Run identity.** A run id (`TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_RUN_ID`), the
+//! restart count, the world size and the port. The standalone exchange refuses to start without
+//! a run id: the launch gives every rank the same value, new for each launch, so that a client
+//! left over from an earlier run is refused instead of being served the new run's payload.
+//!
+//! **Trust model.** Without a secret, as PyTorch's TCPStore: a trusted network, where whoever
+//! reaches the port can read the payload or claim a rank. With `CANDLE_DISTRIBUTED_SECRET` set
+//! (the same on every rank, at least 16 bytes), rank 0 first sends a challenge: its nonce and an
+//! HMAC-SHA256 proof over the client's hello and that nonce; the client checks it and answers
+//! with its own proof. Only then is it counted, and the payload travels sealed (encrypted, then
+//! authenticated, see [`secret`]); under torchrun the value in the store is sealed alike. The
+//! secret never crosses the wire; a party without it can neither join, nor read or forge the
+//! payload. What the payload then starts (NCCL's own connections) is not covered: NCCL has no
+//! authentication of its own.
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -26,16 +41,19 @@ use candle_core::{bail, Result};
 
 use super::store::{remaining, TcpStoreClient};
 
+pub mod secret;
 mod server;
 #[cfg(test)]
 mod tests;
 mod wire;
 
+pub use secret::Secret;
+
 use server::serve;
 use wire::{read_by, write_by};
 
 /// Bytes that open every message of the standalone exchange (protocol name and version).
-const MAGIC: &[u8; 8] = b"CDBOOT02";
+const MAGIC: &[u8; 8] = b"CDBOOT03";
 /// Longest payload either side accepts: rendezvous payloads are tiny (NCCL's id is 128 bytes).
 pub const MAX_PAYLOAD: usize = 1 << 16;
 /// Time one client connection may take on rank 0 before it is dropped: an idle or slow
@@ -48,6 +66,12 @@ const REFUSED: u8 = 1;
 /// Answer status: this rank 0 serves another rendezvous of the job (the client is one ahead,
 /// the previous server has not closed yet): try again.
 const RETRY: u8 = 2;
+/// Answer status: prove that you hold the shared secret; rank 0's nonce and proof follow.
+const CHALLENGE: u8 = 3;
+/// Environment variable of the run id, where torchrun's `TORCHELASTIC_RUN_ID` is not set.
+pub const RUN_ID_VAR: &str = "CANDLE_DISTRIBUTED_RUN_ID";
+/// Environment variable of the optional shared secret.
+pub const SECRET_VAR: &str = "CANDLE_DISTRIBUTED_SECRET";
 
 /// Where a process sits in a multi-process job, as launchers describe it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,23 +86,28 @@ pub struct DistEnv {
     pub master_addr: String,
     /// `MASTER_PORT`: port rank 0 listens on (or torchrun's agent store).
     pub master_port: u16,
-    /// The job's identity: `TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_JOB_ID`, else `""`.
-    /// Rank 0 refuses a rank of another job (a leftover of an earlier run that reaches the
-    /// port); two jobs cannot share one port at once, since only one rank 0 can listen there.
-    pub job_id: String,
+    /// The run id: `TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_RUN_ID`; the standalone
+    /// exchange needs one (the same on every rank, new for each launch). Rank 0 refuses a rank
+    /// of another run or restart (a leftover of an earlier run that reaches the port).
+    pub run_id: String,
     /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): torchrun's restart of the job.
     pub restart: u64,
     /// `TORCHELASTIC_USE_AGENT_STORE=True`: torchrun's agent serves a TCPStore at
     /// `MASTER_ADDR:MASTER_PORT`, and rank 0 must not listen there itself.
     pub agent_store: bool,
+    /// `CANDLE_DISTRIBUTED_SECRET`: the shared secret that ranks prove they hold (see the
+    /// module documentation's trust model); `None` on a trusted network.
+    pub secret: Option<Secret>,
 }
 
 impl DistEnv {
-    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `MASTER_ADDR`, `MASTER_PORT` and
-    /// torchrun's `TORCHELASTIC_*` variables from the process environment.
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `MASTER_ADDR`, `MASTER_PORT`,
+    /// torchrun's `TORCHELASTIC_*` variables, `CANDLE_DISTRIBUTED_RUN_ID` and
+    /// `CANDLE_DISTRIBUTED_SECRET` from the process environment.
     ///
     /// # Errors
-    /// When a required variable is missing or not a number, or `RANK ≥ WORLD_SIZE`.
+    /// When a required variable is missing or not a number, `RANK ≥ WORLD_SIZE`, the secret is
+    /// shorter than 16 bytes, or a standalone launch (no torchrun agent store) has no run id.
     pub fn from_env() -> Result<Self> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -117,21 +146,43 @@ impl DistEnv {
             Some(v) => parse("TORCHELASTIC_RESTART_COUNT", Some(v))?,
             None => 0,
         };
-        let job_id = get("TORCHELASTIC_RUN_ID")
-            .or_else(|| get("CANDLE_DISTRIBUTED_JOB_ID"))
-            .unwrap_or_default();
+        let run_id = get("TORCHELASTIC_RUN_ID")
+            .or_else(|| get(RUN_ID_VAR))
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
             .is_some_and(|v| v.trim().eq_ignore_ascii_case("true") || v.trim() == "1");
-        Ok(Self {
+        let secret = match get(SECRET_VAR) {
+            Some(v) => Some(Secret::new(v).map_err(|e| {
+                candle_core::Error::Msg(format!("{e} (environment variable {SECRET_VAR})"))
+            })?),
+            None => None,
+        };
+        let env = Self {
             rank,
             world_size,
             local_rank,
             master_addr,
             master_port,
-            job_id,
+            run_id,
             restart,
             agent_store,
-        })
+            secret,
+        };
+        env.check_run_id()?;
+        Ok(env)
+    }
+
+    /// A standalone exchange needs a run id.
+    fn check_run_id(&self) -> Result<()> {
+        if !self.agent_store && self.run_id.is_empty() {
+            bail!(
+                "bootstrap: rank {}: a launch without torchrun needs a run id, so that a process left over from an earlier run cannot join this one: set {RUN_ID_VAR} on every rank to the same value, new for each launch (for example the output of `uuidgen` or `date +%s%N`, generated once by the launch script)",
+                self.rank
+            )
+        }
+        Ok(())
     }
 }
 
@@ -176,6 +227,7 @@ pub fn share_bytes_round(
     timeout: Duration,
 ) -> Result<Vec<u8>> {
     let deadline = Instant::now() + timeout;
+    env.check_run_id()?;
     if env.rank == 0 {
         let payload = match payload {
             Some(p) if p.len() <= MAX_PAYLOAD => p,
@@ -187,7 +239,12 @@ pub fn share_bytes_round(
         };
         if env.agent_store {
             let mut store = TcpStoreClient::connect(&env.master_addr, env.master_port, deadline)?;
-            store.set(&store_key(env, seq), payload, deadline)?;
+            let key = store_key(env, seq);
+            let value = match &env.secret {
+                Some(k) => k.seal(key.as_bytes(), payload)?,
+                None => payload.to_vec(),
+            };
+            store.set(&key, &value, deadline)?;
         } else {
             serve(env, seq, payload, deadline, timeout)?;
         }
@@ -200,65 +257,164 @@ pub fn share_bytes_round(
                     env.rank
                 ))
             })?;
-        store.get(&store_key(env, seq), deadline).map_err(|e| {
+        let key = store_key(env, seq);
+        let value = store.get(&key, deadline).map_err(|e| {
             candle_core::Error::Msg(format!(
                 "bootstrap: rank {} waited {timeout:?} for rank 0's payload: {e}",
                 env.rank
             ))
-        })
+        })?;
+        unseal_stored(env, &key, value)
     } else {
         fetch(env, seq, deadline, timeout)
     }
 }
 
-/// The store key of rendezvous `seq` of this job and restart.
-fn store_key(env: &DistEnv, seq: u64) -> String {
-    format!("candle-distributed/{}/{}/{seq}", env.job_id, env.restart)
+/// The payload of a store value: opened with the shared secret when this rank has one.
+fn unseal_stored(env: &DistEnv, key: &str, value: Vec<u8>) -> Result<Vec<u8>> {
+    match &env.secret {
+        Some(k) => k.open(key.as_bytes(), &value).map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "bootstrap: rank {}: the value of {key} in torchrun's store: {e} (is {SECRET_VAR} the same on every rank?)",
+                env.rank
+            ))
+        }),
+        None if secret::is_sealed(&value) => bail!(
+            "bootstrap: rank {}: rank 0 sealed the value of {key} with a shared secret, and this rank has none: set {SECRET_VAR} on every rank",
+            env.rank
+        ),
+        None => Ok(value),
+    }
 }
 
-/// The job identity as it travels: a 64-bit FNV-1a of the identity, the world size and the
-/// port, so that ranks of another job, or of the same job with another world size, differ.
+/// The store key of rendezvous `seq` of this job and restart.
+fn store_key(env: &DistEnv, seq: u64) -> String {
+    format!("candle-distributed/{}/{}/{seq}", env.run_id, env.restart)
+}
+
+/// The run identity as it travels: a 64-bit FNV-1a of the run id, the restart count, the world
+/// size and the port, so that ranks of another run or restart, or with another world size,
+/// differ. Not a secret: the shared secret, when set, authenticates.
 fn identity(env: &DistEnv) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let text = format!("{}|{}|{}", env.job_id, env.world_size, env.master_port);
+    let text = format!(
+        "{}:{}|{}|{}|{}",
+        env.run_id.len(),
+        env.run_id,
+        env.restart,
+        env.world_size,
+        env.master_port
+    );
     for b in text.bytes() {
         h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
 }
 
-/// One attempt of a client rank at `addr`: the payload, or why the exchange cannot succeed
-/// (rank 0's refusal, a length beyond [`MAX_PAYLOAD`]); an I/O error is worth a retry. The
-/// attempt, connect and exchange together, takes at most [`CLIENT_DEADLINE`] (as rank 0
-/// grants each client): an address that accepts and then says nothing costs one attempt, not
-/// the whole timeout.
-fn fetch_from(
+/// The hello of one attempt (with a fresh nonce): see the module documentation.
+fn hello(env: &DistEnv, seq: u64) -> Result<Vec<u8>> {
+    let mut hello = MAGIC.to_vec();
+    hello.extend_from_slice(&identity(env).to_le_bytes());
+    hello.extend_from_slice(&seq.to_le_bytes());
+    hello.extend_from_slice(&(env.rank as u32).to_le_bytes());
+    hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
+    hello.push(u8::from(env.secret.is_some()));
+    hello.extend_from_slice(&secret::nonce()?);
+    debug_assert_eq!(hello.len(), wire::HELLO);
+    Ok(hello)
+}
+
+/// One answer frame from `addr`: its status and body, or why the exchange cannot succeed (a
+/// length beyond what rank 0 sends); an I/O error or a stranger's bytes are worth a retry.
+fn read_answer(
+    stream: &mut TcpStream,
     addr: SocketAddr,
-    hello: &[u8],
     deadline: Instant,
-) -> std::io::Result<std::result::Result<Vec<u8>, String>> {
-    let deadline = deadline.min(Instant::now() + CLIENT_DEADLINE);
-    let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline))?;
-    write_by(&mut stream, hello, deadline)?;
+) -> std::io::Result<std::result::Result<(u8, Vec<u8>), String>> {
     let mut head = [0u8; 13];
-    read_by(&mut stream, &mut head, deadline)?;
+    read_by(stream, &mut head, deadline)?;
     if &head[..8] != MAGIC {
         return Err(std::io::Error::other(
             "the answer is not from a candle-distributed rank 0",
         ));
     }
     let len = u32::from_le_bytes(head[9..13].try_into().expect("4 bytes")) as usize;
-    if len > MAX_PAYLOAD {
+    let most = MAX_PAYLOAD + secret::SEAL_OVERHEAD;
+    if len > most {
         return Ok(Err(format!(
-            "{addr} announces {len} bytes (at most {MAX_PAYLOAD} accepted): not a rank 0 of ours"
+            "{addr} announces {len} bytes (at most {most} accepted): not a rank 0 of ours"
         )));
     }
     let mut body = vec![0u8; len];
-    read_by(&mut stream, &mut body, deadline)?;
-    match head[8] {
+    read_by(stream, &mut body, deadline)?;
+    Ok(Ok((head[8], body)))
+}
+
+/// One attempt of a client rank at `addr`: the payload, or why the exchange cannot succeed
+/// (rank 0's refusal, a length beyond [`MAX_PAYLOAD`], a disagreement on the shared secret's
+/// use); an I/O error, or an answer that does not prove the secret, is worth a retry. The
+/// attempt, connect and exchange together, takes at most [`CLIENT_DEADLINE`] (as rank 0
+/// grants each client): an address that accepts and then says nothing costs one attempt, not
+/// the whole timeout.
+fn fetch_from(
+    addr: SocketAddr,
+    env: &DistEnv,
+    seq: u64,
+    deadline: Instant,
+) -> std::io::Result<std::result::Result<Vec<u8>, String>> {
+    let hello = hello(env, seq).map_err(std::io::Error::other)?;
+    let deadline = deadline.min(Instant::now() + CLIENT_DEADLINE);
+    let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline))?;
+    write_by(&mut stream, &hello, deadline)?;
+    let (mut status, mut body) = match read_answer(&mut stream, addr, deadline)? {
+        Ok(answer) => answer,
+        Err(why) => return Ok(Err(why)),
+    };
+    let mut context = hello.clone();
+    match (&env.secret, status) {
+        (None, CHALLENGE) => {
+            return Ok(Err(format!(
+                "rank 0 at {addr} requires the job's shared secret and this rank has none: set {SECRET_VAR} on every rank"
+            )))
+        }
+        (Some(k), CHALLENGE) => {
+            if body.len() != secret::NONCE + secret::TAG {
+                return Err(std::io::Error::other("a malformed challenge"));
+            }
+            let (ns, proof) = body.split_at(secret::NONCE);
+            if !k.check(&[b"rank 0", &hello, ns], proof) {
+                return Err(std::io::Error::other(format!(
+                    "{addr} does not prove the job's shared secret (not our rank 0, or its {SECRET_VAR} differs)"
+                )));
+            }
+            write_by(&mut stream, &k.prove(&[b"rank", &hello, ns]), deadline)?;
+            context.extend_from_slice(ns);
+            (status, body) = match read_answer(&mut stream, addr, deadline)? {
+                Ok(answer) => answer,
+                Err(why) => return Ok(Err(why)),
+            };
+        }
+        (Some(_), OK) => {
+            return Ok(Err(format!(
+                "rank 0 at {addr} answered without the shared secret's challenge: set {SECRET_VAR} on every rank, or on none"
+            )))
+        }
+        _ => {}
+    }
+    match status {
         OK => {
+            let payload = match &env.secret {
+                Some(k) => k.open(&context, &body).map_err(std::io::Error::other)?,
+                None => body,
+            };
+            if payload.len() > MAX_PAYLOAD {
+                return Ok(Err(format!(
+                    "{addr} sent {} bytes (at most {MAX_PAYLOAD} accepted): not a rank 0 of ours",
+                    payload.len()
+                )));
+            }
             write_by(&mut stream, &[1], deadline)?;
-            Ok(Ok(body))
+            Ok(Ok(payload))
         }
         RETRY => Err(std::io::Error::other(
             String::from_utf8_lossy(&body).into_owned(),
@@ -271,23 +427,21 @@ fn fetch_from(
 }
 
 fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {
-    let mut hello = MAGIC.to_vec();
-    hello.extend_from_slice(&identity(env).to_le_bytes());
-    hello.extend_from_slice(&seq.to_le_bytes());
-    hello.extend_from_slice(&(env.rank as u32).to_le_bytes());
-    hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
     // Every address the name resolves to, in turn: one that refuses, answers garbage, stays
     // silent or is not rank 0 does not keep a rank from the others.
     let mut attempt = 0usize;
+    // The last attempt's error, unless the deadline cut that attempt short: then the one
+    // before, which says more (a refused connection, an answer that does not prove the secret).
+    let mut last_err = String::new();
     loop {
-        let last_err = match (env.master_addr.as_str(), env.master_port).to_socket_addrs() {
+        let this_err = match (env.master_addr.as_str(), env.master_port).to_socket_addrs() {
             Ok(addrs) => {
                 let addrs: Vec<SocketAddr> = addrs.collect();
                 if addrs.is_empty() {
                     "the address resolves to nothing".to_string()
                 } else {
                     let a = addrs[attempt % addrs.len()];
-                    match fetch_from(a, &hello, deadline) {
+                    match fetch_from(a, env, seq, deadline) {
                         Ok(Ok(p)) => return Ok(p),
                         Ok(Err(why)) => bail!("bootstrap: rank {}: {why}", env.rank),
                         Err(e) => format!("{a}: {e}"),
@@ -297,7 +451,11 @@ fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Resul
             Err(e) => format!("resolving {}: {e}", env.master_addr),
         };
         attempt += 1;
-        if Instant::now() >= deadline {
+        let cut_short = Instant::now() >= deadline;
+        if !cut_short || last_err.is_empty() {
+            last_err = this_err;
+        }
+        if cut_short {
             bail!(
                 "bootstrap: rank {} timed out after {timeout:?} reaching rank 0 at {}:{} (last error: {last_err})",
                 env.rank,

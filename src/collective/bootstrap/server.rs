@@ -234,7 +234,7 @@ fn timed_out(
     ))
 }
 
-/// Answers one client on rank 0; `(id, seq)`: the job identity and this rendezvous' number.
+/// Answers one client on rank 0; `(id, seq)`: the run identity and this rendezvous' number.
 pub(super) fn answer(
     mut stream: TcpStream,
     env: &DistEnv,
@@ -250,6 +250,12 @@ pub(super) fn answer(
             "not a candle-distributed bootstrap client".into(),
         ));
     }
+    // With a shared secret, the client proves it holds it before anything else is said.
+    let mut context = hello.to_vec();
+    if let Some(why) = authenticate(&mut stream, env, &hello, &mut context, deadline)? {
+        write_by(&mut stream, &frame(REFUSED, why.as_bytes()), deadline)?;
+        return Ok(Client::Dropped(why));
+    }
     let word = |at: usize| u64::from_le_bytes(hello[at..at + 8].try_into().expect("8 bytes"));
     let (their_id, their_seq) = (word(8), word(16));
     let rank = u32::from_le_bytes(hello[24..28].try_into().expect("4 bytes")) as usize;
@@ -262,8 +268,8 @@ pub(super) fn answer(
     }
     let refusal = if their_id != id || world != env.world_size {
         Some(format!(
-            "rank 0 runs job {:?} of {} ranks on port {}; this rank is of another job (identity or world size {world} differs)",
-            env.job_id, env.world_size, env.master_port
+            "rank 0 runs run {:?}, restart {}, of {} ranks on port {}; this rank is of another run or restart (identity or world size {world} differs)",
+            env.run_id, env.restart, env.world_size, env.master_port
         ))
     } else if their_seq < seq {
         Some(format!(
@@ -276,15 +282,49 @@ pub(super) fn answer(
     } else {
         None
     };
-    let (status, body) = match &refusal {
-        Some(why) => (REFUSED, why.as_bytes()),
-        None => (OK, payload),
-    };
-    write_by(&mut stream, &frame(status, body), deadline)?;
     if let Some(why) = refusal {
+        write_by(&mut stream, &frame(REFUSED, why.as_bytes()), deadline)?;
         return Ok(Client::Dropped(why));
     }
+    let body = match &env.secret {
+        Some(k) => k.seal(&context, payload).map_err(std::io::Error::other)?,
+        None => payload.to_vec(),
+    };
+    write_by(&mut stream, &frame(OK, &body), deadline)?;
     let mut ack = [0u8; 1];
     read_by(&mut stream, &mut ack, deadline)?;
     Ok(Client::Served(rank))
+}
+
+/// The challenge–response when either side has a shared secret: `None` when the client may go
+/// on (`context` then holds the hello and rank 0's nonce, for sealing), else why it is refused.
+fn authenticate(
+    stream: &mut TcpStream,
+    env: &DistEnv,
+    hello: &[u8; HELLO],
+    context: &mut Vec<u8>,
+    deadline: Instant,
+) -> std::io::Result<Option<String>> {
+    let client_has_secret = hello[32] == 1;
+    let Some(k) = &env.secret else {
+        return Ok(client_has_secret.then(|| {
+            format!("rank 0 has no shared secret and this rank has one: set {SECRET_VAR} on every rank, or on none")
+        }));
+    };
+    if !client_has_secret {
+        return Ok(Some(format!(
+            "rank 0 requires the job's shared secret ({SECRET_VAR}) and this rank has none"
+        )));
+    }
+    let ns = secret::nonce().map_err(std::io::Error::other)?;
+    let mut challenge = ns.to_vec();
+    challenge.extend_from_slice(&k.prove(&[b"rank 0", hello, &ns]));
+    write_by(stream, &frame(CHALLENGE, &challenge), deadline)?;
+    let mut proof = [0u8; secret::TAG];
+    read_by(stream, &mut proof, deadline)?;
+    if !k.check(&[b"rank", hello, &ns], &proof) {
+        return Ok(Some("the proof of the shared secret is wrong".into()));
+    }
+    context.extend_from_slice(&ns);
+    Ok(None)
 }

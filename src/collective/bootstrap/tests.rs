@@ -15,14 +15,23 @@ fn env_at(rank: usize, world: usize, addr: &str, port: u16, job: &str) -> DistEn
         local_rank: rank,
         master_addr: addr.into(),
         master_port: port,
-        job_id: job.into(),
+        run_id: job.into(),
         restart: 0,
         agent_store: false,
+        secret: None,
     }
 }
 
 fn env(rank: usize, world: usize, port: u16) -> DistEnv {
-    env_at(rank, world, "127.0.0.1", port, "")
+    env_at(rank, world, "127.0.0.1", port, "run")
+}
+
+/// `env(rank, world, port)` holding the secret `secret` (`None`: no secret).
+fn env_secret(rank: usize, world: usize, port: u16, secret: Option<&str>) -> DistEnv {
+    DistEnv {
+        secret: secret.map(|s| Secret::new(s).unwrap()),
+        ..env(rank, world, port)
+    }
 }
 
 /// A port that was free a moment ago.
@@ -70,6 +79,7 @@ fn job(
 #[test]
 fn reads_torchrun_variables() {
     let vars: HashMap<&str, &str> = [
+        ("CANDLE_DISTRIBUTED_SECRET", "0123456789abcdef0123"),
         ("RANK", "3"),
         ("WORLD_SIZE", "8"),
         ("LOCAL_RANK", "1"),
@@ -88,10 +98,11 @@ fn reads_torchrun_variables() {
     assert_eq!(e.master_addr, "node0");
     assert_eq!(e.master_port, 29500);
     assert_eq!(
-        (e.job_id.as_str(), e.restart, e.agent_store),
+        (e.run_id.as_str(), e.restart, e.agent_store),
         ("abc", 2, true)
     );
     assert_eq!(store_key(&e, 4), "candle-distributed/abc/2/4");
+    assert_eq!(e.secret, Some(Secret::new("0123456789abcdef0123").unwrap()));
 }
 
 #[test]
@@ -136,8 +147,8 @@ fn a_missing_rank_times_out_with_its_number() {
     assert!(lonely.unwrap_err().to_string().contains("timed out"));
 }
 
-/// A rank of another job (another identity) is refused with the reason, at once; the job
-/// on the port completes.
+/// A rank of another run (another identity: a client left over from an earlier launch) is
+/// refused with the reason, at once; the run on the port completes.
 #[test]
 fn a_stray_from_another_job_is_refused_and_the_job_completes() {
     let port = free_port();
@@ -150,7 +161,7 @@ fn a_stray_from_another_job_is_refused_and_the_job_completes() {
             .to_string();
         assert!(t.elapsed() < Duration::from_secs(5), "refused promptly");
         assert!(
-            e.contains("refused by rank 0") && e.contains("another job"),
+            e.contains("refused by rank 0") && e.contains("another run"),
             "{e}"
         );
         assert!(!root.is_finished(), "rank 0 still waits for its own rank 1");
@@ -369,4 +380,160 @@ fn a_connection_flood_under_a_low_descriptor_limit() {
         assert_eq!(g.as_ref().unwrap(), b"payload", "rank {}", r + 1);
     }
     assert!(status.success(), "rank 0 failed under the flood: {status}");
+}
+
+/// A launch without torchrun and without a run id is refused, naming the variable to set: two
+/// launches would otherwise share one identity, and a leftover client of the first would be
+/// served the second's payload. Under torchrun's store the run id is torchrun's own.
+#[test]
+fn a_standalone_launch_needs_a_run_id() {
+    let vars = |extra: &[(&'static str, &'static str)]| -> HashMap<&'static str, &'static str> {
+        [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect()
+    };
+    let read = |m: HashMap<&str, &str>| DistEnv::from_vars(|k| m.get(k).map(|v| v.to_string()));
+    let e = read(vars(&[])).unwrap_err().to_string();
+    assert!(
+        e.contains("needs a run id") && e.contains(RUN_ID_VAR),
+        "{e}"
+    );
+    assert!(read(vars(&[(RUN_ID_VAR, "  ")])).is_err(), "blank is no id");
+    assert_eq!(read(vars(&[(RUN_ID_VAR, "r7")])).unwrap().run_id, "r7");
+    assert!(read(vars(&[("TORCHELASTIC_USE_AGENT_STORE", "True")])).is_ok());
+    let e = read(vars(&[(RUN_ID_VAR, "r7"), (SECRET_VAR, "short")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at least 16") && e.contains(SECRET_VAR), "{e}");
+    // Built by hand: refused by the exchange itself.
+    let e = share_bytes_round(&env_at(1, 2, "127.0.0.1", free_port(), ""), 0, None, LONG)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs a run id"), "{e}");
+}
+
+/// A client of the same run id but another restart (torchrun's restart count) is refused too.
+#[test]
+fn a_client_of_an_earlier_restart_is_refused() {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let mut now = env(0, 2, port);
+        now.restart = 1;
+        let root = s.spawn(move || share_bytes_round(&now, 0, Some(b"id"), LONG));
+        let e = share_bytes_round(&env(1, 2, port), 0, None, LONG)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("restart 1") && e.contains("another run or restart"),
+            "{e}"
+        );
+        let mut real = env(1, 2, port);
+        real.restart = 1;
+        assert_eq!(share_bytes_round(&real, 0, None, LONG).unwrap(), b"id");
+        root.join().unwrap().unwrap();
+    });
+}
+
+const SECRET: &str = "correct horse battery staple";
+
+/// With a shared secret, a stranger without it and one with another secret both fail to join
+/// (neither is counted as a rank, neither gets the payload), while the real ranks start; the
+/// payload never travels in the clear.
+#[test]
+fn strangers_without_the_secret_cannot_join() {
+    let port = free_port();
+    let id: Vec<u8> = (0..128u32).map(|i| (i * 13 + 1) as u8).collect();
+    std::thread::scope(|s| {
+        let root = s
+            .spawn(|| share_bytes_round(&env_secret(0, 3, port, Some(SECRET)), 0, Some(&id), LONG));
+        // Both strangers claim rank 1 and 2 before the real ranks arrive.
+        let none = share_bytes_round(&env_secret(1, 3, port, None), 0, None, LONG)
+            .unwrap_err()
+            .to_string();
+        assert!(none.contains("requires the job's shared secret"), "{none}");
+        let t = Instant::now();
+        let wrong = share_bytes_round(
+            &env_secret(2, 3, port, Some("a different secret, long enough")),
+            0,
+            None,
+            Duration::from_millis(1500),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert!(
+            wrong.contains("does not prove the job's shared secret"),
+            "{wrong}"
+        );
+        assert!(!root.is_finished(), "rank 0 counted no stranger as a rank");
+        // A raw stranger that sees the challenge learns neither the secret nor the payload.
+        let (mut raw, _) =
+            connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = env_secret(1, 3, port, Some(SECRET));
+        hello.secret = Some(Secret::new("yet another secret of length").unwrap());
+        raw.write_all(&super::hello(&hello, 0).unwrap()).unwrap();
+        let mut seen = Vec::new();
+        raw.write_all(&[0u8; 32]).unwrap();
+        let _ = raw.read_to_end(&mut seen);
+        assert!(!seen.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()));
+        assert!(
+            !seen.windows(16).any(|w| w == &id[..16]),
+            "no payload bytes"
+        );
+        assert!(String::from_utf8_lossy(&seen).contains("proof of the shared secret is wrong"));
+        let real: Vec<_> = (1..3)
+            .map(|r| {
+                s.spawn(move || {
+                    share_bytes_round(&env_secret(r, 3, port, Some(SECRET)), 0, None, LONG)
+                })
+            })
+            .collect();
+        for h in real {
+            assert_eq!(h.join().unwrap().unwrap(), id);
+        }
+        root.join().unwrap().unwrap();
+    });
+}
+
+/// A rank with the secret does not take a payload from a rank 0 that cannot prove it: one
+/// without a secret is refused at once; one with another secret is retried until the timeout,
+/// then named.
+#[test]
+fn a_rank_trusts_only_a_rank_0_that_proves_the_secret() {
+    for (root_secret, expect) in [
+        (None, "rank 0 has no shared secret and this rank has one"),
+        (
+            Some("an impostor's secret, long enough"),
+            "does not prove the job's shared secret",
+        ),
+    ] {
+        let port = free_port();
+        std::thread::scope(|s| {
+            let root = s.spawn(|| {
+                share_bytes_round(
+                    &env_secret(0, 2, port, root_secret),
+                    0,
+                    Some(b"forged"),
+                    Duration::from_secs(3),
+                )
+            });
+            let e = share_bytes_round(
+                &env_secret(1, 2, port, Some(SECRET)),
+                0,
+                None,
+                Duration::from_millis(1500),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(expect), "{e}");
+            assert!(root.join().unwrap().is_err(), "rank 0 served nobody");
+        });
+    }
 }

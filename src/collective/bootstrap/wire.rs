@@ -8,8 +8,9 @@ use std::time::Instant;
 use super::MAGIC;
 use crate::collective::store::remaining;
 
-/// Bytes of a client's hello: magic, identity, rendezvous number, rank, world size.
-pub(super) const HELLO: usize = 32;
+/// Bytes of a client's hello: magic, identity, rendezvous number, rank, world size, whether it
+/// holds a shared secret, nonce.
+pub(super) const HELLO: usize = 32 + 1 + super::secret::NONCE;
 
 /// `read_exact` that fails once `deadline` has passed, however slowly the peer trickles.
 pub(super) fn read_by(

@@ -221,12 +221,15 @@ impl NcclCollective {
     /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
     /// `MASTER_ADDR`, `MASTER_PORT`): this rank runs on GPU `LOCAL_RANK`; rank 0 creates NCCL's
     /// unique id and hands it to the others with [`super::bootstrap::share_bytes`] (through
-    /// torchrun's own TCPStore under torchrun, else over TCP from rank 0). Default timeout
-    /// ([`DEFAULT_TIMEOUT`]) for the start-up and for every collective.
+    /// torchrun's own TCPStore under torchrun, else over TCP from rank 0, where every rank also
+    /// needs `CANDLE_DISTRIBUTED_RUN_ID`; see [`super::bootstrap`] for the run identity and the
+    /// optional shared secret). Default timeout ([`DEFAULT_TIMEOUT`]) for the start-up and for
+    /// every collective.
     ///
     /// # Errors
-    /// A missing or invalid variable, the bootstrap's error, NCCL's, or a start-up that does
-    /// not finish within the timeout (a rank that never arrives).
+    /// A missing or invalid variable (a launch without torchrun and without a run id), the
+    /// bootstrap's error, NCCL's, or a start-up that does not finish within the timeout (a rank
+    /// that never arrives).
     pub fn from_env() -> Result<Arc<Self>> {
         Self::from_env_with_timeout(DEFAULT_TIMEOUT)
     }
