@@ -16,11 +16,31 @@ use common::*;
 
 const WORLD: usize = 4;
 
+/// The fault run (`mpirun -np 2`, a 2 s timeout): rank 1 never reaches the all-reduce (it sleeps
+/// for 60 s); rank 0 times out, prints why and calls `MPI_Abort`, which ends both processes. The
+/// script checks the message, a failed job, and that the job ended well before rank 1's sleep.
+fn a_rank_that_hangs_aborts_the_job(mpi: &Mpi) -> Result<()> {
+    let comm = mpi.world_with_timeout(std::time::Duration::from_secs(2))?;
+    if comm.rank() == 1 {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        anyhow::bail!("rank 1 slept 60 s: the abort never came");
+    }
+    let t = Tensor::new(&[1f32, 2.0], &Device::Cpu)?;
+    comm.all_reduce(&t, ReduceOp::Sum)?;
+    anyhow::bail!("rank 0's all-reduce returned without rank 1")
+}
+
 /// One check of the suite, run on every rank.
 type Check = fn(&Arc<dyn Collective>) -> Result<()>;
 
+/// Set by `scripts/test-mpi.sh` for its fault run: see [`a_rank_that_hangs_aborts_the_job`].
+const HANG: &str = "CANDLE_DISTRIBUTED_MPI_HANG";
+
 fn main() -> Result<()> {
     let mpi = Mpi::init()?;
+    if std::env::var_os(HANG).is_some() {
+        return a_rank_that_hangs_aborts_the_job(&mpi);
+    }
     let comm = mpi.world()?;
     ensure!(
         comm.world_size() == WORLD,

@@ -11,7 +11,7 @@
 //! calls `MPI_Abort`, which ends every process of the job: nothing hangs forever, and the error
 //! is on stderr rather than returned.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Result, Tensor};
@@ -52,6 +52,25 @@ fn serialised() -> MutexGuard<'static, ()> {
 fn locked<R>(f: impl FnOnce() -> R) -> R {
     let _g = serialised();
     f()
+}
+
+/// `MPI_Abort` on `comm`, under `MPI_CALLS` as `MPI_THREAD_SERIALIZED` requires, waiting at
+/// most one second for it: a thread that holds it inside a blocking MPI call (`MPI_Comm_dup`,
+/// `MPI_Comm_split`) waiting for a dead rank would otherwise keep the job alive forever, and the
+/// abort then goes ahead without the lock.
+fn abort_job(comm: &SimpleCommunicator) -> ! {
+    let until = Instant::now() + Duration::from_secs(1);
+    let _guard = loop {
+        match MPI_CALLS.try_lock() {
+            Ok(g) => break Some(g),
+            Err(TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(TryLockError::WouldBlock) => break None,
+        }
+    };
+    comm.abort(1)
 }
 
 /// The MPI environment of this process.
@@ -215,11 +234,15 @@ impl MpiCollective {
                 Err(r) => req = r,
             }
             if Instant::now() >= deadline {
-                log::error!(
+                let why = format!(
                     "mpi: rank {} timed out after {:?} in {op}; aborting the MPI job (a collective cannot be cancelled)",
                     self.rank, self.timeout
                 );
-                self.comm.abort(1);
+                // On stderr as well as through `log`: the process ends next, whatever logger
+                // the application installed.
+                log::error!("{why}");
+                eprintln!("{why}");
+                abort_job(&self.comm);
             }
             spins += 1;
             if spins > 1000 {
