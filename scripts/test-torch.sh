@@ -14,4 +14,5 @@ if ! "$venv/bin/python" -c "import torch.distributed" 2>/dev/null; then
 fi
 "$venv/bin/python" -c "import torch; print('PyTorch', torch.__version__)"
 cargo build --example rendezvous
-TORCH_PYTHON="$(cd "$venv" && pwd)/bin/python" cargo test --test torch_interop -- --ignored
+TORCH_PYTHON="$(cd "$venv" && pwd)/bin/python" cargo test --test torch_interop -- --ignored \
+    --skip an_unsupported_pytorch_is_named

@@ -193,6 +193,33 @@ fn share_bytes_through_a_pytorch_store() {
     .unwrap();
 }
 
+/// Against a PyTorch older than the oldest supported (`scripts/test-torch-versions.sh` runs it
+/// with 2.4.1): the connection fails at once, on both back-ends, with an error that names the
+/// supported range.
+#[test]
+#[ignore = "needs an unsupported PyTorch: scripts/test-torch-versions.sh"]
+fn an_unsupported_pytorch_is_named() {
+    for backend in ["classic", "libuv"] {
+        let server = Server::start(backend);
+        let t = Instant::now();
+        let e = TcpStoreClient::connect(
+            "127.0.0.1",
+            server.port,
+            Instant::now() + Duration::from_secs(30),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(t.elapsed() < Duration::from_secs(10), "{backend}: prompt");
+        assert!(
+            e.contains("PyTorch older than 2.5") && e.contains("not supported"),
+            "{backend}: {e}"
+        );
+        // The server script waits for a key this client cannot set: ended here.
+        let mut server = server;
+        let _ = server.child.kill();
+    }
+}
+
 /// `torchrun --nproc_per_node 2 --no-python target/<profile>/examples/rendezvous`: both
 /// processes receive rank 0's bytes through torchrun's own store, twice.
 #[test]

@@ -2,7 +2,10 @@
 //! its workers): enough of the wire protocol to rendezvous through it — connect with the
 //! validation handshake, `set`, `get` (which waits for the key) and `add`.
 //!
-//! Wire format (PyTorch 2.x, both of its server back-ends): every request starts with one byte,
+//! Supported servers: PyTorch 2.5 and later ([`OLDEST_PYTORCH`]), both back-ends; an older one
+//! closes the connection at the handshake's PING, which this client reports by name.
+//!
+//! Wire format (PyTorch 2.5 and later, both of its server back-ends): every request starts with one byte,
 //! the query type; byte strings are a u64 length and the bytes, integers i64, counts u64, all
 //! little-endian. A connection opens with VALIDATE and the magic `0x3C85F7CE` (no answer), then
 //! PING with a nonce the server echoes. SET has no answer; GET answers the value; WAIT answers
@@ -26,6 +29,11 @@ const PING: u8 = 13;
 const MAGIC: u32 = 0x3C85_F7CE;
 const STOP_WAITING: u8 = 0;
 const WAIT_CANCELED: u8 = 1;
+
+/// The oldest PyTorch whose TCPStore servers (classic and libuv) this client speaks to: the
+/// first with PING. Tested against 2.5.1, 2.9.1 and 2.15.0, and refused by name against 2.4.1
+/// (`scripts/test-torch-versions.sh`).
+pub const OLDEST_PYTORCH: &str = "2.5";
 
 /// The largest value this client accepts from a server: a rendezvous payload is small; a
 /// length beyond this is garbage (or not a TCPStore), not something to allocate.
@@ -110,7 +118,21 @@ impl TcpStoreClient {
         hello.extend(nonce.to_le_bytes());
         c.send(&hello)?;
         let mut echo = [0u8; 4];
-        c.recv(&mut echo, "the PING answer")?;
+        if let Err(e) = c.stream.read_exact(&mut echo) {
+            c.poisoned = true;
+            use std::io::ErrorKind::{ConnectionAborted, ConnectionReset, UnexpectedEof};
+            let why = if matches!(
+                e.kind(),
+                UnexpectedEof | ConnectionReset | ConnectionAborted
+            ) {
+                format!(
+                    "the server closed the connection at the handshake's PING ({e}): a TCPStore of PyTorch older than {OLDEST_PYTORCH}, which has no PING, is not supported (supported: PyTorch {OLDEST_PYTORCH} and later)"
+                )
+            } else {
+                format!("reading the PING answer: {e}")
+            };
+            return Err(err(&c.peer, why));
+        }
         if u32::from_le_bytes(echo) != nonce {
             return Err(err(
                 &c.peer,
