@@ -16,14 +16,28 @@ use common::*;
 
 const WORLD: usize = 4;
 
-/// The fault run (`mpirun -np 2`, a 2 s timeout): rank 1 never reaches the all-reduce (it sleeps
-/// for 60 s); rank 0 times out, prints why and calls `MPI_Abort`, which ends both processes. The
-/// script checks the message, a failed job, and that the job ended well before rank 1's sleep.
+/// The fault runs (`mpirun -np 2`, a 2 s timeout): rank 1 never reaches the next call (it sleeps
+/// for 60 s): with `CANDLE_DISTRIBUTED_MPI_HANG=dup` the duplicate of `MPI_COMM_WORLD` that
+/// `world_with_timeout` makes, otherwise an all-reduce. Rank 0 times out, prints why and calls
+/// `MPI_Abort`, which ends both processes. The script checks the message, a failed job, and that
+/// the job ended well before rank 1's sleep.
 fn a_rank_that_hangs_aborts_the_job(mpi: &Mpi) -> Result<()> {
-    let comm = mpi.world_with_timeout(std::time::Duration::from_secs(2))?;
-    if comm.rank() == 1 {
+    let timeout = std::time::Duration::from_secs(2);
+    let hang = || -> Result<()> {
         std::thread::sleep(std::time::Duration::from_secs(60));
-        anyhow::bail!("rank 1 slept 60 s: the abort never came");
+        anyhow::bail!("rank 1 slept 60 s: the abort never came")
+    };
+    let rank = mpi.world()?.rank();
+    if std::env::var(HANG).is_ok_and(|v| v == "dup") {
+        if rank == 1 {
+            return hang();
+        }
+        mpi.world_with_timeout(timeout)?;
+        anyhow::bail!("rank 0's dup returned without rank 1");
+    }
+    let comm = mpi.world_with_timeout(timeout)?;
+    if rank == 1 {
+        return hang();
     }
     let t = Tensor::new(&[1f32, 2.0], &Device::Cpu)?;
     comm.all_reduce(&t, ReduceOp::Sum)?;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Result, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
+use mpi::raw::{AsRaw, FromRaw};
 use mpi::request::{Request, Scope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
@@ -73,6 +74,67 @@ fn abort_job(comm: &SimpleCommunicator) -> ! {
     comm.abort(1)
 }
 
+/// Calls `done` (which takes `MPI_CALLS` for its own MPI call, so that other threads progress
+/// between polls) until it returns true; past `timeout`, prints why and aborts the MPI job on
+/// `comm`.
+fn poll(
+    comm: &SimpleCommunicator,
+    rank: usize,
+    timeout: Duration,
+    op: &str,
+    mut done: impl FnMut() -> bool,
+) {
+    let deadline = Instant::now() + timeout;
+    let mut spins = 0u32;
+    while !done() {
+        if Instant::now() >= deadline {
+            let why = format!(
+                "mpi: rank {rank} timed out after {timeout:?} in {op}; aborting the MPI job (a collective cannot be cancelled)"
+            );
+            // On stderr as well as through `log`: the process ends next, whatever logger the
+            // application installed.
+            log::error!("{why}");
+            eprintln!("{why}");
+            abort_job(comm);
+        }
+        spins += 1;
+        if spins > 1000 {
+            std::thread::sleep(Duration::from_micros(50));
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// `MPI_Comm_idup` of `comm`, polled against `timeout` like every collective (a rank that never
+/// arrives aborts the job instead of hanging it; `MPI_Comm_dup` would block, untimed, with
+/// `MPI_CALLS` held).
+fn duplicate(comm: &SimpleCommunicator, rank: usize, timeout: Duration) -> SimpleCommunicator {
+    let mut newcomm = std::mem::MaybeUninit::<mpi::ffi::MPI_Comm>::uninit();
+    let mut req = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
+    // SAFETY: `comm` is a live communicator; `newcomm` and `req` outlive the request (this
+    // function polls it to completion before returning), as MPI requires of the outputs of a
+    // nonblocking call. The call is made under `MPI_CALLS` (MPI_THREAD_SERIALIZED).
+    locked(|| unsafe {
+        mpi::ffi::MPI_Comm_idup(comm.as_raw(), newcomm.as_mut_ptr(), req.as_mut_ptr())
+    });
+    // SAFETY: MPI_Comm_idup wrote the request handle (MPI's default error handler aborts the
+    // job on failure, so a return means success).
+    let mut req = unsafe { req.assume_init() };
+    poll(comm, rank, timeout, "dup", || {
+        let mut flag: std::os::raw::c_int = 0;
+        // SAFETY: `req` is the live request of the idup (MPI sets it to MPI_REQUEST_NULL once
+        // complete, after which the loop stops); the call is made under `MPI_CALLS`.
+        locked(|| unsafe {
+            mpi::ffi::MPI_Test(&mut req, &mut flag, mpi::ffi::RSMPI_STATUS_IGNORE)
+        });
+        flag != 0
+    });
+    // SAFETY: the request completed, so MPI wrote the new communicator's handle, which this
+    // process now owns (freed by `SimpleCommunicator`'s drop).
+    unsafe { SimpleCommunicator::from_raw(newcomm.assume_init()) }
+}
+
 /// The MPI environment of this process.
 ///
 /// ```no_run
@@ -119,8 +181,9 @@ impl Mpi {
     ///
     /// # Errors
     ///
-    /// None at present: an MPI failure while duplicating the communicator (for the `*_async` calls)
-    /// aborts the job under MPI's default error handler rather than returning.
+    /// None at present. The duplicate of the communicator (for the `*_async` calls) is a
+    /// collective polled against the timeout: a rank that does not arrive aborts the job, and an
+    /// MPI failure aborts it under MPI's default error handler, rather than returning.
     pub fn world(&self) -> Result<Arc<dyn Collective>> {
         self.world_with_timeout(DEFAULT_TIMEOUT)
     }
@@ -192,10 +255,8 @@ impl MpiCollective {
     /// Wraps `comm`; with `with_async`, also duplicates it for the `*_async` calls (collective:
     /// every rank of `comm` constructs at the same point).
     fn new(comm: SimpleCommunicator, env: Arc<Env>, timeout: Duration, with_async: bool) -> Self {
-        let (rank, world, dup) = locked(|| {
-            let dup = with_async.then(|| comm.duplicate());
-            (comm.rank() as usize, comm.size() as usize, dup)
-        });
+        let (rank, world) = locked(|| (comm.rank() as usize, comm.size() as usize));
+        let dup = with_async.then(|| duplicate(&comm, rank, timeout));
         let async_comm = dup.map(|d| Arc::new(MpiCollective::new(d, env.clone(), timeout, false)));
         Self {
             comm: std::mem::ManuallyDrop::new(comm),
@@ -225,32 +286,17 @@ impl MpiCollective {
     }
 
     /// Polls `req` until it completes; on timeout prints why and aborts the MPI job.
-    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, op: &str, mut req: Request<'a, D, S>) {
-        let deadline = Instant::now() + self.timeout;
-        let mut spins = 0u32;
-        loop {
-            match locked(|| req.test()) {
-                Ok(_) => return,
-                Err(r) => req = r,
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, op: &str, req: Request<'a, D, S>) {
+        let mut req = Some(req);
+        poll(&self.comm, self.rank, self.timeout, op, || {
+            match locked(|| req.take().expect("polled until done").test()) {
+                Ok(_) => true,
+                Err(r) => {
+                    req = Some(r);
+                    false
+                }
             }
-            if Instant::now() >= deadline {
-                let why = format!(
-                    "mpi: rank {} timed out after {:?} in {op}; aborting the MPI job (a collective cannot be cancelled)",
-                    self.rank, self.timeout
-                );
-                // On stderr as well as through `log`: the process ends next, whatever logger
-                // the application installed.
-                log::error!("{why}");
-                eprintln!("{why}");
-                abort_job(&self.comm);
-            }
-            spins += 1;
-            if spins > 1000 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        });
     }
 
     /// The error of a call on a group a mismatch has broken.

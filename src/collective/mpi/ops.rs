@@ -189,10 +189,11 @@ impl Collective for MpiCollective {
             .transpose()
             .and_then(|c| Ok((c, as_i32("key", key)?)));
         let token = Tensor::zeros(1, DType::U8, &Device::Cpu)?;
-        // MPI_Comm_split (and the MPI_Comm_dup of the new communicator) block while holding
-        // the process's MPI lock: the agreement first (a polled all-gather, the lock released
-        // between polls, so this process's communication thread keeps progressing), after which
-        // every rank's split returns promptly.
+        // MPI_Comm_split blocks while holding the process's MPI lock (MPI has no nonblocking
+        // split): the agreement first (a polled all-gather, the lock released between polls, so
+        // this process's communication thread keeps progressing), after which every rank's
+        // split returns promptly unless a rank dies in between (then mpirun ends the job, its
+        // default). The duplicate of the new communicator is polled (`duplicate`).
         self.agree(
             OP,
             Self::descriptor(Op::Split, &token, token.dims(), 0),
