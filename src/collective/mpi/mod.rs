@@ -38,6 +38,19 @@ const BACKEND: &str = "MPI";
 /// [`Mpi`] and the communicators made from it is dropped.
 struct Env {
     _universe: Universe,
+    /// The thread that initialised MPI, where the MPI standard wants `MPI_Finalize` called.
+    init_thread: std::thread::ThreadId,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // `_universe` finalises MPI after this, on this thread.
+        if std::thread::current().id() != self.init_thread {
+            log::warn!(
+                "mpi: MPI is finalised on another thread than the one that initialised it (the last communicator was dropped there); keep `Mpi` alive on the initialising thread until every communicator is gone"
+            );
+        }
+    }
 }
 
 /// Serialises this process's MPI calls: MPI is initialised with `MPI_THREAD_SERIALIZED`.
@@ -135,7 +148,10 @@ fn duplicate(comm: &SimpleCommunicator, rank: usize, timeout: Duration) -> Simpl
     unsafe { SimpleCommunicator::from_raw(newcomm.assume_init()) }
 }
 
-/// The MPI environment of this process.
+/// The MPI environment of this process. MPI is finalised when the last of it and the
+/// communicators made from it is dropped, on that thread: keep it alive on the thread that
+/// called [`Mpi::init`] (the MPI standard wants `MPI_Finalize` there) until every communicator
+/// is gone; a finalize on another thread is logged as a warning.
 ///
 /// ```no_run
 /// # fn main() -> candle_core::Result<()> {
@@ -173,6 +189,7 @@ impl Mpi {
         Ok(Self {
             env: Arc::new(Env {
                 _universe: universe,
+                init_thread: std::thread::current().id(),
             }),
         })
     }
