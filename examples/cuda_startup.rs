@@ -12,17 +12,22 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_distributed::collective::ThreadGroup;
 use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 
+/// The time of the first SyncBatchNorm training forward on GPU 0.
+#[derive(Debug, clap::Parser)]
+#[command(name = "cuda_startup")]
+struct Args {
+    /// Exit with status 1 when the first forward takes longer than this many seconds.
+    limit: Option<f64>,
+}
+
 fn main() -> Result<ExitCode> {
-    let limit: Option<f64> = match std::env::args().nth(1) {
-        Some(a) => Some(a.parse().context("the argument is a limit in seconds")?),
-        None => None,
-    };
+    let limit = <Args as clap::Parser>::parse().limit;
     let dev = Device::new_cuda(0)?;
     let comm = ThreadGroup::new(1)?.remove(0);
     let vm = VarMap::new();

@@ -11,41 +11,36 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::{Collective, ThreadGroup};
 use candle_distributed::DataParallel;
 
-struct Args {
-    backend: String,
-    ranks: usize,
-    mib: f64,
-    iters: usize,
+/// The collective backend the ranks use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Backend {
+    /// Thread ranks in this process (`--ranks` of them).
+    Threads,
+    /// MPI processes (under `mpirun`; needs the `mpi` feature).
+    Mpi,
 }
 
-fn parse() -> Result<Args> {
-    let mut a = Args {
-        backend: "threads".into(),
-        ranks: 4,
-        mib: 25.0,
-        iters: 10,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--backend" => a.backend = value()?,
-            "--ranks" => a.ranks = value()?.parse()?,
-            "--mib" => a.mib = value()?.parse()?,
-            "--iters" => a.iters = value()?.parse()?,
-            "--help" | "-h" => {
-                println!("grad_wire [--backend threads|mpi] [--ranks N] [--mib X] [--iters K]");
-                std::process::exit(0);
-            }
-            f => bail!("unknown flag {f:?}"),
-        }
-    }
-    Ok(a)
+/// The time of `DataParallel::sync_gradients` with f32, bf16 and f16 on the wire.
+#[derive(Debug, clap::Parser)]
+#[command(name = "grad_wire")]
+struct Args {
+    /// Collective backend.
+    #[arg(long, value_enum, default_value_t = Backend::Threads)]
+    backend: Backend,
+    /// Thread ranks (with `--backend threads`; MPI takes mpirun's count).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
+    ranks: u16,
+    /// Size of the gradient bucket, in MiB of f32.
+    #[arg(long, default_value_t = 25.0)]
+    mib: f64,
+    /// Syncs per wire dtype (the median is printed).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..))]
+    iters: u16,
 }
 
 /// Per wire dtype: its name, the payload handed to the backend (bytes), the median time of a
@@ -66,9 +61,9 @@ fn rank(comm: Arc<dyn Collective>, a: &Args) -> Result<Vec<Row>> {
     for wire in [None, Some(DType::BF16), Some(DType::F16)] {
         let dp = DataParallel::from_vars(vars.clone(), vars.clone(), comm.clone())?
             .with_wire_dtype(wire)?;
-        let mut times = Vec::with_capacity(a.iters);
+        let mut times = Vec::with_capacity(usize::from(a.iters));
         let mut last = None;
-        for i in 0..a.iters + 2 {
+        for i in 0..usize::from(a.iters) + 2 {
             let grads = (var.as_tensor() * &g)?.sum_all()?.backward()?;
             comm.barrier()?;
             let t = Instant::now();
@@ -95,23 +90,31 @@ fn rank(comm: Arc<dyn Collective>, a: &Args) -> Result<Vec<Row>> {
 }
 
 fn main() -> Result<()> {
-    let a = parse()?;
-    let (rows, world) = match a.backend.as_str() {
-        "threads" => {
-            let mut all = ThreadGroup::run(a.ranks, |c| {
+    let a = <Args as clap::Parser>::parse();
+    ensure!(
+        a.mib.is_finite() && a.mib > 0.0,
+        "--mib must be a positive number of MiB, not {}",
+        a.mib
+    );
+    let (rows, world) = match a.backend {
+        Backend::Threads => {
+            let ranks = usize::from(a.ranks);
+            let mut all = ThreadGroup::run(ranks, |c| {
                 rank(c, &a).map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
             })?;
-            (all.swap_remove(0), a.ranks)
+            (all.swap_remove(0), ranks)
         }
-        "mpi" => mpi_rows(&a)?,
-        b => bail!("unknown backend {b:?} (threads, mpi)"),
+        Backend::Mpi => mpi_rows(&a)?,
     };
     if rows.is_empty() {
         return Ok(());
     }
     println!(
         "{} ranks ({}), one bucket of {:.1} MiB of f32 gradients, median of {} syncs",
-        world, a.backend, a.mib, a.iters
+        world,
+        format!("{:?}", a.backend).to_lowercase(),
+        a.mib,
+        a.iters
     );
     println!("wire  payload/rank   time      vs f32   max |diff| from f32");
     let base = rows[0].2;
