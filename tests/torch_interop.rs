@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use candle_distributed::collective::bootstrap::store::TcpStoreClient;
 use candle_distributed::collective::bootstrap::{share_bytes_round, DistEnv, Secret};
-use candle_distributed::collective::store::TcpStoreClient;
 
 fn python() -> String {
     std::env::var("TORCH_PYTHON")

@@ -23,7 +23,6 @@ mod mpi;
 mod nccl;
 mod op;
 mod pending;
-pub mod store;
 mod threads;
 
 pub use checked::Checked;

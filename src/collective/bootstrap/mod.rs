@@ -5,7 +5,7 @@
 //! Two ways, chosen by the environment:
 //! - **Under torchrun** (`TORCHELASTIC_USE_AGENT_STORE=True`): torchrun's agent already serves a
 //!   TCPStore at `MASTER_ADDR:MASTER_PORT`; rank 0 `set`s the payload there and the others `get`
-//!   it, through [`super::store::TcpStoreClient`], under the key
+//!   it, through [`store::TcpStoreClient`], under the key
 //!   `candle-distributed/<TORCHELASTIC_RUN_ID>/<restart>/<n>`, where `n` counts this process's
 //!   rendezvous (every rank creates its communicators in the same order).
 //! - **Standalone** (any other launcher, or none): rank 0 listens on `MASTER_ADDR:MASTER_PORT`
@@ -39,10 +39,11 @@ use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
 
-use super::store::{remaining, TcpStoreClient};
+use store::{remaining, TcpStoreClient};
 
 pub mod secret;
 mod server;
+pub mod store;
 #[cfg(test)]
 mod tests;
 mod wire;

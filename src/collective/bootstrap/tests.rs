@@ -3,9 +3,9 @@
 use std::io::{Read, Write};
 use std::net::TcpListener;
 
+use super::store::connect_any;
 use super::wire::HELLO;
 use super::*;
-use crate::collective::store::connect_any;
 use std::collections::HashMap;
 
 fn env_at(rank: usize, world: usize, addr: &str, port: u16, job: &str) -> DistEnv {

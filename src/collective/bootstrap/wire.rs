@@ -5,8 +5,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Instant;
 
+use super::store::remaining;
 use super::MAGIC;
-use crate::collective::store::remaining;
 
 /// Bytes of a client's hello: magic, identity, rendezvous number, rank, world size, whether it
 /// holds a shared secret, nonce.
