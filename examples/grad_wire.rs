@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::{Collective, ThreadGroup};
 use candle_distributed::DataParallel;
@@ -141,5 +141,5 @@ fn mpi_rows(a: &Args) -> Result<(Vec<Row>, usize)> {
 
 #[cfg(not(feature = "mpi"))]
 fn mpi_rows(_: &Args) -> Result<(Vec<Row>, usize)> {
-    bail!("--backend mpi needs the `mpi` feature")
+    anyhow::bail!("--backend mpi needs the `mpi` feature")
 }
