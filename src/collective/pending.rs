@@ -122,12 +122,19 @@ impl Worker {
 }
 
 impl Worker {
-    /// Lets the submitted jobs finish on the thread, without waiting for them (a later submit
-    /// starts a new thread).
-    pub fn detach(&self) {
-        // Dropping the sender ends the thread's loop after the queued jobs; dropping the join
-        // handle detaches the thread.
-        drop(self.inner.lock().unwrap_or_else(|e| e.into_inner()).take());
+    /// Lets the submitted jobs finish on the thread, then `last`, without waiting for them (a
+    /// later submit starts a new thread). `last` runs at once when there is no thread; when
+    /// the thread has died it is dropped unrun, with the rest of the queue.
+    pub fn detach_then(&self, last: impl FnOnce() + Send + 'static) {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match inner {
+            // Dropping the sender ends the thread's loop after the queued jobs; dropping the
+            // join handle detaches the thread.
+            Some((tx, _detached)) => {
+                let _ = tx.send(Box::new(last));
+            }
+            None => last(),
+        }
     }
 }
 

@@ -28,8 +28,10 @@
 //! reaches the port can read the payload or claim a rank. With `CANDLE_DISTRIBUTED_SECRET` set
 //! (the same on every rank, at least 16 bytes), rank 0 first sends a challenge: its nonce and an
 //! HMAC-SHA256 proof over the client's hello and that nonce; the client checks it and answers
-//! with its own proof. Only then is it counted, and the payload travels sealed (encrypted, then
-//! authenticated, see [`secret`]); under torchrun the value in the store is sealed alike. The
+//! with its own proof, and acknowledges the payload with a third. Only then is it counted, and
+//! the payload travels sealed (encrypted, then authenticated, see [`secret`]); under torchrun
+//! the value in the store is sealed alike. A verdict without a proof (a refusal, an answer
+//! without the challenge) is retried until the timeout, whose message quotes it. The
 //! secret never crosses the wire; a party without it can neither join, nor read or forge the
 //! payload. What the payload then starts (NCCL's own connections) is not covered: NCCL has no
 //! authentication of its own.
@@ -155,7 +157,8 @@ impl DistEnv {
         let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
             .is_some_and(|v| v.trim().eq_ignore_ascii_case("true") || v.trim() == "1");
         let secret = match get(SECRET_VAR) {
-            Some(v) => Some(Secret::new(v).map_err(|e| {
+            // Surrounding whitespace (a newline from a file) is not part of the secret.
+            Some(v) => Some(Secret::new(v.trim()).map_err(|e| {
                 candle_core::Error::Msg(format!("{e} (environment variable {SECRET_VAR})"))
             })?),
             None => None,
@@ -177,7 +180,8 @@ impl DistEnv {
 
     /// A standalone exchange needs a run id.
     fn check_run_id(&self) -> Result<()> {
-        if !self.agent_store && self.run_id.is_empty() {
+        // One rank alone meets nobody: no identity is needed.
+        if !self.agent_store && self.world_size > 1 && self.run_id.is_empty() {
             bail!(
                 "bootstrap: rank {}: a launch without torchrun needs a run id, so that a process left over from an earlier run cannot join this one: set {RUN_ID_VAR} on every rank to the same value, new for each launch (for example the output of `uuidgen` or `date +%s%N`, generated once by the launch script)",
                 self.rank
@@ -396,7 +400,7 @@ fn fetch_from(
             };
         }
         (Some(_), OK) => {
-            return Ok(Err(format!(
+            return Err(std::io::Error::other(format!(
                 "rank 0 at {addr} answered without the shared secret's challenge: set {SECRET_VAR} on every rank, or on none"
             )))
         }
@@ -414,12 +418,24 @@ fn fetch_from(
                     payload.len()
                 )));
             }
-            write_by(&mut stream, &[1], deadline)?;
+            // The acknowledgement: with a secret, a proof over this exchange (a relay that read
+            // the sealed payload cannot acknowledge in this rank's place).
+            let ack = match &env.secret {
+                Some(k) => k.prove(&[b"ack", &context]).to_vec(),
+                None => vec![1],
+            };
+            write_by(&mut stream, &ack, deadline)?;
             Ok(Ok(payload))
         }
         RETRY => Err(std::io::Error::other(
             String::from_utf8_lossy(&body).into_owned(),
         )),
+        // With a secret, a refusal carries no proof (anyone on the way could send it): retried
+        // until the timeout, whose message quotes it. Without one, it ends this rank at once.
+        _ if env.secret.is_some() => Err(std::io::Error::other(format!(
+            "refused by rank 0: {}",
+            String::from_utf8_lossy(&body)
+        ))),
         _ => Ok(Err(format!(
             "refused by rank 0: {}",
             String::from_utf8_lossy(&body)

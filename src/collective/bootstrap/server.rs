@@ -243,13 +243,16 @@ pub(super) fn answer(
     deadline: Instant,
 ) -> std::io::Result<Client> {
     stream.set_nonblocking(false)?;
+    // The magic first: a client of another protocol version (a shorter hello) is dropped at
+    // once instead of holding this thread until the deadline.
     let mut hello = [0u8; HELLO];
-    read_by(&mut stream, &mut hello, deadline)?;
-    if &hello[..8] != MAGIC {
+    read_by(&mut stream, &mut hello[..MAGIC.len()], deadline)?;
+    if &hello[..MAGIC.len()] != MAGIC {
         return Ok(Client::Dropped(
-            "not a candle-distributed bootstrap client".into(),
+            "not a candle-distributed bootstrap client of this version".into(),
         ));
     }
+    read_by(&mut stream, &mut hello[MAGIC.len()..], deadline)?;
     // With a shared secret, the client proves it holds it before anything else is said.
     let mut context = hello.to_vec();
     if let Some(why) = authenticate(&mut stream, env, &hello, &mut context, deadline)? {
@@ -291,8 +294,21 @@ pub(super) fn answer(
         None => payload.to_vec(),
     };
     write_by(&mut stream, &frame(OK, &body), deadline)?;
-    let mut ack = [0u8; 1];
-    read_by(&mut stream, &mut ack, deadline)?;
+    match &env.secret {
+        Some(k) => {
+            let mut ack = [0u8; secret::TAG];
+            read_by(&mut stream, &mut ack, deadline)?;
+            if !k.check(&[b"ack", &context], &ack) {
+                return Ok(Client::Dropped(
+                    "an acknowledgement without the proof of the shared secret".into(),
+                ));
+            }
+        }
+        None => {
+            let mut ack = [0u8; 1];
+            read_by(&mut stream, &mut ack, deadline)?;
+        }
+    }
     Ok(Client::Served(rank))
 }
 

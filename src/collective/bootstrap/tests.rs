@@ -416,6 +416,45 @@ fn a_standalone_launch_needs_a_run_id() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("needs a run id"), "{e}");
+    // One rank alone meets nobody: no run id needed.
+    let one = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let alone = read(one.into_iter().collect()).unwrap();
+    assert_eq!(
+        share_bytes_round(&alone, 0, Some(b"x"), LONG).unwrap(),
+        b"x"
+    );
+}
+
+/// A client of another protocol version (an older, shorter hello) is dropped as soon as its
+/// magic is read, not after the client deadline.
+#[test]
+fn a_client_of_another_version_is_dropped_at_once() {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let root = s.spawn(|| share_bytes_round(&env(0, 2, port), 0, Some(b"id"), LONG));
+        let (mut old, _) =
+            connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
+        old.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = b"CDBOOT02".to_vec();
+        hello.extend_from_slice(&[0u8; 24]);
+        old.write_all(&hello).unwrap();
+        let t = Instant::now();
+        let mut rest = Vec::new();
+        let _ = old.read_to_end(&mut rest);
+        let took = t.elapsed();
+        assert!(took < CLIENT_DEADLINE / 2, "closed after {took:?}");
+        assert!(!root.is_finished(), "rank 0 still waits for its rank 1");
+        assert_eq!(
+            share_bytes_round(&env(1, 2, port), 0, None, LONG).unwrap(),
+            b"id"
+        );
+        root.join().unwrap().unwrap();
+    });
 }
 
 /// A client of the same run id but another restart (torchrun's restart count) is refused too.
@@ -502,9 +541,10 @@ fn strangers_without_the_secret_cannot_join() {
     });
 }
 
-/// A rank with the secret does not take a payload from a rank 0 that cannot prove it: one
-/// without a secret is refused at once; one with another secret is retried until the timeout,
-/// then named.
+/// A rank with the secret does not take a payload from a rank 0 that cannot prove it, nor a
+/// verdict without a proof: a rank 0 without a secret (whose refusal carries no proof), one with
+/// another secret, and a stranger that answers with a bare refusal are each retried until the
+/// timeout, then named.
 #[test]
 fn a_rank_trusts_only_a_rank_0_that_proves_the_secret() {
     for (root_secret, expect) in [
@@ -532,8 +572,36 @@ fn a_rank_trusts_only_a_rank_0_that_proves_the_secret() {
             )
             .unwrap_err()
             .to_string();
-            assert!(e.contains(expect), "{e}");
+            assert!(e.contains(expect) && e.contains("timed out"), "{e}");
             assert!(root.join().unwrap().is_err(), "rank 0 served nobody");
         });
     }
+    let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = l.local_addr().unwrap().port();
+    // Detached: it refuses every connection of the retrying client until the test ends.
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let mut hello = [0u8; HELLO];
+            let _ = c.read_exact(&mut hello);
+            let _ = c.write_all(&wire::frame(REFUSED, b"forged verdict"));
+        }
+    });
+    let t = Instant::now();
+    let e = share_bytes_round(
+        &env_secret(1, 2, port, Some(SECRET)),
+        0,
+        None,
+        Duration::from_millis(1500),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        t.elapsed() >= Duration::from_millis(1500),
+        "retried until the timeout"
+    );
+    assert!(
+        e.contains("timed out") && e.contains("forged verdict"),
+        "{e}"
+    );
 }

@@ -73,6 +73,14 @@ fn locked<R>(f: impl FnOnce() -> R) -> R {
 /// `MPI_Comm_split`) waiting for a dead rank would otherwise keep the job alive forever, and the
 /// abort then goes ahead without the lock.
 fn abort_job(comm: &SimpleCommunicator) -> ! {
+    // One abort per process: a second thread timing out meanwhile waits for the first's to end
+    // the process, instead of calling MPI beside it.
+    static ABORTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if ABORTING.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        loop {
+            std::thread::park();
+        }
+    }
     let until = Instant::now() + Duration::from_secs(1);
     let _guard = loop {
         match MPI_CALLS.try_lock() {
@@ -128,11 +136,18 @@ fn duplicate(comm: &SimpleCommunicator, rank: usize, timeout: Duration) -> Simpl
     // SAFETY: `comm` is a live communicator; `newcomm` and `req` outlive the request (this
     // function polls it to completion before returning), as MPI requires of the outputs of a
     // nonblocking call. The call is made under `MPI_CALLS` (MPI_THREAD_SERIALIZED).
-    locked(|| unsafe {
+    let rc = locked(|| unsafe {
         mpi::ffi::MPI_Comm_idup(comm.as_raw(), newcomm.as_mut_ptr(), req.as_mut_ptr())
     });
-    // SAFETY: MPI_Comm_idup wrote the request handle (MPI's default error handler aborts the
-    // job on failure, so a return means success).
+    if rc != mpi::ffi::MPI_SUCCESS as std::os::raw::c_int {
+        // Reached only under an error handler that returns (MPI's default aborts).
+        let why =
+            format!("mpi: rank {rank}: MPI_Comm_idup failed with code {rc}; aborting the MPI job");
+        log::error!("{why}");
+        eprintln!("{why}");
+        abort_job(comm);
+    }
+    // SAFETY: MPI_Comm_idup succeeded, so it wrote the request handle.
     let mut req = unsafe { req.assume_init() };
     poll(comm, rank, timeout, "dup", || {
         let mut flag: std::os::raw::c_int = 0;

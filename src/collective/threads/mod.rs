@@ -199,19 +199,48 @@ struct State {
 /// A rank that dropped its handle after making calls `0..issued`.
 #[derive(Debug)]
 struct Departure {
+    rank: usize,
     issued: u64,
+    /// Its communication thread has finished (or dropped) every call it was given: a call it
+    /// has not contributed to by then never gets its contribution (a call whose submission or
+    /// hand-off failed, or that was lost with a panicking thread).
+    drained: bool,
     reason: String,
 }
 
 impl State {
-    /// Why call `call` can never complete: the group is broken, or a rank left before making it.
+    /// Why call `call` can never complete: the group is broken, or a rank left without making
+    /// it, or with its communication thread done and its contribution missing.
     fn doomed(&self, call: u64) -> Option<&str> {
         self.broken.as_deref().or_else(|| {
+            let missing = |rank: usize| {
+                self.pending
+                    .get(&call)
+                    .is_some_and(|slots| slots[rank].is_none())
+            };
             self.departed
                 .iter()
-                .find(|d| d.issued <= call)
+                .find(|d| d.issued <= call || (d.drained && missing(d.rank)))
                 .map(|d| d.reason.as_str())
         })
+    }
+}
+
+/// Marks a departed rank's communication thread drained when dropped: queued behind its last
+/// call, it is dropped after that call ran, or with the queue when the thread died, or at once
+/// when there is no thread.
+struct DrainedMark {
+    shared: Arc<Shared>,
+    rank: usize,
+}
+
+impl Drop for DrainedMark {
+    fn drop(&mut self) {
+        let mut st = lock(&self.shared.state);
+        if let Some(d) = st.departed.iter_mut().find(|d| d.rank == self.rank) {
+            d.drained = true;
+        }
+        self.shared.cv.notify_all();
     }
 }
 
@@ -400,15 +429,21 @@ impl Drop for ThreadRank {
                 }
             } else {
                 st.departed.push(Departure {
+                    rank: self.rank,
                     issued: self.next_call.load(Ordering::SeqCst),
+                    drained: false,
                     reason: format!("rank {} dropped its communicator", self.rank),
                 });
             }
             sh.cv.notify_all();
         }
         // Started asynchronous calls complete on the communication thread (a dropped `Pending`
-        // still completes), without this thread waiting for them.
-        self.worker.detach();
+        // still completes), without this thread waiting for them; the mark follows them.
+        let mark = DrainedMark {
+            shared: self.shared.clone(),
+            rank: self.rank,
+        };
+        self.worker.detach_then(move || drop(mark));
     }
 }
 
