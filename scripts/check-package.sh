@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 list=$(cargo package --list --allow-dirty 2>/dev/null)
 fail=0
-for need in Cargo.toml build.rs README.md src/lib.rs kernels/stats.cu kernels/compat.cuh docs/faults.md; do
+for need in Cargo.toml build.rs README.md src/lib.rs kernels/stats.cu kernels/compat.cuh docs/faults.md LICENSE-MIT LICENSE-APACHE; do
     grep -qx "$need" <<<"$list" || { echo "FAIL: the package lacks $need"; fail=1; }
 done
 for path in $(git ls-files src kernels); do

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Every test the documentation cites must exist.
 
-Scans the README and the other Markdown documents for two forms of test reference:
+Scans the README, the other Markdown documents and the library's doc comments (`//!` and `///`
+lines under `src/`) for two forms of test reference:
   - `tests/<file>.rs::<name>` (or `tests/<dir>/<file>.rs::<module>::<name>`): the file must
     exist and define `fn <name>` (or, under a module such as `cpu::` that a macro generates,
     name it as a whole word);
@@ -20,6 +21,7 @@ DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted(
     for d in ("docs", "examples", "gpu-sim", "scripts")
     for p in (ROOT / d).rglob("*.md")
 )
+SOURCES = sorted((ROOT / "src").rglob("*.rs"))
 INTEGRATION = re.compile(r"tests/([A-Za-z0-9_/]+\.rs)((?:::[A-Za-z0-9_*]+)+)")
 UNIT = re.compile(r"\b((?:[a-z_][a-z0-9_]*::)+)tests::([A-Za-z0-9_*]+)")
 
@@ -46,11 +48,13 @@ def unit_files(modules: list[str]) -> list[pathlib.Path]:
 def main() -> int:
     bad = []
     checked = 0
-    for doc in DOCS:
+    for doc in DOCS + SOURCES:
         if not doc.exists():
             continue
         rel = doc.relative_to(ROOT)
         for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            if doc.suffix == ".rs" and not line.lstrip().startswith(("//!", "///")):
+                continue
             for m in INTEGRATION.finditer(line):
                 checked += 1
                 file, segments = ROOT / "tests" / m.group(1), m.group(2).split("::")[1:]

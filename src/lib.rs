@@ -43,6 +43,7 @@
 //! assert_eq!(means[0], means[1]);
 //! # Ok::<(), candle_core::Error>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 // Every public fallible function says when it fails (a `# Errors` section); `cargo clippy -- -D
 // warnings` in CI holds it.
@@ -64,3 +65,9 @@ pub mod parallel;
 pub use amp::GradScaler;
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 pub use data_parallel::DataParallel;
+
+/// The README's Rust code blocks, compiled and run as doctests (`cargo test --doc`), so that
+/// the front page's examples cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

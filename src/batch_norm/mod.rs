@@ -1,5 +1,86 @@
 //! The [`SyncBatchNorm`] layer: batch normalisation whose training statistics cover the global
 //! batch of every rank of a [`Collective`] group.
+//!
+//! # Semantics
+//!
+//! | | training | eval, `track_running_stats` | eval, no running stats |
+//! |---|---|---|---|
+//! | statistics | global batch, all ranks, count-weighted | running mean / var | local batch |
+//! | communication | 1 all-reduce forward (3·C f64), 1 backward (2·C f64) | none | none |
+//! | normalisation variance | biased `M2/n` | `running_var` | biased, local |
+//! | running stats update | `(1−m)·r + m·batch`, `running_var` with unbiased `M2/(n−1)`, global `n`; `momentum: None` = cumulative average | — | — |
+//! | backward | dx of `Σ_r L_r` (global objective), local dγ, dβ, dz | `dx = g·γ·invstd` | through local stats |
+//!
+//! - `y = act(γ·(x − mean)·invstd + β [+ z])`, `act` = ReLU with `fuse_relu`; `forward_residual(x,
+//!   z, train)` adds `z` before the activation and gives `z` its gradient.
+//! - An empty local batch (`N = 0`) takes part in both collectives and gets an empty output; fewer
+//!   than 2 values per channel in the global training batch is an error, as in PyTorch (on a GPU,
+//!   where checking would stall the stream, NaN outputs instead: see "On a GPU" below).
+//! - A batch holding NaN or Inf never poisons later steps: per channel, when the
+//!   global mean or variance is not finite, the next step's shift stays the previous one and the
+//!   running mean and variance are left exactly as they were (PyTorch lets them become NaN for good;
+//!   we skip, and `num_batches_tracked` still counts the step, as PyTorch's). Decided on the device
+//!   by the finalize kernel (and its CPU twin), no host synchronisation. That step's own outputs
+//!   show the bad data. Tested: `tests/non_finite.rs` (NaN and Inf on one rank; f32, f16, bf16; 1
+//!   and 3 ranks: the clean steps after the bad one, and the running statistics, are bitwise those
+//!   of clean steps alone; a NaN in one channel holds that channel only) and
+//!   `tests/kernels_emulated/finalize.rs::finalize_holds_a_non_finite_channel` (the kernel, emulated).
+//! - Subgroups: build the layer with a subgroup communicator (`comm.new_group(&[0, 1])?`, or
+//!   `comm.split(Some(color), key)?`) to synchronise within it, as PyTorch's `process_group`.
+//! - dγ, dβ are the local sums (the gradient of this rank's loss): sum or average them across ranks
+//!   with your data-parallel gradient synchronisation.
+//! - Statistics are exchanged in f64 whatever the input dtype; the sums are shifted by the previous
+//!   training step's global mean (identical on every rank), so from the second step on they are as
+//!   accurate as a two-pass f64 computation. A layer's first step has no such shift (0) and spends
+//!   no extra collective on finding one: its variance carries a relative error of about
+//!   `ε·mean²/var` (ε = 1.1e-16; 1e-4 for mean 1e4 and std 1e-2, nothing measurable for ordinary
+//!   activations).
+//!
+//! # Failures
+//!
+//! Any failed call leaves running statistics, `num_batches_tracked` and parameters
+//! untouched. A rank that times out (`ThreadGroup::with_timeout`, default 5 minutes), leaves the group
+//! (drops its communicator or panics), or passes a mismatched tensor makes every rank's pending and
+//! later collectives return an error naming the operation, the call and the ranks concerned. A rank
+//! that fails local validation (e.g. wrong channel count) returns its error at once; the others then
+//! wait for it until their timeout, unless it drops its communicator. Errors of the collectives are
+//! a `collective::CollectiveError` inside candle's error (`Timeout`, `RankLeft`, `Mismatch`,
+//! `Library`, `InvalidArgument`), recovered with `CollectiveError::find(&err)`, through
+//! `ThreadGroup::run`'s rank context too (doc test on `CollectiveError`; `tests/async_failure.rs`,
+//! `tests/checked.rs`).
+//!
+//! A step whose all-reduce fails *after* its call returned (NCCL: enqueued, then aborted by the
+//! watchdog, its output never written) is rolled back: every training forward first asks
+//! `Collective::deferred_error()`, and when the communicator reports such a loss the layer restores
+//! the running statistics, `num_batches_tracked` and the shift of before the last training step and
+//! returns the error (`SyncBatchNorm::check_collectives` does the same on demand). Exact when the
+//! failure is noticed within one step, which a loop that reads its loss every step guarantees (the
+//! read waits for the stream, and so for the abort); gradients of a failed backward are not the
+//! layer's to undo. Cost: nothing per step: the finalize pass that updates the running statistics
+//! in place writes their previous values into two rows of the statistics it returns, which the
+//! layer keeps until the next step. Tested on the
+//! CPU with a communicator that fails after returning (`tests/async_failure.rs`: the state after the
+//! rollback is bitwise that of the clean steps, and a further step matches a layer that never saw
+//! the failed one, so the shift was restored too); over NCCL in `tests/nccl.rs`
+//! (`the_layer_rolls_back_a_step_whose_all_reduce_was_aborted`, needs 2 GPUs, **not run yet**).
+//!
+//! # Rules for callers
+//!
+//! As with any synchronized batch norm: every rank builds the same layers in the
+//! same order and calls every training forward, and the backward of every output it used, the same
+//! number of times (an empty batch still calls both; the layer makes sure its backward is reached
+//! through `loss.backward()` even then).
+//!
+//! # On a GPU
+//!
+//! On a CUDA device the layer runs entirely on the GPU, on candle's stream, and never reads a
+//! value back to the host in the forward or the backward: local sums, the all-reduced sums, the
+//! shift, mean, invstd, count and the running-statistics update all stay device tensors (the
+//! momentum for `momentum: None` is `1/num_batches_tracked`, counted on the host). The price: the
+//! "more than 1 value per channel" check cannot run there without stalling the stream, so on a GPU a
+//! global batch of one value per channel gives NaN outputs and leaves the running statistics
+//! untouched (`num_batches_tracked` still counts the step), where the CPU path returns an error
+//! (`tests/errors.rs::cuda::one_value_per_channel_in_the_global_batch_fails_on_every_rank` states both).
 
 mod config;
 mod forward;

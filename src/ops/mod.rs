@@ -21,6 +21,39 @@
 //! The ops accept f32, f64, f16 and bf16 inputs (statistics in f64, element-wise arithmetic in
 //! f32 or f64), contiguous or not (non-contiguous inputs are copied first), and run on the CPU
 //! in parallel with results independent of the thread count.
+//!
+//! # Autograd
+//!
+//! `batch_norm_elemt_autograd(x, mean, invstd, count, Some((γ, β)), z, relu, channels_last,
+//! StatsGrad::Synced(comm))` is `batch_norm_elemt` with the last three lines as its gradient,
+//! for candle's autograd: `loss.backward()` runs the backward all-reduce on every rank
+//! (`StatsGrad::Local` for one rank's own batch statistics, `StatsGrad::Constant` for running
+//! statistics). It is what `SyncBatchNorm` runs after its statistics;
+//! `tests/functional_ops.rs::the_autograd_form_matches_the_whole_batch_reference` checks y, dx,
+//! dz, dγ and dβ on 3 ranks, one of them empty, against the whole batch in f64.
+//!
+//! # On the CPU
+//!
+//! The CPU kernels run on candle's own CPU worker pool (`candle_core::utils::barrier_pool`, the
+//! threads candle's CPU ops use; `CANDLE_NUM_THREADS` or `RAYON_NUM_THREADS` sets their number),
+//! in fixed work items combined in a fixed order: results do not depend on the thread count
+//! (`tests/thread_count.rs` runs the ops with 1 and 3 threads and compares the bits). A second
+//! pool beside candle's would compete with candle's workers, which spin for a while after each
+//! candle op before they sleep. Jobs under 2²⁰ values run on the calling thread. The kernels
+//! use f64 statistics and `x − mean` evaluated as `(x − hi) − lo` from an f64 mean, so that f32
+//! arithmetic stays exact when |mean| ≫ std. Each inner loop is compiled twice, for the
+//! baseline x86-64 target and for AVX2 + FMA, and the CPU picks at run time; set
+//! `CANDLE_DISTRIBUTED_NO_SIMD=1` to force the baseline (the CI runs the tests both ways).
+//!
+//! # Max pooling
+//!
+//! `ops::max_pool2d(x, kernel, stride, padding)` is PyTorch's `max_pool2d` without dilation or ceil
+//! mode, for `(N, C, H, W)` inputs of any float dtype on the CPU or a GPU, with a backward for
+//! overlapping windows: each window's gradient goes to its first maximum in row-major order (a NaN
+//! wins its window), as in PyTorch. `tests/max_pool.rs` checks it against central finite
+//! differences in f64, against a naive reference on inputs full of ties (exactly, in f64, f32, f16
+//! and bf16), against candle's pooling where candle has one, and its errors; the CUDA kernels
+//! match the CPU op bitwise under the emulator (`tests/kernels_emulated/max_pool.rs::max_pool_matches_the_cpu_op`).
 
 mod apply;
 mod backward_elemt;
@@ -42,6 +75,7 @@ pub use normalize::{batch_norm_elemt_autograd, StatsGrad};
 /// 90 always, and `CUDA_COMPUTE_CAP` at build time when it named another; the newest of them
 /// also ships as PTX, which the driver compiles for newer GPUs at first use.
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub fn cuda_archs() -> &'static [u32] {
     crate::device::cuda::shipped_archs()
 }

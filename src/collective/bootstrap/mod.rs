@@ -35,6 +35,20 @@
 //! secret never crosses the wire; a party without it can neither join, nor read or forge the
 //! payload. What the payload then starts (NCCL's own connections) is not covered: NCCL has no
 //! authentication of its own.
+//!
+//! **Limits.** Rank 0 listens on the addresses `MASTER_ADDR` resolves to (one that is not this
+//! machine's, such as a NAT address, falls back to its family's wildcard; a port in use is an
+//! error); set `MASTER_ADDR` to an address the other machines reach (Debian-style `/etc/hosts`
+//! maps a machine's own name to 127.0.1.1). It serves each client for at most 5 s (per read, and
+//! cut when the exchange is over), bounds every length it reads (64 KiB), answers at most 4 ×
+//! world size connections at once (16 to 256), closes any beyond and releases each when done; a
+//! thread it cannot start closes that connection instead of panicking
+//! (`bootstrap::tests::a_connection_flood_under_a_low_descriptor_limit`). Clients try every
+//! address in turn, each attempt bounded by 5 s, so a silent listener costs one attempt
+//! (`bootstrap::tests::a_silent_listener_costs_one_attempt`), and back off from 50 ms to 1 s.
+//! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and
+//! 2.15.0 tested by `tests/torch_interop.rs`; an older server is refused with an error naming
+//! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
