@@ -16,7 +16,7 @@ use candle_distributed::ops::{
     batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_gather_stats,
     batch_norm_stats,
 };
-use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, Layout, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
@@ -66,10 +66,12 @@ fn bench_shape(
     let x = Tensor::randn(1f32, 2f32, dims.as_slice(), &dev).unwrap();
     let dy = Tensor::randn(0f32, 1f32, dims.as_slice(), &dev).unwrap();
     let vm = VarMap::new();
-    let cfg = SyncBatchNormConfig {
-        channels_last,
-        ..Default::default()
+    let layout = if channels_last {
+        Layout::ChannelsLast
+    } else {
+        Layout::ChannelsFirst
     };
+    let cfg = SyncBatchNormConfig::default().with_layout(layout);
     let bn = sync_batch_norm(
         ch,
         cfg,
@@ -84,13 +86,13 @@ fn bench_shape(
     });
 
     let shift = Tensor::zeros(ch, DType::F64, &dev).unwrap();
-    let sums = batch_norm_stats(&x, &shift, channels_last).unwrap();
+    let sums = batch_norm_stats(&x, &shift, layout).unwrap();
     let st = batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
     let weight = Tensor::ones(ch, DType::F32, &dev).unwrap();
     group.throughput(Throughput::Bytes(5 * bytes));
     group.bench_function("syncbn_backward_ops", |b| {
         b.iter(|| {
-            let red = batch_norm_backward_reduce(&dy, &x, &st.mean, None, channels_last).unwrap();
+            let red = batch_norm_backward_reduce(&dy, &x, &st.mean, None, layout).unwrap();
             batch_norm_backward_elemt(
                 &dy,
                 &x,
@@ -101,7 +103,7 @@ fn bench_shape(
                 &st.count,
                 None,
                 false,
-                channels_last,
+                layout,
             )
             .unwrap()
         })

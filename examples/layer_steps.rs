@@ -1,6 +1,6 @@
 //! Training steps of one `SyncBatchNorm` layer on the CPU, forward and backward through candle's
 //! autograd, as a whole process to time from outside: two builds of the crate compared with
-//! `farm-bench --vs` (see the README's CPU section). World size 1 (`ThreadGroup`), f32, seeded
+//! `hyperfine` (one command per build). World size 1 (`ThreadGroup`), f32, seeded
 //! input.
 //!
 //! `cargo run --release --example layer_steps -- --layout nhwc --shape 64 256 14 14 --steps 300`
@@ -8,13 +8,13 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::ThreadGroup;
-use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, Layout, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
 use rand::{Rng, SeedableRng};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
-enum Layout {
+enum Format {
     Nchw,
     Nhwc,
 }
@@ -24,7 +24,7 @@ enum Layout {
 struct Args {
     /// Memory layout of the input.
     #[arg(long, value_enum, default_value = "nchw")]
-    layout: Layout,
+    layout: Format,
     /// N C H W.
     #[arg(long, num_args = 4, value_names = ["N", "C", "H", "W"], default_values_t = [64, 256, 14, 14])]
     shape: Vec<usize>,
@@ -38,7 +38,7 @@ fn main() -> Result<()> {
     let [n, c, h, w] = args.shape[..] else {
         anyhow::bail!("--shape takes 4 values")
     };
-    let channels_last = matches!(args.layout, Layout::Nhwc);
+    let channels_last = matches!(args.layout, Format::Nhwc);
     let dims = if channels_last {
         [n, h, w, c]
     } else {
@@ -50,10 +50,12 @@ fn main() -> Result<()> {
         .collect();
     let x = Var::from_tensor(&Tensor::from_vec(values, &dims, &Device::Cpu)?)?;
     let vm = VarMap::new();
-    let cfg = SyncBatchNormConfig {
-        channels_last,
-        ..Default::default()
+    let layout = if channels_last {
+        Layout::ChannelsLast
+    } else {
+        Layout::ChannelsFirst
     };
+    let cfg = SyncBatchNormConfig::default().with_layout(layout);
     let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
     let bn = sync_batch_norm(c, cfg, vb, ThreadGroup::new(1)?.remove(0))?;
     for _ in 0..args.steps {

@@ -18,8 +18,10 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_nn::Optimizer;
 
-/// The scaler's settings; the defaults are PyTorch's.
+/// The scaler's settings; the defaults are PyTorch's. Built from [`Default`] and the `with_*`
+/// methods (new settings may be added in a minor release).
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct GradScalerConfig {
     /// The first scale factor (default 2¹⁶ = 65536).
     pub init_scale: f64,
@@ -39,6 +41,32 @@ impl Default for GradScalerConfig {
             backoff_factor: 0.5,
             growth_interval: 2000,
         }
+    }
+}
+
+impl GradScalerConfig {
+    /// With [`Self::init_scale`] set.
+    pub fn with_init_scale(mut self, init_scale: f64) -> Self {
+        self.init_scale = init_scale;
+        self
+    }
+
+    /// With [`Self::growth_factor`] set.
+    pub fn with_growth_factor(mut self, growth_factor: f64) -> Self {
+        self.growth_factor = growth_factor;
+        self
+    }
+
+    /// With [`Self::backoff_factor`] set.
+    pub fn with_backoff_factor(mut self, backoff_factor: f64) -> Self {
+        self.backoff_factor = backoff_factor;
+        self
+    }
+
+    /// With [`Self::growth_interval`] set.
+    pub fn with_growth_interval(mut self, growth_interval: u64) -> Self {
+        self.growth_interval = growth_interval;
+        self
     }
 }
 

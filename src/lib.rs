@@ -54,6 +54,7 @@ pub mod batch_norm;
 pub mod collective;
 pub mod data_parallel;
 mod device;
+mod layout;
 /// The launch configurations and argument lists of the CUDA kernels in `kernels/`, shared by
 /// the CUDA path and the kernels' emulation tests (`tests/kernels_emulated/`), which is why
 /// they are reachable; not part of the API.
@@ -65,6 +66,7 @@ pub mod parallel;
 pub use amp::GradScaler;
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 pub use data_parallel::DataParallel;
+pub use layout::Layout;
 
 /// The README's Rust code blocks, compiled and run as doctests (`cargo test --doc`), so that
 /// the front page's examples cannot rot.

@@ -99,11 +99,9 @@ fn channels_last_equals_permuted_channels_first() -> anyhow::Result<()> {
     let outs = run_ranks(1, |comm| {
         let mut ys = Vec::new();
         for cl in [false, true] {
-            let cfg = SyncBatchNormConfig {
-                channels_last: cl,
-                fuse_relu: true,
-                ..Default::default()
-            };
+            let cfg = SyncBatchNormConfig::default()
+                .with_layout(layout_of(cl))
+                .with_fuse_relu(true);
             let (bn, _) = layer(
                 c,
                 cfg,
@@ -163,10 +161,7 @@ fn loads_a_checkpoint_without_num_batches_tracked() -> anyhow::Result<()> {
     );
     let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
     let comm = ThreadGroup::new(1)?.remove(0);
-    let cfg = SyncBatchNormConfig {
-        eps: 0.0,
-        ..Default::default()
-    };
+    let cfg = SyncBatchNormConfig::default().with_eps(0.0);
     let bn = candle_distributed::sync_batch_norm(c, cfg, vb.pp("bn"), comm)?;
     assert_eq!(bn.num_batches_tracked(), 0);
     let x = Tensor::new(&[[3f32, 5., 7.]], &Device::Cpu)?;

@@ -15,7 +15,7 @@ use candle_distributed::collective::{Collective, ThreadGroup};
 use candle_distributed::ops;
 use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
-use common::{assert_close_rel, randn, split_batch, tol};
+use common::{assert_close_rel, layout_of, randn, split_batch, tol};
 
 const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 
@@ -147,7 +147,7 @@ fn train_steps(
 ) -> Vec<Tensor> {
     const STEPS: u64 = 3;
     let rank = comm.rank();
-    let cl = config.channels_last;
+    let cl = config.layout.is_channels_last();
     let c = if cl { dims[dims.len() - 1] } else { dims[1] };
     let (bn, vm) = layer(c, config, comm, dev, 7);
     let mut out = Vec::new();
@@ -193,11 +193,9 @@ fn layer_training_matches_the_cpu() {
     let dev = gpu();
     for dtype in DTYPES {
         for (dims, cl) in [(&[6usize, 5, 4, 3][..], false), (&[6, 4, 3, 65][..], true)] {
-            let config = SyncBatchNormConfig {
-                channels_last: cl,
-                fuse_relu: true,
-                ..Default::default()
-            };
+            let config = SyncBatchNormConfig::default()
+                .with_layout(layout_of(cl))
+                .with_fuse_relu(true);
             let run = |d: &Device| {
                 ThreadGroup::run(1, |comm| {
                     Ok(train_steps(d, comm, &[dims[0]], dims, config, dtype))

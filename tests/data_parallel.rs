@@ -28,10 +28,7 @@ fn net(vm: &VarMap, comm: Option<Arc<dyn Collective>>, dev: &Device) -> Net {
     let conv = conv2d(3, 6, 3, Conv2dConfig::default(), vb.pp("conv")).unwrap();
     let bn: Box<dyn ModuleT + Send + Sync> = match comm {
         Some(c) => {
-            let cfg = SyncBatchNormConfig {
-                fuse_relu: true,
-                ..Default::default()
-            };
+            let cfg = SyncBatchNormConfig::default().with_fuse_relu(true);
             Box::new(sync_batch_norm(6, cfg, vb.pp("bn"), c).unwrap())
         }
         None => Box::new(Relu(candle_nn::batch_norm(6, 1e-5, vb.pp("bn")).unwrap())),

@@ -79,7 +79,7 @@ fn run_case(case: &Case, dev: &Device) {
 /// `eval_x`: each rank's outputs, gradients and state.
 fn run_ranks(case: &Case, params: &Params, eval_x: &Tensor, dev: &Device) -> Vec<RankOut> {
     let world = case.batches.len();
-    let cl = case.config.channels_last;
+    let cl = case.config.layout.is_channels_last();
     let to_layout = |t: &Tensor| if cl { to_channels_last(t) } else { t.clone() };
     let from_layout = |t: &Tensor| if cl { to_channels_first(t) } else { t.clone() };
     run_ranks_on(world, dev, |comm| {
@@ -354,14 +354,14 @@ fn nchw_4d_cumulative_average(dev: &Device) -> anyhow::Result<()> {
 
 fn nhwc_4d(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 6, &[3, 3]);
-    c.config.channels_last = true;
+    c.config.layout = Layout::ChannelsLast;
     run_case(&c, dev);
     Ok(())
 }
 
 fn nhwc_4d_cumulative_average(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 5, &[2, 3]);
-    c.config.channels_last = true;
+    c.config.layout = Layout::ChannelsLast;
     c.config.momentum = None;
     run_case(&c, dev);
     Ok(())
@@ -375,7 +375,7 @@ fn two_d(dev: &Device) -> anyhow::Result<()> {
 fn three_d_nchw_and_nlc(dev: &Device) -> anyhow::Result<()> {
     run_case(&Case::new(&BATCHES, 4, &[9]), dev);
     let mut c = Case::new(&BATCHES, 4, &[9]);
-    c.config.channels_last = true;
+    c.config.layout = Layout::ChannelsLast;
     run_case(&c, dev);
     Ok(())
 }
@@ -383,7 +383,7 @@ fn three_d_nchw_and_nlc(dev: &Device) -> anyhow::Result<()> {
 fn five_d_nchw_and_ndhwc(dev: &Device) -> anyhow::Result<()> {
     run_case(&Case::new(&BATCHES, 2, &[2, 3, 2]), dev);
     let mut c = Case::new(&BATCHES, 3, &[2, 2, 3]);
-    c.config.channels_last = true;
+    c.config.layout = Layout::ChannelsLast;
     run_case(&c, dev);
     Ok(())
 }
@@ -392,7 +392,7 @@ fn fused_residual_relu_nchw_and_nhwc(dev: &Device) -> anyhow::Result<()> {
     for cl in [false, true] {
         let mut c = Case::new(&BATCHES, 3, &[4, 4]);
         c.config.fuse_relu = true;
-        c.config.channels_last = cl;
+        c.config.layout = layout_of(cl);
         c.residual = true;
         run_case(&c, dev);
     }

@@ -133,18 +133,9 @@ fn bad_configurations_are_rejected() {
     let vm = candle_nn::VarMap::new();
     let vb = || candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
     let bad = [
+        (SyncBatchNormConfig::default().with_eps(-1.0), "eps"),
         (
-            SyncBatchNormConfig {
-                eps: -1.0,
-                ..Default::default()
-            },
-            "eps",
-        ),
-        (
-            SyncBatchNormConfig {
-                momentum: Some(1.5),
-                ..Default::default()
-            },
+            SyncBatchNormConfig::default().with_momentum(Some(1.5)),
             "momentum",
         ),
     ];
@@ -394,7 +385,7 @@ fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
     let dy64 = Tensor::randn(0f64, 1.0, (2, 3, 4), &Device::Cpu)?;
     let mean = Tensor::new(&[0.1f64, 0.2, 0.3], &Device::Cpu)?;
     expect_err(
-        batch_norm_backward_reduce(&dy64, &x, &mean, None, false),
+        batch_norm_backward_reduce(&dy64, &x, &mean, None, Layout::ChannelsFirst),
         &["gradient dtype F64 differs from input dtype F32"],
     );
     let (invstd, sums, count) = (
@@ -414,7 +405,7 @@ fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
         &count,
         Some(&relu64),
         false,
-        false,
+        Layout::ChannelsFirst,
     )
     .map(|(dx, _)| dx);
     expect_err(err, &["relu output dtype F64 differs from input dtype F32"]);
@@ -436,7 +427,16 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
     let count = Tensor::new(&[24f64], &dev)?;
     let elemt = |sums: &Tensor| {
         batch_norm_backward_elemt(
-            &x, &x, &mean, &invstd, None, sums, &count, None, false, false,
+            &x,
+            &x,
+            &mean,
+            &invstd,
+            None,
+            sums,
+            &count,
+            None,
+            false,
+            Layout::ChannelsFirst,
         )
         .map(|(dx, _)| dx)
     };
@@ -445,12 +445,23 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
         elemt(&sums.t()?),
         &["expected sums of shape [2, 3] in a float dtype, got shape [3, 2]"],
     );
-    batch_norm_stats(&x, &mean, false)?;
+    batch_norm_stats(&x, &mean, Layout::ChannelsFirst)?;
     expect_err(
-        batch_norm_stats(&x, &mean.unsqueeze(0)?, false),
+        batch_norm_stats(&x, &mean.unsqueeze(0)?, Layout::ChannelsFirst),
         &["expected shift of shape [3]", "got shape [1, 3]"],
     );
-    let apply = |mean: &Tensor| batch_norm_elemt(&x, mean, &invstd, None, None, None, false, false);
+    let apply = |mean: &Tensor| {
+        batch_norm_elemt(
+            &x,
+            mean,
+            &invstd,
+            None,
+            None,
+            None,
+            false,
+            Layout::ChannelsFirst,
+        )
+    };
     apply(&mean)?;
     expect_err(
         apply(&Tensor::new(&[0u32, 1, 2], &dev)?),

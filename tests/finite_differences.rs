@@ -34,10 +34,7 @@ impl Fd {
             batches: batches.to_vec(),
             c,
             spatial: spatial.to_vec(),
-            config: SyncBatchNormConfig {
-                channels_last,
-                ..Default::default()
-            },
+            config: SyncBatchNormConfig::default().with_layout(layout_of(channels_last)),
             residual: false,
         }
     }
@@ -45,7 +42,7 @@ impl Fd {
     fn inputs(&self) -> Inputs {
         let gen = |seed: u64, r: usize, n: usize, mean: f64| {
             let mut d = vec![n];
-            if self.config.channels_last {
+            if self.config.layout.is_channels_last() {
                 d.extend(&self.spatial);
                 d.push(self.c);
             } else {

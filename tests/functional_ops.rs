@@ -91,7 +91,10 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
         let w = Tensor::new(p.weight.as_slice(), x.device())?;
         let b = Tensor::new(p.bias.as_slice(), x.device())?;
         let shift = Tensor::full(2.5f64, c, x.device())?;
-        let sums = comm.all_reduce(&batch_norm_stats(&x, &shift, channels_last)?, ReduceOp::Sum)?;
+        let sums = comm.all_reduce(
+            &batch_norm_stats(&x, &shift, layout_of(channels_last))?,
+            ReduceOp::Sum,
+        )?;
         let st = batch_norm_gather_stats(&sums, &shift, eps)?;
         let y = batch_norm_elemt(
             &x,
@@ -101,9 +104,10 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
             Some(&b),
             Some(&z),
             true,
-            channels_last,
+            layout_of(channels_last),
         )?;
-        let local = batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), channels_last)?;
+        let local =
+            batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), layout_of(channels_last))?;
         let red = comm.all_reduce(&local, ReduceOp::Sum)?;
         let (dx, dz) = batch_norm_backward_elemt(
             &dy,
@@ -115,7 +119,7 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
             &st.count,
             Some(&y),
             true,
-            channels_last,
+            layout_of(channels_last),
         )?;
         let dgamma = (local.get(1)? * &st.invstd)?;
         Ok((
@@ -176,15 +180,15 @@ fn half_inputs_give_f64_statistics() -> anyhow::Result<()> {
     let s64 = batch_norm_stats(
         &x.to_dtype(DType::F16)?.to_dtype(DType::F64)?,
         &shift,
-        false,
+        Layout::ChannelsFirst,
     )?;
-    let s16 = batch_norm_stats(&x.to_dtype(DType::F16)?, &shift, false)?;
+    let s16 = batch_norm_stats(&x.to_dtype(DType::F16)?, &shift, Layout::ChannelsFirst)?;
     assert_eq!(s16.dtype(), DType::F64);
     assert_close("f16 stats", &s16, &s64, 1e-12);
     Ok(())
 }
 
-/// `batch_norm_elemt_autograd` with `StatsGrad::Synced` on 3 ranks (one of them empty), its
+/// `batch_norm_elemt_autograd` with the layer's all-reduce (`batch_norm::synced`) on 3 ranks (one of them empty), its
 /// gradients from candle's autograd: y, dx, dz, Σdγ and Σdβ equal the whole-batch f64
 /// reference's.
 #[test]
@@ -205,7 +209,7 @@ fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
             let wv = Var::new(p.weight.as_slice(), xv.device())?;
             let bv = Var::new(p.bias.as_slice(), xv.device())?;
             let shift = Tensor::full(1.0f64, c, xv.device())?;
-            let local = batch_norm_stats(xv.as_tensor(), &shift, channels_last)?;
+            let local = batch_norm_stats(xv.as_tensor(), &shift, layout_of(channels_last))?;
             let sums = comm.all_reduce(&local, ReduceOp::Sum)?;
             let st = batch_norm_gather_stats(&sums, &shift, eps)?;
             let y = batch_norm_elemt_autograd(
@@ -216,8 +220,8 @@ fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
                 Some((wv.as_tensor(), bv.as_tensor())),
                 Some(zv.as_tensor()),
                 true,
-                channels_last,
-                StatsGrad::Synced(comm.clone()),
+                layout_of(channels_last),
+                candle_distributed::batch_norm::synced(comm.clone()),
             )?;
             let g = (&y * &dy)?.sum_all()?.backward()?;
             let grad = |v: &Var| g.get(v.as_tensor()).cloned().expect("a gradient");
@@ -259,7 +263,7 @@ fn the_autograd_form_with_constant_statistics() -> anyhow::Result<()> {
         Some((&w, &b)),
         None,
         false,
-        false,
+        Layout::ChannelsFirst,
         StatsGrad::Constant,
     )?;
     let g = (&y * &dy)?.sum_all()?.backward()?;
@@ -297,7 +301,7 @@ fn per_channel_counts_are_per_channel() -> anyhow::Result<()> {
         &count,
         None,
         false,
-        false,
+        Layout::ChannelsFirst,
     )?;
     let (xv, dyv, dxv) = (
         x.flatten_all()?.to_vec1::<f64>()?,

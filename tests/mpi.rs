@@ -306,10 +306,7 @@ fn sync_bn_matches_one_process(comm: &Arc<dyn Collective>, channels_last: bool) 
     let batches = [3usize, 0, 5, 2];
     let (c, h, w) = (5, 3, 4);
     let r = comm.rank();
-    let config = SyncBatchNormConfig {
-        channels_last,
-        ..Default::default()
-    };
+    let config = SyncBatchNormConfig::default().with_layout(layout_of(channels_last));
     let params = Params::random(17, c);
     let (bn, vm) = layer(
         c,

@@ -16,10 +16,7 @@ fn step_in(dtype: DType, x: &Tensor, wl: &Tensor, dev: &Device) -> Vec<(Tensor, 
     let params = Params::random(3, x.dim(1).unwrap());
     run_ranks_on(2, dev, |comm| {
         let r = comm.rank();
-        let cfg = SyncBatchNormConfig {
-            fuse_relu: true,
-            ..Default::default()
-        };
+        let cfg = SyncBatchNormConfig::default().with_fuse_relu(true);
         let (bn, _) = layer(x.dim(1)?, cfg, comm, Some(&params), DType::F32, dev);
         let xs = on(dev, &split_batch(x, &[3, 2])[r].to_dtype(dtype)?);
         let xv = Var::from_tensor(&xs)?;
@@ -73,11 +70,9 @@ fn first_step_var_tol(mean: f64, std: f64) -> f64 {
 fn large_mean_small_spread_matches_f64(dev: &Device) -> anyhow::Result<()> {
     let (c, mean, std) = (3, 1e4, 1e-2);
     for dtype in [DType::F32, DType::F64] {
-        let cfg = SyncBatchNormConfig {
-            affine: false,
-            momentum: Some(1.0),
-            ..Default::default()
-        };
+        let cfg = SyncBatchNormConfig::default()
+            .with_affine(false)
+            .with_momentum(Some(1.0));
         let steps: Vec<Tensor> = (0..3)
             .map(|s| {
                 randn(5 + s, &[6, c, 8, 8], mean, std)

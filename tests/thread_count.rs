@@ -8,6 +8,7 @@ use std::process::Command;
 
 use candle_core::DType;
 use candle_distributed::ops;
+use common::layout_of;
 
 const CHILD: &str = "CANDLE_DISTRIBUTED_THREAD_COUNT_CHILD";
 
@@ -23,10 +24,19 @@ fn fingerprint() -> anyhow::Result<String> {
         let dy = common::randn(2, dims, 0.0, 1.0).to_dtype(DType::F32)?;
         let c = dims[if cl { 3 } else { 1 }];
         let shift = common::randn(3, &[c], 2.0, 0.1);
-        let sums = ops::batch_norm_stats(&x, &shift, cl)?;
+        let sums = ops::batch_norm_stats(&x, &shift, layout_of(cl))?;
         let st = ops::batch_norm_gather_stats(&sums, &shift, 1e-5)?;
-        let y = ops::batch_norm_elemt(&x, &st.mean, &st.invstd, None, None, None, true, cl)?;
-        let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), cl)?;
+        let y = ops::batch_norm_elemt(
+            &x,
+            &st.mean,
+            &st.invstd,
+            None,
+            None,
+            None,
+            true,
+            layout_of(cl),
+        )?;
+        let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), layout_of(cl))?;
         let (dx, _) = ops::batch_norm_backward_elemt(
             &dy,
             &x,
@@ -37,7 +47,7 @@ fn fingerprint() -> anyhow::Result<String> {
             &st.count,
             Some(&y),
             false,
-            cl,
+            layout_of(cl),
         )?;
         let pooled = ops::max_pool2d(&x.reshape((dims[0], dims[1], dims[2], dims[3]))?, 3, 2, 1)?;
         for t in [&sums, &red] {

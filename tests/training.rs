@@ -18,11 +18,11 @@ use common::*;
 /// hand from PyTorch's rule.
 #[test]
 fn the_scale_follows_pytorchs_rule() {
-    let mut s = GradScaler::new(GradScalerConfig {
-        init_scale: 8.0,
-        growth_interval: 3,
-        ..Default::default()
-    })
+    let mut s = GradScaler::new(
+        GradScalerConfig::default()
+            .with_init_scale(8.0)
+            .with_growth_interval(3),
+    )
     .unwrap();
     let flags = [
         false, false, false, true, false, true, false, false, false, false,
@@ -34,11 +34,11 @@ fn the_scale_follows_pytorchs_rule() {
     }
     assert_eq!(s.state().growth_tracker, 1);
     // A scale whose growth would overflow f32 stays where it is.
-    let mut big = GradScaler::new(GradScalerConfig {
-        init_scale: 2f64.powi(127),
-        growth_interval: 1,
-        ..Default::default()
-    })
+    let mut big = GradScaler::new(
+        GradScalerConfig::default()
+            .with_init_scale(2f64.powi(127))
+            .with_growth_interval(1),
+    )
     .unwrap();
     big.update(false);
     assert_eq!(big.scale_factor(), 2f64.powi(127));
@@ -68,38 +68,23 @@ fn the_scale_follows_pytorchs_rule() {
 fn bad_scaler_settings_are_refused() {
     for (cfg, what) in [
         (
-            GradScalerConfig {
-                init_scale: 0.0,
-                ..Default::default()
-            },
+            GradScalerConfig::default().with_init_scale(0.0),
             "init_scale",
         ),
         (
-            GradScalerConfig {
-                init_scale: 1e39, // beyond f32
-                ..Default::default()
-            },
+            GradScalerConfig::default().with_init_scale(1e39), // beyond f32
             "init_scale",
         ),
         (
-            GradScalerConfig {
-                growth_factor: 1.0,
-                ..Default::default()
-            },
+            GradScalerConfig::default().with_growth_factor(1.0),
             "growth_factor",
         ),
         (
-            GradScalerConfig {
-                backoff_factor: 1.5,
-                ..Default::default()
-            },
+            GradScalerConfig::default().with_backoff_factor(1.5),
             "backoff_factor",
         ),
         (
-            GradScalerConfig {
-                growth_interval: 0,
-                ..Default::default()
-            },
+            GradScalerConfig::default().with_growth_interval(0),
             "growth_interval",
         ),
     ] {
@@ -132,10 +117,7 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
         let dp = DataParallel::new(&vm, comm.clone())?;
         let vars = dp.trainable();
         let mut opt = SGD::new(vars.clone(), 0.05)?;
-        let mut scaler = GradScaler::new(GradScalerConfig {
-            init_scale: 1024.0,
-            ..Default::default()
-        })?;
+        let mut scaler = GradScaler::new(GradScalerConfig::default().with_init_scale(1024.0))?;
         let mut log = Vec::new();
         for s in 0..steps {
             let (x, y) = batch(100 + s, 8);

@@ -33,10 +33,7 @@ impl Norm {
         Ok(match kind {
             NormKind::Bn => Norm::Bn(candle_nn::batch_norm(c, 1e-5, vb)?, relu),
             NormKind::SyncBn(comm) => {
-                let cfg = SyncBatchNormConfig {
-                    fuse_relu: relu,
-                    ..Default::default()
-                };
+                let cfg = SyncBatchNormConfig::default().with_fuse_relu(relu);
                 let name = vb.prefix();
                 Norm::Sync(Box::new(sync_batch_norm(c, cfg, vb, comm.clone())?), name)
             }

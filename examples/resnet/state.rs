@@ -120,12 +120,7 @@ pub fn setup(
     };
     let mut opt = AdamW::new(dp.named_trainable(), params)?;
     let mut scaler = (cfg.precision == Precision::F16)
-        .then(|| {
-            GradScaler::new(GradScalerConfig {
-                init_scale: cfg.init_scale,
-                ..Default::default()
-            })
-        })
+        .then(|| GradScaler::new(GradScalerConfig::default().with_init_scale(cfg.init_scale)))
         .transpose()?;
     let (mut epoch, mut step) = (0, 0);
     if let Some((meta, tensors)) = &resumed {

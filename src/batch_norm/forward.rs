@@ -1,17 +1,29 @@
 //! The layer's forward: validate the input, compute the batch statistics (one all-reduce,
 //! the running statistics updated in the same finalize pass) or take the running ones, then
-//! normalise through [`crate::ops::batch_norm_elemt_autograd`]; a failure past the finalize
-//! puts the running statistics back.
+//! normalise through [`crate::ops::batch_norm_elemt_autograd`], whose backward calls the
+//! layer's second all-reduce ([`super::synced`]); a failure past the finalize puts the running
+//! statistics back. Both collectives of a step are issued here, over the collective-free ops.
+
+use std::sync::Arc;
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::{Snapshot, SyncBatchNorm};
-use crate::collective::ReduceOp;
-use crate::device::cpu::Geometry;
+use super::{Snapshot, SyncBatchNorm, OP};
+use crate::collective::{Collective, ReduceOp};
 use crate::ops::{
-    batch_norm_elemt_autograd, batch_norm_stats, finalize, host_count, row, Running as InPlace,
-    StatsGrad, OP,
+    batch_norm_elemt_autograd, batch_norm_gather_stats_update, batch_norm_stats, GatheredStats,
+    RunningStats, StatsGrad,
 };
+
+/// The [`StatsGrad`] of statistics synchronized over `comm`: the backward all-reduces (sum)
+/// its `[2, C]` gradient sums over the ranks, on every rank, whatever its batch. What
+/// [`crate::SyncBatchNorm`] hands [`batch_norm_elemt_autograd`] in training; public for users
+/// who assemble their own layer from [`crate::ops`].
+pub fn synced(comm: Arc<dyn Collective>) -> StatsGrad {
+    StatsGrad::Global(Arc::new(move |sums: &Tensor| {
+        comm.all_reduce(sums, ReduceOp::Sum)
+    }))
+}
 
 /// Statistics a forward normalises with (`[C]` f64 tensors on the input's device), and the
 /// state from before the training step that produced them.
@@ -24,16 +36,22 @@ struct Plan {
 }
 
 impl SyncBatchNorm {
-    fn validate(&self, x: &Tensor, z: Option<&Tensor>) -> Result<Geometry> {
-        let cl = self.config.channels_last;
-        let g = Geometry::of(OP, x.dims(), cl)?;
-        if g.c != self.num_features {
+    /// Checks the input (and residual) against the layer; returns the channel count.
+    fn validate(&self, x: &Tensor, z: Option<&Tensor>) -> Result<usize> {
+        let layout = self.config.layout;
+        let Some(c) = layout.channels(x.dims()) else {
             bail!(
-                "{OP}: expected {} channels, got {} (input shape {:?}{})",
+                "{OP}: expected an input of rank 2 to 5 {}, got shape {:?}",
+                layout.describe(),
+                x.dims()
+            )
+        };
+        if c != self.num_features {
+            bail!(
+                "{OP}: expected {} channels, got {c} (input shape {:?}, {:?})",
                 self.num_features,
-                g.c,
                 x.dims(),
-                if cl { ", channels_last" } else { "" }
+                layout
             )
         }
         if !matches!(
@@ -69,10 +87,10 @@ impl SyncBatchNorm {
                 )
             }
         }
-        Ok(g)
+        Ok(c)
     }
 
-    /// Global (or local) batch statistics `[ROWS, C]` f64 (see [`row`]), on the input's device:
+    /// Global (or local) batch statistics, on the input's device:
     /// exactly one all-reduce of `3·C` f64 when `train`, nothing read back to the host. In
     /// training with running statistics, the same finalize pass updates them and
     /// `num_batches_tracked` in place (one kernel on CUDA).
@@ -85,9 +103,9 @@ impl SyncBatchNorm {
     fn batch_stats(
         &self,
         x: &Tensor,
-        g: &Geometry,
+        c: usize,
         train: bool,
-    ) -> Result<(Tensor, Option<Snapshot>)> {
+    ) -> Result<(GatheredStats, Option<Snapshot>)> {
         let (k, done) = {
             let st = self.lock();
             (st.shift.clone(), st.num_batches_tracked + 1)
@@ -96,32 +114,37 @@ impl SyncBatchNorm {
             // On x's device (a no-op but for a shift restored by `set_shift` on a layer with
             // neither parameters nor running statistics to tell its device).
             Some(k) => k.to_device(x.device())?,
-            None => Tensor::zeros(g.c, DType::F64, x.device())?,
+            None => Tensor::zeros(c, DType::F64, x.device())?,
         };
-        let mut sums = batch_norm_stats(x, &k, self.config.channels_last)?;
+        let mut sums = batch_norm_stats(x, &k, self.config.layout)?;
         if train {
             sums = self.comm.all_reduce(&sums, ReduceOp::Sum)?;
         }
-        let running = self.running.as_ref().filter(|_| train).map(|r| InPlace {
-            mean: r.mean.as_tensor().clone(),
-            var: r.var.as_tensor().clone(),
-            batches: r.batches.as_tensor().clone(),
-        });
+        let running = self
+            .running
+            .as_ref()
+            .filter(|_| train)
+            .map(|r| RunningStats {
+                mean: r.mean.as_tensor().clone(),
+                var: r.var.as_tensor().clone(),
+                num_batches_tracked: r.batches.as_tensor().clone(),
+            });
         let momentum = match &running {
             Some(_) => self.config.momentum.unwrap_or(1.0 / done as f64),
             None => 0.0,
         };
         let committed = running.is_some();
-        let stats = finalize(&sums, &k, momentum, self.config.eps, running)?;
+        let stats =
+            batch_norm_gather_stats_update(&sums, &k, self.config.eps, momentum, running.as_ref())?;
         if !train {
             return Ok((stats, None));
         }
-        // Row SHIFT is the mean, or K for a channel whose batch was not finite (or empty).
+        // The next shift is the mean, or K for a channel whose batch was not finite (or empty).
         let mut st = self.lock();
         let before = Snapshot {
             stats: stats.clone(),
             num_batches_tracked: st.num_batches_tracked,
-            shift: st.shift.replace(stats.get(row::SHIFT)?),
+            shift: st.shift.replace(stats.next_shift()?),
         };
         if committed {
             st.num_batches_tracked = done;
@@ -130,8 +153,8 @@ impl SyncBatchNorm {
         Ok((stats, Some(before)))
     }
 
-    fn plan(&self, x: &Tensor, g: &Geometry, train: bool) -> Result<Plan> {
-        let (eps, c, dev) = (self.config.eps, g.c, x.device());
+    fn plan(&self, x: &Tensor, c: usize, train: bool) -> Result<Plan> {
+        let (eps, dev) = (self.config.eps, x.device());
         let use_batch = train || self.running.is_none();
         if !use_batch {
             let r = self
@@ -146,17 +169,17 @@ impl SyncBatchNorm {
                 before: None,
             });
         }
-        let (stats, before) = self.batch_stats(x, g, train)?;
+        let (stats, before) = self.batch_stats(x, c, train)?;
         let plan = Plan {
-            mean: stats.get(row::MEAN)?,
-            invstd: stats.get(row::INVSTD)?,
-            count: stats.get(row::COUNT)?,
+            mean: stats.mean()?,
+            invstd: stats.invstd()?,
+            count: stats.count()?,
             before,
         };
         // On the CPU the count is at hand; on a GPU reading it would stall the stream, and the
         // statistics kernel turns an unusable batch into NaN outputs and untouched running
         // statistics instead (see the README).
-        if let Some(n) = host_count(&stats)? {
+        if let Some(n) = stats.host_count()? {
             if n <= 1.0 && (train || n == 1.0) {
                 self.undo(&plan)?;
                 bail!(
@@ -186,13 +209,13 @@ impl SyncBatchNorm {
         z: Option<&Tensor>,
         train: bool,
     ) -> Result<Tensor> {
-        let g = self.validate(x, z)?;
+        let c = self.validate(x, z)?;
         if train {
             self.check_collectives()?;
         }
         let x = x.contiguous()?;
-        let plan = self.plan(&x, &g, train)?;
-        match self.normalise(&x, z, &g, &plan, train) {
+        let plan = self.plan(&x, c, train)?;
+        match self.normalise(&x, z, &plan, train) {
             Ok(y) => Ok(y),
             // The failure that matters is the first; a failed undo is named in its context.
             Err(e) => match self.undo(&plan) {
@@ -209,12 +232,11 @@ impl SyncBatchNorm {
         &self,
         x: &Tensor,
         z: Option<&Tensor>,
-        g: &Geometry,
         plan: &Plan,
         train: bool,
     ) -> Result<Tensor> {
         let stats = match (train, &self.running) {
-            (true, _) => StatsGrad::Synced(self.comm.clone()),
+            (true, _) => synced(self.comm.clone()),
             (false, None) => StatsGrad::Local,
             (false, Some(_)) => StatsGrad::Constant,
         };
@@ -227,7 +249,7 @@ impl SyncBatchNorm {
             affine,
             z,
             self.config.fuse_relu,
-            g.channels_last,
+            self.config.layout,
             stats,
         )
     }

@@ -86,6 +86,7 @@ mod config;
 mod forward;
 
 pub use config::SyncBatchNormConfig;
+pub use forward::synced;
 
 use std::sync::{Arc, Mutex};
 
@@ -93,7 +94,10 @@ use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_nn::{Init, ModuleT, VarBuilder};
 
 use crate::collective::Collective;
-use crate::ops::{row, OP};
+use crate::ops::GatheredStats;
+
+/// The name errors of the layer and its ops begin with.
+pub(crate) const OP: &str = "sync-batch-norm";
 
 /// Running statistics, stored in `Var`s shared with the `VarBuilder`'s `VarMap` (when it has
 /// one), so that saving the `VarMap` saves them under PyTorch's names.
@@ -122,16 +126,16 @@ struct State {
 /// What a training step changed, as it was before the step.
 #[derive(Debug, Clone)]
 struct Snapshot {
-    /// The step's finalized statistics `[ROWS, C]`, whose rows `OLD_MEAN` and `OLD_VAR` hold
-    /// the running mean and variance from before the step (written by the finalize pass).
-    stats: Tensor,
+    /// The step's finalized statistics, which hold the running mean and variance from before
+    /// the step (written by the finalize pass).
+    stats: GatheredStats,
     num_batches_tracked: u64,
     shift: Option<Tensor>,
 }
 
 /// Synchronized batch normalisation (PyTorch's `nn.SyncBatchNorm`).
 ///
-/// Input `(N, C, *)` (or `(N, *, C)` with `channels_last`), rank 2 to 5, f32/f64/f16/bf16;
+/// Input `(N, C, *)` (or `(N, *, C)` with [`crate::Layout::ChannelsLast`]), rank 2 to 5, f32/f64/f16/bf16;
 /// output of the same shape and dtype. In training, the mean and variance of each channel are
 /// those of the global batch (all ranks' inputs together, weighted by their counts, empty
 /// local batches allowed); one all-reduce of `3·C` f64 values in the forward and one of `2·C`
@@ -363,9 +367,9 @@ impl SyncBatchNorm {
     /// when `shift`): a rare path, through ordinary candle ops.
     fn restore(&self, snap: &Snapshot, shift: bool) -> Result<()> {
         if let Some(r) = &self.running {
-            let old = |i: usize, v: &Var| snap.stats.get(i)?.to_dtype(v.dtype());
-            r.mean.set(&old(row::OLD_MEAN, &r.mean)?)?;
-            r.var.set(&old(row::OLD_VAR, &r.var)?)?;
+            let (mean, var) = snap.stats.previous_running()?;
+            r.mean.set(&mean.to_dtype(r.mean.dtype())?)?;
+            r.var.set(&var.to_dtype(r.var.dtype())?)?;
             r.batches.set(&Tensor::new(
                 snap.num_batches_tracked as i64,
                 r.batches.device(),

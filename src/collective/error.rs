@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-/// Why a collective operation failed. Converted into [`candle_core::Error`] at the API boundary;
+/// Why a collective operation failed (new kinds may be added in a minor release: a `match`
+/// needs a wildcard arm). Converted into [`candle_core::Error`] at the API boundary;
 /// [`CollectiveError::find`] gets it back out of one, to match on the kind of failure:
 ///
 /// ```
@@ -19,6 +20,7 @@ use std::time::Duration;
 /// # }
 /// ```
 #[derive(Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum CollectiveError {
     /// Some ranks did not reach the collective before the timeout.
     #[error("{backend} {op} (call #{call}) on rank {rank}: timed out after {timeout:?} waiting for ranks {missing:?}")]

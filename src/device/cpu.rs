@@ -116,21 +116,17 @@ pub(crate) struct Geometry {
     pub n: usize,
     pub c: usize,
     pub s: usize,
-    pub channels_last: bool,
+    pub layout: crate::Layout,
 }
 
 impl Geometry {
     /// Reads the geometry of a shape; rank 2 to 5.
-    pub fn of(op: &str, dims: &[usize], channels_last: bool) -> Result<Self> {
+    pub fn of(op: &str, dims: &[usize], layout: crate::Layout) -> Result<Self> {
         if !(2..=5).contains(&dims.len()) {
-            let layout = if channels_last {
-                "(N, *, C)"
-            } else {
-                "(N, C, *)"
-            };
-            bail!("{op}: expected an input of rank 2 to 5 {layout}, got shape {dims:?}")
+            let shape = layout.describe();
+            bail!("{op}: expected an input of rank 2 to 5 {shape}, got shape {dims:?}")
         }
-        let (c, s) = if channels_last {
+        let (c, s) = if layout.is_channels_last() {
             (
                 dims[dims.len() - 1],
                 dims[1..dims.len() - 1].iter().product(),
@@ -142,7 +138,7 @@ impl Geometry {
             n: dims[0],
             c,
             s,
-            channels_last,
+            layout,
         })
     }
 
@@ -158,7 +154,7 @@ impl Geometry {
 
     /// True when the channels are the contiguous dimension (channels-last, or `S = 1`).
     pub fn rows(&self) -> bool {
-        self.channels_last || self.s == 1
+        self.layout.is_channels_last() || self.s == 1
     }
 
     /// The input as the kernels see it: rows of channels when [`Self::rows`], else planes.

@@ -351,7 +351,7 @@ impl CustomOp2 for ApplyOp {
 /// Normalises `x` with given statistics: `y = act((x − mean)·weight·invstd + bias + residual)`.
 ///
 /// # Arguments
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
 /// * `mean`, `invstd` - `[C]` on `x`'s device (any float dtype; used as f64).
 /// * `weight`, `bias` - `[C]` or `None` (1 and 0).
 /// * `residual` - same shape and dtype as `x`, added before the activation, or `None`.
@@ -374,9 +374,9 @@ pub fn batch_norm_elemt(
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
     relu: bool,
-    channels_last: bool,
+    layout: crate::Layout,
 ) -> Result<Tensor> {
-    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let geometry = Geometry::of(OP, x.dims(), layout)?;
     let c = geometry.c;
     let dev = x.device();
     for (what, t) in [

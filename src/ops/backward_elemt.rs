@@ -366,7 +366,7 @@ impl CustomOp3 for BackwardElemtOp {
 ///
 /// # Arguments
 /// * `dy` - gradient of the output, shape and dtype of `x`.
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`.
 /// * `mean`, `invstd` - `[C]`, the statistics used in the forward.
 /// * `weight` - `[C]` or `None` (1).
 /// * `sums` - `[2, C]`: `[Σg, Σg·(x − mean)]` summed over **all ranks** (from
@@ -397,9 +397,9 @@ pub fn batch_norm_backward_elemt(
     count: &Tensor,
     relu_output: Option<&Tensor>,
     want_dz: bool,
-    channels_last: bool,
+    layout: crate::Layout,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let geometry = Geometry::of(OP, x.dims(), layout)?;
     let c = geometry.c;
     check_same_shape("gradient", x.dims(), dy)?;
     let dev = x.device();

@@ -289,7 +289,7 @@ impl CustomOp3 for BackwardReduceOp {
 ///
 /// # Arguments
 /// * `dy` - gradient of the output, shape and dtype of `x`.
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`.
 /// * `mean` - `[C]` on `x`'s device, the mean used in the forward.
 /// * `relu_output` - the forward output `y` when ReLU was fused (`dy` counts only where `y > 0`),
 ///   else `None`.
@@ -307,9 +307,9 @@ pub fn batch_norm_backward_reduce(
     x: &Tensor,
     mean: &Tensor,
     relu_output: Option<&Tensor>,
-    channels_last: bool,
+    layout: crate::Layout,
 ) -> Result<Tensor> {
-    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let geometry = Geometry::of(OP, x.dims(), layout)?;
     check_same_shape("gradient", x.dims(), dy)?;
     check_device("mean", mean, x.device())?;
     let op = BackwardReduceOp {

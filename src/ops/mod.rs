@@ -9,7 +9,7 @@
 //! sums   = batch_norm_stats(x, shift)                 [3, C] f64, local
 //! sums   = comm.all_reduce(sums, Sum)                  one collective, 3C values
 //! stats  = batch_norm_gather_stats(sums, shift, eps)   mean, invstd, ... [C] f64
-//! y      = batch_norm_elemt(x, mean, invstd, γ, β, z, relu)
+//! y      = batch_norm_elemt(x, mean, invstd, γ, β, z, relu, layout)
 //! red    = batch_norm_backward_reduce(dy, x, mean, y?) [2, C] f64, local: dβ = red[0], dγ = red[1]·invstd
 //! red    = comm.all_reduce(red, Sum)                   one collective, 2C values
 //! dx, dz = batch_norm_backward_elemt(dy, x, mean, invstd, γ, red, n, y?)
@@ -24,12 +24,13 @@
 //!
 //! # Autograd
 //!
-//! `batch_norm_elemt_autograd(x, mean, invstd, count, Some((γ, β)), z, relu, channels_last,
-//! StatsGrad::Synced(comm))` is `batch_norm_elemt` with the last three lines as its gradient,
-//! for candle's autograd: `loss.backward()` runs the backward all-reduce on every rank
-//! (`StatsGrad::Local` for one rank's own batch statistics, `StatsGrad::Constant` for running
-//! statistics). It is what `SyncBatchNorm` runs after its statistics;
-//! `tests/functional_ops.rs::the_autograd_form_matches_the_whole_batch_reference` checks y, dx,
+//! `batch_norm_elemt_autograd(x, mean, invstd, count, Some((γ, β)), z, relu, layout,
+//! StatsGrad::Global(reduce))` is `batch_norm_elemt` with the last three lines as its gradient,
+//! for candle's autograd, `reduce` standing for the all-reduce: `loss.backward()` calls it on
+//! every rank (`StatsGrad::Local` for one rank's own batch statistics, `StatsGrad::Constant`
+//! for running statistics). These ops issue no collective themselves: the reduction is the
+//! caller's, and `crate::batch_norm::synced(comm)` makes the all-reduce that `SyncBatchNorm`
+//! passes after its statistics. `tests/functional_ops.rs::the_autograd_form_matches_the_whole_batch_reference` checks y, dx,
 //! dz, dγ and dβ on 3 ranks, one of them empty, against the whole batch in f64.
 //!
 //! # On the CPU
@@ -58,18 +59,21 @@
 mod apply;
 mod backward_elemt;
 mod backward_reduce;
-mod combine;
+mod gather;
 mod max_pool;
 mod normalize;
-mod running;
 mod stats;
 
+pub use crate::Layout;
 pub use apply::batch_norm_elemt;
 pub use backward_elemt::batch_norm_backward_elemt;
 pub use backward_reduce::batch_norm_backward_reduce;
-pub use combine::{batch_norm_gather_stats, BatchStats};
+pub use gather::{
+    batch_norm_gather_stats, batch_norm_gather_stats_update, BatchStats, GatheredStats,
+    RunningStats,
+};
 pub use max_pool::max_pool2d;
-pub use normalize::{batch_norm_elemt_autograd, StatsGrad};
+pub use normalize::{batch_norm_elemt_autograd, StatsGrad, SumsReduction};
 
 /// The GPU architectures whose machine code the `cuda` build embeds (`sm_XX` as `XX`): 80 and
 /// 90 always, and `CUDA_COMPUTE_CAP` at build time when it named another; the newest of them
@@ -81,10 +85,8 @@ pub fn cuda_archs() -> &'static [u32] {
 }
 pub use stats::batch_norm_stats;
 
-pub(crate) use combine::{finalize, host_count, row, Running};
-
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor};
+use candle_core::{bail, CpuStorage, DType, Result, Tensor};
 
 use crate::device::cpu::{slice, Elem};
 
@@ -139,9 +141,9 @@ pub(crate) fn check_device(what: &str, t: &Tensor, dev: &candle_core::Device) ->
 /// differs from the input's is an error naming it.
 #[allow(clippy::type_complexity)]
 pub(crate) fn backward_slices<'a, T: Elem>(
-    dy: (&'a CpuStorage, &Layout),
-    x: (&'a CpuStorage, &Layout),
-    y: Option<(&'a CpuStorage, &Layout)>,
+    dy: (&'a CpuStorage, &candle_core::Layout),
+    x: (&'a CpuStorage, &candle_core::Layout),
+    y: Option<(&'a CpuStorage, &candle_core::Layout)>,
 ) -> Result<(&'a [T], &'a [T], Option<&'a [T]>)> {
     for (what, s) in [("gradient", Some(dy.0)), ("relu output", y.map(|y| y.0))] {
         if let Some(s) = s {

@@ -1,6 +1,7 @@
 //! The differentiable normalisation: `y = act(γ·(x − mean)·invstd + β + z)` on (x, [γ; β], z)
-//! as one candle op whose backward performs the cross-rank all-reduce of the gradient sums
-//! ([`batch_norm_elemt_autograd`]; the layer's forward is this op after the statistics).
+//! as one candle op whose backward combines the gradient sums through the caller's reduction
+//! ([`batch_norm_elemt_autograd`]; the layer's forward is this op after the statistics, with an
+//! all-reduce over its communicator as that reduction).
 //!
 //! The output comes from this op even for an empty local batch, so `loss.backward()` always
 //! reaches its `bwd` and every rank issues the backward collective (candle returns the input
@@ -16,37 +17,52 @@ use super::{
     acc_dtype, batch_norm_backward_elemt, batch_norm_backward_reduce, check_device,
     check_per_channel, check_same_shape, per_channel_f64, OP,
 };
-use crate::collective::{Collective, ReduceOp};
 use crate::device::cpu::{slice, Geometry};
+
+/// Combines this rank's `[2, C]` f64 backward sums into those of the whole batch the
+/// statistics came from: for synchronized batch norm, an all-reduce (sum) over the ranks
+/// (`crate::batch_norm::synced`). Called once per backward, on every rank, whatever its batch.
+pub type SumsReduction = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
 /// What the statistics given to [`batch_norm_elemt_autograd`] are, which decides the gradient
 /// flowing through them.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub enum StatsGrad {
-    /// Global batch statistics of the ranks of this communicator (training): the backward
-    /// all-reduces its `[2, C]` gradient sums over it, on every rank, whatever its batch.
-    Synced(Arc<dyn Collective>),
+    /// Statistics of a batch spread over several parts (ranks): the backward hands its local
+    /// `[2, C]` gradient sums to the reduction and uses what it returns.
+    Global(SumsReduction),
     /// Batch statistics of this rank's input alone: their gradient flows into `dx` with no
-    /// collective.
+    /// reduction.
     Local,
     /// Constants (running statistics in evaluation): no gradient through them.
     Constant,
 }
 
+impl std::fmt::Debug for StatsGrad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StatsGrad::Global(_) => "Global(..)",
+            StatsGrad::Local => "Local",
+            StatsGrad::Constant => "Constant",
+        })
+    }
+}
+
 /// The differentiable form of [`super::batch_norm_elemt`]: `y = act(γ·(x − mean)·invstd + β + z)`
 /// whose gradients with respect to `x`, `γ`, `β` and `z` reach candle's autograd. The backward
-/// is [`super::batch_norm_backward_reduce`], with [`StatsGrad::Synced`] one all-reduce of its
-/// `[2, C]` f64 sums, then [`super::batch_norm_backward_elemt`]: what
-/// [`crate::SyncBatchNorm`]'s forward runs after its statistics.
+/// is [`super::batch_norm_backward_reduce`], with [`StatsGrad::Global`] the reduction of its
+/// `[2, C]` f64 sums (an all-reduce for [`crate::SyncBatchNorm`], which runs this op after its
+/// statistics), then [`super::batch_norm_backward_elemt`].
 ///
 /// # Arguments
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
 /// * `mean`, `invstd` - `[C]` (any float dtype, used as f64) on `x`'s device.
 /// * `count` - the global number of values per channel `n` the statistics came from: `[C]`
 ///   (or any tensor whose first value is `n`) on `x`'s device; read in the backward only.
 /// * `affine` - `(γ, β)`, each `[C]`, or `None` for 1 and 0 (then no parameter gradient).
 /// * `residual` - `z`, of `x`'s shape, dtype and device, added before the activation.
 /// * `relu` - apply ReLU after the sum (its mask is applied to the incoming gradient).
+/// * `layout` - where `x`'s channel dimension sits.
 /// * `stats` - what `mean` and `invstd` are ([`StatsGrad`]).
 ///
 /// Returns `y` of `x`'s shape and dtype.
@@ -56,7 +72,7 @@ pub enum StatsGrad {
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `mean`,
 /// `invstd`, `count`, `γ` or `β` is not on `x`'s device or `mean`, `invstd`, `γ` or `β`
 /// is not of shape `[C]` in a float dtype; when `residual` differs from `x` in shape, dtype or device; on a GPU, when a
-/// CUDA allocation or kernel launch fails. The backward fails as the collective does.
+/// CUDA allocation or kernel launch fails. The backward fails as the reduction does.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_elemt_autograd(
     x: &Tensor,
@@ -66,10 +82,10 @@ pub fn batch_norm_elemt_autograd(
     affine: Option<(&Tensor, &Tensor)>,
     residual: Option<&Tensor>,
     relu: bool,
-    channels_last: bool,
+    layout: crate::Layout,
     stats: StatsGrad,
 ) -> Result<Tensor> {
-    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+    let geometry = Geometry::of(OP, x.dims(), layout)?;
     let (c, dev) = (geometry.c, x.device());
     for (what, t) in [("mean", mean), ("invstd", invstd), ("count", count)] {
         check_device(what, t, dev)?;
@@ -92,8 +108,8 @@ pub fn batch_norm_elemt_autograd(
         None => identity_params(c, dev)?,
     }
     .to_dtype(acc)?;
-    let (batch_stats, comm) = match stats {
-        StatsGrad::Synced(comm) => (true, Some(comm)),
+    let (batch_stats, reduce) = match stats {
+        StatsGrad::Global(reduce) => (true, Some(reduce)),
         StatsGrad::Local => (true, None),
         StatsGrad::Constant => (false, None),
     };
@@ -103,7 +119,7 @@ pub fn batch_norm_elemt_autograd(
         invstd: per_channel_f64("invstd", invstd, &[c])?,
         count: count.flatten_all()?.to_dtype(DType::F64)?,
         batch_stats,
-        comm,
+        reduce,
         relu,
         affine: affine.is_some(),
     };
@@ -126,7 +142,7 @@ pub fn batch_norm_elemt_autograd(
 }
 
 /// Statistics the forward normalised with, and how the backward must treat them.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 struct NormFn {
     pub geometry: Geometry,
     /// `[C]` mean, f64 on the input's device.
@@ -137,8 +153,8 @@ struct NormFn {
     pub count: Tensor,
     /// The statistics are batch statistics (their gradient flows into dx).
     pub batch_stats: bool,
-    /// All-reduce the backward sums with this communicator (training).
-    pub comm: Option<Arc<dyn Collective>>,
+    /// Combine the backward sums with this reduction (global statistics).
+    pub reduce: Option<SumsReduction>,
     pub relu: bool,
     /// `[γ; β]` carries learnable parameters (else a constant `[1; 0]`).
     pub affine: bool,
@@ -199,13 +215,14 @@ impl NormFn {
         y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let cl = self.geometry.channels_last;
+        let cl = self.geometry.layout;
         let (mean, invstd) = (&self.mean, &self.invstd);
         let relu_y = self.relu.then_some(y);
         let local = batch_norm_backward_reduce(dy, x, mean, relu_y, cl)?;
-        let sums = match (&self.comm, self.batch_stats) {
-            // Issued on every rank, whatever its local batch: the others wait for it.
-            (Some(comm), _) => comm.all_reduce(&local, ReduceOp::Sum)?,
+        let sums = match (&self.reduce, self.batch_stats) {
+            // Called on every rank, whatever its local batch: for an all-reduce, the others
+            // wait for it.
+            (Some(reduce), _) => reduce(&local)?,
             (None, true) => local.clone(),
             (None, false) => local.zeros_like()?,
         };

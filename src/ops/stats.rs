@@ -188,7 +188,7 @@ fn stats_cuda(
 /// Local shifted sums of `x` per channel, the input of the cross-rank all-reduce.
 ///
 /// # Arguments
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `channels_last`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
 ///   `N` may be 0 (an empty local batch gives zero sums).
 /// * `shift` - `[C]` on `x`'s device, the shift `K` (any float dtype, used as f64); must be
 ///   identical on every rank, ideally close to the channel means (e.g. the previous step's
@@ -203,8 +203,8 @@ fn stats_cuda(
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `shift` is not
 /// of shape `[C]` in a float dtype or not on `x`'s device; on a GPU, when a CUDA allocation or kernel launch
 /// fails.
-pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, channels_last: bool) -> Result<Tensor> {
-    let geometry = Geometry::of(OP, x.dims(), channels_last)?;
+pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, layout: crate::Layout) -> Result<Tensor> {
+    let geometry = Geometry::of(OP, x.dims(), layout)?;
     let shift = per_channel_f64("shift", shift, &[geometry.c])?;
     x.contiguous()?
         .apply_op2_no_bwd(&shift, &StatsOp { geometry })

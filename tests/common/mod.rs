@@ -93,6 +93,17 @@ pub fn to_channels_first(x: &Tensor) -> Tensor {
     x.permute(perm).unwrap().contiguous().unwrap()
 }
 
+pub use candle_distributed::Layout;
+
+/// The [`Layout`] of a test case that iterates over `[false, true]`.
+pub fn layout_of(channels_last: bool) -> Layout {
+    if channels_last {
+        Layout::ChannelsLast
+    } else {
+        Layout::ChannelsFirst
+    }
+}
+
 /// `(N, C, *)` → `(N, *, C)`.
 pub fn to_channels_last(x: &Tensor) -> Tensor {
     let r = x.rank();

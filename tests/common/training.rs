@@ -24,10 +24,7 @@ pub struct Net {
 
 pub fn net(vm: &VarMap, comm: Arc<dyn Collective>, dtype: DType) -> Net {
     let vb = VarBuilder::from_varmap(vm, dtype, &Device::Cpu);
-    let relu = SyncBatchNormConfig {
-        fuse_relu: true,
-        ..Default::default()
-    };
+    let relu = SyncBatchNormConfig::default().with_fuse_relu(true);
     let pad = Conv2dConfig {
         padding: 1,
         ..Default::default()

@@ -30,7 +30,7 @@ fn apply_matches_the_cpu_op() {
             affine.then_some(&b),
             residual.then_some(&z),
             relu,
-            case.cl,
+            crate::common::layout_of(case.cl),
         )
         .unwrap();
         let params = Tensor::stack(&[&w, &b], 0).unwrap();

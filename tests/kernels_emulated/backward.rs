@@ -16,8 +16,14 @@ fn backward_reduce_matches_the_cpu_op() {
         // A fused-ReLU output whose sign varies: y = x − 1 (mean 0).
         let y = case.data(14, 0.0, dtype);
         let mean = per_channel(case.c, 15, 0.5, 1.5);
-        let want =
-            ops::batch_norm_backward_reduce(&dy, &x, &mean, relu.then_some(&y), case.cl).unwrap();
+        let want = ops::batch_norm_backward_reduce(
+            &dy,
+            &x,
+            &mean,
+            relu.then_some(&y),
+            crate::common::layout_of(case.cl),
+        )
+        .unwrap();
         let (mut db, mut xb, mut yb, mut mb) =
             (Buf::of(&dy), Buf::of(&x), Buf::of(&y), Buf::of(&mean));
         let (name, got) = reduce(&case, 2, sched, |out, scratch| {
@@ -72,7 +78,7 @@ fn backward_elemt_matches_the_cpu_op() {
             &counts,
             relu.then_some(&y),
             want_dz,
-            case.cl,
+            crate::common::layout_of(case.cl),
         )
         .unwrap();
         let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
