@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_distributed::collective::{Collective, Pending, ReduceOp, ThreadGroup};
+use candle_distributed::collective::{Collective, Decorator, Op, Pending, ThreadGroup};
 use candle_distributed::parallel::{ColumnParallelLinear, ParallelMode};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -35,43 +35,17 @@ impl Delayed {
     }
 }
 
-impl Collective for Delayed {
-    fn rank(&self) -> usize {
-        self.inner.rank()
+impl Decorator for Delayed {
+    fn inner(&self) -> &Arc<dyn Collective> {
+        &self.inner
     }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    /// A synchronous call returns `delay` late (a barrier on time).
+    fn after(&self, _: Op, out: Tensor) -> Result<Tensor> {
         std::thread::sleep(self.delay);
-        self.inner.all_reduce(t, op)
+        Ok(out)
     }
-    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        std::thread::sleep(self.delay);
-        self.inner.all_gather(t)
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        std::thread::sleep(self.delay);
-        self.inner.broadcast(t, root)
-    }
-    fn barrier(&self) -> Result<()> {
-        self.inner.barrier()
-    }
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        std::thread::sleep(self.delay);
-        self.inner.reduce_scatter(t, op)
-    }
-    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
-        self.inner.split(color, key)
-    }
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        Ok(self.later(self.inner.all_reduce_async(t, op)?))
-    }
-    fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
-        Ok(self.later(self.inner.all_gather_async(t)?))
-    }
-    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        Ok(self.later(self.inner.reduce_scatter_async(t, op)?))
+    fn after_async(&self, _: Op, pending: Pending) -> Result<Pending> {
+        Ok(self.later(pending))
     }
 }
 

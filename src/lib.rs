@@ -54,12 +54,13 @@ pub mod batch_norm;
 pub mod collective;
 pub mod data_parallel;
 mod device;
+mod kernels;
 mod layout;
 /// The launch configurations and argument lists of the CUDA kernels in `kernels/`, shared by
 /// the CUDA path and the kernels' emulation tests (`tests/kernels_emulated/`), which is why
 /// they are reachable; not part of the API.
 #[doc(hidden)]
-pub use device::{args, launch};
+pub use kernels::{args, launch};
 pub mod ops;
 pub mod parallel;
 

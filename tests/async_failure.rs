@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::{Collective, CollectiveError, Pending, ReduceOp};
+use candle_distributed::collective::{Collective, CollectiveError, Decorator, Op, Pending};
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::ModuleT;
 use common::*;
@@ -45,17 +45,14 @@ impl Deferred {
     }
 }
 
-impl Collective for Deferred {
-    fn rank(&self) -> usize {
-        self.inner.rank()
+impl Decorator for Deferred {
+    fn inner(&self) -> &Arc<dyn Collective> {
+        &self.inner
     }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn defers_errors(&self) -> bool {
+    fn reports_deferred(&self) -> bool {
         true
     }
-    fn deferred_error(&self) -> candle_core::Result<()> {
+    fn check_deferred(&self) -> candle_core::Result<()> {
         if self.failed.load(Ordering::SeqCst) {
             return Err(CollectiveError::RankLeft {
                 backend: "test",
@@ -68,42 +65,21 @@ impl Collective for Deferred {
         }
         self.inner.deferred_error()
     }
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        let reduced = self.inner.all_reduce(t, op)?;
-        if self.armed.load(Ordering::SeqCst) {
+    /// Armed, an all-reduce returns garbage (its result ×1000) and the failure surfaces
+    /// later, from `deferred_error`.
+    fn after(&self, op: Op, out: Tensor) -> candle_core::Result<Tensor> {
+        if matches!(op, Op::AllReduce(_)) && self.armed.load(Ordering::SeqCst) {
             self.failed.store(true, Ordering::SeqCst);
-            return t.affine(1e3, 0.0);
+            return out.affine(1e3, 0.0);
         }
-        Ok(reduced)
+        Ok(out)
     }
-    fn all_gather(&self, t: &Tensor) -> candle_core::Result<Tensor> {
-        self.inner.all_gather(t)
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> candle_core::Result<Tensor> {
-        self.inner.broadcast(t, root)
-    }
-    fn barrier(&self) -> candle_core::Result<()> {
-        self.inner.barrier()
-    }
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        self.inner.reduce_scatter(t, op)
-    }
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        let r = self.all_reduce(t, op);
-        Ok(Pending::new(move || r))
-    }
-    fn all_gather_async(&self, t: &Tensor) -> candle_core::Result<Pending> {
-        self.inner.all_gather_async(t)
-    }
-    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        self.inner.reduce_scatter_async(t, op)
-    }
-    fn split(
-        &self,
-        color: Option<u32>,
-        key: u32,
-    ) -> candle_core::Result<Option<Arc<dyn Collective>>> {
-        self.inner.split(color, key)
+    fn after_async(&self, op: Op, pending: Pending) -> candle_core::Result<Pending> {
+        if matches!(op, Op::AllReduce(_)) && self.armed.load(Ordering::SeqCst) {
+            self.failed.store(true, Ordering::SeqCst);
+            return Ok(Pending::new(move || pending.wait()?.affine(1e3, 0.0)));
+        }
+        Ok(pending)
     }
 }
 

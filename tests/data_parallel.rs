@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Module, Tensor, Var, D};
-use candle_distributed::collective::{Collective, Pending, ReduceOp};
+use candle_distributed::collective::{Collective, Decorator, Op};
 use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
 use candle_nn::{
     conv2d, linear, AdamW, Conv2dConfig, ModuleT, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD,
@@ -348,47 +348,18 @@ struct BroadcastFails {
     fail_at: usize,
 }
 
-impl Collective for BroadcastFails {
-    fn rank(&self) -> usize {
-        self.inner.rank()
+impl Decorator for BroadcastFails {
+    fn inner(&self) -> &Arc<dyn Collective> {
+        &self.inner
     }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> candle_core::Result<Tensor> {
-        let n = self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-        if n >= self.fail_at {
-            candle_core::bail!("broadcast #{n} fails on purpose")
+    fn before(&self, op: Op, _: Option<&Tensor>) -> candle_core::Result<()> {
+        if let Op::Broadcast(_) = op {
+            let n = self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if n >= self.fail_at {
+                candle_core::bail!("broadcast #{n} fails on purpose")
+            }
         }
-        self.inner.broadcast(t, root)
-    }
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        self.inner.all_reduce(t, op)
-    }
-    fn all_gather(&self, t: &Tensor) -> candle_core::Result<Tensor> {
-        self.inner.all_gather(t)
-    }
-    fn barrier(&self) -> candle_core::Result<()> {
-        self.inner.barrier()
-    }
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        self.inner.reduce_scatter(t, op)
-    }
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        self.inner.all_reduce_async(t, op)
-    }
-    fn all_gather_async(&self, t: &Tensor) -> candle_core::Result<Pending> {
-        self.inner.all_gather_async(t)
-    }
-    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        self.inner.reduce_scatter_async(t, op)
-    }
-    fn split(
-        &self,
-        color: Option<u32>,
-        key: u32,
-    ) -> candle_core::Result<Option<Arc<dyn Collective>>> {
-        self.inner.split(color, key)
+        Ok(())
     }
 }
 

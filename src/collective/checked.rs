@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::{Collective, CollectiveError, Op, Pending, ReduceOp};
+use super::{Collective, CollectiveError, Decorator, Op, ReduceOp};
 
 const BACKEND: &str = "Checked";
 
@@ -23,6 +23,13 @@ const BACKEND: &str = "Checked";
 ///
 /// For an all-gather, where row counts may differ by design, the row length (elements per
 /// row) and the tensor's rank are compared instead of the element count.
+///
+/// # Errors of its calls
+///
+/// Those of the inner communicator's; also [`CollectiveError::Mismatch`] on every rank when the
+/// ranks' call descriptors differ, [`CollectiveError::RankLeft`] on every call after such a
+/// mismatch, and the failures of the descriptor's all-gather over the inner communicator. A
+/// mismatch is not reported by `deferred_error`: it fails the calls themselves.
 #[derive(Debug)]
 pub struct Checked {
     inner: Arc<dyn Collective>,
@@ -158,155 +165,19 @@ fn describe(d: &[i64]) -> String {
     format!("{op} of {dtype}, rank {}, {} {what}", d[3], d[4])
 }
 
-impl Collective for Checked {
-    fn rank(&self) -> usize {
-        self.inner.rank()
+impl Decorator for Checked {
+    fn inner(&self) -> &Arc<dyn Collective> {
+        &self.inner
     }
 
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-
-    /// The inner communicator's [`Collective::deferred_error`].
-    ///
-    /// # Errors
-    ///
-    /// As the inner communicator's [`Collective::deferred_error`]. A mismatch this wrapper found is
-    /// not reported here: it fails the calls themselves.
-    fn deferred_error(&self) -> Result<()> {
-        self.inner.deferred_error()
-    }
-
-    fn defers_errors(&self) -> bool {
-        self.inner.defers_errors()
-    }
-
-    /// An all-reduce on the inner communicator, once every rank has been found to make the same
-    /// call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce`] of the inner communicator; also [`CollectiveError::Mismatch`]
-    /// on every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on
-    /// every call after such a mismatch, and the failures of the descriptor's all-gather over the
-    /// inner communicator.
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.agree(Op::AllReduce(op), Some(t))?;
-        self.inner.all_reduce(t, op)
-    }
-
-    /// An all-gather on the inner communicator, once every rank has been found to make the same
-    /// call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_gather`] of the inner communicator; also [`CollectiveError::Mismatch`]
-    /// on every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on
-    /// every call after such a mismatch, and the failures of the descriptor's all-gather over the
-    /// inner communicator.
-    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        self.agree(Op::AllGather, Some(t))?;
-        self.inner.all_gather(t)
-    }
-
-    /// A broadcast on the inner communicator, once every rank has been found to make the same call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::broadcast`] of the inner communicator; also [`CollectiveError::Mismatch`]
-    /// on every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on
-    /// every call after such a mismatch, and the failures of the descriptor's all-gather over the
-    /// inner communicator.
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        self.agree(Op::Broadcast(root), Some(t))?;
-        self.inner.broadcast(t, root)
-    }
-
-    /// A barrier on the inner communicator, once every rank has been found to make the same call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::barrier`] of the inner communicator; also [`CollectiveError::Mismatch`] on
-    /// every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on every
-    /// call after such a mismatch, and the failures of the descriptor's all-gather over the inner
-    /// communicator.
-    fn barrier(&self) -> Result<()> {
-        self.agree(Op::Barrier, None)?;
-        self.inner.barrier()
-    }
-
-    /// A reduce-scatter on the inner communicator, once every rank has been found to make the same
-    /// call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::reduce_scatter`] of the inner communicator; also
-    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
-    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
-    /// descriptor's all-gather over the inner communicator.
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.agree(Op::ReduceScatter(op), Some(t))?;
-        self.inner.reduce_scatter(t, op)
-    }
-
-    /// An asynchronous all-reduce on the inner communicator, once every rank has been found to make
-    /// the same call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce_async`] of the inner communicator; also
-    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
-    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
-    /// descriptor's all-gather over the inner communicator. The agreement is checked before the
-    /// call starts, so these come from this call, not from [`Pending::wait`].
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.agree(Op::AllReduce(op), Some(t))?;
-        self.inner.all_reduce_async(t, op)
-    }
-
-    /// An asynchronous all-gather on the inner communicator, once every rank has been found to make
-    /// the same call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_gather_async`] of the inner communicator; also
-    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
-    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
-    /// descriptor's all-gather over the inner communicator. The agreement is checked before the
-    /// call starts, so these come from this call, not from [`Pending::wait`].
-    fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
-        self.agree(Op::AllGather, Some(t))?;
-        self.inner.all_gather_async(t)
-    }
-
-    /// An asynchronous reduce-scatter on the inner communicator, once every rank has been found to
-    /// make the same call.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::reduce_scatter_async`] of the inner communicator; also
-    /// [`CollectiveError::Mismatch`] on every rank when the ranks' call descriptors differ,
-    /// [`CollectiveError::RankLeft`] on every call after such a mismatch, and the failures of the
-    /// descriptor's all-gather over the inner communicator. The agreement is checked before the
-    /// call starts, so these come from this call, not from [`Pending::wait`].
-    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.agree(Op::ReduceScatter(op), Some(t))?;
-        self.inner.reduce_scatter_async(t, op)
+    /// Every rank's descriptor of this call, compared before the call runs (for an
+    /// asynchronous call too: a mismatch fails the call, not its [`Pending::wait`]).
+    fn before(&self, op: Op, t: Option<&Tensor>) -> Result<()> {
+        self.agree(op, t)
     }
 
     /// The subgroups are wrapped too.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::split`] of the inner communicator; also [`CollectiveError::Mismatch`] on
-    /// every rank when the ranks' call descriptors differ, [`CollectiveError::RankLeft`] on every
-    /// call after such a mismatch, and the failures of the descriptor's all-gather over the inner
-    /// communicator.
-    fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Arc<dyn Collective>>> {
-        self.agree(Op::Split, None)?;
-        Ok(self
-            .inner
-            .split(color, key)?
-            .map(|sub| Checked::new(sub, &self.device) as Arc<dyn Collective>))
+    fn subgroup(&self, sub: Arc<dyn Collective>) -> Arc<dyn Collective> {
+        Checked::new(sub, &self.device)
     }
 }

@@ -47,6 +47,7 @@
 
 pub mod bootstrap;
 mod checked;
+mod decorator;
 mod error;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -57,6 +58,7 @@ mod pending;
 mod threads;
 
 pub use checked::Checked;
+pub use decorator::Decorator;
 pub use error::CollectiveError;
 #[cfg(feature = "mpi")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]

@@ -1,27 +1,26 @@
-//! The floor the ops and the collectives stand on: what touches a device's memory or launches
-//! on it, and nothing about batch normalisation.
+//! The floor the kernels, the ops and the collectives stand on: what touches a device's memory
+//! or launches on it, and nothing about batch normalisation.
 //!
-//! - `cpu`: element types, the `(N, C, S)` geometry of an input, contiguous slices of CPU
-//!   storage, deterministic parallel drivers and the dtype dispatch of the CPU paths.
-//! - `cuda` (feature `cuda`): the kernel images built from `kernels/*.cu`, loaded once per
-//!   device, kernel lookup, launching, device views of storage, the reductions' arrival
-//!   counters and the dtype dispatch of the CUDA paths.
-//! - [`launch`]: the launch configuration of every kernel family.
-//! - [`args`]: the argument list of every kernel, built once with its buffer sizes checked;
-//!   the CUDA path launches what it returns and the kernels' emulation tests run the same
-//!   lists on the host.
-//! - `fatbin` (tests): reads a fatbin's table of contents.
+//! - `geometry`: the `(N, C, S)` shape of an input, channels-first or channels-last.
+//! - `call`: what a kernel launch is (grid, parameters, buffers), with a size-checking builder.
+//! - `cpu`: element types, contiguous slices of CPU storage, deterministic parallel drivers on
+//!   candle's worker pool, and the SIMD helpers of the CPU paths.
+//! - `cuda` (feature `cuda`): launching a call, the buffers of a launch with their
+//!   stream-ordering guards, device views of storage, the dtype dispatch of the CUDA paths, and
+//!   the hand-offs between threads' streams.
 //!
 //! Errors raised here name their caller (the `op` argument): an op's errors name the op, the
 //! NCCL backend's name NCCL.
 
-pub mod args;
+mod call;
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
-#[cfg(test)]
-mod fatbin;
-pub mod launch;
+mod geometry;
+
+pub(crate) use call::List;
+pub use call::{Arg, Buffer, Call, Launch};
+pub use geometry::Geometry;
 
 /// A point in the stream of the thread that wrote a tensor, which another thread waits for
 /// before it reads the tensor: a hand-off between threads that does not wait for the GPU.

@@ -2,12 +2,16 @@
 //! optional fused ReLU.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
 
+#[cfg(feature = "cuda")]
+use super::optional::CudaIn;
+use super::optional::{self, CpuIn, OptionalLast};
 use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
 use std::mem::MaybeUninit;
 
-use crate::device::cpu::{self, elementwise, simd_fn, slice, split, written, Elem, Geometry, Real};
+use crate::device::cpu::{self, elementwise, simd_fn, slice, split, written, Elem, Real};
+use crate::device::Geometry;
 
 /// Per-channel coefficients of the normalisation, on the host.
 #[derive(Debug, Clone)]
@@ -206,8 +210,9 @@ pub(crate) fn apply_cuda(
     params: Option<(&candle_core::CudaStorage, &Layout)>,
     relu: bool,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::args::Apply;
-    use crate::device::cuda::{dispatch, launch, view, Aux, Buffers, KernelElem, Module};
+    use crate::device::cuda::{dispatch, view, Aux, Buffers};
+    use crate::kernels::args::Apply;
+    use crate::kernels::{launch, KernelElem, Module};
     use candle_core::CudaStorage;
 
     fn run<T: KernelElem>(
@@ -245,7 +250,7 @@ pub(crate) fn apply_cuda(
             y: b.write(&mut y),
             relu,
         }
-        .call(OP, x.0.dtype(), &g.extent())?;
+        .call(OP, x.0.dtype(), &g.contiguous_channels_as_rows())?;
         launch(dev, Module::Apply, call, b)?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     }
@@ -274,7 +279,7 @@ impl ApplyOp {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(
+    fn forward_cuda(
         &self,
         x: (&candle_core::CudaStorage, &Layout),
         z: Option<(&candle_core::CudaStorage, &Layout)>,
@@ -299,52 +304,23 @@ impl ApplyOp {
     }
 }
 
-impl CustomOp1 for ApplyOp {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm-apply"
-    }
+impl OptionalLast for ApplyOp {
+    const REQUIRED: usize = 1;
+    const NAMES: [&'static str; 2] = ["sync-batch-norm-apply", "sync-batch-norm-apply-residual"];
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = apply_cpu(s, l, None, &self.geometry, &self.coef_cpu()?, self.relu)?;
+    fn cpu(&self, inputs: &[CpuIn<'_>], z: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
+        let (s, l) = inputs[0];
+        let out = apply_cpu(s, l, z, &self.geometry, &self.coef_cpu()?, self.relu)?;
         Ok((out, l.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
+    fn cuda(
         &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
+        inputs: &[CudaIn<'_>],
+        z: Option<CudaIn<'_>>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda((s, l), None)
-    }
-}
-
-impl CustomOp2 for ApplyOp {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm-apply-residual"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let coef = self.coef_cpu()?;
-        let out = apply_cpu(s1, l1, Some((s2, l2)), &self.geometry, &coef, self.relu)?;
-        Ok((out, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda((s1, l1), Some((s2, l2)))
+        self.forward_cuda(inputs[0], z)
     }
 }
 
@@ -413,10 +389,10 @@ pub fn batch_norm_elemt(
     };
     let x = x.contiguous()?;
     match residual {
-        None => x.apply_op1_no_bwd(&op),
+        None => optional::apply(op, &[&x], None, false),
         Some(z) => {
             check_same_shape("residual", x.dims(), z)?;
-            x.apply_op2_no_bwd(&z.contiguous()?, &op)
+            optional::apply(op, &[&x], Some(&z.contiguous()?), false)
         }
     }
 }

@@ -2,12 +2,16 @@
 //! with a residual, `dz = g`, written in one pass.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
 
+#[cfg(feature = "cuda")]
+use super::optional::CudaIn;
+use super::optional::{self, CpuIn, OptionalLast};
 use super::{acc_dtype, backward_slices, check_device, check_same_shape, per_channel_f64, OP};
 use std::mem::MaybeUninit;
 
-use crate::device::cpu::{self, elementwise, simd_fn, split, written, Elem, Geometry, Real};
+use crate::device::cpu::{self, elementwise, simd_fn, split, written, Elem, Real};
+use crate::device::Geometry;
 
 /// Per-channel coefficients: `dx = a·(g − b − (x − mean)·k)`.
 #[derive(Debug, Clone)]
@@ -199,8 +203,9 @@ fn backward_elemt_cuda(
     y: Option<(&candle_core::CudaStorage, &Layout)>,
     op: &BackwardElemtOp,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::args::BackwardElemt;
-    use crate::device::cuda::{dispatch, launch, view, Aux, Buffers, KernelElem, Module};
+    use crate::device::cuda::{dispatch, view, Aux, Buffers};
+    use crate::kernels::args::BackwardElemt;
+    use crate::kernels::{launch, KernelElem, Module};
     use candle_core::CudaStorage;
 
     fn run<T: KernelElem>(
@@ -250,7 +255,7 @@ fn backward_elemt_cuda(
                 dx: b.write(&mut dx),
                 dz: op.want_dz.then(|| b.write(&mut dz)),
             }
-            .call(OP, x.0.dtype(), &g.extent())?;
+            .call(OP, x.0.dtype(), &g.contiguous_channels_as_rows())?;
             launch(dev, Module::BackwardElemt, call, b)?;
         }
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
@@ -284,81 +289,27 @@ impl BackwardElemtOp {
     }
 }
 
-impl CustomOp2 for BackwardElemtOp {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm-backward-elemt"
-    }
+impl OptionalLast for BackwardElemtOp {
+    const REQUIRED: usize = 2;
+    const NAMES: [&'static str; 2] = [
+        "sync-batch-norm-backward-elemt",
+        "sync-batch-norm-backward-elemt-relu",
+    ];
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu(&self, inputs: &[CpuIn<'_>], y: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
         let coef = ElemtCoef::from_op(self)?;
-        let out = backward_elemt_cpu(
-            (s1, l1),
-            (s2, l2),
-            None,
-            &self.geometry,
-            &coef,
-            self.want_dz,
-        )?;
-        Ok((out, self.shape(l2)))
+        let out = backward_elemt_cpu(inputs[0], inputs[1], y, &self.geometry, &coef, self.want_dz)?;
+        Ok((out, self.shape(inputs[1].1)))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
+    fn cuda(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
+        inputs: &[CudaIn<'_>],
+        y: Option<CudaIn<'_>>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = backward_elemt_cuda((s1, l1), (s2, l2), None, self)?;
-        Ok((out, self.shape(l2)))
-    }
-}
-
-impl CustomOp3 for BackwardElemtOp {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm-backward-elemt-relu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let coef = ElemtCoef::from_op(self)?;
-        let out = backward_elemt_cpu(
-            (s1, l1),
-            (s2, l2),
-            Some((s3, l3)),
-            &self.geometry,
-            &coef,
-            self.want_dz,
-        )?;
-        Ok((out, self.shape(l2)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = backward_elemt_cuda((s1, l1), (s2, l2), Some((s3, l3)), self)?;
-        Ok((out, self.shape(l2)))
+        let out = backward_elemt_cuda(inputs[0], inputs[1], y, self)?;
+        Ok((out, self.shape(inputs[1].1)))
     }
 }
 
@@ -442,10 +393,10 @@ pub fn batch_norm_backward_elemt(
     };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);
     let out = match relu_output {
-        None => dy.apply_op2_no_bwd(&x, &op)?,
+        None => optional::apply(op, &[&dy, &x], None, false)?,
         Some(y) => {
             check_same_shape("relu output", x.dims(), y)?;
-            dy.apply_op3_no_bwd(&x, &y.contiguous()?, &op)?
+            optional::apply(op, &[&dy, &x], Some(&y.contiguous()?), false)?
         }
     };
     if want_dz {

@@ -2,12 +2,16 @@
 //! gradient masked by the fused ReLU (`y > 0`) when there is one.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 
+#[cfg(feature = "cuda")]
+use super::optional::CudaIn;
+use super::optional::{self, CpuIn, OptionalLast};
 use super::{backward_slices, check_device, check_same_shape, per_channel_f64, OP};
 use crate::device::cpu::{
-    self, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Geometry, Real, Terms, LANES,
+    self, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Real, Terms, LANES,
 };
+use crate::device::Geometry;
 
 /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
 #[inline(always)]
@@ -154,10 +158,9 @@ fn backward_reduce_cuda(
     g: &Geometry,
     mean: &Tensor,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::args::{BackwardReduce, Scratch};
-    use crate::device::cuda::{
-        dispatch, launch, view, with_counters, workspace, Aux, Buffers, KernelElem, Module,
-    };
+    use crate::device::cuda::{dispatch, view, Aux, Buffers};
+    use crate::kernels::args::{BackwardReduce, KernelGeometry, Scratch};
+    use crate::kernels::{launch, with_counters, workspace, KernelElem, Module};
     use candle_core::CudaStorage;
 
     fn run<T: KernelElem>(
@@ -177,7 +180,7 @@ fn backward_reduce_cuda(
             .transpose()?;
         // SAFETY: the kernel writes all 2·C values (zeros for an empty batch).
         let mut out = unsafe { dev.alloc::<f64>(2 * g.c)? };
-        let e = g.extent();
+        let e = g.contiguous_channels_as_rows();
         if let Some(r) = e.reduction() {
             let mut work = workspace(dev, r.work_len)?;
             let stream = dev.cuda_stream();
@@ -215,72 +218,26 @@ impl BackwardReduceOp {
     }
 }
 
-impl CustomOp2 for BackwardReduceOp {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm-backward-reduce"
-    }
+impl OptionalLast for BackwardReduceOp {
+    const REQUIRED: usize = 2;
+    const NAMES: [&'static str; 2] = [
+        "sync-batch-norm-backward-reduce",
+        "sync-batch-norm-backward-reduce-relu",
+    ];
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu(&self, inputs: &[CpuIn<'_>], y: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
         let mean = self.mean.to_vec1::<f64>()?;
-        let v = backward_reduce_cpu((s1, l1), (s2, l2), None, &self.geometry, &mean)?;
+        let v = backward_reduce_cpu(inputs[0], inputs[1], y, &self.geometry, &mean)?;
         Ok(self.finish(v))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
+    fn cuda(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
+        inputs: &[CudaIn<'_>],
+        y: Option<CudaIn<'_>>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = backward_reduce_cuda((s1, l1), (s2, l2), None, &self.geometry, &self.mean)?;
-        Ok((out, Shape::from((2, self.geometry.c))))
-    }
-}
-
-impl CustomOp3 for BackwardReduceOp {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm-backward-reduce-relu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let mean = self.mean.to_vec1::<f64>()?;
-        let v = backward_reduce_cpu((s1, l1), (s2, l2), Some((s3, l3)), &self.geometry, &mean)?;
-        Ok(self.finish(v))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = backward_reduce_cuda(
-            (s1, l1),
-            (s2, l2),
-            Some((s3, l3)),
-            &self.geometry,
-            &self.mean,
-        )?;
+        let out = backward_reduce_cuda(inputs[0], inputs[1], y, &self.geometry, &self.mean)?;
         Ok((out, Shape::from((2, self.geometry.c))))
     }
 }
@@ -318,10 +275,10 @@ pub fn batch_norm_backward_reduce(
     };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);
     match relu_output {
-        None => dy.apply_op2_no_bwd(&x, &op),
+        None => optional::apply(op, &[&dy, &x], None, false),
         Some(y) => {
             check_same_shape("relu output", x.dims(), y)?;
-            dy.apply_op3_no_bwd(&x, &y.contiguous()?, &op)
+            optional::apply(op, &[&dy, &x], Some(&y.contiguous()?), false)
         }
     }
 }

@@ -157,14 +157,15 @@ impl CustomOp2 for FinalizeOp {
 
 /// One `bn_finalize_<R>` launch, `R` the running statistics' dtype (f64 without them).
 #[cfg(feature = "cuda")]
-fn finalize_cuda<R: crate::device::cuda::KernelElem + candle_core::WithDType>(
+fn finalize_cuda<R: crate::kernels::KernelElem + candle_core::WithDType>(
     op: &FinalizeOp,
     (ss, sl): (&candle_core::CudaStorage, &Layout),
     (ks, kl): (&candle_core::CudaStorage, &Layout),
     running: Option<&RunningAux<'_>>,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>> {
-    use crate::device::args::{Finalize, RunningBuffers};
-    use crate::device::cuda::{launch, view, Buffers, Module};
+    use crate::device::cuda::{view, Buffers};
+    use crate::kernels::args::{Finalize, RunningBuffers};
+    use crate::kernels::{launch, Module};
     let dev = &ss.device;
     let (sums, shift) = (
         view::<f64>(OP, ss, sl, "sums")?,

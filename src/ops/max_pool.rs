@@ -134,8 +134,8 @@ impl Pool {
 
     /// The pooling as the kernels see it.
     #[cfg(feature = "cuda")]
-    fn extent(&self) -> crate::device::args::PoolExtent {
-        crate::device::args::PoolExtent {
+    fn extent(&self) -> crate::kernels::args::PoolExtent {
+        crate::kernels::args::PoolExtent {
             planes: self.planes,
             h: self.h,
             w: self.w,
@@ -172,8 +172,9 @@ impl CustomOp1 for MaxPoolOp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::device::args::MaxPoolFwd;
-        use crate::device::cuda::{dispatch, launch, view, Buffers, KernelElem, Module};
+        use crate::device::cuda::{dispatch, view, Buffers};
+        use crate::kernels::args::MaxPoolFwd;
+        use crate::kernels::{launch, KernelElem, Module};
         use candle_core::CudaStorage;
 
         fn run<T: KernelElem>(p: &Pool, s: &CudaStorage, l: &Layout) -> Result<CudaStorage> {
@@ -238,8 +239,9 @@ impl CustomOp2 for MaxPoolBackwardOp {
         dys: &candle_core::CudaStorage,
         dyl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use crate::device::args::MaxPoolBwd;
-        use crate::device::cuda::{dispatch, launch, view, Buffers, KernelElem, Module};
+        use crate::device::cuda::{dispatch, view, Buffers};
+        use crate::kernels::args::MaxPoolBwd;
+        use crate::kernels::{launch, KernelElem, Module};
         use candle_core::CudaStorage;
 
         fn run<T: KernelElem>(

@@ -62,6 +62,7 @@ mod backward_reduce;
 mod gather;
 mod max_pool;
 mod normalize;
+mod optional;
 mod stats;
 
 pub use crate::Layout;
@@ -81,7 +82,7 @@ pub use normalize::{batch_norm_elemt_autograd, StatsGrad, SumsReduction};
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub fn cuda_archs() -> &'static [u32] {
-    crate::device::cuda::shipped_archs()
+    crate::kernels::shipped_archs()
 }
 pub use stats::batch_norm_stats;
 

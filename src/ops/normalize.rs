@@ -10,14 +10,18 @@
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
 
 use super::apply::{apply_cpu, ApplyCoef};
+#[cfg(feature = "cuda")]
+use super::optional::CudaIn;
+use super::optional::{self, CpuIn, Grads, OptionalLast};
 use super::{
     acc_dtype, batch_norm_backward_elemt, batch_norm_backward_reduce, check_device,
     check_per_channel, check_same_shape, per_channel_f64, OP,
 };
-use crate::device::cpu::{slice, Geometry};
+use crate::device::cpu::slice;
+use crate::device::Geometry;
 
 /// Combines this rank's `[2, C]` f64 backward sums into those of the whole batch the
 /// statistics came from: for synchronized batch norm, an all-reduce (sum) over the ranks
@@ -125,7 +129,7 @@ pub fn batch_norm_elemt_autograd(
     };
     let x = x.contiguous()?;
     match residual {
-        None => x.apply_op2(&params, op),
+        None => optional::apply(op, &[&x, &params], None, true),
         Some(z) => {
             check_same_shape("residual", x.dims(), z)?;
             check_device("residual", z, dev)?;
@@ -136,7 +140,7 @@ pub fn batch_norm_elemt_autograd(
                     x.dtype()
                 )
             }
-            x.apply_op3(&params, &z.contiguous()?, op)
+            optional::apply(op, &[&x, &params], Some(&z.contiguous()?), true)
         }
     }
 }
@@ -256,84 +260,32 @@ impl NormFn {
     }
 }
 
-impl CustomOp2 for NormFn {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm"
-    }
+impl OptionalLast for NormFn {
+    const REQUIRED: usize = 2;
+    const NAMES: [&'static str; 2] = ["sync-batch-norm", "sync-batch-norm-residual"];
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.forward((s1, l1), (s2, l2), None)
+    fn cpu(&self, inputs: &[CpuIn<'_>], z: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
+        self.forward(inputs[0], inputs[1], z)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
+    fn cuda(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
+        inputs: &[CudaIn<'_>],
+        z: Option<CudaIn<'_>>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.forward_cuda((s1, l1), (s2, l2), None)
+        self.forward_cuda(inputs[0], inputs[1], z)
     }
 
     fn bwd(
         &self,
-        x: &Tensor,
-        params: &Tensor,
+        inputs: &[&Tensor],
+        z: Option<&Tensor>,
         res: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dp, _) = self.backward(x, params, false, res, grad)?;
-        Ok((dx, dp))
-    }
-}
-
-impl CustomOp3 for NormFn {
-    fn name(&self) -> &'static str {
-        "sync-batch-norm-residual"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.forward((s1, l1), (s2, l2), Some((s3, l3)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.forward_cuda((s1, l1), (s2, l2), Some((s3, l3)))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        params: &Tensor,
-        z: &Tensor,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let _ = z;
-        self.backward(x, params, true, res, grad)
+    ) -> Result<Grads> {
+        let (dx, dp, dz) = self.backward(inputs[0], inputs[1], z.is_some(), res, grad)?;
+        Ok((vec![dx, dp], dz))
     }
 }
 

@@ -8,8 +8,9 @@ use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::{per_channel_f64, OP};
 use crate::device::cpu::{
-    self, reduce2, row_sums, segment_sums, simd_fn, slice, Elem, Geometry, Real, Terms, LANES,
+    self, reduce2, row_sums, segment_sums, simd_fn, slice, Elem, Real, Terms, LANES,
 };
+use crate::device::Geometry;
 
 /// `(x − k, (x − k)²)` of the values of `x`, with per-channel shifts `k`.
 struct Shifted<'a, T> {
@@ -144,8 +145,9 @@ fn stats_cuda(
     kl: &Layout,
     g: &Geometry,
 ) -> Result<candle_core::CudaStorage> {
-    use crate::device::args::{Scratch, Stats};
-    use crate::device::cuda::{dispatch, launch, view, with_counters, workspace, Buffers, Module};
+    use crate::device::cuda::{dispatch, view, Buffers};
+    use crate::kernels::args::{KernelGeometry, Scratch, Stats};
+    use crate::kernels::{launch, with_counters, workspace, Module};
     use candle_core::cuda_backend::CudaDType;
     use candle_core::CudaStorage;
 
@@ -161,7 +163,7 @@ fn stats_cuda(
         let shift = view::<f64>(OP, ks, kl, "shift")?;
         // SAFETY: the kernel writes all 3·C values (zeros for an empty batch).
         let mut out = unsafe { dev.alloc::<f64>(3 * g.c)? };
-        let e = g.extent();
+        let e = g.contiguous_channels_as_rows();
         if let Some(r) = e.reduction() {
             let mut work = workspace(dev, r.work_len)?;
             let stream = dev.cuda_stream();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_distributed::collective::{Collective, Pending, ReduceOp, ThreadGroup};
+use candle_distributed::collective::{Collective, Decorator, Op, ThreadGroup};
 use candle_distributed::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
@@ -303,58 +303,19 @@ impl Probe {
     }
 }
 
-impl Collective for Probe {
-    fn rank(&self) -> usize {
-        self.inner.rank()
+impl Decorator for Probe {
+    fn inner(&self) -> &Arc<dyn Collective> {
+        &self.inner
     }
-    fn deferred_error(&self) -> candle_core::Result<()> {
-        self.inner.deferred_error()
+    fn before(&self, op: Op, t: Option<&Tensor>) -> candle_core::Result<()> {
+        self.enter(op.name(), t)
     }
-    fn defers_errors(&self) -> bool {
-        self.inner.defers_errors()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        self.enter("all_reduce", Some(t))?;
-        self.inner.all_reduce(t, op)
-    }
-    fn all_gather(&self, t: &Tensor) -> candle_core::Result<Tensor> {
-        self.enter("all_gather", Some(t))?;
-        self.inner.all_gather(t)
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> candle_core::Result<Tensor> {
-        self.enter("broadcast", Some(t))?;
-        self.inner.broadcast(t, root)
-    }
-    fn barrier(&self) -> candle_core::Result<()> {
-        self.enter("barrier", None)?;
-        self.inner.barrier()
-    }
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Tensor> {
-        self.enter("reduce_scatter", Some(t))?;
-        self.inner.reduce_scatter(t, op)
-    }
-    fn split(
-        &self,
-        color: Option<u32>,
-        key: u32,
-    ) -> candle_core::Result<Option<Arc<dyn Collective>>> {
-        self.enter("split", None)?;
-        Ok(self.wrap(self.inner.split(color, key)?))
-    }
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        self.enter("all_reduce_async", Some(t))?;
-        self.inner.all_reduce_async(t, op)
-    }
-    fn all_gather_async(&self, t: &Tensor) -> candle_core::Result<Pending> {
-        self.enter("all_gather_async", Some(t))?;
-        self.inner.all_gather_async(t)
-    }
-    fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> candle_core::Result<Pending> {
-        self.enter("reduce_scatter_async", Some(t))?;
-        self.inner.reduce_scatter_async(t, op)
+    fn subgroup(&self, sub: Arc<dyn Collective>) -> Arc<dyn Collective> {
+        Arc::new(Self {
+            inner: sub,
+            calls: AtomicUsize::new(0),
+            device: self.device.clone(),
+        })
     }
 }
 

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::args::{Arg, Buffer, Call, Extent, Scratch};
+use candle_distributed::args::{Arg, Buffer, Call, Geometry, KernelGeometry, Scratch};
 use rand::{Rng, SeedableRng};
 
 /// Orders in which the emulator resumes a block's threads between barriers.
@@ -281,13 +281,14 @@ impl Case {
         }
     }
 
-    /// The case as the kernels see it.
-    pub fn extent(&self) -> Extent {
-        Extent {
+    /// The case as the kernels see it (planes even when `hw` is 1: the emulation runs both
+    /// kernel forms, where the CUDA path picks rows for contiguous channels).
+    pub fn extent(&self) -> Geometry {
+        Geometry {
             n: self.n,
             c: self.c,
-            hw: self.hw,
-            channels_last: self.cl,
+            s: self.hw,
+            layout: crate::common::layout_of(self.cl),
         }
     }
 

@@ -22,6 +22,7 @@ mod stats;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
+use candle_distributed::args::KernelGeometry;
 use harness::{registered, DTYPES, ROOTS, SINGLE};
 
 #[test]

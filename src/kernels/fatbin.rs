@@ -136,7 +136,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn embedded_images_ship_sass_for_every_promised_arch() {
-        use crate::device::cuda::{shipped_archs, Module};
+        use crate::kernels::{shipped_archs, Module};
         let archs = shipped_archs();
         assert!(archs.contains(&80) && archs.contains(&90), "{archs:?}");
         for m in Module::ALL {

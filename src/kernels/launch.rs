@@ -5,6 +5,8 @@
 //! channel and entry (`(N, C, *)`, or `(N, *, C)` with `channels_last`, where the `N·HW` rows of
 //! `C` channels are contiguous). Grids use ceiling divisions, never power-of-two rounding.
 
+pub use crate::device::Launch;
+
 /// Threads per block of the channels-first kernels (`BN_THREADS` in `kernels/reduce.cuh`).
 pub const THREADS: u32 = 256;
 /// Rows per block of the channels-last kernels; blocks are 32 channels × `ROWS` rows
@@ -22,17 +24,6 @@ const MIN_SPLIT_ROWS: u64 = 512;
 const ELEMS_PER_THREAD: u64 = 4;
 /// Largest grid y and z dimension.
 const MAX_GRID_Y: u64 = 65_535;
-
-/// Grid, block and dynamic shared memory of one launch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Launch {
-    /// Blocks along x, y, z.
-    pub grid: [u32; 3],
-    /// Threads per block along x, y, z.
-    pub block: [u32; 3],
-    /// Bytes of dynamic shared memory.
-    pub shared_mem_bytes: u32,
-}
 
 /// A per-channel reduction (`bn_stats_*`, `bn_backward_reduce_*`) and the scratch it needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Result};
 
-use super::{launch, Arg, Buffer, Call, Extent, List};
+use super::{launch, root, Arg, Buffer, Call, Geometry, KernelGeometry, List};
 
 /// The scratch of a grid-split reduction: `work` f64 (`Reduction::work_len`, at least 1) and
 /// the zeroed u32 arrival counters (`Reduction::counters`).
@@ -33,16 +33,16 @@ impl Stats {
     ///
     /// # Errors
     /// A dtype without kernels, or a buffer smaller than the launch touches (naming `op`).
-    pub fn call(&self, op: &str, dtype: DType, e: &Extent) -> Result<Option<Call>> {
+    pub fn call(&self, op: &str, dtype: DType, e: &Geometry) -> Result<Option<Call>> {
         let Some(r) = e.reduction() else {
             return Ok(None);
         };
-        let list = List::new(op, &e.root("bn_stats"), dtype)?
+        let list = List::new(op, &root(e, "bn_stats"), dtype)?
             .buf("x", self.x, e.len())?
             .buf("shift", self.shift, e.c)?
             .buf("out", self.out, 3 * e.c)?;
         Ok(Some(
-            scratch(list, &self.scratch, &r)?.extent(e).call(r.launch),
+            scratch(list, &self.scratch, &r)?.geometry(e).call(r.launch),
         ))
     }
 }
@@ -77,18 +77,18 @@ impl Apply {
     ///
     /// # Errors
     /// A dtype without kernels, or a buffer smaller than the launch touches (naming `op`).
-    pub fn call(&self, op: &str, dtype: DType, e: &Extent) -> Result<Option<Call>> {
+    pub fn call(&self, op: &str, dtype: DType, e: &Geometry) -> Result<Option<Call>> {
         let Some(l) = e.elementwise() else {
             return Ok(None);
         };
-        let list = List::new(op, &e.root("bn_apply"), dtype)?
+        let list = List::new(op, &root(e, "bn_apply"), dtype)?
             .buf("x", self.x, e.len())?
             .opt("z", self.z, e.len())?
             .buf("mean", self.mean, e.c)?
             .buf("invstd", self.invstd, e.c)?
             .opt("params", self.params, 2 * e.c)?
             .buf("y", self.y, e.len())?
-            .extent(e)
+            .geometry(e)
             .push(Arg::I32(i32::from(self.relu)));
         Ok(Some(list.call(l)))
     }
@@ -117,18 +117,18 @@ impl BackwardReduce {
     ///
     /// # Errors
     /// A dtype without kernels, or a buffer smaller than the launch touches (naming `op`).
-    pub fn call(&self, op: &str, dtype: DType, e: &Extent) -> Result<Option<Call>> {
+    pub fn call(&self, op: &str, dtype: DType, e: &Geometry) -> Result<Option<Call>> {
         let Some(r) = e.reduction() else {
             return Ok(None);
         };
-        let list = List::new(op, &e.root("bn_backward_reduce"), dtype)?
+        let list = List::new(op, &root(e, "bn_backward_reduce"), dtype)?
             .buf("dy", self.dy, e.len())?
             .buf("x", self.x, e.len())?
             .opt("y", self.y, e.len())?
             .buf("mean", self.mean, e.c)?
             .buf("out", self.out, 2 * e.c)?;
         Ok(Some(
-            scratch(list, &self.scratch, &r)?.extent(e).call(r.launch),
+            scratch(list, &self.scratch, &r)?.geometry(e).call(r.launch),
         ))
     }
 }
@@ -164,11 +164,11 @@ impl BackwardElemt {
     ///
     /// # Errors
     /// A dtype without kernels, or a buffer smaller than the launch touches (naming `op`).
-    pub fn call(&self, op: &str, dtype: DType, e: &Extent) -> Result<Option<Call>> {
+    pub fn call(&self, op: &str, dtype: DType, e: &Geometry) -> Result<Option<Call>> {
         let Some(l) = e.elementwise() else {
             return Ok(None);
         };
-        let list = List::new(op, &e.root("bn_backward_elemt"), dtype)?
+        let list = List::new(op, &root(e, "bn_backward_elemt"), dtype)?
             .buf("dy", self.dy, e.len())?
             .buf("x", self.x, e.len())?
             .opt("y", self.y, e.len())?
@@ -179,7 +179,7 @@ impl BackwardElemt {
             .buf("count", self.count, e.c)?
             .buf("dx", self.dx, e.len())?
             .opt("dz", self.dz, e.len())?
-            .extent(e);
+            .geometry(e);
         Ok(Some(list.call(l)))
     }
 }

@@ -1,0 +1,134 @@
+//! The vectorised inner loops of the CPU reductions, and the run-time choice between the
+//! baseline and the AVX2 + FMA build of each kernel leaf function.
+
+/// Lanes of the reduction inner loops: partial sums of `LANES` consecutive values (or channels)
+/// kept apart so that the compiler keeps them in vector registers (four AVX2 registers of f64)
+/// without reassociating floating-point additions. Enough independent additions per step to
+/// hide their latency.
+pub(crate) const LANES: usize = 16;
+
+/// The two contributions per value that a per-channel reduction sums, read from its inputs.
+///
+/// A trait rather than closures so that the compiler inlines them into the vectorised loops
+/// of [`row_sums`] and [`segment_sums`] (closures were left as calls).
+pub(crate) trait Terms {
+    /// Contributions of the [`LANES`] consecutive values from flat index `i`, whose per-channel
+    /// constants start at index `j` (channels-last: the channel of value `i`; a channels-first
+    /// segment: 0, its constants repeated [`LANES`] times).
+    fn lanes(&self, i: usize, j: usize) -> ([f64; LANES], [f64; LANES]);
+
+    /// Contribution of the value at flat index `i`, with the per-channel constants at `j`.
+    fn one(&self, i: usize, j: usize) -> (f64, f64);
+}
+
+/// Rows per sub-block of [`row_sums`]: at least [`MIN_SUB_ROWS`], else about 1 KiB of f32
+/// input. Measured on the benchmark's shapes (2-core Xeon, 2026-11-23): larger sub-blocks left
+/// the strided first reads of a tile to the hardware prefetcher, which missed them.
+const SUB_BLOCK: usize = 256;
+/// The fewest rows a sub-block holds, so that a tile's sums are loaded and stored once per
+/// several rows even for wide rows.
+const MIN_SUB_ROWS: usize = 4;
+
+/// Adds per-channel sums over `rows` rows of `c = a.len()` values into `a` and `b` (`[C]`
+/// each): `t.lanes(r·C + j, j)` for the tile of channels `j..j + LANES` of row `r`,
+/// `t.one(r·C + j, j)` for each of the last `C % LANES` channels.
+///
+/// Channels go in tiles of [`LANES`] whose partial sums stay in vector registers over a
+/// sub-block of a few rows ([`SUB_BLOCK`]), the tiles of a sub-block one after the other.
+#[inline(always)]
+pub(crate) fn row_sums(rows: usize, a: &mut [f64], b: &mut [f64], t: &impl Terms) {
+    let c = a.len();
+    let full = c / LANES * LANES;
+    let per = (SUB_BLOCK / c).max(MIN_SUB_ROWS);
+    for r0 in (0..rows).step_by(per) {
+        let r1 = (r0 + per).min(rows);
+        for j in (0..full).step_by(LANES) {
+            let mut acc_a: [f64; LANES] = a[j..j + LANES].try_into().expect("LANES channels");
+            let mut acc_b: [f64; LANES] = b[j..j + LANES].try_into().expect("LANES channels");
+            for r in r0..r1 {
+                let (u, v) = t.lanes(r * c + j, j);
+                // Two loops: the compiler then adds whole vectors instead of pairing `a[i]`
+                // with `b[i]`.
+                for i in 0..LANES {
+                    acc_a[i] += u[i];
+                }
+                for i in 0..LANES {
+                    acc_b[i] += v[i];
+                }
+            }
+            a[j..j + LANES].copy_from_slice(&acc_a);
+            b[j..j + LANES].copy_from_slice(&acc_b);
+        }
+        for j in full..c {
+            for r in r0..r1 {
+                let (u, v) = t.one(r * c + j, j);
+                a[j] += u;
+                b[j] += v;
+            }
+        }
+    }
+}
+
+/// `(Σu, Σv)` of a channels-first segment of `len` values, summed as rows of [`LANES`] lanes
+/// by [`row_sums`] (`t`'s constants repeated [`LANES`] times), the last `len % LANES` values
+/// into the first lanes (one loop for both layouts).
+#[inline(always)]
+pub(crate) fn segment_sums(len: usize, t: &impl Terms) -> (f64, f64) {
+    let (mut a, mut b) = ([0f64; LANES], [0f64; LANES]);
+    row_sums(len / LANES, &mut a, &mut b, t);
+    // Through memory: otherwise the compiler vectorises the two final sums together, pairing
+    // `a[i]` with `b[i]` in two-lane vectors back into the loop, at a third of the speed.
+    let (mut a, mut b) = (std::hint::black_box(a), std::hint::black_box(b));
+    let full = len / LANES * LANES;
+    for (i, j) in (full..len).enumerate() {
+        let (u, v) = t.one(j, 0);
+        a[i] += u;
+        b[i] += v;
+    }
+    (a.iter().sum(), b.iter().sum())
+}
+
+/// Set to a non-empty value other than `0` to run the baseline (SSE2) kernels even on a CPU
+/// with AVX2 (read once per process; the test suite runs both ways).
+pub const NO_SIMD_ENV: &str = "CANDLE_DISTRIBUTED_NO_SIMD";
+
+/// True when the CPU has AVX2 and FMA and [`NO_SIMD_ENV`] does not forbid them.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| {
+        let off = std::env::var(NO_SIMD_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
+        !off && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    })
+}
+
+/// Defines a kernel leaf function `$name<T: Elem>` compiled twice, for the baseline target and
+/// for AVX2 + FMA (4 f64 / 8 f32 lanes instead of SSE2's 2 / 4), and picks one at run time. The
+/// body is inlined into both twins, so each is optimised for its instruction set.
+macro_rules! simd_fn {
+    ($(#[$m:meta])* fn $name:ident<T: Elem>($($a:ident : $t:ty),* $(,)?) -> $r:ty $body:block) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name<T: Elem>($($a: $t),*) -> $r {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn body<T: Elem>($($a: $t),*) -> $r $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn fast<T: Elem>($($a: $t),*) -> $r {
+                    body($($a),*)
+                }
+                if $crate::device::cpu::has_avx2_fma() {
+                    // SAFETY: `fast` only differs from `body` by being compiled for AVX2 and FMA,
+                    // which this CPU supports (checked at run time just above).
+                    return unsafe { fast($($a),*) };
+                }
+            }
+            body($($a),*)
+        }
+    };
+}
+pub(crate) use simd_fn;
