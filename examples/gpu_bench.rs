@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::ops;
+use candle_distributed::{ops, Layout};
 
 /// `(C, H·W)` of ResNet-50's batch-norm layers: stem, then one per stage.
 const SIZES: [(usize, usize); 5] = [
@@ -49,7 +49,8 @@ fn main() -> Result<()> {
         "| layout | dtype | C × H·W | copy GB/s | fwd GB/s | fwd / copy | bwd GB/s | bwd / copy |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for cl in [false, true] {
+    for layout in [Layout::ChannelsFirst, Layout::ChannelsLast] {
+        let cl = layout.is_channels_last();
         for dtype in [DType::F32, DType::BF16] {
             for (c, hw) in SIZES {
                 let dims: Vec<usize> = if cl {
@@ -68,10 +69,10 @@ fn main() -> Result<()> {
                     x.copy()?;
                     Ok(())
                 })?;
-                let sums = ops::batch_norm_stats(&x, &shift, cl)?;
+                let sums = ops::batch_norm_stats(&x, &shift, layout)?;
                 let st = ops::batch_norm_gather_stats(&sums, &shift, 1e-5)?;
                 let fwd = time(&dev, || {
-                    let sums = ops::batch_norm_stats(&x, &shift, cl)?;
+                    let sums = ops::batch_norm_stats(&x, &shift, layout)?;
                     let st = ops::batch_norm_gather_stats(&sums, &shift, 1e-5)?;
                     let y = ops::batch_norm_elemt(
                         &x,
@@ -81,13 +82,13 @@ fn main() -> Result<()> {
                         Some(&bias),
                         None,
                         false,
-                        cl,
+                        layout,
                     )?;
                     drop(y);
                     Ok(())
                 })?;
                 let bwd = time(&dev, || {
-                    let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, None, cl)?;
+                    let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, None, layout)?;
                     let (dx, _) = ops::batch_norm_backward_elemt(
                         &dy,
                         &x,
@@ -98,7 +99,7 @@ fn main() -> Result<()> {
                         &st.count,
                         None,
                         false,
-                        cl,
+                        layout,
                     )?;
                     drop(dx);
                     Ok(())

@@ -71,7 +71,7 @@ fn ops_match_on(dev: &Device, dtype: DType, dims: &[usize], cl: bool, seed: u64)
     let b = randn(seed + 5, &[c], 0.0, 0.25);
     let t = tol::gpu_vs_cpu(dtype);
     let sums = on_both(&format!("stats {what}"), dev, t, |d| {
-        ops::batch_norm_stats(&on(&x, d), &on(&shift, d), cl).unwrap()
+        ops::batch_norm_stats(&on(&x, d), &on(&shift, d), layout_of(cl)).unwrap()
     });
     let count = sums.get(0).unwrap().get(0).unwrap();
     if count.to_scalar::<f64>().unwrap() <= 1.0 {
@@ -95,18 +95,38 @@ fn ops_match_on(dev: &Device, dtype: DType, dims: &[usize], cl: bool, seed: u64)
     let y = on_both(&format!("elemt {what}"), dev, t, |d| {
         let (w, b, z) = (on(&w, d), on(&b, d), on(&z, d));
         let (m, i) = (on(mean, d), on(invstd, d));
-        ops::batch_norm_elemt(&on(&x, d), &m, &i, Some(&w), Some(&b), Some(&z), true, cl).unwrap()
+        ops::batch_norm_elemt(
+            &on(&x, d),
+            &m,
+            &i,
+            Some(&w),
+            Some(&b),
+            Some(&z),
+            true,
+            layout_of(cl),
+        )
+        .unwrap()
     });
     let red = on_both(&format!("backward_reduce {what}"), dev, t, |d| {
         let (dy, x, m, y) = (on(&dy, d), on(&x, d), on(mean, d), on(&y, d));
-        ops::batch_norm_backward_reduce(&dy, &x, &m, Some(&y), cl).unwrap()
+        ops::batch_norm_backward_reduce(&dy, &x, &m, Some(&y), layout_of(cl)).unwrap()
     });
     let elemt = |d: &Device| {
         let (dy, x, y, w) = (on(&dy, d), on(&x, d), on(&y, d), on(&w, d));
         let (m, i, red, n) = (on(mean, d), on(invstd, d), on(&red, d), on(&st.count, d));
-        let (dx, dz) =
-            ops::batch_norm_backward_elemt(&dy, &x, &m, &i, Some(&w), &red, &n, Some(&y), true, cl)
-                .unwrap();
+        let (dx, dz) = ops::batch_norm_backward_elemt(
+            &dy,
+            &x,
+            &m,
+            &i,
+            Some(&w),
+            &red,
+            &n,
+            Some(&y),
+            true,
+            layout_of(cl),
+        )
+        .unwrap();
         (dx, dz.unwrap())
     };
     let ((dx, dz), (dx_gpu, dz_gpu)) = (elemt(&Device::Cpu), elemt(dev));

@@ -127,9 +127,17 @@ fn large_mean_small_spread_matches_f64(dev: &Device) -> anyhow::Result<()> {
 }
 
 /// Exactly one all-reduce in the training forward and one in the backward, also for data far
-/// from the first step's shift; none in eval.
+/// from the first step's shift; none in eval. Their payloads are `3·C` and `2·C` values on 2
+/// ranks and on 4: they do not grow with the number of ranks.
 fn one_collective_per_direction(dev: &Device) -> anyhow::Result<()> {
-    let counts = run_ranks_on(2, dev, |comm| {
+    for world in [2, 4] {
+        one_collective_per_direction_on(world, dev)?;
+    }
+    Ok(())
+}
+
+fn one_collective_per_direction_on(world: usize, dev: &Device) -> anyhow::Result<()> {
+    let counts = run_ranks_on(world, dev, |comm| {
         let counting = Counting::new(comm);
         let comm: Arc<dyn Collective> = counting.clone();
         let (bn, _) = layer(
@@ -175,11 +183,13 @@ fn one_collective_per_direction(dev: &Device) -> anyhow::Result<()> {
         );
         bn.forward_t(&x, false)?;
         seen.push(counting.count() - before);
-        Ok(seen)
+        Ok((seen, counting.elements()))
     });
-    for seen in counts {
+    for (seen, elements) in counts {
         // 3 × (forward 1, backward 1), far data 1 and 1, eval 0.
         assert_eq!(seen, vec![1, 1, 1, 1, 1, 1, 1, 1, 0]);
+        // C = 3: [3, C] sums forward, [2, C] backward, whatever `world`.
+        assert_eq!(elements, vec![9, 6, 9, 6, 9, 6, 9, 9], "world size {world}");
     }
     Ok(())
 }

@@ -79,8 +79,10 @@ use candle_core::{Result, Tensor};
 /// Default time a collective may take before it fails (every backend; 5 minutes).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Reduction applied element-wise by [`Collective::all_reduce`].
+/// Reduction applied element-wise by [`Collective::all_reduce`] (new reductions may be added in
+/// a minor release).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ReduceOp {
     /// Element-wise sum over ranks.
     Sum,

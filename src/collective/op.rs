@@ -2,8 +2,10 @@
 
 use super::ReduceOp;
 
-/// A collective operation with the arguments that every rank must pass alike.
+/// A collective operation with the arguments that every rank must pass alike (new operations
+/// may be added in a minor release).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Op {
     /// [`super::Collective::all_reduce`] with its reduction.
     AllReduce(ReduceOp),

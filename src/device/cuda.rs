@@ -3,16 +3,13 @@
 //! dispatch, and the hand-offs between threads' streams. Every kernel is enqueued on the candle
 //! device's stream; nothing here waits for the GPU.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut,
-    DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaEvent, CudaFunction, CudaStream, CudaView, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg, SyncOnDrop,
 };
-use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::{CudaDType, DeviceId, WrapErr};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
 use super::{Arg, Buffer, Call, Launch};

@@ -244,13 +244,16 @@ pub fn split_batch(x: &Tensor, sizes: &[usize]) -> Vec<Tensor> {
     out
 }
 
-/// A communicator that counts the collectives it forwards and, when given a device, refuses
-/// tensors on any other device, as NCCL does: thread ranks on a GPU then catch a tensor made on
-/// the wrong device, which `ThreadGroup` alone would accept.
+/// A communicator that counts the collectives it forwards and the elements of each call's
+/// tensor, and, when given a device, refuses tensors on any other device, as NCCL does: thread
+/// ranks on a GPU then catch a tensor made on the wrong device, which `ThreadGroup` alone
+/// would accept.
 #[derive(Debug)]
 pub struct Probe {
     pub inner: Arc<dyn Collective>,
     pub calls: AtomicUsize,
+    /// Elements of each call's tensor, in call order (calls without a tensor not listed).
+    pub elements: std::sync::Mutex<Vec<usize>>,
     pub device: Option<Device>,
 }
 
@@ -259,18 +262,19 @@ pub type Counting = Probe;
 
 impl Probe {
     pub fn new(inner: Arc<dyn Collective>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            calls: AtomicUsize::new(0),
-            device: None,
-        })
+        Self::build(inner, None)
     }
 
     pub fn on_device(inner: Arc<dyn Collective>, dev: &Device) -> Arc<Self> {
+        Self::build(inner, Some(dev.clone()))
+    }
+
+    fn build(inner: Arc<dyn Collective>, device: Option<Device>) -> Arc<Self> {
         Arc::new(Self {
             inner,
             calls: AtomicUsize::new(0),
-            device: Some(dev.clone()),
+            elements: Default::default(),
+            device,
         })
     }
 
@@ -278,9 +282,17 @@ impl Probe {
         self.calls.load(Ordering::SeqCst)
     }
 
+    /// Elements of every call's tensor so far.
+    pub fn elements(&self) -> Vec<usize> {
+        self.elements.lock().unwrap().clone()
+    }
+
     /// Counts a call and checks its tensor's device.
     fn enter(&self, op: &str, t: Option<&Tensor>) -> candle_core::Result<()> {
         self.calls.fetch_add(1, Ordering::SeqCst);
+        if let Some(t) = t {
+            self.elements.lock().unwrap().push(t.elem_count());
+        }
         if let (Some(dev), Some(t)) = (&self.device, t) {
             if !t.device().same_device(dev) {
                 candle_core::bail!(
@@ -290,16 +302,6 @@ impl Probe {
             }
         }
         Ok(())
-    }
-
-    fn wrap(&self, sub: Option<Arc<dyn Collective>>) -> Option<Arc<dyn Collective>> {
-        sub.map(|c| -> Arc<dyn Collective> {
-            Arc::new(Self {
-                inner: c,
-                calls: AtomicUsize::new(0),
-                device: self.device.clone(),
-            })
-        })
     }
 }
 
@@ -311,11 +313,7 @@ impl Decorator for Probe {
         self.enter(op.name(), t)
     }
     fn subgroup(&self, sub: Arc<dyn Collective>) -> Arc<dyn Collective> {
-        Arc::new(Self {
-            inner: sub,
-            calls: AtomicUsize::new(0),
-            device: self.device.clone(),
-        })
+        Self::build(sub, self.device.clone())
     }
 }
 
