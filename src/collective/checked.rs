@@ -171,7 +171,7 @@ impl Decorator for Checked {
     }
 
     /// Every rank's descriptor of this call, compared before the call runs (for an
-    /// asynchronous call too: a mismatch fails the call, not its [`Pending::wait`]).
+    /// asynchronous call too: a mismatch fails the call, not its [`super::Pending::wait`]).
     fn before(&self, op: Op, t: Option<&Tensor>) -> Result<()> {
         self.agree(op, t)
     }
