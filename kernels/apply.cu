@@ -1,19 +1,20 @@
 // Normalisation: y = act((x − mean)·γ·invstd + β [+ z]), act = ReLU when `relu`, with the mean
 // split as hi + lo so that f32 arithmetic stays accurate when |mean| ≫ std. Per-channel
 // coefficients are computed once per thread from f64 statistics and A-typed parameters
-// (A = f32, or f64 for f64 inputs; `params` [2, C] = [γ; β], or null for γ = 1, β = 0).
+// (A = f32, or f64 for f64 inputs; `weight` γ and `bias` β, each [C], or null for γ = 1 and
+// β = 0; two views of one [2, C] buffer serve too).
 #include "reduce.cuh"
 
 template <typename A> struct Coef {
     SplitMean<A> mean;
     A scale, shift;
     __device__ __forceinline__ Coef() : scale(0), shift(0) {}
-    __device__ Coef(const double* m, const double* invstd, const A* params, long long C,
+    __device__ Coef(const double* m, const double* invstd, const A* weight, const A* bias,
                     long long c)
         : mean(m[c]) {
-        const double g = params ? (double)params[c] : 1.0;
+        const double g = weight ? (double)weight[c] : 1.0;
         scale = (A)(g * invstd[c]);
-        shift = params ? params[C + c] : (A)0;
+        shift = bias ? bias[c] : (A)0;
     }
     // act((x − mean)·scale + shift [+ zv]); zv is read only when `has_z`.
     template <typename T>
@@ -29,10 +30,11 @@ template <typename A> struct Coef {
 // stores where the buffers are aligned and HW is a multiple of the pack length.
 template <typename T>
 __device__ void apply_nchw(const T* x, const T* z, const double* mean, const double* invstd,
-                           const typename AccOf<T>::type* params, T* y, long long C, long long HW,
+                           const typename AccOf<T>::type* weight,
+                           const typename AccOf<T>::type* bias, T* y, long long C, long long HW,
                            int relu) {
     const long long plane = blockIdx.x, c = plane % C;
-    const Coef<typename AccOf<T>::type> k(mean, invstd, params, C, c);
+    const Coef<typename AccOf<T>::type> k(mean, invstd, weight, bias, c);
     const long long base = plane * HW;
     const long long first = blockIdx.y * (long long)blockDim.x + threadIdx.x;
     const long long stride = (long long)blockDim.x * gridDim.y;
@@ -57,7 +59,8 @@ __device__ void apply_nchw(const T* x, const T* z, const double* mean, const dou
 // channels where aligned and C is a multiple of the pack length.
 template <typename T>
 __device__ void apply_nhwc(const T* x, const T* z, const double* mean, const double* invstd,
-                           const typename AccOf<T>::type* params, T* y, long long rows,
+                           const typename AccOf<T>::type* weight,
+                           const typename AccOf<T>::type* bias, T* y, long long rows,
                            long long C, int relu) {
     using A = typename AccOf<T>::type;
     constexpr int V = Pack<T>::N;
@@ -71,7 +74,7 @@ __device__ void apply_nhwc(const T* x, const T* z, const double* mean, const dou
         if (c0 >= C) return;
         Coef<A> k[V];
 BN_UNROLL
-        for (int j = 0; j < V; j++) k[j] = Coef<A>(mean, invstd, params, C, c0 + j);
+        for (int j = 0; j < V; j++) k[j] = Coef<A>(mean, invstd, weight, bias, c0 + j);
         for (long long r = r0; r < rows; r += rstep) {
             const long long i = r * C + c0;
             const Pack<T> xv = load_pack(x + i);
@@ -85,7 +88,7 @@ BN_UNROLL
     }
     const long long c = t;
     if (c >= C) return;
-    const Coef<A> k(mean, invstd, params, C, c);
+    const Coef<A> k(mean, invstd, weight, bias, c);
     for (long long r = r0; r < rows; r += rstep)
         y[r * C + c] = k.apply(x[r * C + c], z != nullptr, z ? z[r * C + c] : x[r * C + c], relu);
 }
@@ -93,17 +96,17 @@ BN_UNROLL
 #define APPLY_ENTRIES(suffix, T)                                                                \
     extern "C" __global__ void bn_apply_nchw_##suffix(                                          \
         const T* x, const T* z, const double* mean, const double* invstd,                       \
-        const typename AccOf<T>::type* params, T* y, long long n, long long c, long long hw,    \
-        int relu) {                                                                             \
+        const typename AccOf<T>::type* weight, const typename AccOf<T>::type* bias, T* y,       \
+        long long n, long long c, long long hw, int relu) {                                     \
         (void)n;                                                                                \
-        apply_nchw<T>(x, z, mean, invstd, params, y, c, hw, relu);                              \
+        apply_nchw<T>(x, z, mean, invstd, weight, bias, y, c, hw, relu);                        \
     }                                                                                           \
     EMU_REGISTER(bn_apply_nchw_##suffix)                                                        \
     extern "C" __global__ void bn_apply_nhwc_##suffix(                                          \
         const T* x, const T* z, const double* mean, const double* invstd,                       \
-        const typename AccOf<T>::type* params, T* y, long long n, long long c, long long hw,    \
-        int relu) {                                                                             \
-        apply_nhwc<T>(x, z, mean, invstd, params, y, n * hw, c, relu);                          \
+        const typename AccOf<T>::type* weight, const typename AccOf<T>::type* bias, T* y,       \
+        long long n, long long c, long long hw, int relu) {                                     \
+        apply_nhwc<T>(x, z, mean, invstd, weight, bias, y, n * hw, c, relu);                    \
     }                                                                                           \
     EMU_REGISTER(bn_apply_nhwc_##suffix)
 STAMP(APPLY_ENTRIES)

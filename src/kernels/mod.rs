@@ -1,10 +1,10 @@
 //! The Rust side of the CUDA kernels in `kernels/*.cu`, one place for everything a change of a
 //! kernel touches: its argument list ([`args`], built once with every buffer's size checked), its
-//! launch grid ([`launch`]), and, with the `cuda` feature, the loaded images (`modules`), the
+//! launch grid ([`launch`](mod@launch)), and, with the `cuda` feature, the loaded images (`modules`), the
 //! reductions' scratch (`counters`) and the storage types the kernels are compiled for. The
 //! CUDA path of each op (`src/ops/<op>.rs`) launches these calls; the kernels' emulation tests
 //! (`tests/kernels_emulated/`) run the same calls on the host, which is why [`args`] and
-//! [`launch`] are reachable (hidden) from outside the crate.
+//! [`launch`](mod@launch) are reachable (hidden) from outside the crate.
 
 pub mod args;
 #[cfg(feature = "cuda")]

@@ -5,8 +5,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
 
 #[cfg(feature = "cuda")]
-use super::optional::CudaIn;
-use super::optional::{self, CpuIn, OptionalLast};
+use super::arity::CudaIn;
+use super::arity::{self, AnyArity, CpuIn};
 use super::{acc_dtype, check_device, check_same_shape, per_channel_f64, OP};
 use std::mem::MaybeUninit;
 
@@ -40,15 +40,19 @@ impl ApplyCoef {
         Self { mean, scale, shift }
     }
 
-    /// Coefficients from CPU tensors `mean`, `invstd` (`[C]` f64) and `[γ; β]` (`2·C` values,
-    /// or `None` for 1 and 0).
-    pub fn from_tensors(mean: &Tensor, invstd: &Tensor, params: Option<&[f64]>) -> Result<Self> {
-        let c = mean.elem_count();
+    /// Coefficients from CPU tensors `mean`, `invstd` (`[C]` f64) and `γ`, `β` (`C` values
+    /// each, or `None` for 1 and 0).
+    pub fn from_tensors(
+        mean: &Tensor,
+        invstd: &Tensor,
+        weight: Option<&[f64]>,
+        bias: Option<&[f64]>,
+    ) -> Result<Self> {
         Ok(Self::new(
             mean.to_vec1::<f64>()?,
             &invstd.to_vec1::<f64>()?,
-            params.map(|p| &p[..c]),
-            params.map(|p| &p[c..]),
+            weight,
+            bias,
         ))
     }
 }
@@ -198,16 +202,16 @@ pub(crate) fn apply_cpu(
 
 /// `bn_apply_{nchw,nhwc}_<dtype>` of `kernels/apply.cu` on a contiguous input.
 ///
-/// `mean`, `invstd`: `[C]` f64 views; `params`: `[2, C]` = `[γ; β]` in the accumulation dtype
-/// (f64 for f64 inputs, else f32), or `None`.
+/// `mean`, `invstd`: `[C]` f64 views; `weight`, `bias`: `[C]` each in the accumulation dtype
+/// (f64 for f64 inputs, else f32), or `None` (1 and 0); two rows of one `[2, C]` storage serve.
 #[cfg(feature = "cuda")]
 pub(crate) fn apply_cuda(
-    x: (&candle_core::CudaStorage, &Layout),
-    z: Option<(&candle_core::CudaStorage, &Layout)>,
+    x: CudaIn<'_>,
+    z: Option<CudaIn<'_>>,
     g: &Geometry,
     mean: &Tensor,
     invstd: &Tensor,
-    params: Option<(&candle_core::CudaStorage, &Layout)>,
+    [weight, bias]: [Option<CudaIn<'_>>; 2],
     relu: bool,
 ) -> Result<candle_core::CudaStorage> {
     use crate::device::cuda::{dispatch, view, Aux, Buffers};
@@ -221,7 +225,7 @@ pub(crate) fn apply_cuda(
         g: &Geometry,
         mean: &Tensor,
         invstd: &Tensor,
-        params: Option<(&CudaStorage, &Layout)>,
+        [weight, bias]: [Option<CudaIn<'_>>; 2],
         relu: bool,
     ) -> Result<CudaStorage> {
         let dev = &x.0.device;
@@ -234,8 +238,11 @@ pub(crate) fn apply_cuda(
         let zv = z
             .map(|(s, l)| view::<T>(OP, s, l, "residual"))
             .transpose()?;
-        let pv = params
-            .map(|(s, l)| view::<T::Acc>(OP, s, l, "weight and bias"))
+        let wv = weight
+            .map(|(s, l)| view::<T::Acc>(OP, s, l, "weight"))
+            .transpose()?;
+        let bv = bias
+            .map(|(s, l)| view::<T::Acc>(OP, s, l, "bias"))
             .transpose()?;
         // SAFETY: the kernel writes every element of y.
         let mut y = unsafe { dev.alloc::<T>(g.len())? };
@@ -246,7 +253,8 @@ pub(crate) fn apply_cuda(
             z: zv.as_ref().map(|v| b.read(v)),
             mean: b.read(&mean),
             invstd: b.read(&invstd),
-            params: pv.as_ref().map(|v| b.read(v)),
+            weight: wv.as_ref().map(|v| b.read(v)),
+            bias: bv.as_ref().map(|v| b.read(v)),
             y: b.write(&mut y),
             relu,
         }
@@ -254,73 +262,76 @@ pub(crate) fn apply_cuda(
         launch(dev, Module::Apply, call, b)?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     }
-    dispatch!(OP, x.0.dtype(), run(x, z, g, mean, invstd, params, relu))
+    dispatch!(
+        OP,
+        x.0.dtype(),
+        run(x, z, g, mean, invstd, [weight, bias], relu)
+    )
 }
 
-/// Normalisation with statistics and parameters held by the op (no autograd).
+/// Normalisation with statistics and parameters held by the op (no autograd). Inputs `[x]`, or
+/// `[x, z]` with a residual.
 struct ApplyOp {
     geometry: Geometry,
     /// `[C]` f64 on the input's device.
     mean: Tensor,
     /// `[C]` f64 on the input's device.
     invstd: Tensor,
-    /// `[2, C]` = `[γ; β]` in the accumulation dtype, or `None`.
-    params: Option<Tensor>,
+    /// `γ` and `β`, `[C]` each in the accumulation dtype, or `None` (1 and 0).
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
     relu: bool,
 }
 
 impl ApplyOp {
     fn coef_cpu(&self) -> Result<ApplyCoef> {
-        let p = match &self.params {
-            Some(p) => Some(p.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?),
-            None => None,
+        let host = |t: &Option<Tensor>| -> Result<Option<Vec<f64>>> {
+            t.as_ref()
+                .map(|t| t.to_dtype(DType::F64)?.to_vec1::<f64>())
+                .transpose()
         };
-        ApplyCoef::from_tensors(&self.mean, &self.invstd, p.as_deref())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn forward_cuda(
-        &self,
-        x: (&candle_core::CudaStorage, &Layout),
-        z: Option<(&candle_core::CudaStorage, &Layout)>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dev = &x.0.device;
-        let acc = super::acc_dtype(x.0.dtype());
-        let params = self
-            .params
-            .as_ref()
-            .map(|p| crate::device::cuda::Aux::of(OP, p, dev, acc, "weight and bias"))
-            .transpose()?;
-        let out = apply_cuda(
-            x,
-            z,
-            &self.geometry,
-            &self.mean,
-            &self.invstd,
-            params.as_ref().map(|p| p.parts()),
-            self.relu,
-        )?;
-        Ok((out, x.1.shape().clone()))
+        let (w, b) = (host(&self.weight)?, host(&self.bias)?);
+        ApplyCoef::from_tensors(&self.mean, &self.invstd, w.as_deref(), b.as_deref())
     }
 }
 
-impl OptionalLast for ApplyOp {
-    const REQUIRED: usize = 1;
-    const NAMES: [&'static str; 2] = ["sync-batch-norm-apply", "sync-batch-norm-apply-residual"];
+impl AnyArity for ApplyOp {
+    fn name(&self, inputs: usize) -> &'static str {
+        match inputs {
+            2 => "sync-batch-norm-apply-residual",
+            _ => "sync-batch-norm-apply",
+        }
+    }
 
-    fn cpu(&self, inputs: &[CpuIn<'_>], z: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
+    fn cpu(&self, inputs: &[CpuIn<'_>]) -> Result<(CpuStorage, Shape)> {
         let (s, l) = inputs[0];
+        let z = inputs.get(1).copied();
         let out = apply_cpu(s, l, z, &self.geometry, &self.coef_cpu()?, self.relu)?;
         Ok((out, l.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[CudaIn<'_>],
-        z: Option<CudaIn<'_>>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.forward_cuda(inputs[0], z)
+    fn cuda(&self, inputs: &[CudaIn<'_>]) -> Result<(candle_core::CudaStorage, Shape)> {
+        let x = inputs[0];
+        let dev = &x.0.device;
+        let acc = super::acc_dtype(x.0.dtype());
+        use crate::device::cuda::Aux;
+        let w = (self.weight.as_ref())
+            .map(|t| Aux::of(OP, t, dev, acc, "weight"))
+            .transpose()?;
+        let b = (self.bias.as_ref())
+            .map(|t| Aux::of(OP, t, dev, acc, "bias"))
+            .transpose()?;
+        let out = apply_cuda(
+            x,
+            inputs.get(1).copied(),
+            &self.geometry,
+            &self.mean,
+            &self.invstd,
+            [w.as_ref().map(|w| w.parts()), b.as_ref().map(|b| b.parts())],
+            self.relu,
+        )?;
+        Ok((out, x.1.shape().clone()))
     }
 }
 
@@ -366,33 +377,24 @@ pub fn batch_norm_elemt(
         }
     }
     let acc = acc_dtype(x.dtype());
-    let params = match (weight, bias) {
-        (None, None) => None,
-        (w, b) => {
-            let w = match w {
-                Some(w) => per_channel_f64("weight", w, &[c])?,
-                None => Tensor::ones(c, DType::F64, dev)?,
-            };
-            let b = match b {
-                Some(b) => per_channel_f64("bias", b, &[c])?,
-                None => Tensor::zeros(c, DType::F64, dev)?,
-            };
-            Some(Tensor::stack(&[w, b], 0)?.to_dtype(acc)?)
-        }
+    let param = |what, t: Option<&Tensor>| {
+        t.map(|t| per_channel_f64(what, t, &[c]).and_then(|t| t.to_dtype(acc)))
+            .transpose()
     };
     let op = ApplyOp {
         geometry,
         mean: per_channel_f64("mean", mean, &[c])?,
         invstd: per_channel_f64("invstd", invstd, &[c])?,
-        params,
+        weight: param("weight", weight)?,
+        bias: param("bias", bias)?,
         relu,
     };
     let x = x.contiguous()?;
     match residual {
-        None => optional::apply(op, &[&x], None, false),
+        None => arity::apply(op, &[&x], false),
         Some(z) => {
             check_same_shape("residual", x.dims(), z)?;
-            optional::apply(op, &[&x], Some(&z.contiguous()?), false)
+            arity::apply(op, &[&x, &z.contiguous()?], false)
         }
     }
 }

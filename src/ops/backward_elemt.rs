@@ -5,8 +5,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
 
 #[cfg(feature = "cuda")]
-use super::optional::CudaIn;
-use super::optional::{self, CpuIn, OptionalLast};
+use super::arity::CudaIn;
+use super::arity::{self, AnyArity, CpuIn};
 use super::{acc_dtype, backward_slices, check_device, check_same_shape, per_channel_f64, OP};
 use std::mem::MaybeUninit;
 
@@ -289,26 +289,25 @@ impl BackwardElemtOp {
     }
 }
 
-impl OptionalLast for BackwardElemtOp {
-    const REQUIRED: usize = 2;
-    const NAMES: [&'static str; 2] = [
-        "sync-batch-norm-backward-elemt",
-        "sync-batch-norm-backward-elemt-relu",
-    ];
+/// Inputs `[dy, x]`, or `[dy, x, y]` with the fused ReLU's output.
+impl AnyArity for BackwardElemtOp {
+    fn name(&self, inputs: usize) -> &'static str {
+        match inputs {
+            3 => "sync-batch-norm-backward-elemt-relu",
+            _ => "sync-batch-norm-backward-elemt",
+        }
+    }
 
-    fn cpu(&self, inputs: &[CpuIn<'_>], y: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
+    fn cpu(&self, inputs: &[CpuIn<'_>]) -> Result<(CpuStorage, Shape)> {
         let coef = ElemtCoef::from_op(self)?;
+        let y = inputs.get(2).copied();
         let out = backward_elemt_cpu(inputs[0], inputs[1], y, &self.geometry, &coef, self.want_dz)?;
         Ok((out, self.shape(inputs[1].1)))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[CudaIn<'_>],
-        y: Option<CudaIn<'_>>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = backward_elemt_cuda(inputs[0], inputs[1], y, self)?;
+    fn cuda(&self, inputs: &[CudaIn<'_>]) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = backward_elemt_cuda(inputs[0], inputs[1], inputs.get(2).copied(), self)?;
         Ok((out, self.shape(inputs[1].1)))
     }
 }
@@ -393,10 +392,10 @@ pub fn batch_norm_backward_elemt(
     };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);
     let out = match relu_output {
-        None => optional::apply(op, &[&dy, &x], None, false)?,
+        None => arity::apply(op, &[&dy, &x], false)?,
         Some(y) => {
             check_same_shape("relu output", x.dims(), y)?;
-            optional::apply(op, &[&dy, &x], Some(&y.contiguous()?), false)?
+            arity::apply(op, &[&dy, &x, &y.contiguous()?], false)?
         }
     };
     if want_dz {

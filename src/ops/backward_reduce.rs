@@ -5,8 +5,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 
 #[cfg(feature = "cuda")]
-use super::optional::CudaIn;
-use super::optional::{self, CpuIn, OptionalLast};
+use super::arity::CudaIn;
+use super::arity::{self, AnyArity, CpuIn};
 use super::{backward_slices, check_device, check_same_shape, per_channel_f64, OP};
 use crate::device::cpu::{
     self, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Real, Terms, LANES,
@@ -218,25 +218,25 @@ impl BackwardReduceOp {
     }
 }
 
-impl OptionalLast for BackwardReduceOp {
-    const REQUIRED: usize = 2;
-    const NAMES: [&'static str; 2] = [
-        "sync-batch-norm-backward-reduce",
-        "sync-batch-norm-backward-reduce-relu",
-    ];
+/// Inputs `[dy, x]`, or `[dy, x, y]` with the fused ReLU's output.
+impl AnyArity for BackwardReduceOp {
+    fn name(&self, inputs: usize) -> &'static str {
+        match inputs {
+            3 => "sync-batch-norm-backward-reduce-relu",
+            _ => "sync-batch-norm-backward-reduce",
+        }
+    }
 
-    fn cpu(&self, inputs: &[CpuIn<'_>], y: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
+    fn cpu(&self, inputs: &[CpuIn<'_>]) -> Result<(CpuStorage, Shape)> {
         let mean = self.mean.to_vec1::<f64>()?;
+        let y = inputs.get(2).copied();
         let v = backward_reduce_cpu(inputs[0], inputs[1], y, &self.geometry, &mean)?;
         Ok(self.finish(v))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[CudaIn<'_>],
-        y: Option<CudaIn<'_>>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda(&self, inputs: &[CudaIn<'_>]) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = inputs.get(2).copied();
         let out = backward_reduce_cuda(inputs[0], inputs[1], y, &self.geometry, &self.mean)?;
         Ok((out, Shape::from((2, self.geometry.c))))
     }
@@ -275,10 +275,10 @@ pub fn batch_norm_backward_reduce(
     };
     let (dy, x) = (dy.contiguous()?, x.contiguous()?);
     match relu_output {
-        None => optional::apply(op, &[&dy, &x], None, false),
+        None => arity::apply(op, &[&dy, &x], false),
         Some(y) => {
             check_same_shape("relu output", x.dims(), y)?;
-            optional::apply(op, &[&dy, &x], Some(&y.contiguous()?), false)
+            arity::apply(op, &[&dy, &x, &y.contiguous()?], false)
         }
     }
 }

@@ -57,12 +57,12 @@
 //! match the CPU op bitwise under the emulator (`tests/kernels_emulated/max_pool.rs::max_pool_matches_the_cpu_op`).
 
 mod apply;
+mod arity;
 mod backward_elemt;
 mod backward_reduce;
 mod gather;
 mod max_pool;
 mod normalize;
-mod optional;
 mod stats;
 
 pub use crate::Layout;

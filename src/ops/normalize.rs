@@ -10,12 +10,12 @@
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor};
 
 use super::apply::{apply_cpu, ApplyCoef};
 #[cfg(feature = "cuda")]
-use super::optional::CudaIn;
-use super::optional::{self, CpuIn, Grads, OptionalLast};
+use super::arity::CudaIn;
+use super::arity::{self, AnyArity, CpuIn};
 use super::{
     acc_dtype, batch_norm_backward_elemt, batch_norm_backward_reduce, check_device,
     check_per_channel, check_same_shape, per_channel_f64, OP,
@@ -101,21 +101,44 @@ pub fn batch_norm_elemt_autograd(
         )
     }
     let acc = acc_dtype(x.dtype());
-    let params = match affine {
-        Some((w, b)) => {
-            check_device("weight", w, dev)?;
-            check_device("bias", b, dev)?;
-            check_per_channel("weight", w, &[c])?;
-            check_per_channel("bias", b, &[c])?;
-            Tensor::stack(&[w, b], 0)?
-        }
-        None => identity_params(c, dev)?,
+    if let Some((w, b)) = affine {
+        check_device("weight", w, dev)?;
+        check_device("bias", b, dev)?;
+        check_per_channel("weight", w, &[c])?;
+        check_per_channel("bias", b, &[c])?;
     }
-    .to_dtype(acc)?;
+    if let Some(z) = residual {
+        check_same_shape("residual", x.dims(), z)?;
+        check_device("residual", z, dev)?;
+        if z.dtype() != x.dtype() {
+            bail!(
+                "{OP}: residual dtype {:?} differs from input dtype {:?}",
+                z.dtype(),
+                x.dtype()
+            )
+        }
+    }
     let (batch_stats, reduce) = match stats {
         StatsGrad::Global(reduce) => (true, Some(reduce)),
         StatsGrad::Local => (true, None),
         StatsGrad::Constant => (false, None),
+    };
+    // γ and β reach the kernel as two inputs, so that nothing is copied; candle's ops take at
+    // most three inputs, so with a residual too they travel stacked as one `[2, C]` input.
+    let x = x.contiguous()?;
+    let as_acc = |t: &Tensor| t.to_dtype(acc).and_then(|t| t.contiguous());
+    let (params, inputs) = match (affine, residual) {
+        (None, None) => (Params::None, vec![x]),
+        (None, Some(z)) => (Params::None, vec![x, z.contiguous()?]),
+        (Some((w, b)), None) => (Params::Separate, vec![x, as_acc(w)?, as_acc(b)?]),
+        (Some((w, b)), Some(z)) => (
+            Params::Stacked,
+            vec![
+                x,
+                Tensor::stack(&[as_acc(w)?, as_acc(b)?], 0)?,
+                z.contiguous()?,
+            ],
+        ),
     };
     let op = NormFn {
         geometry,
@@ -125,104 +148,77 @@ pub fn batch_norm_elemt_autograd(
         batch_stats,
         reduce,
         relu,
-        affine: affine.is_some(),
+        params,
+        residual: residual.is_some(),
     };
-    let x = x.contiguous()?;
-    match residual {
-        None => optional::apply(op, &[&x, &params], None, true),
-        Some(z) => {
-            check_same_shape("residual", x.dims(), z)?;
-            check_device("residual", z, dev)?;
-            if z.dtype() != x.dtype() {
-                bail!(
-                    "{OP}: residual dtype {:?} differs from input dtype {:?}",
-                    z.dtype(),
-                    x.dtype()
-                )
-            }
-            optional::apply(op, &[&x, &params], Some(&z.contiguous()?), true)
-        }
-    }
+    let refs: Vec<&Tensor> = inputs.iter().collect();
+    arity::apply(op, &refs, true)
+}
+
+/// How `γ` and `β` reach [`NormFn`]: its inputs are `[x]`, `[x, z]`, `[x, γ, β]` or
+/// `[x, [γ; β], z]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Params {
+    /// No affine parameters (1 and 0).
+    None,
+    /// Inputs 1 and 2, `[C]` each.
+    Separate,
+    /// Input 1, `[2, C]` = `[γ; β]`.
+    Stacked,
 }
 
 /// Statistics the forward normalised with, and how the backward must treat them.
 #[derive(Clone)]
 struct NormFn {
-    pub geometry: Geometry,
+    geometry: Geometry,
     /// `[C]` mean, f64 on the input's device.
-    pub mean: Tensor,
+    mean: Tensor,
     /// `[C]` inverse standard deviation, f64 on the input's device.
-    pub invstd: Tensor,
+    invstd: Tensor,
     /// `[C]` global values per channel (`n`), f64 on the input's device.
-    pub count: Tensor,
+    count: Tensor,
     /// The statistics are batch statistics (their gradient flows into dx).
-    pub batch_stats: bool,
+    batch_stats: bool,
     /// Combine the backward sums with this reduction (global statistics).
-    pub reduce: Option<SumsReduction>,
-    pub relu: bool,
-    /// `[γ; β]` carries learnable parameters (else a constant `[1; 0]`).
-    pub affine: bool,
+    reduce: Option<SumsReduction>,
+    relu: bool,
+    params: Params,
+    /// The last input is a residual `z`.
+    residual: bool,
 }
 
-// `[γ; β]` reaches the ops as `[2, C]` in the accumulation dtype of the input (f32, or f64 for
-// f64 inputs): the layer converts it before applying the op.
+// `γ` and `β` reach the op in the accumulation dtype of the input (f32, or f64 for f64 inputs).
+
+/// An input's values as f64 on the host (the CPU path's `γ`, `β`, in f32 or f64).
+fn host_f64(what: &str, (s, l): CpuIn<'_>) -> Result<Vec<f64>> {
+    Ok(match s {
+        CpuStorage::F32(_) => slice::<f32>(OP, s, l)?.iter().map(|&v| v as f64).collect(),
+        CpuStorage::F64(_) => slice::<f64>(OP, s, l)?.to_vec(),
+        s => bail!(
+            "{OP}: {what} reaches the op as f32 or f64, got {:?}",
+            s.dtype()
+        ),
+    })
+}
 
 impl NormFn {
-    fn forward(
-        &self,
-        x: (&CpuStorage, &Layout),
-        params: (&CpuStorage, &Layout),
-        z: Option<(&CpuStorage, &Layout)>,
-    ) -> Result<(CpuStorage, Shape)> {
-        // The layer passes [γ; β] in the accumulation dtype: f32, or f64 for f64 inputs.
-        let p: Vec<f64> = match params.0 {
-            CpuStorage::F32(_) => slice::<f32>(OP, params.0, params.1)?
-                .iter()
-                .map(|&v| v as f64)
-                .collect(),
-            CpuStorage::F64(_) => slice::<f64>(OP, params.0, params.1)?.to_vec(),
-            s => candle_core::bail!(
-                "{OP}: weight and bias reach the op as f32 or f64, got {:?}",
-                s.dtype()
-            ),
+    /// The residual among `inputs`, if any.
+    fn z<S: Copy>(&self, inputs: &[S]) -> Option<S> {
+        self.residual.then(|| inputs[inputs.len() - 1])
+    }
+
+    /// Gradients of the inputs, in input order.
+    fn backward(&self, inputs: &[&Tensor], y: &Tensor, dy: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let x = inputs[0];
+        let weight = match self.params {
+            Params::None => None,
+            Params::Separate => Some(inputs[1].clone()),
+            Params::Stacked => Some(inputs[1].get(0)?),
         };
-        let coef = ApplyCoef::from_tensors(&self.mean, &self.invstd, Some(&p))?;
-        let out = apply_cpu(x.0, x.1, z, &self.geometry, &coef, self.relu)?;
-        Ok((out, x.1.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn forward_cuda(
-        &self,
-        x: (&candle_core::CudaStorage, &Layout),
-        params: (&candle_core::CudaStorage, &Layout),
-        z: Option<(&candle_core::CudaStorage, &Layout)>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::apply::apply_cuda(
-            x,
-            z,
-            &self.geometry,
-            &self.mean,
-            &self.invstd,
-            Some(params),
-            self.relu,
-        )?;
-        Ok((out, x.1.shape().clone()))
-    }
-
-    /// Gradients of x, [γ; β] and z.
-    fn backward(
-        &self,
-        x: &Tensor,
-        params: &Tensor,
-        has_z: bool,
-        y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let cl = self.geometry.layout;
+        let layout = self.geometry.layout;
         let (mean, invstd) = (&self.mean, &self.invstd);
         let relu_y = self.relu.then_some(y);
-        let local = batch_norm_backward_reduce(dy, x, mean, relu_y, cl)?;
+        let local = batch_norm_backward_reduce(dy, x, mean, relu_y, layout)?;
         let sums = match (&self.reduce, self.batch_stats) {
             // Called on every rank, whatever its local batch: for an all-reduce, the others
             // wait for it.
@@ -230,72 +226,101 @@ impl NormFn {
             (None, true) => local.clone(),
             (None, false) => local.zeros_like()?,
         };
-        let weight = params.get(0)?;
-        let want_dz = has_z && self.relu;
+        let want_dz = self.residual && self.relu;
         let (dx, dz) = batch_norm_backward_elemt(
             dy,
             x,
             mean,
             invstd,
-            Some(&weight),
+            weight.as_ref(),
             &sums,
             &self.count,
             relu_y,
             want_dz,
-            cl,
+            layout,
         )?;
-        let dz = match (has_z, dz) {
+        let dz = match (self.residual, dz) {
             (false, _) => None,
             (true, Some(dz)) => Some(dz),
             (true, None) => Some(dy.clone()),
         };
-        let dparams = if self.affine {
-            let dgamma = (local.get(1)? * invstd)?;
-            let dbeta = local.get(0)?;
-            Some(Tensor::stack(&[dgamma, dbeta], 0)?.to_dtype(params.dtype())?)
-        } else {
-            None
-        };
-        Ok((Some(dx), dparams, dz))
+        let dgamma = || local.get(1)? * invstd;
+        let mut grads = vec![Some(dx)];
+        match self.params {
+            Params::None => {}
+            Params::Separate => {
+                grads.push(Some(dgamma()?.to_dtype(inputs[1].dtype())?));
+                grads.push(Some(local.get(0)?.to_dtype(inputs[2].dtype())?));
+            }
+            Params::Stacked => {
+                let d = Tensor::stack(&[dgamma()?, local.get(0)?], 0)?;
+                grads.push(Some(d.to_dtype(inputs[1].dtype())?));
+            }
+        }
+        if self.residual {
+            grads.push(dz);
+        }
+        Ok(grads)
     }
 }
 
-impl OptionalLast for NormFn {
-    const REQUIRED: usize = 2;
-    const NAMES: [&'static str; 2] = ["sync-batch-norm", "sync-batch-norm-residual"];
+impl AnyArity for NormFn {
+    fn name(&self, inputs: usize) -> &'static str {
+        match (self.residual, inputs) {
+            (true, _) => "sync-batch-norm-residual",
+            _ => "sync-batch-norm",
+        }
+    }
 
-    fn cpu(&self, inputs: &[CpuIn<'_>], z: Option<CpuIn<'_>>) -> Result<(CpuStorage, Shape)> {
-        self.forward(inputs[0], inputs[1], z)
+    fn cpu(&self, inputs: &[CpuIn<'_>]) -> Result<(CpuStorage, Shape)> {
+        let c = self.geometry.c;
+        let (w, b) = match self.params {
+            Params::None => (None, None),
+            Params::Separate => (
+                Some(host_f64("weight", inputs[1])?),
+                Some(host_f64("bias", inputs[2])?),
+            ),
+            Params::Stacked => {
+                let mut p = host_f64("weight and bias", inputs[1])?;
+                let b = p.split_off(c);
+                (Some(p), Some(b))
+            }
+        };
+        let coef = ApplyCoef::from_tensors(&self.mean, &self.invstd, w.as_deref(), b.as_deref())?;
+        let (xs, xl) = inputs[0];
+        let out = apply_cpu(xs, xl, self.z(inputs), &self.geometry, &coef, self.relu)?;
+        Ok((out, xl.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        inputs: &[CudaIn<'_>],
-        z: Option<CudaIn<'_>>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.forward_cuda(inputs[0], inputs[1], z)
+    fn cuda(&self, inputs: &[CudaIn<'_>]) -> Result<(candle_core::CudaStorage, Shape)> {
+        let x = inputs[0];
+        // The stacked `[γ; β]` as its two rows.
+        let rows = match self.params {
+            Params::Stacked => {
+                let (s, l) = inputs[1];
+                Some((s, l.narrow(0, 0, 1)?, l.narrow(0, 1, 1)?))
+            }
+            _ => None,
+        };
+        let params = match (self.params, &rows) {
+            (Params::Separate, _) => [Some(inputs[1]), Some(inputs[2])],
+            (Params::Stacked, Some((s, w, b))) => [Some((*s, w)), Some((*s, b))],
+            _ => [None, None],
+        };
+        let out = super::apply::apply_cuda(
+            x,
+            self.z(inputs),
+            &self.geometry,
+            &self.mean,
+            &self.invstd,
+            params,
+            self.relu,
+        )?;
+        Ok((out, x.1.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        inputs: &[&Tensor],
-        z: Option<&Tensor>,
-        res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<Grads> {
-        let (dx, dp, dz) = self.backward(inputs[0], inputs[1], z.is_some(), res, grad)?;
-        Ok((vec![dx, dp], dz))
+    fn bwd(&self, inputs: &[&Tensor], res: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        self.backward(inputs, res, grad)
     }
-}
-
-/// Constant `[1; 0]` parameters for a layer without affine parameters, `[2, C]` f32.
-fn identity_params(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
-    Tensor::stack(
-        &[
-            Tensor::ones(c, DType::F32, dev)?,
-            Tensor::zeros(c, DType::F32, dev)?,
-        ],
-        0,
-    )
 }

@@ -1,6 +1,5 @@
 //! The emulated kernels of the forward elementwise pass (`bn_apply_*`) against the CPU op.
 
-use candle_core::Tensor;
 use candle_distributed::args::Apply;
 use candle_distributed::ops;
 
@@ -33,13 +32,13 @@ fn apply_matches_the_cpu_op() {
             crate::common::layout_of(case.cl),
         )
         .unwrap();
-        let params = Tensor::stack(&[&w, &b], 0).unwrap();
-        let (mut xb, mut zb, mut mb, mut ib, mut pb) = (
+        let (mut xb, mut zb, mut mb, mut ib, mut wb, mut bb) = (
             Buf::of(&x),
             Buf::of(&z),
             Buf::of(&mean),
             Buf::of(&invstd),
-            Buf::of(&params),
+            Buf::of(&w),
+            Buf::of(&b),
         );
         let mut y = Buf::poisoned(dtype, &case.dims());
         let apply = Apply {
@@ -47,7 +46,8 @@ fn apply_matches_the_cpu_op() {
             z: residual.then(|| zb.buffer()),
             mean: mb.buffer(),
             invstd: ib.buffer(),
-            params: affine.then(|| pb.buffer()),
+            weight: affine.then(|| wb.buffer()),
+            bias: affine.then(|| bb.buffer()),
             y: y.buffer(),
             relu,
         };

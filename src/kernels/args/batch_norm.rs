@@ -64,8 +64,10 @@ pub struct Apply {
     pub mean: Buffer,
     /// `[C]` f64.
     pub invstd: Buffer,
-    /// Weight and bias `[2, C]` in the accumulation type (f64 for f64 inputs, else f32).
-    pub params: Option<Buffer>,
+    /// Weight γ `[C]` in the accumulation type (f64 for f64 inputs, else f32); `None` for 1.
+    pub weight: Option<Buffer>,
+    /// Bias β `[C]` in the accumulation type; `None` for 0.
+    pub bias: Option<Buffer>,
     /// The output, shaped as `x`.
     pub y: Buffer,
     /// Fused ReLU.
@@ -86,7 +88,8 @@ impl Apply {
             .opt("z", self.z, e.len())?
             .buf("mean", self.mean, e.c)?
             .buf("invstd", self.invstd, e.c)?
-            .opt("params", self.params, 2 * e.c)?
+            .opt("weight", self.weight, e.c)?
+            .opt("bias", self.bias, e.c)?
             .buf("y", self.y, e.len())?
             .geometry(e)
             .push(Arg::I32(i32::from(self.relu)));

@@ -5,7 +5,7 @@
 //!
 //! Each kernel family is a struct whose fields are its buffers (and flags); its `call` checks
 //! that every buffer holds at least the elements the launch touches and returns the entry point,
-//! the launch configuration of [`super::launch`] and the parameters in the kernel's order.
+//! the launch configuration of [`super::launch`](mod@super::launch) and the parameters in the kernel's order.
 //! `None` when there is nothing to launch (no channel, or an empty elementwise pass).
 
 use super::launch::{self, Launch};
@@ -122,7 +122,8 @@ mod tests {
             z: None,
             mean: b,
             invstd: b,
-            params: None,
+            weight: None,
+            bias: None,
             y: b,
             relu: false,
         };
