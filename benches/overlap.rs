@@ -2,7 +2,7 @@
 //! buys in a column-parallel layer: forward + backward per step with overlap and with the layer
 //! waiting for the collective first, on 2 ThreadGroup ranks behind a `Collective` wrapper that
 //! adds a fixed latency to every collective (standing in for a network). Both variants run in
-//! the same session, alternating.
+//! one process, alternating.
 //!
 //! ```text
 //! cargo bench --bench overlap

@@ -3,7 +3,7 @@
 
 Reads criterion's results of `cargo bench --bench batch_norm`
 (target/criterion/<shape>_<layout>/<bench>/new/estimates.json, median) and PyTorch's numbers from
-`scripts/bench_torch.py` (target/bench_torch.json), both measured in the same session with the
+`scripts/bench_torch.py` (target/bench_torch.json), both measured in the same run with the
 same allocator setting and thread count. See `scripts/bench.sh`.
 """
 import json

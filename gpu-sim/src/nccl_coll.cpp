@@ -245,6 +245,11 @@ ncclResult_t issue(Coll k, Comm* c, CUstream stream) {
     uses.push_back({d, true, std::string(call) + " receive buffer"});
     k.call = c->issued.load();
     const nccl::Fault* err = nccl::find_fault("async-error", c->rank, long(k.call));
+    // The injected error is raised before the collective is enqueued, so that the collective
+    // itself never completes (it waits for the abort, as every collective after an asynchronous
+    // error does): raised after, the stream could run it to completion first, and the fault
+    // would sometimes hit nothing.
+    if (err) nccl::set_async(c, err->code, "injected asynchronous error at collective #" + std::to_string(k.call));
     sim::Op op;
     op.kind = "launch";
     op.run = [c, k] { run(c, k); };
@@ -253,10 +258,7 @@ ncclResult_t issue(Coll k, Comm* c, CUstream stream) {
     if (CUresult r = sim::enqueue(s, std::move(op), uses))
         return nccl::fail(ncclUnhandledCudaError, "%s: enqueue failed (CUDA error %d)", call, r);
     c->issued.fetch_add(1);
-    if (err) {
-        nccl::set_async(c, err->code, "injected asynchronous error at collective #" + std::to_string(k.call));
-        if (err->stall_ms) sim::stall_next_driver_call(err->stall_ms);
-    }
+    if (err && err->stall_ms) sim::stall_next_driver_call(err->stall_ms);
     // A non-blocking communicator's first collective sets up its connections in the background.
     if (!c->blocking && !c->connected) {
         c->connected = true;
