@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's CPU benchmark table: SyncBatchNorm (world size 1), candle-nn's BatchNorm and
-# PyTorch's BatchNorm2d, in one session, with one allocator setting and 2 threads for all.
+# PyTorch's BatchNorm2d, in one run, with one allocator setting and 2 threads for all.
 # PyTorch comes from a virtual environment outside the repository (TORCH_VENV, created here with
 # pip when missing).
 set -euo pipefail
