@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::{ReduceOp, ThreadGroup};
+use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use common::*;
 
 #[test]
@@ -200,4 +200,144 @@ fn a_rank_that_leaves_with_an_async_call_outstanding_fails_its_peers_at_once() {
         vec![3.0, 20.0],
         "rank 1's started call keeps its contribution"
     );
+}
+
+/// Elements of the large-tensor tests: more than two of the parallel sum's blocks (16384
+/// elements each), the last one partial, so that several ranks share the work.
+const LARGE: usize = 2 * 16384 + 4321;
+
+/// The reference of an all-reduce on `wire` (or none): each rank's values widened to f32 and
+/// rounded to the wire dtype, summed in rank order in f32, scaled by `1/W` as an f32 for an
+/// average, rounded to the wire dtype. Written element by element with `half`'s scalar
+/// conversions, independently of the backend's block code.
+fn reduce_reference(ranks: &[Vec<f32>], avg: bool, wire: Option<DType>) -> Vec<f32> {
+    let round = |v: f32| match wire {
+        Some(DType::BF16) => half::bf16::from_f32(v).to_f32(),
+        Some(DType::F16) => half::f16::from_f32(v).to_f32(),
+        _ => v,
+    };
+    let scale = (1.0 / ranks.len() as f64) as f32;
+    (0..ranks[0].len())
+        .map(|i| {
+            let mut acc = round(ranks[0][i]);
+            for r in &ranks[1..] {
+                acc += round(r[i]);
+            }
+            round(if avg { acc * scale } else { acc })
+        })
+        .collect()
+}
+
+/// Rank `r`'s seeded values, uniform in about ±17 around 0.5: the sum's rounding depends on the
+/// order, and the rounding to 16 bits changes most values.
+fn large_input(r: usize) -> Vec<f32> {
+    randn(100 + r as u64, &[LARGE], 0.5, 10.0)
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+/// The sum every rank helps compute, block by block, is bitwise the single sum in rank order
+/// (f32, and f16/bf16 accumulated in f32), for a sum and an average over 3 ranks.
+#[test]
+fn a_parallel_sum_matches_one_in_rank_order() {
+    let inputs: Vec<Vec<f32>> = (0..3).map(large_input).collect();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        // The ranks' values in `dtype`, and the same values widened back to f32.
+        let narrowed: Vec<Tensor> = inputs
+            .iter()
+            .map(|v| Tensor::new(v.as_slice(), &Device::Cpu)?.to_dtype(dtype))
+            .collect::<candle_core::Result<_>>()
+            .unwrap();
+        let widened: Vec<Vec<f32>> = narrowed
+            .iter()
+            .map(|t| t.to_dtype(DType::F32)?.to_vec1::<f32>())
+            .collect::<candle_core::Result<_>>()
+            .unwrap();
+        for (op, avg) in [(ReduceOp::Sum, false), (ReduceOp::Avg, true)] {
+            let outs = run_ranks(3, |comm| {
+                let t = &narrowed[comm.rank()];
+                Ok(comm
+                    .all_reduce(t, op)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?)
+            });
+            // Widened values summed in f32, then rounded to the dtype of the call.
+            let wire = (dtype != DType::F32).then_some(dtype);
+            let want = reduce_reference(&widened, avg, wire);
+            for (r, got) in outs.iter().enumerate() {
+                let bad = got
+                    .iter()
+                    .zip(&want)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert!(
+                    bad.is_none(),
+                    "{dtype:?} {op:?} rank {r}: element {bad:?} differs: {} vs {}",
+                    got[bad.unwrap()],
+                    want[bad.unwrap()]
+                );
+            }
+        }
+    }
+}
+
+/// `all_reduce_wire` on thread ranks rounds each value to the wire dtype as it sums, without
+/// casting: bitwise the result of the casts every other backend makes (the trait's default,
+/// reached through a wrapper that does not forward the method), and of the reference.
+#[test]
+fn a_wire_dtype_rounds_like_the_casts_it_saves() {
+    let inputs: Vec<Vec<f32>> = (0..3).map(large_input).collect();
+    for wire in [DType::BF16, DType::F16] {
+        for (op, avg) in [(ReduceOp::Sum, false), (ReduceOp::Avg, true)] {
+            let outs = run_ranks(3, |comm| {
+                let t = Tensor::new(inputs[comm.rank()].as_slice(), &Device::Cpu)?;
+                let fused = comm.all_reduce_wire(&t, op, wire)?;
+                let cast = Probe::new(comm.clone()).all_reduce_wire(&t, op, wire)?;
+                assert_eq!(fused.dtype(), DType::F32);
+                Ok((fused.to_vec1::<f32>()?, cast.to_vec1::<f32>()?))
+            });
+            let want = reduce_reference(&inputs, avg, Some(wire));
+            for (fused, cast) in outs {
+                for (name, got) in [("fused", fused), ("cast", cast)] {
+                    let bad = got
+                        .iter()
+                        .zip(&want)
+                        .position(|(a, b)| a.to_bits() != b.to_bits());
+                    assert!(bad.is_none(), "{wire:?} {op:?} {name}: element {bad:?}");
+                }
+            }
+        }
+    }
+}
+
+/// A wire on an integer tensor is refused before any communication, and ranks that disagree
+/// on the wire get a mismatch naming each rank's wire.
+#[test]
+fn wire_errors_name_the_dtypes() {
+    let outs = run_ranks(2, |comm| {
+        let ints = Tensor::new(&[1u32, 2], &Device::Cpu)?;
+        let int_err = comm
+            .all_reduce_wire(&ints, ReduceOp::Sum, DType::BF16)
+            .unwrap_err()
+            .to_string();
+        let wire = [DType::BF16, DType::F16][comm.rank()];
+        let t = Tensor::new(&[1.5f32, -2.0], &Device::Cpu)?;
+        let mismatch = comm
+            .all_reduce_wire(&t, ReduceOp::Sum, wire)
+            .unwrap_err()
+            .to_string();
+        Ok((int_err, mismatch))
+    });
+    for (int_err, mismatch) in outs {
+        assert!(
+            int_err.contains("all_reduce_wire: a U32 tensor cannot be carried on a BF16 wire"),
+            "{int_err}"
+        );
+        assert!(
+            mismatch.contains("rank 0: all_reduce(Sum) F32 [2] on a BF16 wire")
+                && mismatch.contains("rank 1: all_reduce(Sum) F32 [2] on a F16 wire"),
+            "{mismatch}"
+        );
+    }
 }

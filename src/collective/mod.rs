@@ -74,7 +74,7 @@ pub use threads::ThreadGroup;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 /// Default time a collective may take before it fails (every backend; 5 minutes).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -127,6 +127,30 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     ///   [`Collective::deferred_error`]) reports it.
     /// - [`CollectiveError::Library`] when NCCL rejects the call.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+
+    /// [`Collective::all_reduce`] of `t` carried in the float dtype `wire`: each rank's values
+    /// rounded to `wire`, reduced (f16 and bf16 accumulate in f32), the result rounded to `wire`
+    /// and returned in `t`'s dtype. `DataParallel::with_wire_dtype` sends its buckets this way.
+    ///
+    /// `t`: any shape, identical on every rank, float. Returns the shape and dtype of `t`.
+    ///
+    /// The default casts `t` to `wire`, reduces that, and casts the result back: on NCCL the
+    /// reduction then moves `wire`'s bytes. `ThreadGroup`, whose ranks share memory and have no
+    /// wire, rounds the values while it sums them instead, without the two casts; the results
+    /// are bitwise those of the default
+    /// (`tests/thread_group.rs::a_wire_dtype_rounds_like_the_casts_it_saves`).
+    ///
+    /// # Errors
+    ///
+    /// When `t` or `wire` is not a float dtype, and as [`Collective::all_reduce`] (the ranks must
+    /// also agree on `wire`).
+    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
+        check_wire(t, wire)?;
+        if wire == t.dtype() {
+            return self.all_reduce(t, op);
+        }
+        self.all_reduce(&t.to_dtype(wire)?, op)?.to_dtype(t.dtype())
+    }
 
     /// Concatenation of every rank's `t` along dimension 0, in rank order.
     ///
@@ -283,6 +307,17 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         let me = ranks.iter().position(|&r| r == self.rank());
         self.split(me.map(|_| 0), me.unwrap_or(0) as u32)
     }
+}
+
+/// Errors unless `t` and `wire` are float dtypes ([`Collective::all_reduce_wire`]).
+pub(crate) fn check_wire(t: &Tensor, wire: DType) -> Result<()> {
+    if !t.dtype().is_float() || !wire.is_float() {
+        candle_core::bail!(
+            "all_reduce_wire: a {:?} tensor cannot be carried on a {wire:?} wire: both must be float dtypes",
+            t.dtype()
+        )
+    }
+    Ok(())
 }
 
 /// The rows `[rank·k, (rank+1)·k)` of a `(W·k, *rest)` tensor, `W = world`: the part of a

@@ -339,14 +339,11 @@ impl DataParallel {
             // One flag per variable rides along in the same all-reduce: non-zero after it when
             // some rank has a gradient. Only a rank missing a gradient reads the flags back.
             parts.push(Tensor::new(flags.as_slice(), &device)?.to_dtype(dtype)?);
-            let mut flat = Tensor::cat(&parts, 0)?;
-            if let Some(w) = self.wire {
-                flat = flat.to_dtype(w)?;
-            }
-            let avg = self
-                .comm
-                .all_reduce(&flat, ReduceOp::Avg)?
-                .to_dtype(dtype)?;
+            let flat = Tensor::cat(&parts, 0)?;
+            let avg = match self.wire {
+                Some(w) => self.comm.all_reduce_wire(&flat, ReduceOp::Avg, w)?,
+                None => self.comm.all_reduce(&flat, ReduceOp::Avg)?,
+            };
             let total: usize = bucket.iter().map(|(_, v)| v.elem_count()).sum();
             let somewhere = if missing_here {
                 let f = avg.narrow(0, total, bucket.len())?;

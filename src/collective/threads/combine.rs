@@ -1,16 +1,54 @@
 //! What the last rank to arrive at a [`super::ThreadGroup`] call does: check that every rank
-//! asked for the same thing, and compute the common result once, in rank order.
+//! asked for the same thing, and compute the common result once, in rank order, or hand the
+//! sum of an all-reduce to every rank ([`super::reduce`]).
 
 use candle_core::{DType, Result, Tensor};
 
+use super::reduce::{self, Work};
 use super::{Contribution, BACKEND};
 use crate::collective::{scatter_rows, CollectiveError, Op, ReduceOp};
 
-/// Checks that every rank asked for the same thing and computes the common result.
-pub(super) fn combine(
-    call: u64,
-    cs: &[Contribution],
-) -> std::result::Result<Tensor, CollectiveError> {
+/// How a call's result comes about.
+pub(super) enum Plan {
+    /// Computed (or refused) by the last rank to arrive.
+    Ready(std::result::Result<Tensor, CollectiveError>),
+    /// A sum every rank helps compute.
+    Shared(Box<dyn Work>),
+}
+
+/// Checks that every rank asked for the same thing, then computes the common result or plans
+/// its parallel sum.
+pub(super) fn plan(call: u64, cs: &[Contribution]) -> Plan {
+    let wire = cs[0].wire;
+    let reduction = match cs[0].kind {
+        Op::AllReduce(op) | Op::ReduceScatter(op) => Some(op),
+        _ => None,
+    };
+    let inputs = match agree(call, cs) {
+        Ok(inputs) => inputs,
+        Err(e) => return Plan::Ready(Err(e)),
+    };
+    if let Some(op) = reduction {
+        let invalid = |e: candle_core::Error| {
+            CollectiveError::invalid(BACKEND, cs[0].kind.name(), e.to_string())
+        };
+        if let Op::ReduceScatter(_) = cs[0].kind {
+            // Checked here, once, so that every rank gets the same error.
+            if let Err(e) = scatter_rows(inputs[0], 0, cs.len()) {
+                return Plan::Ready(Err(invalid(e)));
+            }
+        }
+        match reduce::plan(&inputs, op, wire) {
+            Ok(Some(work)) => return Plan::Shared(work),
+            Ok(None) => {}
+            Err(e) => return Plan::Ready(Err(invalid(e))),
+        }
+    }
+    Plan::Ready(combine(cs[0].kind, wire, &inputs, cs.len()))
+}
+
+/// Checks that every rank asked for the same thing; returns their inputs in rank order.
+fn agree(call: u64, cs: &[Contribution]) -> std::result::Result<Vec<&Tensor>, CollectiveError> {
     let kind = cs[0].kind;
     let mut tensors: Vec<&Tensor> = Vec::with_capacity(cs.len());
     for (r, c) in cs.iter().enumerate() {
@@ -32,10 +70,9 @@ pub(super) fn combine(
         }
         _ => t.dims() == first.dims(),
     };
-    let agree = cs
-        .iter()
-        .zip(&tensors)
-        .all(|(c, t)| c.kind == kind && t.dtype() == first.dtype() && same_rest(t));
+    let agree = cs.iter().zip(&tensors).all(|(c, t)| {
+        c.kind == kind && c.wire == cs[0].wire && t.dtype() == first.dtype() && same_rest(t)
+    });
     let mismatch = |why: &str| CollectiveError::Mismatch {
         backend: BACKEND,
         call,
@@ -50,32 +87,48 @@ pub(super) fn combine(
     };
     if !agree {
         return Err(mismatch(
-            "every rank must call the same collective with the same dtype and shape",
+            "every rank must call the same collective with the same dtype, shape and wire dtype",
         ));
     }
+    Ok(tensors)
+}
+
+/// The common result of a call the ranks agree on, computed on this thread.
+fn combine(
+    kind: Op,
+    wire: Option<DType>,
+    tensors: &[&Tensor],
+    world: usize,
+) -> std::result::Result<Tensor, CollectiveError> {
     let invalid = |detail: String| CollectiveError::invalid(BACKEND, kind.name(), detail);
     let result = match kind {
-        Op::AllReduce(op) => reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?,
-        Op::ReduceScatter(op) => {
-            // Checked here, once, so that every rank gets the same error.
-            scatter_rows(first, 0, cs.len()).map_err(|e| invalid(e.to_string()))?;
-            reduce(&tensors, op).map_err(|e| invalid(e.to_string()))?
+        Op::AllReduce(op) | Op::ReduceScatter(op) => {
+            reduce_through(tensors, op, wire).map_err(|e| invalid(e.to_string()))?
         }
-        Op::AllGather | Op::Split => {
-            Tensor::cat(&tensors, 0).map_err(|e| invalid(e.to_string()))?
-        }
+        Op::AllGather | Op::Split => Tensor::cat(tensors, 0).map_err(|e| invalid(e.to_string()))?,
         Op::Broadcast(root) => {
-            if root >= cs.len() {
+            if root >= world {
                 return Err(invalid(format!(
-                    "root {root} out of range for world size {}",
-                    cs.len()
+                    "root {root} out of range for world size {world}"
                 )));
             }
             tensors[root].clone()
         }
-        Op::Barrier => first.clone(),
+        Op::Barrier => tensors[0].clone(),
     };
     Ok(result)
+}
+
+/// [`reduce`] of the inputs rounded to the wire dtype, returned in their own dtype.
+fn reduce_through(ts: &[&Tensor], op: ReduceOp, wire: Option<DType>) -> Result<Tensor> {
+    let Some(wire) = wire else {
+        return reduce(ts, op);
+    };
+    let narrowed = ts
+        .iter()
+        .map(|t| t.to_dtype(wire))
+        .collect::<Result<Vec<_>>>()?;
+    reduce(&narrowed.iter().collect::<Vec<_>>(), op)?.to_dtype(ts[0].dtype())
 }
 
 /// Element-wise reduction in rank order; f16/bf16 accumulate in f32.
@@ -116,13 +169,21 @@ mod tests {
         let kind = Op::AllReduce(ReduceOp::Sum);
         let t = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
         let cs = [
-            Contribution { kind, input: Ok(t) },
             Contribution {
                 kind,
+                wire: None,
+                input: Ok(t),
+            },
+            Contribution {
+                kind,
+                wire: None,
                 input: Err("device lost".into()),
             },
         ];
-        let e = combine(7, &cs).unwrap_err().to_string();
+        let Plan::Ready(Err(e)) = plan(7, &cs) else {
+            panic!("the call should fail")
+        };
+        let e = e.to_string();
         assert!(
             e.contains("rank 1 could not take part in call #7: device lost"),
             "{e}"

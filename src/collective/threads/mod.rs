@@ -16,14 +16,17 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 mod combine;
+mod reduce;
+mod round;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use combine::combine;
+use combine::Plan;
+use reduce::Work;
 
 use super::{
-    scatter_rows, split_members, Collective, CollectiveError, Op, Pending, ReduceOp, Worker,
-    DEFAULT_TIMEOUT,
+    check_wire, scatter_rows, split_members, Collective, CollectiveError, Op, Pending, ReduceOp,
+    Worker, DEFAULT_TIMEOUT,
 };
 
 const BACKEND: &str = "ThreadGroup";
@@ -188,6 +191,8 @@ impl Shared {
 struct State {
     /// Calls some ranks have entered and others not yet.
     pending: BTreeMap<u64, Vec<Option<Contribution>>>,
+    /// Calls whose sum the ranks are computing together.
+    working: HashMap<u64, Arc<dyn Work>>,
     /// Finished calls whose result not every rank has read yet.
     done: HashMap<u64, Finished>,
     /// Why the group can no longer complete collectives.
@@ -255,13 +260,18 @@ struct Finished {
 #[derive(Debug)]
 struct Contribution {
     kind: Op,
+    /// The dtype a reduction rounds each value to (`Collective::all_reduce_wire`).
+    wire: Option<DType>,
     input: std::result::Result<Tensor, String>,
 }
 
 impl Contribution {
     fn describe(&self) -> String {
+        let wire = self
+            .wire
+            .map_or(String::new(), |w| format!(" on a {w:?} wire"));
         match &self.input {
-            Ok(t) => format!("{} {:?} {:?}", self.kind, t.dtype(), t.dims()),
+            Ok(t) => format!("{} {:?} {:?}{wire}", self.kind, t.dtype(), t.dims()),
             Err(_) => format!("{} without an input", self.kind),
         }
     }
@@ -286,7 +296,7 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 impl ThreadRank {
     fn call(&self, kind: Op, t: &Tensor) -> Result<Tensor> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        complete(&self.shared, self.rank, call, kind, t)
+        complete(&self.shared, self.rank, call, (kind, None), t)
     }
 
     /// Takes the call's place in the order now and completes it on the communication thread.
@@ -297,7 +307,7 @@ impl ThreadRank {
         let world = self.shared.world;
         let input = t.clone();
         self.worker.submit(BACKEND, &input, move || {
-            let out = complete(&shared, rank, call, kind, &t)?;
+            let out = complete(&shared, rank, call, (kind, None), &t)?;
             match kind {
                 Op::ReduceScatter(_) => scatter_rows(&out, rank, world),
                 _ => Ok(out),
@@ -307,8 +317,16 @@ impl ThreadRank {
 }
 
 /// Deposits rank `rank`'s tensor in slot `call`, computes the result if it is the last to
-/// arrive, and waits for it (or for the timeout, or for the group to break).
-fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result<Tensor> {
+/// arrive (or plans the sum every rank helps with), and waits for it (or for the timeout, or
+/// for the group to break). `what`: the collective and the wire dtype of a reduction.
+fn complete(
+    sh: &Shared,
+    rank: usize,
+    call: u64,
+    what: (Op, Option<DType>),
+    t: &Tensor,
+) -> Result<Tensor> {
+    let (kind, wire) = what;
     let device = t.device().clone();
     // Detached: the shared state must not keep the caller's autograd graph alive. That graph
     // can hold the last reference to a rank's communicator (a layer's op keeps its `Arc`), and
@@ -328,18 +346,23 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
         .pending
         .entry(call)
         .or_insert_with(|| (0..sh.world).map(|_| None).collect());
-    slots[rank] = Some(Contribution { kind, input });
+    slots[rank] = Some(Contribution { kind, wire, input });
     if slots.iter().all(Option::is_some) {
         let slots = st.pending.remove(&call).unwrap_or_default();
         let contributions: Vec<Contribution> = slots.into_iter().flatten().collect();
-        let result = combine(call, &contributions);
-        st.done.insert(
-            call,
-            Finished {
-                result,
-                readers_left: sh.world,
-            },
-        );
+        match combine::plan(call, &contributions) {
+            Plan::Ready(result) => {
+                st.done.insert(
+                    call,
+                    Finished {
+                        result,
+                        readers_left: sh.world,
+                    },
+                );
+            }
+            // The waiting ranks wake up to help.
+            Plan::Shared(work) => _ = st.working.insert(call, Arc::from(work)),
+        }
         sh.cv.notify_all();
     }
     wait_for_result(sh, st, rank, call, kind, &device)
@@ -347,9 +370,9 @@ fn complete(sh: &Shared, rank: usize, call: u64, kind: Op, t: &Tensor) -> Result
 
 /// Waits (holding `st` between wake-ups) until call `call`'s result is there, the group breaks
 /// or the timeout passes; takes this rank's copy of the result on `device`.
-fn wait_for_result(
-    sh: &Shared,
-    mut st: MutexGuard<'_, State>,
+fn wait_for_result<'a>(
+    sh: &'a Shared,
+    mut st: MutexGuard<'a, State>,
     rank: usize,
     call: u64,
     kind: Op,
@@ -372,6 +395,25 @@ fn wait_for_result(
                 .map_err(Into::into)
                 .and_then(|t| t.to_device(device))
                 .and_then(|t| if aliases { t.copy() } else { Ok(t.detach()) });
+        }
+        if let Some(work) = st.working.get(&call).filter(|w| !w.claimed_all()).cloned() {
+            drop(st);
+            let finished = work.help();
+            st = lock(&sh.state);
+            if let Some(result) = finished {
+                st.working.remove(&call);
+                let result = result
+                    .map_err(|e| CollectiveError::invalid(BACKEND, kind.name(), e.to_string()));
+                st.done.insert(
+                    call,
+                    Finished {
+                        result,
+                        readers_left: sh.world,
+                    },
+                );
+                sh.cv.notify_all();
+            }
+            continue;
         }
         if let Some(reason) = st.doomed(call) {
             return Err(left(rank, kind, call, reason.to_string()).into());
@@ -464,6 +506,19 @@ impl Collective for ThreadRank {
     /// result back to its device.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.call(Op::AllReduce(op), t)
+    }
+
+    /// All-reduce with each value rounded to `wire` as it is summed: the ranks share memory, so
+    /// nothing is cast and the bytes moved are those of `t`'s dtype.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_wire`].
+    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
+        check_wire(t, wire)?;
+        let wire = (wire != t.dtype()).then_some(wire);
+        let call = self.next_call.fetch_add(1, Ordering::SeqCst);
+        complete(&self.shared, self.rank, call, (Op::AllReduce(op), wire), t)
     }
 
     /// All-gather in rank order, computed once by the last rank to arrive.
