@@ -61,6 +61,9 @@ enum Variant {
     Memcpy,
     /// `MPI_Allreduce` of the bucket into a buffer allocated once (MPI only).
     RawMpi,
+    /// `MPI_Iallreduce` and `MPI_Wait`, the same buffers (MPI only): the non-blocking form the
+    /// backend uses, so that it can time a collective out.
+    RawMpiNonBlocking,
     /// `Collective::all_reduce(bucket, Avg)`.
     AllReduce,
     /// `Collective::all_reduce_wire(bucket, Avg, wire)`.
@@ -74,6 +77,7 @@ impl Variant {
         match self {
             Variant::Memcpy => "memcpy of the minimum traffic".into(),
             Variant::RawMpi => "raw MPI_Allreduce".into(),
+            Variant::RawMpiNonBlocking => "raw MPI_Iallreduce + MPI_Wait".into(),
             Variant::AllReduce => "all_reduce (Avg)".into(),
             Variant::AllReduceWire(w) => format!("all_reduce_wire (Avg, {})", w.as_str()),
             Variant::Sync(w) => format!("sync_gradients, {} wire", w.map_or("f32", |d| d.as_str())),
@@ -90,8 +94,9 @@ struct Row {
     max_diff: Option<f64>,
 }
 
-/// `MPI_Allreduce` of a rank's bucket, when the backend is MPI.
-type Raw = Box<dyn FnMut() -> Result<()>>;
+/// `MPI_Allreduce` of a rank's bucket (`false`), or `MPI_Iallreduce` + `MPI_Wait` (`true`), when
+/// the backend is MPI.
+type Raw = Box<dyn FnMut(bool) -> Result<()>>;
 
 /// One rank's rows.
 fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row>> {
@@ -111,6 +116,7 @@ fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row
     ];
     if raw.is_some() {
         variants.insert(1, Variant::RawMpi);
+        variants.insert(2, Variant::RawMpiNonBlocking);
     }
     let mut dps = Vec::new();
     for wire in [None, Some(DType::BF16), Some(DType::F16)] {
@@ -137,7 +143,8 @@ fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row
             let t = Instant::now();
             match v {
                 Variant::Memcpy => dst.copy_from_slice(&src),
-                Variant::RawMpi => raw.as_mut().context("raw MPI without MPI")?()?,
+                Variant::RawMpi => raw.as_mut().context("raw MPI without MPI")?(false)?,
+                Variant::RawMpiNonBlocking => raw.as_mut().context("raw MPI without MPI")?(true)?,
                 Variant::AllReduce => _ = comm.all_reduce(&g, ReduceOp::Avg)?,
                 Variant::AllReduceWire(w) => _ = comm.all_reduce_wire(&g, ReduceOp::Avg, *w)?,
                 Variant::Sync(_) => {
@@ -222,6 +229,7 @@ fn main() -> Result<()> {
 #[cfg(feature = "mpi")]
 fn mpi_rows(a: &Args) -> Result<(Vec<Row>, usize)> {
     use mpi::collective::{CommunicatorCollectives, SystemOperation};
+    use mpi::request::WaitGuard;
     let env = candle_distributed::collective::Mpi::init()?;
     let comm = env.world()?;
     let world = comm.world_size();
@@ -230,8 +238,20 @@ fn mpi_rows(a: &Args) -> Result<(Vec<Row>, usize)> {
     let send: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect();
     let mut recv = vec![0f32; n];
     let raw_world = mpi::topology::SimpleCommunicator::world();
-    let raw: Raw = Box::new(move || {
-        raw_world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+    let raw: Raw = Box::new(move |non_blocking| {
+        if non_blocking {
+            mpi::request::scope(|scope| {
+                let req = raw_world.immediate_all_reduce_into(
+                    scope,
+                    &send[..],
+                    &mut recv[..],
+                    SystemOperation::sum(),
+                );
+                drop(WaitGuard::from(req));
+            });
+        } else {
+            raw_world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+        }
         std::hint::black_box(&recv);
         Ok(())
     });

@@ -100,11 +100,13 @@
 //!   micro-batches (`accumulation_all_reduces_gradients_once_per_step`; MPI: the same on 4
 //!   processes).
 //! - **16-bit gradients on the wire** (`DataParallel::with_wire_dtype(Some(BF16 | F16))`): the
-//!   bucket is cast before the all-reduce and back after; `ThreadGroup` and MPI sum 16-bit values in
-//!   f32. Steps stay within the wire dtype's rounding of the f32 ones
+//!   bucket goes through `Collective::all_reduce_wire`, which casts it before the all-reduce and
+//!   back after (NCCL, MPI), or, on `ThreadGroup`, rounds each value to the wire dtype while it
+//!   sums, bitwise the same without the casts; 16-bit values are summed in f32 except on NCCL.
+//!   Steps stay within the wire dtype's rounding of the f32 ones
 //!   (`sixteen_bit_gradients_on_the_wire_stay_close`). What it buys on each backend (nothing on
-//!   `ThreadGroup` and MPI, which send f32 whatever the wire dtype, or share memory; NCCL reduces
-//!   16-bit values natively, not measured) is in the crate's `docs/benchmarks.md`.
+//!   `ThreadGroup`, whose ranks share memory, nor on MPI, which sends f32 whatever the wire dtype;
+//!   NCCL reduces 16-bit values natively, not measured) is in the crate's `docs/benchmarks.md`.
 //! - **Checkpoints** are the program's: the ResNet example (`examples/resnet/`) writes weights,
 //!   batch-norm buffers, optimizer moments and step, scaler state, epoch and step as one
 //!   consistent pair of files and resumes bit for bit.
@@ -241,9 +243,11 @@ impl DataParallel {
 
     /// Gradients travel as `dtype` (`F16` or `BF16`: half the bytes of f32) and come back in
     /// their own dtype; `None` (the default) sends them as they are. Every rank must choose
-    /// the same. What the sum is computed in is the backend's: [`crate::collective::ThreadGroup`]
-    /// and MPI accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit
-    /// float type, so it saves no bytes), NCCL in the wire dtype. f16's range is narrow: a
+    /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_wire`]; what
+    /// the sum is computed in is the backend's: [`crate::collective::ThreadGroup`] and MPI
+    /// accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit float type,
+    /// so it saves no bytes; `ThreadGroup` rounds the f32 gradients as it sums them, without
+    /// casting), NCCL in the wire dtype. f16's range is narrow: a
     /// gradient above 65504 becomes Inf (with a [`crate::amp::GradScaler`] that reads as an
     /// overflow and skips the step; without one it reaches the weights), and values below
     /// 6·10⁻⁵ lose precision, below 6·10⁻⁸ become 0. bf16 keeps f32's range with 8 significant

@@ -96,14 +96,6 @@ impl Staged {
     }
 }
 
-/// The host type a dtype travels in (f16 and bf16 as f32).
-pub(super) fn recv_dtype(d: DType) -> DType {
-    match d {
-        DType::F16 | DType::BF16 => DType::F32,
-        d => d,
-    }
-}
-
 /// `ReduceOp::Avg` needs a float dtype: this rank's verdict, shared by `agree`.
 pub(super) fn avg_dtype(t: &Tensor, op: ReduceOp) -> std::result::Result<(), String> {
     if op == ReduceOp::Avg && !t.dtype().is_float() {

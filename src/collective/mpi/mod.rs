@@ -14,7 +14,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
 use mpi::raw::{AsRaw, FromRaw};
@@ -30,7 +30,7 @@ use super::{
 mod host;
 mod ops;
 
-use host::{avg_dtype, dtype_code, invalid, recv_dtype, shape_code, with_buf, HostBuf};
+use host::{avg_dtype, dtype_code, invalid, shape_code, with_buf, HostBuf};
 
 const BACKEND: &str = "MPI";
 
@@ -435,12 +435,21 @@ impl MpiCollective {
             _ => unreachable!("zeros_like keeps the variant"),
         }
         if rop == ReduceOp::Avg {
-            // Divided in the wire type (f32 for f16/bf16) before the conversion back, so that a
-            // sum beyond the input type's range still averages correctly.
-            let wire = recv.into_tensor(t.dims(), recv_dtype(t.dtype()), &Device::Cpu)?;
-            return (wire / self.world as f64)?
-                .to_dtype(t.dtype())?
-                .to_device(t.device());
+            // Scaled in place in the wire type (f32 for f16/bf16) before the conversion back, so
+            // that a sum beyond the input type's range still averages correctly; by `1/world`
+            // rounded to the wire type, as candle divides a tensor by a scalar.
+            match &mut recv {
+                HostBuf::F32(r) => {
+                    let k = (1.0 / self.world as f64) as f32;
+                    r.iter_mut().for_each(|x| *x *= k);
+                }
+                HostBuf::F64(r) => {
+                    let k = 1.0 / self.world as f64;
+                    r.iter_mut().for_each(|x| *x *= k);
+                }
+                // Refused before any communication (`avg_dtype`).
+                HostBuf::I64(_) | HostBuf::U32(_) | HostBuf::U8(_) => {}
+            }
         }
         recv.into_tensor(t.dims(), t.dtype(), t.device())
     }
