@@ -24,6 +24,8 @@ out=$GPU_SIM_OUT
 
 echo "-- the simulator's self-tests: planted defects and driver rules"
 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
+echo "-- the same checks with kernels skipped (GPU_SIM_SKIP_KERNELS=1, for host-cost timing)"
+GPU_SIM_SKIP_KERNELS=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx" skip
 "$out/bin/half_math"
 "$out/bin/blas_ref"
 "$out/bin/rand_ref"

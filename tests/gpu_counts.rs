@@ -242,3 +242,77 @@ fn a_training_step_launches_what_the_readme_states() {
     })
     .unwrap();
 }
+
+/// One `DataParallel::sync_gradients` of three variables in one bucket on NCCL (world size 1,
+/// the simulated NCCL): what it launches, allocates and copies on the rank's stream, and that
+/// it neither waits for the GPU nor reads anything back while every variable has a gradient.
+/// A variable without a gradient on this rank makes it read the bucket's flags back (one copy
+/// down, one wait): that case is counted too.
+#[cfg(feature = "nccl")]
+#[test]
+fn a_gradient_sync_launches_what_the_docs_state() {
+    use candle_distributed::collective::NcclGroup;
+    use candle_distributed::DataParallel;
+
+    let Some(sim) = Sim::get() else {
+        eprintln!("not on the simulated driver: no counters to read");
+        return;
+    };
+    let comm = NcclGroup::new(&[0]).unwrap().remove(0);
+    let dev = comm.device();
+    let var = |seed: u64, dims: &[usize]| {
+        let t = common::randn(seed, dims, 0.0, 1.0)
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_device(&dev)
+            .unwrap();
+        candle_core::Var::from_tensor(&t).unwrap()
+    };
+    let (w1, b1, w2) = (var(1, &[16, 3, 3, 3]), var(2, &[16]), var(3, &[10, 16]));
+    let vars: Vec<(String, candle_core::Var)> = [("w1", &w1), ("b1", &b1), ("w2", &w2)]
+        .into_iter()
+        .map(|(n, v)| (n.to_string(), v.clone()))
+        .collect();
+    let dp = DataParallel::from_vars(vars.clone(), vars, comm.clone()).unwrap();
+    let grads_of = |all: bool| {
+        let mut loss = (w1.as_tensor().sqr().unwrap().sum_all().unwrap()
+            + w2.as_tensor().sum_all().unwrap())
+        .unwrap();
+        if all {
+            loss = (loss + b1.as_tensor().sum_all().unwrap()).unwrap();
+        }
+        loss.backward().unwrap()
+    };
+    // Once before counting: the first collective of a communicator sets it up.
+    dp.sync_gradients(grads_of(true)).unwrap();
+    let measure_sync = |all: bool| {
+        let grads = grads_of(all);
+        dev.synchronize().unwrap();
+        sim.reset();
+        let before = sim.stream_counts();
+        let synced = dp.sync_gradients(grads).unwrap();
+        let counts = sim.stream_counts().minus(before);
+        (counts, sim.launched(), synced)
+    };
+    let (all, all_kernels, synced) = measure_sync(true);
+    let (some, some_kernels, _) = measure_sync(false);
+    eprintln!("every gradient: {all:?}\n  {all_kernels:?}\none missing: {some:?}\n  {some_kernels:?}");
+    assert!(synced.get(b1.as_tensor()).is_some());
+    assert_eq!(
+        all_kernels,
+        ["copy2d_f32", "copy2d_f32", "copy2d_f32", "copy2d_f32"],
+        "the bucket's copy: three gradients and the flags"
+    );
+    assert_eq!(
+        (all.host_syncs, all.copies_dtoh),
+        (0, 0),
+        "a sync where every variable has a gradient waits for nothing: {all:?}"
+    );
+    assert_eq!(all.copies_htod, 1, "the flags go up: {all:?}");
+    assert_eq!(all.allocs, 3, "the flags, the bucket and the result: {all:?}");
+    assert_eq!(
+        (some.host_syncs, some.copies_dtoh),
+        (1, 1),
+        "a missing gradient reads the flags back: {some:?}"
+    );
+}

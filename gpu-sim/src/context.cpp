@@ -44,6 +44,17 @@ int device_count() {
     return n;
 }
 
+bool skip_kernels() {
+    static const bool skip = [] {
+        const char* v = std::getenv("GPU_SIM_SKIP_KERNELS");
+        if (!v || !*v || std::string(v) == "0") return false;
+        if (std::string(v) != "1") fatal("GPU_SIM_SKIP_KERNELS=%s: expected 0 or 1", v);
+        log("GPU_SIM_SKIP_KERNELS=1: kernels are not run and memory contents are meaningless");
+        return true;
+    }();
+    return skip;
+}
+
 const char* device_name() { return "gpu-sim (simulated on the CPU, not a GPU)"; }
 
 uint64_t device_memory() { return 16ull << 30; }

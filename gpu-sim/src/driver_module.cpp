@@ -304,6 +304,7 @@ CUresult cuLaunchKernel(CUfunction h, unsigned gx, unsigned gy, unsigned gz, uns
     sim::Op op;
     op.kind = "launch";
     op.run = [entry, storage, ptrs, cfg, name, ctx, pointer_args, arg_allocs] {
+        if (sim::skip_kernels()) return;  // checked, counted and ordered above; not run
         std::string error;
         uint64_t fault = 0;
         if (!sim::guarded_run(*entry, ptrs->data(), cfg, error, &fault)) {

@@ -113,8 +113,10 @@ CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out) {
     a->map = m;
     a->map_len = len;
     // Fresh device memory holds garbage on a GPU: fill it with a NaN pattern (0xFF bytes) so
-    // that reading before writing shows; the slack past the end holds the canary.
-    std::memset(reinterpret_cast<void*>(a->base), 0xFF, size);
+    // that reading before writing shows (not when kernels are skipped: nothing is computed, and
+    // the fill would be the simulator's cost, not the program's); the slack past the end holds
+    // the canary.
+    if (!skip_kernels()) std::memset(reinterpret_cast<void*>(a->base), 0xFF, size);
     std::memset(reinterpret_cast<void*>(a->base + size), kCanary, padded - size);
     std::lock_guard<std::mutex> g(g_mem);
     a->id = g_next_id++;

@@ -5,6 +5,7 @@
 // executor's rate on a barrier-free kernel.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -357,6 +358,27 @@ bool launches_and_copies_are_counted() {
     return true;
 }
 
+// A launch of sim_add_one over known values: its output is the input plus one when kernels run,
+// and untouched under GPU_SIM_SKIP_KERNELS=1, where the launch is still counted.
+bool launch_outcome(bool runs) {
+    Device d(0);
+    CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), out = upload(std::vector<float>(64, 5.0f));
+    GpuSimCounts before, after;
+    gpusim_counts(nullptr, 0, &before);
+    CUresult r = add_one(d, in, out, 64, nullptr);
+    EXPECT(r == CUDA_SUCCESS, "got %s", name(r));
+    EXPECT(cuCtxSynchronize() == CUDA_SUCCESS, "a clean synchronize");
+    gpusim_counts(nullptr, 0, &after);
+    EXPECT(after.launches - before.launches == 1, "the launch counted");
+    std::vector<float> got = download(out, 64);
+    const float want = runs ? 2.0f : 5.0f;
+    for (float v : got) EXPECT(v == want, "%g, expected %g", v, want);
+    return true;
+}
+
+bool a_launch_runs_its_kernel() { return launch_outcome(true); }
+bool a_skipped_launch_runs_nothing() { return launch_outcome(false); }
+
 void bench() {
     Device d(0);
     const int n = 1 << 24;
@@ -388,7 +410,25 @@ int main(int argc, char** argv) {
         bench();
         return 0;
     }
-    const std::pair<const char*, std::function<bool()>> tests[] = {
+    using Test = std::pair<const char*, std::function<bool()>>;
+    // `selftest PTX skip`, under GPU_SIM_SKIP_KERNELS=1: kernels do not run, and every check
+    // made at the call still applies.
+    const Test skipped[] = {
+        {"a_skipped_launch_runs_nothing", a_skipped_launch_runs_nothing},
+        {"host_pointer_argument_is_refused", host_pointer_argument_is_refused},
+        {"freed_pointer_argument_is_refused", freed_pointer_argument_is_refused},
+        {"other_devices_pointer_is_refused", other_devices_pointer_is_refused},
+        {"copies_are_range_checked", copies_are_range_checked},
+        {"launches_and_copies_are_counted", launches_and_copies_are_counted},
+    };
+    const bool skip = argc > 2 && std::string(argv[2]) == "skip";
+    const char* env = std::getenv("GPU_SIM_SKIP_KERNELS");
+    if (skip != (env && std::string(env) == "1")) {
+        std::fprintf(stderr, "selftest: `skip` goes with GPU_SIM_SKIP_KERNELS=1, and only then\n");
+        return 2;
+    }
+    const Test all[] = {
+        {"a_launch_runs_its_kernel", a_launch_runs_its_kernel},
         {"host_pointer_argument_is_refused", host_pointer_argument_is_refused},
         {"freed_pointer_argument_is_refused", freed_pointer_argument_is_refused},
         {"other_devices_pointer_is_refused", other_devices_pointer_is_refused},
@@ -408,6 +448,11 @@ int main(int argc, char** argv) {
         {"an_unsupported_call_fails_with_its_name", an_unsupported_call_fails_with_its_name},
         {"launches_and_copies_are_counted", launches_and_copies_are_counted},
     };
+    std::vector<Test> tests;
+    if (skip)
+        tests.assign(std::begin(skipped), std::end(skipped));
+    else
+        tests.assign(std::begin(all), std::end(all));
     for (const auto& t : tests) {
         std::printf("test %s ...\n", t.first);
         std::fflush(stdout);

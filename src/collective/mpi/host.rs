@@ -1,7 +1,7 @@
 //! Host buffers of the MPI collectives (every tensor passes through the CPU) and the codes of
 //! the descriptor every rank all-gathers before a collective.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 
 use super::super::{CollectiveError, ReduceOp};
 use super::BACKEND;
@@ -51,8 +51,29 @@ impl HostBuf {
     /// The input of a call, copied before the ranks agree on it: a failure becomes this rank's
     /// verdict in [`super::MpiCollective::agree`] (see [`Staged::verdict`]), so that the call
     /// fails on every rank alike instead of leaving the others waiting in MPI.
-    pub(super) fn staged(t: &Tensor) -> Staged {
+    pub(super) fn staged(t: &Tensor) -> Staged<HostBuf> {
         Staged(Self::of(t).map_err(|e| format!("copying the input to the host failed: {e}")))
+    }
+
+    /// The input of a reduction: a contiguous host tensor of a type MPI knows is read where it
+    /// is, without a copy; anything else is copied as by [`HostBuf::staged`].
+    pub(super) fn staged_source(t: &Tensor) -> Staged<Source> {
+        if t.device().is_cpu() && t.is_contiguous() && in_place_dtype(t.dtype()) {
+            return Staged(Ok(Source::InPlace(t.clone())));
+        }
+        let Staged(copy) = Self::staged(t);
+        Staged(copy.map(Source::Copy))
+    }
+
+    /// The values as a slice.
+    pub(super) fn as_slice(&self) -> HostSlice<'_> {
+        match self {
+            HostBuf::F32(v) => HostSlice::F32(v),
+            HostBuf::F64(v) => HostSlice::F64(v),
+            HostBuf::I64(v) => HostSlice::I64(v),
+            HostBuf::U32(v) => HostSlice::U32(v),
+            HostBuf::U8(v) => HostSlice::U8(v),
+        }
     }
 
     /// A zeroed buffer of the same type and `len` values.
@@ -78,10 +99,69 @@ impl HostBuf {
     }
 }
 
-/// A call's input on the host, or why it is not there.
-pub(super) struct Staged(std::result::Result<HostBuf, String>);
+/// Whether MPI can read a host tensor of `dtype` where it is (f16 and bf16 travel as f32).
+fn in_place_dtype(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::F32 | DType::F64 | DType::I64 | DType::U32 | DType::U8
+    )
+}
 
-impl Staged {
+/// Host values of a type MPI knows, borrowed.
+pub(super) enum HostSlice<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+    I64(&'a [i64]),
+    U32(&'a [u32]),
+    U8(&'a [u8]),
+}
+
+/// The input of a reduction on the host: read in place, or copied.
+pub(super) enum Source {
+    /// A contiguous host tensor of a type MPI knows.
+    InPlace(Tensor),
+    /// Anything else, copied.
+    Copy(HostBuf),
+}
+
+impl Source {
+    /// Runs `f` on the values, borrowed where they are.
+    pub(super) fn with_slice<R>(&self, f: impl FnOnce(HostSlice<'_>) -> R) -> Result<R> {
+        let t = match self {
+            Source::Copy(buf) => return Ok(f(buf.as_slice())),
+            Source::InPlace(t) => t,
+        };
+        let (storage, layout) = t.storage_and_layout();
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("mpi: an in-place input must be contiguous")
+        };
+        let slice = match &*storage {
+            Storage::Cpu(CpuStorage::F32(v)) => HostSlice::F32(&v[a..b]),
+            Storage::Cpu(CpuStorage::F64(v)) => HostSlice::F64(&v[a..b]),
+            Storage::Cpu(CpuStorage::I64(v)) => HostSlice::I64(&v[a..b]),
+            Storage::Cpu(CpuStorage::U32(v)) => HostSlice::U32(&v[a..b]),
+            Storage::Cpu(CpuStorage::U8(v)) => HostSlice::U8(&v[a..b]),
+            _ => candle_core::bail!("mpi: an in-place input must be a host tensor of an MPI type"),
+        };
+        Ok(f(slice))
+    }
+
+    /// A zeroed receive buffer for `len` values of this input's type.
+    pub(super) fn zeros(&self, len: usize) -> Result<HostBuf> {
+        self.with_slice(|s| match s {
+            HostSlice::F32(_) => HostBuf::F32(vec![0.0; len]),
+            HostSlice::F64(_) => HostBuf::F64(vec![0.0; len]),
+            HostSlice::I64(_) => HostBuf::I64(vec![0; len]),
+            HostSlice::U32(_) => HostBuf::U32(vec![0; len]),
+            HostSlice::U8(_) => HostBuf::U8(vec![0; len]),
+        })
+    }
+}
+
+/// A call's input on the host (a copy, or a reduction's [`Source`]), or why it is not there.
+pub(super) struct Staged<B>(std::result::Result<B, String>);
+
+impl<B> Staged<B> {
     /// This rank's verdict on the call: `checks`, then whether the copy succeeded.
     pub(super) fn verdict(
         &self,
@@ -91,7 +171,7 @@ impl Staged {
     }
 
     /// The buffer, once `agree` accepted the call (which it does not when the copy failed).
-    pub(super) fn take(self, op: &'static str) -> Result<HostBuf> {
+    pub(super) fn take(self, op: &'static str) -> Result<B> {
         self.0.map_err(|e| invalid(op, e))
     }
 }

@@ -30,7 +30,7 @@ use super::{
 mod host;
 mod ops;
 
-use host::{avg_dtype, dtype_code, invalid, shape_code, with_buf, HostBuf};
+use host::{avg_dtype, dtype_code, invalid, shape_code, with_buf, HostBuf, HostSlice, Source};
 
 const BACKEND: &str = "MPI";
 
@@ -417,23 +417,24 @@ impl MpiCollective {
         )
     }
 
-    /// The element-wise reduction of an agreed call (`agree` has run) of `t`, staged in `send`.
-    fn reduce(&self, op: &'static str, send: HostBuf, t: &Tensor, rop: ReduceOp) -> Result<Tensor> {
+    /// The element-wise reduction of an agreed call (`agree` has run) of `t`, read from `send`
+    /// (in place for a contiguous host tensor of an MPI type, else a copy).
+    fn reduce(&self, op: &'static str, send: Source, t: &Tensor, rop: ReduceOp) -> Result<Tensor> {
         let n = t.elem_count();
-        let mut recv = send.zeros_like(n);
+        let mut recv = send.zeros(n)?;
         let mpi_op = match rop {
             ReduceOp::Sum | ReduceOp::Avg => SystemOperation::sum(),
             ReduceOp::Max => SystemOperation::max(),
             ReduceOp::Min => SystemOperation::min(),
         };
-        match (&send, &mut recv) {
-            (HostBuf::F32(s), HostBuf::F32(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostBuf::F64(s), HostBuf::F64(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostBuf::I64(s), HostBuf::I64(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostBuf::U32(s), HostBuf::U32(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostBuf::U8(s), HostBuf::U8(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            _ => unreachable!("zeros_like keeps the variant"),
-        }
+        send.with_slice(|s| match (s, &mut recv) {
+            (HostSlice::F32(s), HostBuf::F32(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostSlice::F64(s), HostBuf::F64(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostSlice::I64(s), HostBuf::I64(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostSlice::U32(s), HostBuf::U32(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            (HostSlice::U8(s), HostBuf::U8(r)) => self.all_reduce_into(op, s, r, mpi_op),
+            _ => unreachable!("`zeros` keeps the input's type"),
+        })?;
         if rop == ReduceOp::Avg {
             // Scaled in place in the wire type (f32 for f16/bf16) before the conversion back, so
             // that a sum beyond the input type's range still averages correctly; by `1/world`

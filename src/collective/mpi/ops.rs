@@ -27,7 +27,7 @@ impl Collective for MpiCollective {
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "all_reduce";
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
-        let send = HostBuf::staged(t);
+        let send = HostBuf::staged_source(t);
         self.agree(OP, desc, send.verdict(avg_dtype(t, op)))?;
         self.reduce(OP, send.take(OP)?, t, op)
     }
@@ -46,7 +46,7 @@ impl Collective for MpiCollective {
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         });
-        let send = HostBuf::staged(t);
+        let send = HostBuf::staged_source(t);
         self.agree(OP, desc, send.verdict(local))?;
         let full = self.reduce(OP, send.take(OP)?, t, op)?;
         scatter_rows(&full, self.rank, self.world)
