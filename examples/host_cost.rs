@@ -14,13 +14,16 @@
 //!
 //! On a real GPU the same binary measures the same thing, as long as the launch queue does not
 //! fill (it is drained after every batch of calls, outside the timing).
+//!
+//! Then the same for `DataParallel::sync_gradients` of ResNet-20's parameters (one bucket),
+//! against one bare all-reduce of as many values.
 
 use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
-use candle_distributed::collective::NcclGroup;
-use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
+use candle_distributed::collective::{Collective, NcclGroup, ReduceOp};
+use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 
 /// The batch-norm inputs of ResNet-20 at batch 128: one per stage.
@@ -42,6 +45,157 @@ fn per_call(dev: &Device, f: &mut dyn FnMut() -> Result<()>, times: &mut Vec<f64
     Ok(())
 }
 
+/// `GpuSimCounts` of `gpu-sim/include/gpusim.h`: the simulated driver's calls by kind.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct Counts {
+    launches: u64,
+    copies_htod: u64,
+    copies_dtoh: u64,
+    copies_dtod: u64,
+    memsets: u64,
+    allocs: u64,
+    frees: u64,
+    event_records: u64,
+    stream_waits: u64,
+    host_syncs: u64,
+    host_tasks: u64,
+}
+
+/// The driver calls of one call of `f`, by kind, from the simulated driver's process-wide
+/// counters (`None` on a real driver, which has none).
+fn driver_calls(dev: &Device, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Counts>> {
+    type CountsFn = unsafe extern "C" fn(*mut std::ffi::c_void, i32, *mut Counts) -> i32;
+    type ResetFn = unsafe extern "C" fn();
+    // SAFETY: libcuda.so.1 is already loaded by this process (the cuda build links it); opening
+    // it again only takes a reference and runs no initialiser.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }?;
+    // SAFETY: looking symbols up has no side effect; these two have these signatures in
+    // gpu-sim/include/gpusim.h.
+    let (counts, reset) = unsafe {
+        match (
+            lib.get::<CountsFn>(b"gpusim_counts"),
+            lib.get::<ResetFn>(b"gpusim_reset_counts"),
+        ) {
+            (Ok(c), Ok(r)) => (c, r),
+            _ => return Ok(None),
+        }
+    };
+    dev.synchronize()?;
+    // SAFETY: `gpusim_reset_counts` takes nothing.
+    unsafe { reset() };
+    f()?;
+    dev.synchronize()?;
+    let mut c = Counts::default();
+    // SAFETY: with `all` non-zero the stream is not read; `c` is a valid `GpuSimCounts`.
+    anyhow::ensure!(
+        unsafe { counts(std::ptr::null_mut(), 1, &mut c) } == 0,
+        "gpusim_counts failed"
+    );
+    Ok(Some(c))
+}
+
+/// `launches / allocations / memsets and device copies / event records and waits` of a call.
+fn describe(c: Option<Counts>) -> String {
+    c.map_or("–".into(), |c| {
+        format!(
+            "{} / {} / {} / {}",
+            c.launches,
+            c.allocs,
+            c.memsets + c.copies_dtod,
+            c.event_records + c.stream_waits
+        )
+    })
+}
+
+/// The parameter shapes of ResNet-20 for 32×32 images (He et al., option B shortcuts): 19
+/// convolutions with their batch norms' γ and β, two 1×1 projections, the classifier.
+fn resnet20_shapes() -> Vec<Vec<usize>> {
+    let mut shapes = vec![vec![16, 3, 3, 3]];
+    let mut bn = vec![16];
+    let mut c_in = 16;
+    for c in [16, 32, 64] {
+        for block in 0..3 {
+            shapes.push(vec![c, c_in, 3, 3]);
+            shapes.push(vec![c, c, 3, 3]);
+            bn.extend([c, c]);
+            if block == 0 && c != c_in {
+                shapes.push(vec![c, c_in, 1, 1]);
+                bn.push(c);
+            }
+            c_in = c;
+        }
+    }
+    shapes.extend([vec![10, 64], vec![10]]);
+    for c in bn {
+        shapes.extend([vec![c], vec![c]]);
+    }
+    shapes
+}
+
+/// Host time of `DataParallel::sync_gradients` of ResNet-20's parameters against one bare
+/// all-reduce of as many values, each call timed alone (its gradients made before, the device
+/// drained after), median of `BATCHES × CALLS` calls; and their driver calls.
+fn sync_row(comm: &std::sync::Arc<dyn Collective>, dev: &Device) -> Result<()> {
+    let vars: Vec<(String, Var)> = resnet20_shapes()
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| Ok((format!("p{i}"), Var::randn(0f32, 1f32, s, dev)?)))
+        .collect::<Result<_>>()?;
+    let total: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
+    let dp = DataParallel::from_vars(vars.clone(), vars.clone(), comm.clone())?;
+    let grads = || -> Result<candle_core::backprop::GradStore> {
+        let mut loss = vars[0].1.as_tensor().sum_all()?;
+        for (_, v) in &vars[1..] {
+            loss = (loss + v.as_tensor().sum_all()?)?;
+        }
+        Ok(loss.backward()?)
+    };
+    let flat = Tensor::randn(0f32, 1f32, total, dev)?;
+    let (mut sync_t, mut bare_t) = (Vec::new(), Vec::new());
+    for i in 0..BATCHES * CALLS + 5 {
+        let g = grads()?;
+        dev.synchronize()?;
+        let t = Instant::now();
+        dp.sync_gradients(g)?;
+        let sync = t.elapsed().as_secs_f64();
+        dev.synchronize()?;
+        let t = Instant::now();
+        comm.all_reduce(&flat, ReduceOp::Avg)?;
+        let bare = t.elapsed().as_secs_f64();
+        dev.synchronize()?;
+        if i >= 5 {
+            sync_t.push(sync);
+            bare_t.push(bare);
+        }
+    }
+    let g = grads()?;
+    let mut g = Some(g);
+    let sync_calls = driver_calls(dev, &mut || {
+        dp.sync_gradients(g.take().expect("one call"))?;
+        Ok(())
+    })?;
+    let bare_calls = driver_calls(dev, &mut || {
+        comm.all_reduce(&flat, ReduceOp::Avg)?;
+        Ok(())
+    })?;
+    let (a, b) = (median(sync_t), median(bare_t));
+    println!(
+        "\n| parameters | sync_gradients µs | one all_reduce µs | ratio | driver calls: sync_gradients | all_reduce |"
+    );
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| ResNet-20: {} variables, {total} values | {:.1} | {:.1} | {:.2}× | {} | {} |",
+        vars.len(),
+        a * 1e6,
+        b * 1e6,
+        a / b,
+        describe(sync_calls),
+        describe(bare_calls)
+    );
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -49,18 +203,21 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let skip = std::env::var("GPU_SIM_SKIP_KERNELS").is_ok_and(|v| v == "1");
-    let comm = NcclGroup::new(&[0])?.remove(0);
-    let dev = comm.device();
+    let nccl = NcclGroup::new(&[0])?.remove(0);
+    let dev = nccl.device();
+    let comm: std::sync::Arc<dyn Collective> = nccl;
     println!(
-        "host time per call, µs (median of {BATCHES} batches of {CALLS} calls){}",
+        "host time per call (median of {BATCHES} batches of {CALLS} calls){}",
         if skip {
             ", simulated GPU, kernels skipped"
         } else {
             ""
         }
     );
-    println!("| shape | what | SyncBatchNorm | candle-nn BatchNorm | ratio |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| shape | what | SyncBatchNorm µs | candle-nn BatchNorm µs | ratio | driver calls (launches / allocations / memsets and device copies / events): SyncBatchNorm | candle-nn |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for [n, c, h, w] in SHAPES {
         // A variable, as an activation inside a network is: the backward computes its gradient.
         let x = Var::from_tensor(&Tensor::randn(0f32, 1f32, (n, c, h, w), &dev)?)?;
@@ -80,8 +237,9 @@ fn main() -> Result<()> {
         let layers: [&dyn ModuleT; 2] = [&ours, &theirs];
         for what in ["forward", "forward + backward"] {
             let mut times = [Vec::new(), Vec::new()];
+            let mut calls = [None, None];
             for batch in 0..BATCHES + 2 {
-                for (layer, t) in layers.iter().zip(times.iter_mut()) {
+                for ((layer, t), count) in layers.iter().zip(times.iter_mut()).zip(&mut calls) {
                     let mut f = || -> Result<()> {
                         let y = layer.forward_t(x.as_tensor(), true)?;
                         if what != "forward" {
@@ -93,17 +251,21 @@ fn main() -> Result<()> {
                     // The first two batches warm up (allocator pools, module loads).
                     if batch < 2 {
                         t.clear();
+                    } else if batch == 2 {
+                        *count = driver_calls(&dev, &mut f)?;
                     }
                 }
             }
             let [a, b] = times.map(median);
             println!(
-                "| {n}×{c}×{h}×{w} | {what} | {:.1} | {:.1} | {:.2}× |",
+                "| {n}×{c}×{h}×{w} | {what} | {:.1} | {:.1} | {:.2}× | {} | {} |",
                 a * 1e6,
                 b * 1e6,
-                a / b
+                a / b,
+                describe(calls[0]),
+                describe(calls[1])
             );
         }
     }
-    Ok(())
+    sync_row(&comm, &dev)
 }

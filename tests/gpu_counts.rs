@@ -80,7 +80,19 @@ impl Sim {
         c
     }
 
-    /// Clears the launch log.
+    /// Counts of the whole process since the last [`Sim::reset`] (every stream, NCCL's too).
+    fn total_counts(&self) -> Counts {
+        let mut c = Counts::default();
+        // SAFETY: as in `stream_counts`; with `all` non-zero the stream is not read.
+        let rc = unsafe {
+            let f = self.lib.get::<CountsFn>(b"gpusim_counts").unwrap();
+            f(std::ptr::null_mut(), 1, &mut c)
+        };
+        assert_eq!(rc, 0, "gpusim_counts failed");
+        c
+    }
+
+    /// Clears the launch log and the process-wide counts.
     fn reset(&self) {
         // SAFETY: `gpusim_reset_counts` takes nothing (gpu-sim/include/gpusim.h).
         unsafe { self.lib.get::<ResetFn>(b"gpusim_reset_counts").unwrap()() }
@@ -105,6 +117,9 @@ impl Sim {
             .collect()
     }
 }
+
+/// The tests of this file one at a time: the launch log and the totals are the process's.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// What `f` enqueued on the calling thread's stream, and the kernels it launched.
 fn measure(sim: &Sim, f: impl FnOnce()) -> (Counts, Vec<String>) {
@@ -137,6 +152,7 @@ fn a_training_step_launches_what_the_readme_states() {
         eprintln!("not on the simulated driver: no counters to read");
         return;
     };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     ThreadGroup::run(1, |comm| {
         let dev = common::cuda_device();
         let (bn, _vm) = common::layer(
@@ -258,6 +274,7 @@ fn a_gradient_sync_launches_what_the_docs_state() {
         eprintln!("not on the simulated driver: no counters to read");
         return;
     };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let comm = NcclGroup::new(&[0]).unwrap().remove(0);
     let dev = comm.device();
     let var = |seed: u64, dims: &[usize]| {
@@ -289,30 +306,53 @@ fn a_gradient_sync_launches_what_the_docs_state() {
         let grads = grads_of(all);
         dev.synchronize().unwrap();
         sim.reset();
-        let before = sim.stream_counts();
         let synced = dp.sync_gradients(grads).unwrap();
-        let counts = sim.stream_counts().minus(before);
-        (counts, sim.launched(), synced)
+        (sim.total_counts(), sim.launched(), synced)
     };
     let (all, all_kernels, synced) = measure_sync(true);
     let (some, some_kernels, _) = measure_sync(false);
-    eprintln!("every gradient: {all:?}\n  {all_kernels:?}\none missing: {some:?}\n  {some_kernels:?}");
+    eprintln!(
+        "every gradient: {all:?}\n  {all_kernels:?}\none missing: {some:?}\n  {some_kernels:?}"
+    );
     assert!(synced.get(b1.as_tensor()).is_some());
+    for (what, kernels) in [
+        ("every gradient", &all_kernels),
+        ("one missing", &some_kernels),
+    ] {
+        assert_eq!(
+            kernels,
+            &[
+                "copy2d_f32",
+                "copy2d_f32",
+                "copy2d_f32",
+                "copy2d_f32",
+                "ncclAllReduce"
+            ],
+            "{what}: the bucket's copy (three gradients and the flags), then one all-reduce"
+        );
+    }
     assert_eq!(
-        all_kernels,
-        ["copy2d_f32", "copy2d_f32", "copy2d_f32", "copy2d_f32"],
-        "the bucket's copy: three gradients and the flags"
+        (all.host_syncs, all.copies_dtoh, all.copies_htod),
+        (0, 0, 1),
+        "a sync where every variable has a gradient uploads the flags and waits for nothing: {all:?}"
     );
     assert_eq!(
-        (all.host_syncs, all.copies_dtoh),
-        (0, 0),
-        "a sync where every variable has a gradient waits for nothing: {all:?}"
+        all.allocs, 3,
+        "the flags, the bucket and the result: {all:?}"
     );
-    assert_eq!(all.copies_htod, 1, "the flags go up: {all:?}");
-    assert_eq!(all.allocs, 3, "the flags, the bucket and the result: {all:?}");
+    // Event records and stream waits: the all-reduce runs on the device's stream (a blocking
+    // call); one record after it is the watchdog's, and the rest is cudarc's tracking of each
+    // buffer's reads and writes, which cudarc turns on once a context has a second stream (the
+    // communicator's own, for its asynchronous calls). Pinned, so that a change shows.
     assert_eq!(
-        (some.host_syncs, some.copies_dtoh),
-        (1, 1),
-        "a missing gradient reads the flags back: {some:?}"
+        (all.event_records, all.stream_waits),
+        (20, 13),
+        "events of a sync: {all:?}"
+    );
+    assert_eq!(
+        (some.host_syncs, some.copies_dtoh, some.memsets, some.allocs),
+        (0, 1, 1, 4),
+        "a missing gradient: a zero-filled stand-in (one allocation, one memset), and the \
+         flags read back (a copy into pageable memory, which returns once done): {some:?}"
     );
 }

@@ -61,8 +61,12 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 9] = [
+    let checks: [(&str, Check); 10] = [
         ("collective values", collective_values),
+        (
+            "a wire dtype rounds like the casts it saves",
+            wire_rounds_like_casts,
+        ),
         (
             "mismatched calls fail on every rank",
             mismatches_fail_everywhere,
@@ -146,6 +150,36 @@ fn collective_values(comm: &Arc<dyn Collective>) -> Result<()> {
     // broadcast from rank 2.
     let b = comm.broadcast(&Tensor::new(&[r * 7.0], &Device::Cpu)?, 2)?;
     ensure!(b.to_vec1::<f64>()? == [14.0]);
+    Ok(())
+}
+
+/// `all_reduce_wire` of f32 values on an f16 or bf16 wire rounds them in the host buffer:
+/// bitwise the result of casting to the wire dtype, reducing, and casting back.
+fn wire_rounds_like_casts(comm: &Arc<dyn Collective>) -> Result<()> {
+    // Seeded per rank, uniform in about ±17 around 0.5: most values change when rounded.
+    let t = randn(40 + comm.rank() as u64, &[3001], 0.5, 10.0).to_dtype(DType::F32)?;
+    for wire in [DType::BF16, DType::F16] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let fused = comm.all_reduce_wire(&t, op, wire)?;
+            ensure!(
+                fused.dtype() == DType::F32,
+                "{wire:?} {op:?}: dtype {:?}",
+                fused.dtype()
+            );
+            let cast = comm
+                .all_reduce(&t.to_dtype(wire)?, op)?
+                .to_dtype(DType::F32)?;
+            let (a, b) = (fused.to_vec1::<f32>()?, cast.to_vec1::<f32>()?);
+            let bad = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
+            ensure!(
+                bad.is_none(),
+                "{wire:?} {op:?}: element {bad:?} differs from the casts' result"
+            );
+        }
+    }
     Ok(())
 }
 

@@ -220,6 +220,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
     sim::Op op;
     op.kind = "copy";
     op.run = [dst, src, n] {
+        if (sim::skip_kernels()) return;  // device work: skipped with the kernels
         std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
     };
     sim::count(s, &sim::Counts::copies_dtod);
@@ -243,6 +244,7 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, 
     sim::Op op;
     op.kind = "copy";
     op.run = [dst, src, n] {
+        if (sim::skip_kernels()) return;  // device work: skipped with the kernels
         std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
     };
     sim::count(s, &sim::Counts::copies_dtod);
@@ -266,6 +268,7 @@ static CUresult memset_async(const char* call, CUdeviceptr dst, uint32_t value, 
     sim::Op op;
     op.kind = "memset";
     op.run = [dst, value, width, count] {
+        if (sim::skip_kernels()) return;  // device work: skipped with the kernels
         auto* p = reinterpret_cast<unsigned char*>(dst);
         for (size_t i = 0; i < count; i++) std::memcpy(p + i * width, &value, width);
     };

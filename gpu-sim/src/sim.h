@@ -36,9 +36,9 @@ void log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // ------------------------------------------------------------------------------------ devices
 int device_count();          // GPU_SIM_DEVICES, default 4
-// GPU_SIM_SKIP_KERNELS=1: launches are checked, counted and ordered, but their kernels do not
-// run, and fresh allocations are not filled; memory contents are then meaningless. For timing
-// the host side of a program.
+// GPU_SIM_SKIP_KERNELS=1: launches, memsets and device-to-device copies are checked, counted
+// and ordered, but do nothing, and fresh allocations are not filled; memory contents are then
+// meaningless. Copies to and from the host still run. For timing the host side of a program.
 bool skip_kernels();
 const char* device_name();   // "gpu-sim (simulated, not a GPU)"
 uint64_t device_memory();    // bytes per device reported by cuDeviceTotalMem / cuMemGetInfo

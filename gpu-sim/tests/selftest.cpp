@@ -33,6 +33,8 @@ CUresult cuMemAllocAsync(CUdeviceptr*, size_t, CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void*, size_t, CUstream);
 CUresult cuMemcpyDtoHAsync_v2(void*, CUdeviceptr, size_t, CUstream);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, CUstream);
 CUresult cuStreamCreate(CUstream*, unsigned);
 CUresult cuStreamSynchronize(CUstream);
 CUresult cuEventCreate(CUevent*, unsigned);
@@ -358,26 +360,37 @@ bool launches_and_copies_are_counted() {
     return true;
 }
 
-// A launch of sim_add_one over known values: its output is the input plus one when kernels run,
-// and untouched under GPU_SIM_SKIP_KERNELS=1, where the launch is still counted.
+// Device work over known values: a launch of sim_add_one (its output is the input plus one), a
+// device-to-device copy and a memset, when they run; under GPU_SIM_SKIP_KERNELS=1 their
+// destinations are untouched, and each is still counted.
 bool launch_outcome(bool runs) {
     Device d(0);
     CUdeviceptr in = upload(std::vector<float>(64, 1.0f)), out = upload(std::vector<float>(64, 5.0f));
+    CUdeviceptr copied = upload(std::vector<float>(64, 5.0f));
+    CUdeviceptr set = upload(std::vector<float>(64, 5.0f));
     GpuSimCounts before, after;
     gpusim_counts(nullptr, 0, &before);
     CUresult r = add_one(d, in, out, 64, nullptr);
     EXPECT(r == CUDA_SUCCESS, "got %s", name(r));
+    EXPECT(cuMemcpyDtoDAsync_v2(copied, in, 64 * 4, nullptr) == CUDA_SUCCESS, "the copy");
+    const float three = 3.0f;
+    unsigned bits;
+    std::memcpy(&bits, &three, 4);
+    EXPECT(cuMemsetD32Async(set, bits, 64, nullptr) == CUDA_SUCCESS, "the memset");
     EXPECT(cuCtxSynchronize() == CUDA_SUCCESS, "a clean synchronize");
     gpusim_counts(nullptr, 0, &after);
     EXPECT(after.launches - before.launches == 1, "the launch counted");
-    std::vector<float> got = download(out, 64);
-    const float want = runs ? 2.0f : 5.0f;
-    for (float v : got) EXPECT(v == want, "%g, expected %g", v, want);
+    EXPECT(after.copies_dtod - before.copies_dtod == 1, "the copy counted");
+    EXPECT(after.memsets - before.memsets == 1, "the memset counted");
+    const std::pair<CUdeviceptr, float> outcomes[] = {
+        {out, runs ? 2.0f : 5.0f}, {copied, runs ? 1.0f : 5.0f}, {set, runs ? 3.0f : 5.0f}};
+    for (const auto& [p, want] : outcomes)
+        for (float v : download(p, 64)) EXPECT(v == want, "%g, expected %g", v, want);
     return true;
 }
 
-bool a_launch_runs_its_kernel() { return launch_outcome(true); }
-bool a_skipped_launch_runs_nothing() { return launch_outcome(false); }
+bool device_work_runs() { return launch_outcome(true); }
+bool skipped_device_work_does_nothing() { return launch_outcome(false); }
 
 void bench() {
     Device d(0);
@@ -414,7 +427,7 @@ int main(int argc, char** argv) {
     // `selftest PTX skip`, under GPU_SIM_SKIP_KERNELS=1: kernels do not run, and every check
     // made at the call still applies.
     const Test skipped[] = {
-        {"a_skipped_launch_runs_nothing", a_skipped_launch_runs_nothing},
+        {"skipped_device_work_does_nothing", skipped_device_work_does_nothing},
         {"host_pointer_argument_is_refused", host_pointer_argument_is_refused},
         {"freed_pointer_argument_is_refused", freed_pointer_argument_is_refused},
         {"other_devices_pointer_is_refused", other_devices_pointer_is_refused},
@@ -428,7 +441,7 @@ int main(int argc, char** argv) {
         return 2;
     }
     const Test all[] = {
-        {"a_launch_runs_its_kernel", a_launch_runs_its_kernel},
+        {"device_work_runs", device_work_runs},
         {"host_pointer_argument_is_refused", host_pointer_argument_is_refused},
         {"freed_pointer_argument_is_refused", freed_pointer_argument_is_refused},
         {"other_devices_pointer_is_refused", other_devices_pointer_is_refused},

@@ -55,6 +55,7 @@ mod mpi;
 mod nccl;
 mod op;
 mod pending;
+mod round;
 mod threads;
 
 pub use checked::Checked;
@@ -135,21 +136,19 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// `t`: any shape, identical on every rank, float. Returns the shape and dtype of `t`.
     ///
     /// The default casts `t` to `wire`, reduces that, and casts the result back: on NCCL the
-    /// reduction then moves `wire`'s bytes. `ThreadGroup`, whose ranks share memory and have no
-    /// wire, rounds the values while it sums them instead, without the two casts; the results
-    /// are bitwise those of the default
-    /// (`tests/thread_group.rs::a_wire_dtype_rounds_like_the_casts_it_saves`).
+    /// reduction then moves `wire`'s bytes. The backends without a 16-bit wire round the values
+    /// instead, without the two casts: `ThreadGroup`, whose ranks share memory, while it sums
+    /// them; MPI, which has no 16-bit float type and sends f32 either way, in the host buffer it
+    /// sends (f32 tensors; other dtypes take the default). Their results are bitwise those of
+    /// the default (`tests/thread_group.rs::a_wire_dtype_rounds_like_the_casts_it_saves`, and
+    /// the MPI suite's check of the same name, `scripts/test-mpi.sh`).
     ///
     /// # Errors
     ///
     /// When `t` or `wire` is not a float dtype, and as [`Collective::all_reduce`] (the ranks must
     /// also agree on `wire`).
     fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
-        check_wire(t, wire)?;
-        if wire == t.dtype() {
-            return self.all_reduce(t, op);
-        }
-        self.all_reduce(&t.to_dtype(wire)?, op)?.to_dtype(t.dtype())
+        all_reduce_cast(self, t, op, wire)
     }
 
     /// Concatenation of every rank's `t` along dimension 0, in rank order.
@@ -307,6 +306,20 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         let me = ranks.iter().position(|&r| r == self.rank());
         self.split(me.map(|_| 0), me.unwrap_or(0) as u32)
     }
+}
+
+/// [`Collective::all_reduce_wire`] by casting: `t` to `wire`, the all-reduce, back to `t`'s dtype.
+pub(crate) fn all_reduce_cast<C: Collective + ?Sized>(
+    c: &C,
+    t: &Tensor,
+    op: ReduceOp,
+    wire: DType,
+) -> Result<Tensor> {
+    check_wire(t, wire)?;
+    if wire == t.dtype() {
+        return c.all_reduce(t, op);
+    }
+    c.all_reduce(&t.to_dtype(wire)?, op)?.to_dtype(t.dtype())
 }
 
 /// Errors unless `t` and `wire` are float dtypes ([`Collective::all_reduce_wire`]).

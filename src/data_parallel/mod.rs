@@ -101,8 +101,9 @@
 //!   processes).
 //! - **16-bit gradients on the wire** (`DataParallel::with_wire_dtype(Some(BF16 | F16))`): the
 //!   bucket goes through `Collective::all_reduce_wire`, which casts it before the all-reduce and
-//!   back after (NCCL, MPI), or, on `ThreadGroup`, rounds each value to the wire dtype while it
-//!   sums, bitwise the same without the casts; 16-bit values are summed in f32 except on NCCL.
+//!   back after (NCCL), or rounds each value to the wire dtype on the host, bitwise the same
+//!   without the casts (`ThreadGroup` while it sums, MPI in the buffer it sends); 16-bit values
+//!   are summed in f32 except on NCCL.
 //!   Steps stay within the wire dtype's rounding of the f32 ones
 //!   (`sixteen_bit_gradients_on_the_wire_stay_close`). What it buys on each backend (nothing on
 //!   `ThreadGroup`, whose ranks share memory, nor on MPI, which sends f32 whatever the wire dtype;
@@ -246,8 +247,8 @@ impl DataParallel {
     /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_wire`]; what
     /// the sum is computed in is the backend's: [`crate::collective::ThreadGroup`] and MPI
     /// accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit float type,
-    /// so it saves no bytes; `ThreadGroup` rounds the f32 gradients as it sums them, without
-    /// casting), NCCL in the wire dtype. f16's range is narrow: a
+    /// so it saves no bytes; both round f32 gradients to the wire dtype on the host instead of
+    /// casting them), NCCL in the wire dtype. f16's range is narrow: a
     /// gradient above 65504 becomes Inf (with a [`crate::amp::GradScaler`] that reads as an
     /// overflow and skips the step; without one it reaches the weights), and values below
     /// 6·10⁻⁵ lose precision, below 6·10⁻⁸ become 0. bf16 keeps f32's range with 8 significant

@@ -14,7 +14,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
 use mpi::raw::{AsRaw, FromRaw};
@@ -23,8 +23,10 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
+use super::round::Wire;
 use super::{
-    scatter_rows, Collective, CollectiveError, Op, Pending, ReduceOp, Worker, DEFAULT_TIMEOUT,
+    all_reduce_cast, check_wire, scatter_rows, Collective, CollectiveError, Op, Pending, ReduceOp,
+    Worker, DEFAULT_TIMEOUT,
 };
 
 mod host;
@@ -418,8 +420,16 @@ impl MpiCollective {
     }
 
     /// The element-wise reduction of an agreed call (`agree` has run) of `t`, read from `send`
-    /// (in place for a contiguous host tensor of an MPI type, else a copy).
-    fn reduce(&self, op: &'static str, send: Source, t: &Tensor, rop: ReduceOp) -> Result<Tensor> {
+    /// (in place for a contiguous host tensor of an MPI type, else a copy); with a `wire`, the
+    /// f32 result rounded to it (`all_reduce_wire`).
+    fn reduce(
+        &self,
+        op: &'static str,
+        send: Source,
+        t: &Tensor,
+        rop: ReduceOp,
+        wire: Option<DType>,
+    ) -> Result<Tensor> {
         let n = t.elem_count();
         let mut recv = send.zeros(n)?;
         let mpi_op = match rop {
@@ -451,6 +461,9 @@ impl MpiCollective {
                 // Refused before any communication (`avg_dtype`).
                 HostBuf::I64(_) | HostBuf::U32(_) | HostBuf::U8(_) => {}
             }
+        }
+        if let HostBuf::F32(r) = &mut recv {
+            Wire::to(wire).round(r);
         }
         recv.into_tensor(t.dims(), t.dtype(), t.device())
     }

@@ -29,7 +29,43 @@ impl Collective for MpiCollective {
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
         let send = HostBuf::staged_source(t);
         self.agree(OP, desc, send.verdict(avg_dtype(t, op)))?;
-        self.reduce(OP, send.take(OP)?, t, op)
+        self.reduce(OP, send.take(OP)?, t, op, None)
+    }
+
+    /// All-reduce of an f32 tensor on an f16 or bf16 wire: each value rounded to the wire dtype
+    /// in the host buffer, summed in f32 by MPI (which has no 16-bit float type, so the values
+    /// travel as f32 whatever the wire), averaged, rounded again: the default's result (cast,
+    /// reduce, cast back), without its two casts. Other dtypes and wires take the default.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_wire`]; also when the tensor cannot be copied to the host or
+    /// the result back to its device. A timeout aborts the MPI job instead of returning.
+    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
+        const OP: &str = "all_reduce";
+        check_wire(t, wire)?;
+        if t.dtype() != DType::F32 || !matches!(wire, DType::F16 | DType::BF16) {
+            return all_reduce_cast(self, t, op, wire);
+        }
+        // The wire rides in the descriptor: a rank calling `all_reduce` meanwhile is a mismatch.
+        let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 1 + dtype_code(wire));
+        let send = HostBuf::staged_source(t);
+        self.agree(OP, desc, send.verdict(avg_dtype(t, op)))?;
+        let rounded = send.take(OP)?.with_slice(|s| match s {
+            HostSlice::F32(v) => {
+                let mut out = vec![0f32; v.len()];
+                Wire::to(Some(wire)).round_from(v, &mut out);
+                Ok(out)
+            }
+            _ => Err(invalid(OP, "an f32 input staged as another type".into())),
+        })??;
+        self.reduce(
+            OP,
+            host::Source::Copy(HostBuf::F32(rounded)),
+            t,
+            op,
+            Some(wire),
+        )
     }
 
     /// All-reduce on the host, after the ranks agree on the call, then this rank's rows.
@@ -48,7 +84,7 @@ impl Collective for MpiCollective {
         });
         let send = HostBuf::staged_source(t);
         self.agree(OP, desc, send.verdict(local))?;
-        let full = self.reduce(OP, send.take(OP)?, t, op)?;
+        let full = self.reduce(OP, send.take(OP)?, t, op, None)?;
         scatter_rows(&full, self.rank, self.world)
     }
 

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 mod combine;
 mod reduce;
-mod round;
 
 use candle_core::{DType, Device, Result, Tensor};
 

@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor, WithDType};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
-use super::round::Wire;
+use crate::collective::round::Wire;
 use crate::collective::ReduceOp;
 
 /// Elements per claimed block (64 KiB of f32): few enough claims that their atomic counter
@@ -286,11 +286,7 @@ impl<T: Lane> Scratch<T> {
             acc: vec![0.0; STRIP],
             tmp: vec![0.0; STRIP],
             lanes: vec![T::zero(); STRIP],
-            wire: match wire {
-                Some(DType::F16) => Wire::F16,
-                Some(DType::BF16) => Wire::BF16,
-                _ => Wire::None,
-            },
+            wire: Wire::to(wire),
         }
     }
 }

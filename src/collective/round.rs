@@ -1,19 +1,28 @@
-//! Rounding f32 values to a 16-bit wire dtype and back, for the sums of
-//! `Collective::all_reduce_wire` on thread ranks: bitwise what `half`'s conversions give, in
-//! forms the CPU runs many lanes at a time.
+//! Rounding f32 values to a 16-bit wire dtype and back, for `Collective::all_reduce_wire` on the
+//! backends that have no 16-bit wire (thread ranks, MPI): bitwise what `half`'s conversions
+//! give, in forms the CPU runs many lanes at a time.
 
 use half::f16;
 
 /// The dtype values are rounded to.
-pub(super) enum Wire {
+pub(crate) enum Wire {
     None,
     F16,
     BF16,
 }
 
 impl Wire {
+    /// The rounding to `wire` (`None` for a dtype other than f16 and bf16).
+    pub(crate) fn to(wire: Option<candle_core::DType>) -> Self {
+        match wire {
+            Some(candle_core::DType::F16) => Wire::F16,
+            Some(candle_core::DType::BF16) => Wire::BF16,
+            _ => Wire::None,
+        }
+    }
+
     /// Rounds every value of `v` to the wire dtype (kept as f32, exactly representable).
-    pub(super) fn round(&self, v: &mut [f32]) {
+    pub(crate) fn round(&self, v: &mut [f32]) {
         match self {
             Wire::None => {}
             Wire::F16 => {
@@ -34,7 +43,7 @@ impl Wire {
     }
 
     /// `dst[i]` = `src[i]` rounded to the wire dtype (`dst` as long as `src`).
-    pub(super) fn round_from(&self, src: &[f32], dst: &mut [f32]) {
+    pub(crate) fn round_from(&self, src: &[f32], dst: &mut [f32]) {
         match self {
             Wire::None => dst.copy_from_slice(src),
             Wire::F16 => round_f16_from(src, dst),
