@@ -46,8 +46,8 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-/// The layer's forward, the two backward ops and forward + backward through autograd on one
-/// shape; candle-nn's BatchNorm beside them in NCHW (it has no channels-last form).
+/// The layer's forward, the two backward ops, forward + backward through autograd and candle's
+/// share of that on one shape; candle-nn's BatchNorm beside them in NCHW (it has no channels-last form).
 fn bench_shape(
     c: &mut Criterion,
     comm: &Arc<dyn Collective>,
@@ -80,12 +80,25 @@ fn bench_shape(
     )
     .unwrap();
 
+    // The machine's limit for a pass that reads the tensor and writes another: a copy of its
+    // values into a buffer written before, on candle's worker pool (the threads our kernels
+    // run on), in work items of the kernels' size.
+    group.throughput(Throughput::Bytes(2 * bytes));
+    let src = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut dst = vec![1f32; src.len()];
+    group.bench_function("copy_baseline", |b| b.iter(|| pool_copy(&src, &mut dst)));
+
     group.throughput(Throughput::Bytes(3 * bytes));
     group.bench_function("syncbn_forward", |b| {
         b.iter(|| bn.forward_t(&x, true).unwrap())
     });
 
     let shift = Tensor::zeros(ch, DType::F64, &dev).unwrap();
+    // The forward's first pass alone: the per-channel shifted sums.
+    group.throughput(Throughput::Bytes(bytes));
+    group.bench_function("syncbn_stats", |b| {
+        b.iter(|| batch_norm_stats(&x, &shift, layout).unwrap())
+    });
     let sums = batch_norm_stats(&x, &shift, layout).unwrap();
     let st = batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
     let weight = Tensor::ones(ch, DType::F32, &dev).unwrap();
@@ -120,10 +133,40 @@ fn bench_shape(
         })
     });
 
+    // What candle's autograd adds around the layer's backward for `x` (candle-core's
+    // `Tensor::backward`): a dense seed of ones for `y`, and a zero-filled gradient that the
+    // op's `dx` is then added into. Timed alone, so that the table can say how much of the
+    // autograd step is candle's.
+    group.throughput(Throughput::Bytes(5 * bytes));
+    group.bench_function("candle_autograd_share", |b| {
+        b.iter(|| {
+            let seed = x.ones_like().unwrap().contiguous().unwrap();
+            let dx = x.zeros_like().unwrap().add(&dy).unwrap();
+            (seed, dx)
+        })
+    });
+
     if !channels_last {
         bench_candle_nn(&mut group, ch, &x, &xv, bytes);
     }
     group.finish();
+}
+
+/// Copies `src` into `dst` (of one length) on candle's worker pool, 32768 values per item.
+fn pool_copy(src: &[f32], dst: &mut [f32]) {
+    const ITEM: usize = 1 << 15;
+    assert_eq!(src.len(), dst.len(), "copy of one length");
+    let (len, out) = (src.len(), dst.as_mut_ptr() as usize);
+    candle_core::utils::barrier_pool().execute_chunked(len.div_ceil(ITEM), |items| {
+        for i in items {
+            let (lo, hi) = (i * ITEM, len.min((i + 1) * ITEM));
+            // SAFETY: `out` is `dst`'s data, borrowed exclusively for this call; every item
+            // index is handed to one closure call only, so the ranges `lo..hi` never overlap,
+            // and they lie within its length.
+            let d = unsafe { std::slice::from_raw_parts_mut((out as *mut f32).add(lo), hi - lo) };
+            d.copy_from_slice(&src[lo..hi]);
+        }
+    });
 }
 
 /// candle-nn's BatchNorm (training mode): forward, and forward + backward through autograd.

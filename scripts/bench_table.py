@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prints the README's benchmark table from one run of both benchmarks.
+"""Prints the benchmark tables of docs/benchmarks.md from one run of both benchmarks.
 
 Reads criterion's results of `cargo bench --bench batch_norm`
 (target/criterion/<shape>_<layout>/<bench>/new/estimates.json, median) and PyTorch's numbers from
@@ -58,4 +58,42 @@ for shape in SHAPES:
             f"| {fmt(bwd)} ({gbs(bwd, shape, 5):.0f}) | {fmt(both)} | {fmt(auto)} "
             f"| {tf:.2f} / {tfb:.2f} | {ratio(fwd, tf)} / {ratio(both, tfb)} / {ratio(auto, tfb)} "
             f"| {fmt(cfwd)} / {fmt(cauto)} | {ratio(cfwd, fwd)} / {ratio(cauto, auto)} |"
+        )
+
+print()
+print(
+    "| shape | layout | autograd fwd+bwd ms | candle's share ms | the rest ms "
+    "| PyTorch fwd+bwd ms | ratio to PyTorch: autograd fwd+bwd / the rest |"
+)
+print("|---|---|---|---|---|---|---|")
+for shape in SHAPES:
+    for layout in ["nchw", "nhwc"]:
+        g = f"{shape}_{layout}"
+        auto = median_ms(g, "syncbn_forward_backward_autograd")
+        share = median_ms(g, "candle_autograd_share")
+        rest = auto - share if auto is not None and share is not None else None
+        tfb = torch[g]["forward_backward"]
+        print(
+            f"| {shape} | {layout.upper()} | {fmt(auto)} | {fmt(share)} | {fmt(rest)} "
+            f"| {tfb:.2f} | {ratio(auto, tfb)} / {ratio(rest, tfb)} |"
+        )
+
+print()
+print(
+    "| shape | layout | copy ms (GB/s) | statistics pass ms (GB/s) | forward ms "
+    "| forward / 1.5 copies | statistics pass / 0.5 copy |"
+)
+print("|---|---|---|---|---|---|---|")
+for shape in SHAPES:
+    for layout in ["nchw", "nhwc"]:
+        g = f"{shape}_{layout}"
+        copy = median_ms(g, "copy_baseline")
+        stats = median_ms(g, "syncbn_stats")
+        fwd = median_ms(g, "syncbn_forward")
+        if copy is None or stats is None or fwd is None:
+            continue
+        print(
+            f"| {shape} | {layout.upper()} | {fmt(copy)} ({gbs(copy, shape, 2):.0f}) "
+            f"| {fmt(stats)} ({gbs(stats, shape, 1):.0f}) | {fmt(fwd)} "
+            f"| {fwd / (1.5 * copy):.2f}× | {stats / (0.5 * copy):.2f}× |"
         )

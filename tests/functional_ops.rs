@@ -329,3 +329,59 @@ fn per_channel_counts_are_per_channel() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Relative error of the statistics of an f32 input against the f64 two-pass computation on
+/// the same values (`x` exact in f64), per channel: mean error over the standard deviation, and
+/// the variance's relative error. Returns the worst of each.
+fn f32_stats_errors(x: &Tensor, shift: f64, channels_last: bool) -> anyhow::Result<(f64, f64)> {
+    let c = x.dim(1)?;
+    let x32 = x.to_dtype(DType::F32)?;
+    let l = if channels_last {
+        Layout::ChannelsLast
+    } else {
+        Layout::ChannelsFirst
+    };
+    let k = Tensor::full(shift, c, x.device())?;
+    let sums = batch_norm_stats(&layout(&x32, channels_last), &k, l)?.to_vec2::<f64>()?;
+    let exact = x32.to_dtype(DType::F64)?;
+    let axes = [0, 2, 3];
+    let mean = exact.mean_keepdim(axes)?;
+    let var = exact.broadcast_sub(&mean)?.sqr()?.mean_keepdim(axes)?;
+    let (mean, var) = (
+        mean.flatten_all()?.to_vec1::<f64>()?,
+        var.flatten_all()?.to_vec1::<f64>()?,
+    );
+    let (mut worst_mean, mut worst_var) = (0f64, 0f64);
+    for j in 0..c {
+        let n = sums[0][j];
+        let (a, b) = (sums[1][j] / n, sums[2][j] / n);
+        worst_mean = worst_mean.max((a + shift - mean[j]).abs() / var[j].sqrt());
+        worst_var = worst_var.max(((b - a * a) - var[j]).abs() / var[j]);
+    }
+    Ok((worst_mean, worst_var))
+}
+
+/// f32 inputs, whose statistics are summed in f64, on both layouts, with channel counts that
+/// fill the CPU kernels' lane tiles (16, 48) and leave channels over (19): against the f64
+/// two-pass statistics of the same values the variance is off by at most [`tol::F32_VAR`] and
+/// the mean by as much of a standard deviation, on data far from zero whose values are not small
+/// multiples of one another (so that f32 sums would round: summing in f32 over 16 values per
+/// lane before f64 was off by 1e-8 to 3e-8 here), shifted from the mean by 0.4 standard
+/// deviations and by 17.
+#[test]
+fn f32_inputs_get_f64_accurate_statistics() -> anyhow::Result<()> {
+    for (seed, c) in [(41, 16), (42, 48), (43, 19)] {
+        let x = randn(seed, &[8, c, 20, 20], 10.0, 0.5);
+        for channels_last in [false, true] {
+            for shift in [9.8, -7.0] {
+                let (mean_err, var_err) = f32_stats_errors(&x, shift, channels_last)?;
+                assert!(
+                    mean_err <= tol::F32_VAR && var_err <= tol::F32_VAR,
+                    "C {c}, channels-last {channels_last}, shift {shift}: mean off by {mean_err:e} std, variance by {var_err:e} (relative) > {:e}",
+                    tol::F32_VAR
+                );
+            }
+        }
+    }
+    Ok(())
+}
