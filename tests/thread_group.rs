@@ -283,8 +283,9 @@ fn a_parallel_sum_matches_one_in_rank_order() {
 }
 
 /// `all_reduce_wire` on thread ranks rounds each value to the wire dtype as it sums, without
-/// casting: bitwise the result of the casts every other backend makes (the trait's default,
-/// reached through a wrapper that does not forward the method), and of the reference.
+/// casting: bitwise the result of the casts the trait's default makes (cast to the wire dtype,
+/// all-reduce, cast back), and of the reference; also through a decorator (`Probe`), which
+/// hands the call to the thread ranks' own method.
 #[test]
 fn a_wire_dtype_rounds_like_the_casts_it_saves() {
     let inputs: Vec<Vec<f32>> = (0..3).map(large_input).collect();
@@ -293,13 +294,22 @@ fn a_wire_dtype_rounds_like_the_casts_it_saves() {
             let outs = run_ranks(3, |comm| {
                 let t = Tensor::new(inputs[comm.rank()].as_slice(), &Device::Cpu)?;
                 let fused = comm.all_reduce_wire(&t, op, wire)?;
-                let cast = Probe::new(comm.clone()).all_reduce_wire(&t, op, wire)?;
+                let probe = Probe::new(comm.clone());
+                let decorated = probe.all_reduce_wire(&t, op, wire)?;
+                // One all-reduce of `t` itself reached the probe's hooks: f32, not cast.
+                assert_eq!(probe.elements(), [t.elem_count()]);
+                assert_eq!(probe.dtypes(), [DType::F32]);
+                let cast = comm
+                    .all_reduce(&t.to_dtype(wire)?, op)?
+                    .to_dtype(DType::F32)?;
                 assert_eq!(fused.dtype(), DType::F32);
-                Ok((fused.to_vec1::<f32>()?, cast.to_vec1::<f32>()?))
+                assert_eq!(decorated.dtype(), DType::F32);
+                let v = |t: Tensor| t.to_vec1::<f32>();
+                Ok([v(fused)?, v(decorated)?, v(cast)?])
             });
             let want = reduce_reference(&inputs, avg, Some(wire));
-            for (fused, cast) in outs {
-                for (name, got) in [("fused", fused), ("cast", cast)] {
+            for [fused, decorated, cast] in outs {
+                for (name, got) in [("fused", fused), ("decorated", decorated), ("cast", cast)] {
                     let bad = got
                         .iter()
                         .zip(&want)

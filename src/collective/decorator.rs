@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::{Collective, Op, Pending, ReduceOp};
 
@@ -121,6 +121,16 @@ impl<D: Decorator> Collective for D {
         let call = Op::AllReduce(op);
         self.before(call, Some(t))?;
         let out = self.inner().all_reduce(t, op)?;
+        self.after(call, out)
+    }
+
+    /// Goes to `inner`'s own `all_reduce_wire` (its hooks see an all-reduce of `t`), so that a
+    /// decorated backend keeps the way it carries a wire dtype (thread ranks and MPI round on
+    /// the host instead of casting).
+    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
+        let call = Op::AllReduce(op);
+        self.before(call, Some(t))?;
+        let out = self.inner().all_reduce_wire(t, op, wire)?;
         self.after(call, out)
     }
 

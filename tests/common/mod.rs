@@ -254,6 +254,8 @@ pub struct Probe {
     pub calls: AtomicUsize,
     /// Elements of each call's tensor, in call order (calls without a tensor not listed).
     pub elements: std::sync::Mutex<Vec<usize>>,
+    /// Dtype of each call's tensor, in the same order.
+    pub dtypes: std::sync::Mutex<Vec<DType>>,
     pub device: Option<Device>,
 }
 
@@ -274,6 +276,7 @@ impl Probe {
             inner,
             calls: AtomicUsize::new(0),
             elements: Default::default(),
+            dtypes: Default::default(),
             device,
         })
     }
@@ -287,11 +290,17 @@ impl Probe {
         self.elements.lock().unwrap().clone()
     }
 
+    /// Dtypes of every call's tensor so far.
+    pub fn dtypes(&self) -> Vec<DType> {
+        self.dtypes.lock().unwrap().clone()
+    }
+
     /// Counts a call and checks its tensor's device.
     fn enter(&self, op: &str, t: Option<&Tensor>) -> candle_core::Result<()> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         if let Some(t) = t {
             self.elements.lock().unwrap().push(t.elem_count());
+            self.dtypes.lock().unwrap().push(t.dtype());
         }
         if let (Some(dev), Some(t)) = (&self.device, t) {
             if !t.device().same_device(dev) {
