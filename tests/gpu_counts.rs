@@ -321,38 +321,32 @@ fn a_gradient_sync_launches_what_the_docs_state() {
     ] {
         assert_eq!(
             kernels,
-            &[
-                "copy2d_f32",
-                "copy2d_f32",
-                "copy2d_f32",
-                "copy2d_f32",
-                "ncclAllReduce"
-            ],
-            "{what}: the bucket's copy (three gradients and the flags), then one all-reduce"
+            &["pack_f32", "ncclAllReduce"],
+            "{what}: one launch packs the three gradients (zeros for a missing one) and their \
+             flags, then one all-reduce"
         );
     }
     assert_eq!(
         (all.host_syncs, all.copies_dtoh, all.copies_htod),
-        (0, 0, 1),
-        "a sync where every variable has a gradient uploads the flags and waits for nothing: {all:?}"
+        (0, 0, 0),
+        "a sync where every variable has a gradient copies nothing to or from the host and \
+         waits for nothing: {all:?}"
     );
-    assert_eq!(
-        all.allocs, 3,
-        "the flags, the bucket and the result: {all:?}"
-    );
+    assert_eq!(all.allocs, 2, "the bucket and the result: {all:?}");
     // Event records and stream waits: the all-reduce runs on the device's stream (a blocking
     // call); one record after it is the watchdog's, and the rest is cudarc's tracking of each
     // buffer's reads and writes, which cudarc turns on once a context has a second stream (the
     // communicator's own, for its asynchronous calls). Pinned, so that a change shows.
     assert_eq!(
         (all.event_records, all.stream_waits),
-        (20, 13),
+        (7, 11),
         "events of a sync: {all:?}"
     );
     assert_eq!(
         (some.host_syncs, some.copies_dtoh, some.memsets, some.allocs),
-        (0, 1, 1, 4),
-        "a missing gradient: a zero-filled stand-in (one allocation, one memset), and the \
-         flags read back (a copy into pageable memory, which returns once done): {some:?}"
+        (0, 1, 0, 2),
+        "a missing gradient: its zeros come from the pack kernel (no allocation, no memset); \
+         the flags are read back (a copy into pageable memory, which returns once done): \
+         {some:?}"
     );
 }

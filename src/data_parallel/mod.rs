@@ -113,6 +113,7 @@
 //!   consistent pair of files and resumes bit for bit.
 
 pub mod join;
+mod pack;
 
 use std::sync::Arc;
 
@@ -326,25 +327,16 @@ impl DataParallel {
         for bucket in self.buckets() {
             let (dtype, device) = (bucket[0].1.dtype(), bucket[0].1.device().clone());
             let mut missing_here = false;
-            let mut parts: Vec<Tensor> = Vec::with_capacity(bucket.len() + 1);
-            let mut flags: Vec<f32> = Vec::with_capacity(bucket.len());
+            let mut parts: Vec<Option<Tensor>> = Vec::with_capacity(bucket.len());
+            let lens: Vec<usize> = bucket.iter().map(|(_, v)| v.elem_count()).collect();
             for (_, v) in bucket {
-                match grads.get(v.as_tensor()) {
-                    Some(g) => {
-                        parts.push(g.to_dtype(dtype)?.flatten_all()?);
-                        flags.push(1.0);
-                    }
-                    None => {
-                        parts.push(Tensor::zeros(v.elem_count(), dtype, &device)?);
-                        flags.push(0.0);
-                        missing_here = true;
-                    }
-                }
+                let g = grads.get(v.as_tensor());
+                missing_here |= g.is_none();
+                parts.push(g.map(|g| g.to_dtype(dtype)?.contiguous()).transpose()?);
             }
             // One flag per variable rides along in the same all-reduce: non-zero after it when
             // some rank has a gradient. Only a rank missing a gradient reads the flags back.
-            parts.push(Tensor::new(flags.as_slice(), &device)?.to_dtype(dtype)?);
-            let flat = Tensor::cat(&parts, 0)?;
+            let flat = pack::pack(&parts, &lens, dtype, &device)?;
             let avg = match self.wire {
                 Some(w) => self.comm.all_reduce_wire(&flat, ReduceOp::Avg, w)?,
                 None => self.comm.all_reduce(&flat, ReduceOp::Avg)?,

@@ -85,7 +85,13 @@ impl<'a> List<'a> {
     }
 
     /// An optional buffer: a null pointer when absent.
-    pub(crate) fn opt(mut self, what: &str, b: Option<Buffer>, need: usize) -> Result<Self> {
+    /// `what` names it in an error (formatted only then).
+    pub(crate) fn opt(
+        mut self,
+        what: impl std::fmt::Display,
+        b: Option<Buffer>,
+        need: usize,
+    ) -> Result<Self> {
         let addr = match b {
             Some(b) if b.len < need => bail!(
                 "{}: {} needs {need} elements in `{what}`, the buffer holds {}",

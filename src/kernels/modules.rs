@@ -34,17 +34,19 @@ pub(crate) enum Module {
     BackwardReduce,
     BackwardElemt,
     MaxPool,
+    Pack,
 }
 
 impl Module {
     /// All of them, for the image checks.
     #[cfg(test)]
-    pub const ALL: [Module; 5] = [
+    pub const ALL: [Module; 6] = [
         Module::Stats,
         Module::Apply,
         Module::BackwardReduce,
         Module::BackwardElemt,
         Module::MaxPool,
+        Module::Pack,
     ];
 
     /// `(kernel source, fatbin image)`.
@@ -55,6 +57,7 @@ impl Module {
             Module::BackwardReduce => ("kernels/backward_reduce.cu", images::BACKWARD_REDUCE),
             Module::BackwardElemt => ("kernels/backward_elemt.cu", images::BACKWARD_ELEMT),
             Module::MaxPool => ("kernels/max_pool.cu", images::MAX_POOL),
+            Module::Pack => ("kernels/pack.cu", images::PACK),
         }
     }
 }

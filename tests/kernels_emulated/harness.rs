@@ -23,7 +23,8 @@ pub const DTYPES: [(DType, &str); 4] = [
 /// Entry points with a single dtype, each launched by a test (none today).
 pub const SINGLE: [&str; 0] = [];
 /// Kernel roots stamped for every dtype; every `<root>_<suffix>` must be launched by a test.
-pub const ROOTS: [&str; 11] = [
+pub const ROOTS: [&str; 12] = [
+    "pack",
     "bn_finalize",
     "max_pool2d_fwd",
     "max_pool2d_bwd",

@@ -6,7 +6,7 @@
 
 //!
 //! `harness.rs`: the emulator, device buffers, the test shapes and the launch loop; one file per
-//! kernel family (statistics, finalize, apply, backward, max pooling); here, the check that
+//! kernel family (statistics, finalize, apply, backward, max pooling, gradient packing); here, the check that
 //! every entry point in `kernels/` is launched by one of them.
 
 #[path = "../common/mod.rs"]
@@ -17,6 +17,7 @@ mod apply;
 mod backward;
 mod finalize;
 mod max_pool;
+mod pack;
 mod stats;
 
 use std::collections::BTreeSet;

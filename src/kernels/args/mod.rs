@@ -14,11 +14,13 @@ pub use crate::device::{Arg, Buffer, Call, Geometry};
 
 mod batch_norm;
 mod max_pool;
+mod pack;
 
 pub use batch_norm::{
     Apply, BackwardElemt, BackwardReduce, Finalize, RunningBuffers, Scratch, Stats,
 };
 pub use max_pool::{MaxPoolBwd, MaxPoolFwd, PoolExtent};
+pub use pack::{Pack, Segment, PACK_SEGS};
 
 /// How a [`Geometry`] selects and sizes the batch-norm kernels: `<root>_nchw` planes or
 /// `<root>_nhwc` rows of channels, by its layout as given (the CUDA path passes
