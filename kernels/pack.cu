@@ -14,7 +14,11 @@ __device__ void pack_segments(T* out, const T* const* src, const long long* off,
                               unsigned int present, long long flags_at) {
     const long long step = (long long)blockDim.x * gridDim.x;
     const long long first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    for (int k = 0; k < segs; k++) {
+    // Unrolled, so that every index into `src` and `off` is a constant: the arrays then stay
+    // in registers and kernel parameters instead of local memory.
+    BN_UNROLL
+    for (int k = 0; k < PACK_SEGS; k++) {
+        if (k >= segs) break;
         const T* s = src[k];
         T* o = out + off[k];
         const long long n = off[k + 1] - off[k];
