@@ -145,17 +145,6 @@ impl Source {
         };
         Ok(f(slice))
     }
-
-    /// A zeroed receive buffer for `len` values of this input's type.
-    pub(super) fn zeros(&self, len: usize) -> Result<HostBuf> {
-        self.with_slice(|s| match s {
-            HostSlice::F32(_) => HostBuf::F32(vec![0.0; len]),
-            HostSlice::F64(_) => HostBuf::F64(vec![0.0; len]),
-            HostSlice::I64(_) => HostBuf::I64(vec![0; len]),
-            HostSlice::U32(_) => HostBuf::U32(vec![0; len]),
-            HostSlice::U8(_) => HostBuf::U8(vec![0; len]),
-        })
-    }
 }
 
 /// A call's input on the host (a copy, or a reduction's [`Source`]), or why it is not there.

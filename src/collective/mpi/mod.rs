@@ -431,19 +431,27 @@ impl MpiCollective {
         wire: Option<DType>,
     ) -> Result<Tensor> {
         let n = t.elem_count();
-        let mut recv = send.zeros(n)?;
         let mpi_op = match rop {
             ReduceOp::Sum | ReduceOp::Avg => SystemOperation::sum(),
             ReduceOp::Max => SystemOperation::max(),
             ReduceOp::Min => SystemOperation::min(),
         };
-        send.with_slice(|s| match (s, &mut recv) {
-            (HostSlice::F32(s), HostBuf::F32(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostSlice::F64(s), HostBuf::F64(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostSlice::I64(s), HostBuf::I64(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostSlice::U32(s), HostBuf::U32(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            (HostSlice::U8(s), HostBuf::U8(r)) => self.all_reduce_into(op, s, r, mpi_op),
-            _ => unreachable!("`zeros` keeps the input's type"),
+        let mut recv = send.with_slice(|s| match s {
+            HostSlice::F32(s) => {
+                HostBuf::F32(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
+            }
+            HostSlice::F64(s) => {
+                HostBuf::F64(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
+            }
+            HostSlice::I64(s) => {
+                HostBuf::I64(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
+            }
+            HostSlice::U32(s) => {
+                HostBuf::U32(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
+            }
+            HostSlice::U8(s) => {
+                HostBuf::U8(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
+            }
         })?;
         if rop == ReduceOp::Avg {
             // Scaled in place in the wire type (f32 for f16/bf16) before the conversion back, so
@@ -468,11 +476,11 @@ impl MpiCollective {
         recv.into_tensor(t.dims(), t.dtype(), t.device())
     }
 
-    fn all_reduce_into<T: Equivalence>(
+    fn all_reduce_into<T: Equivalence, R: Equivalence>(
         &self,
         op: &str,
         s: &[T],
-        r: &mut [T],
+        r: &mut [R],
         mpi_op: SystemOperation,
     ) {
         mpi::request::scope(|scope| {
@@ -480,4 +488,32 @@ impl MpiCollective {
             self.wait(op, req);
         });
     }
+}
+
+/// A value MPI writes into: uninitialised until the call that fills it returns.
+#[repr(transparent)]
+struct Unfilled<T>(std::mem::MaybeUninit<T>);
+
+// SAFETY: `Unfilled<T>` has `T`'s size, alignment and layout (`repr(transparent)` over
+// `MaybeUninit<T>`, which has `T`'s), so `T`'s datatype describes it.
+unsafe impl<T: Equivalence> Equivalence for Unfilled<T> {
+    type Out = T::Out;
+    fn equivalent_datatype() -> T::Out {
+        T::equivalent_datatype()
+    }
+}
+
+/// `len` values written by `fill`, a collective that receives into every one of them. The
+/// buffer is not zero-filled first: that was a whole extra pass over the result, about a tenth
+/// of an all-reduce's time (see docs/benchmarks.md).
+fn received<T: Equivalence>(len: usize, fill: impl FnOnce(&mut [Unfilled<T>])) -> Vec<T> {
+    let mut v: Vec<Unfilled<T>> = Vec::with_capacity(len);
+    // SAFETY: the capacity is `len`, and `MaybeUninit` values need no initialisation.
+    unsafe { v.set_len(len) };
+    fill(&mut v);
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: `fill` returned, so the collective wrote all `len` values (a receive that cannot
+    // complete ends the process in `wait`, it does not return); `Unfilled<T>` has `T`'s layout,
+    // so the allocation is that of a `Vec<T>` of the same length and capacity.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
 }
