@@ -94,7 +94,7 @@ mod tests {
     fn a_pack_lists_every_slot_and_checks_each_source() {
         let segment = |src, len, present| Segment { src, len, present };
         let p = Pack {
-            out: buf(8, 12),
+            out: buf(8, 13),
             at: 0,
             segments: vec![
                 segment(Some(buf(16, 4)), 4, true),
@@ -119,12 +119,12 @@ mod tests {
         assert_eq!(call.launch, launch::grid_stride(5).unwrap());
 
         let short_out = Pack {
-            out: buf(8, 12 - 1),
+            out: buf(8, 12),
             ..p.clone()
         };
         let err = short_out.call("op", DType::F32).unwrap_err().to_string();
         assert!(
-            err.contains("pack_f32 needs 13 elements in `out`, the buffer holds 11"),
+            err.contains("pack_f32 needs 13 elements in `out`, the buffer holds 12"),
             "{err}"
         );
         let mut short_src = p.clone();
