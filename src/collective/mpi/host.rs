@@ -76,17 +76,6 @@ impl HostBuf {
         }
     }
 
-    /// A zeroed buffer of the same type and `len` values.
-    pub(super) fn zeros_like(&self, len: usize) -> Self {
-        match self {
-            HostBuf::F32(_) => HostBuf::F32(vec![0.0; len]),
-            HostBuf::F64(_) => HostBuf::F64(vec![0.0; len]),
-            HostBuf::I64(_) => HostBuf::I64(vec![0; len]),
-            HostBuf::U32(_) => HostBuf::U32(vec![0; len]),
-            HostBuf::U8(_) => HostBuf::U8(vec![0; len]),
-        }
-    }
-
     /// Back to a tensor of `dtype`, `dims`, on `device`.
     pub(super) fn into_tensor(
         self,

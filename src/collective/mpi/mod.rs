@@ -503,9 +503,10 @@ unsafe impl<T: Equivalence> Equivalence for Unfilled<T> {
     }
 }
 
-/// `len` values written by `fill`, a collective that receives into every one of them. The
-/// buffer is not zero-filled first: that was a whole extra pass over the result, about a tenth
-/// of an all-reduce's time (see docs/benchmarks.md).
+/// `len` values written by `fill`, a collective that receives into every one of them (the
+/// all-reduce, and the all-gather, whose parts tile its buffer). The buffer is not zero-filled
+/// first: that was a whole extra pass over the result (the all-reduce against raw
+/// `MPI_Allreduce`: docs/benchmarks.md).
 fn received<T: Equivalence>(len: usize, fill: impl FnOnce(&mut [Unfilled<T>])) -> Vec<T> {
     let mut v: Vec<Unfilled<T>> = Vec::with_capacity(len);
     // SAFETY: the capacity is `len`, and `MaybeUninit` values need no initialisation.

@@ -137,27 +137,29 @@ impl Collective for MpiCollective {
             })
             .collect();
         let total: usize = counts.iter().map(|&c| c as usize).sum();
-        let mut recv = send.zeros_like(total);
+        // Every value is written: the ranks' parts tile the buffer (`displs` are the counts'
+        // running sums).
         macro_rules! gather {
-            ($s:expr, $r:expr) => {{
-                let mut part = PartitionMut::new(&mut $r[..], &counts[..], &displs[..]);
-                mpi::request::scope(|scope| {
-                    let req = locked(|| {
-                        self.comm
-                            .immediate_all_gather_varcount_into(scope, &$s[..], &mut part)
+            ($s:expr) => {
+                received(total, |r| {
+                    let mut part = PartitionMut::new(r, &counts[..], &displs[..]);
+                    mpi::request::scope(|scope| {
+                        let req = locked(|| {
+                            self.comm
+                                .immediate_all_gather_varcount_into(scope, &$s[..], &mut part)
+                        });
+                        self.wait(OP, req);
                     });
-                    self.wait(OP, req);
-                });
-            }};
+                })
+            };
         }
-        match (&send, &mut recv) {
-            (HostBuf::F32(s), HostBuf::F32(r)) => gather!(s, r),
-            (HostBuf::F64(s), HostBuf::F64(r)) => gather!(s, r),
-            (HostBuf::I64(s), HostBuf::I64(r)) => gather!(s, r),
-            (HostBuf::U32(s), HostBuf::U32(r)) => gather!(s, r),
-            (HostBuf::U8(s), HostBuf::U8(r)) => gather!(s, r),
-            _ => unreachable!("zeros_like keeps the variant"),
-        }
+        let recv = match &send {
+            HostBuf::F32(s) => HostBuf::F32(gather!(s)),
+            HostBuf::F64(s) => HostBuf::F64(gather!(s)),
+            HostBuf::I64(s) => HostBuf::I64(gather!(s)),
+            HostBuf::U32(s) => HostBuf::U32(gather!(s)),
+            HostBuf::U8(s) => HostBuf::U8(gather!(s)),
+        };
         let mut dims = t.dims().to_vec();
         dims[0] = rows.iter().sum::<i64>() as usize;
         recv.into_tensor(&dims, t.dtype(), t.device())
