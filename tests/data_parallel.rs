@@ -347,6 +347,28 @@ fn a_variable_unused_everywhere_gets_no_gradient() {
     }
 }
 
+/// A gradient whose element count differs from its variable's (a hand-made `GradStore`) is an
+/// error naming the variable and both shapes, not a bucket with shifted ranges.
+fn a_gradient_of_the_wrong_shape_is_refused(dev: &Device) -> anyhow::Result<()> {
+    let errs = run_ranks_on(1, dev, |comm| {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, dev);
+        linear(3, 2, vb.pp("fc"))?;
+        let dp = DataParallel::new(&vm, comm.clone())?;
+        let w = vm.data().lock().unwrap()["fc.weight"].clone();
+        let mut grads = (w.as_tensor().sum_all()? * 2.0)?.backward()?;
+        grads.insert(w.as_tensor(), Tensor::ones(7, DType::F32, dev)?);
+        Ok(dp.sync_gradients(grads).unwrap_err().to_string())
+    });
+    for e in errs {
+        assert!(
+            e.contains("the gradient of `fc.weight` has shape [7], the variable [2, 3]"),
+            "{e}"
+        );
+    }
+    Ok(())
+}
+
 fn different_models_fail_on_every_rank(dev: &Device) -> anyhow::Result<()> {
     let errs = run_ranks_on(2, dev, |comm| {
         let vm = VarMap::new();
@@ -467,6 +489,7 @@ device_tests!(
     a_missing_gradient_counts_as_zero,
     a_bucket_of_many_variables_averages_each,
     different_models_fail_on_every_rank,
+    a_gradient_of_the_wrong_shape_is_refused,
     a_stray_trainable_variable_fails_on_every_rank,
     replicas_start_from_rank_0,
 );

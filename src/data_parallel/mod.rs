@@ -329,8 +329,16 @@ impl DataParallel {
             let mut missing_here = false;
             let mut parts: Vec<Option<Tensor>> = Vec::with_capacity(bucket.len());
             let lens: Vec<usize> = bucket.iter().map(|(_, v)| v.elem_count()).collect();
-            for (_, v) in bucket {
+            for (name, v) in bucket {
                 let g = grads.get(v.as_tensor());
+                if let Some(g) = g.filter(|g| g.elem_count() != v.elem_count()) {
+                    bail!(
+                        "DataParallel::sync_gradients: the gradient of `{name}` has shape {:?}, \
+                         the variable {:?}",
+                        g.dims(),
+                        v.dims()
+                    )
+                }
                 missing_here |= g.is_none();
                 parts.push(g.map(|g| g.to_dtype(dtype)?.contiguous()).transpose()?);
             }

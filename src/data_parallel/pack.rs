@@ -45,7 +45,7 @@ pub(super) fn pack(
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::backend::BackendStorage;
+    use candle_core::backend::{BackendDevice, BackendStorage};
     use candle_core::op::BackpropOp;
     use candle_core::{bail, CudaDevice, CudaStorage, DType, Result, Storage, Tensor};
 
@@ -76,13 +76,14 @@ mod cuda {
                 views.push(match l {
                     None => None,
                     Some((s, layout)) => match &**s {
-                        Storage::Cuda(s) if s.dtype() == dtype => {
+                        Storage::Cuda(s) if s.dtype() == dtype && s.device.same_device(dev) => {
                             Some(view::<T>(OP, s, layout, "gradient")?)
                         }
                         s => bail!(
-                            "{OP}: gradient {i} is {:?} on {:?}, the bucket {dtype:?} on CUDA",
+                            "{OP}: gradient {i} is {:?} on {:?}, the bucket {dtype:?} on {:?}",
                             s.dtype(),
-                            s.device().location()
+                            s.device().location(),
+                            dev.location()
                         ),
                     },
                 });
