@@ -282,6 +282,40 @@ fn a_parallel_sum_matches_one_in_rank_order() {
     }
 }
 
+/// A result too large for the caches (over 4 MiB: written with non-temporal stores on a CPU
+/// with AVX2) is still bitwise the rank-order sum, with and without a wire, on every rank.
+#[test]
+fn a_result_larger_than_the_caches_is_the_same_sum() {
+    let n = (4 << 20) / 4 + 16384 + 333;
+    let inputs: Vec<Vec<f32>> = (0..4)
+        .map(|r| {
+            randn(200 + r, &[n], -0.25, 3.0)
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect();
+    for wire in [None, Some(DType::BF16)] {
+        let outs = run_ranks(4, |comm| {
+            let t = Tensor::new(inputs[comm.rank()].as_slice(), &Device::Cpu)?;
+            let out = match wire {
+                Some(w) => comm.all_reduce_wire(&t, ReduceOp::Avg, w)?,
+                None => comm.all_reduce(&t, ReduceOp::Avg)?,
+            };
+            Ok(out.to_vec1::<f32>()?)
+        });
+        let want = reduce_reference(&inputs, true, wire);
+        for (r, got) in outs.iter().enumerate() {
+            let bad = got
+                .iter()
+                .zip(&want)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(bad.is_none(), "{wire:?} rank {r}: element {bad:?} differs");
+        }
+    }
+}
+
 /// `all_reduce_wire` on thread ranks rounds each value to the wire dtype as it sums, without
 /// casting: bitwise the result of the casts the trait's default makes (cast to the wire dtype,
 /// all-reduce, cast back), and of the reference; also through a decorator (`Probe`), which

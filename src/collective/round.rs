@@ -42,6 +42,16 @@ impl Wire {
         }
     }
 
+    /// `x` rounded to the wire dtype (kept as f32), one value: bitwise what [`Wire::round`]
+    /// gives for it.
+    pub(crate) fn one(&self, x: f32) -> f32 {
+        match self {
+            Wire::None => x,
+            Wire::F16 => round_f16(x),
+            Wire::BF16 => round_bf16(x),
+        }
+    }
+
     /// `dst[i]` = `src[i]` rounded to the wire dtype (`dst` as long as `src`).
     pub(crate) fn round_from(&self, src: &[f32], dst: &mut [f32]) {
         match self {

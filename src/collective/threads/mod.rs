@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 mod combine;
+mod fused;
 mod reduce;
 
 use candle_core::{DType, Device, Result, Tensor};

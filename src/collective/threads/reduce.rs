@@ -10,6 +10,9 @@
 //! With a wire dtype (`Collective::all_reduce_wire`), each rank's value is rounded to the wire
 //! dtype before it is added and the result is rounded to it after the average: the values
 //! another backend would carry in that dtype, without the two casts that would carry them.
+//!
+//! f32 blocks take one pass on a CPU with AVX2 and F16C ([`super::fused`]); other dtypes, and
+//! every dtype on other CPUs, go a strip at a time through working buffers.
 
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +21,7 @@ use std::sync::Mutex;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor, WithDType};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
+use super::fused;
 use crate::collective::round::Wire;
 use crate::collective::ReduceOp;
 
@@ -77,6 +81,18 @@ trait Lane: WithDType + std::fmt::Debug {
         Self::widen(src, dst);
         wire.round(dst);
     }
+    /// Elements `range` of the result into `dst` in one pass, bitwise what the strips give;
+    /// `false` (nothing written) where this type or CPU has no such pass.
+    fn fused(
+        _ins: &[&[Self]],
+        _range: std::ops::Range<usize>,
+        _dst: &mut [MaybeUninit<Self>],
+        _scale: Option<f32>,
+        _wire: &Wire,
+        _stream: bool,
+    ) -> bool {
+        false
+    }
 }
 
 /// `acc[i] += v[i]`.
@@ -96,6 +112,16 @@ impl Lane for f32 {
     }
     fn widen_rounded(src: &[f32], dst: &mut [f32], wire: &Wire) {
         wire.round_from(src, dst);
+    }
+    fn fused(
+        ins: &[&[f32]],
+        range: std::ops::Range<usize>,
+        dst: &mut [MaybeUninit<f32>],
+        scale: Option<f32>,
+        wire: &Wire,
+        stream: bool,
+    ) -> bool {
+        fused::sum(ins, range, dst, scale, wire, stream)
     }
 }
 
@@ -149,6 +175,8 @@ struct Job<T> {
     /// The factor of an average (`1 / world`), `None` for a sum.
     scale: Option<f32>,
     wire: Option<DType>,
+    /// Whether the result is large enough for non-temporal stores ([`fused::STREAM_BYTES`]).
+    stream: bool,
     blocks: usize,
     /// The next block to claim.
     next: AtomicUsize,
@@ -172,6 +200,7 @@ impl<T: Lane> Job<T> {
             inputs,
             len,
             wire,
+            stream: len * std::mem::size_of::<T>() >= fused::STREAM_BYTES,
             blocks: len.div_ceil(BLOCK),
             next: AtomicUsize::new(0),
             finished: AtomicUsize::new(0),
@@ -182,16 +211,27 @@ impl<T: Lane> Job<T> {
         })
     }
 
-    /// Computes block `b` from the ranks' inputs into the output, a strip at a time.
+    /// Computes block `b` from the ranks' inputs into the output: in one pass where there is
+    /// one, else a strip at a time.
     fn block(&self, b: usize, ins: &[&[T]], s: &mut Scratch<T>) {
-        let end = self.len.min((b + 1) * BLOCK);
-        for lo in (b * BLOCK..end).step_by(STRIP) {
-            self.strip(lo, STRIP.min(end - lo), ins, s);
+        let (start, end) = (b * BLOCK, self.len.min((b + 1) * BLOCK));
+        // SAFETY: the block lies in a range this thread alone claimed (`next` hands out each
+        // index once), `end <= len` is within the allocation's capacity, and no other
+        // reference to this range exists until the buffer is handed out after the last block
+        // (see `Output`).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.out.ptr.add(start), end - start) };
+        if T::fused(ins, start..end, dst, self.scale, &s.wire, self.stream) {
+            return;
+        }
+        for (lo, out) in (start..end).step_by(STRIP).zip(dst.chunks_mut(STRIP)) {
+            self.strip(lo, ins, out, s);
         }
     }
 
-    /// Elements `lo..lo + n` of the result: the ranks' values summed in rank order.
-    fn strip(&self, lo: usize, n: usize, ins: &[&[T]], s: &mut Scratch<T>) {
+    /// Elements `lo..lo + out.len()` of the result into `out`: the ranks' values summed in rank
+    /// order.
+    fn strip(&self, lo: usize, ins: &[&[T]], out: &mut [MaybeUninit<T>], s: &mut Scratch<T>) {
+        let n = out.len();
         let (acc, tmp) = (&mut s.acc[..n], &mut s.tmp[..n]);
         T::widen_rounded(&ins[0][lo..lo + n], acc, &s.wire);
         for x in &ins[1..] {
@@ -207,12 +247,7 @@ impl<T: Lane> Job<T> {
         }
         s.wire.round(acc);
         T::narrow(acc, &mut s.lanes[..n]);
-        // SAFETY: the strip lies in a block this thread alone claimed (`next` hands out each
-        // index once), `lo + n <= len` is within the allocation's capacity, and no other
-        // reference to this range exists until the buffer is handed out after the last block
-        // (see `Output`).
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.out.ptr.add(lo), n) };
-        for (d, v) in dst.iter_mut().zip(&s.lanes[..n]) {
+        for (d, v) in out.iter_mut().zip(&s.lanes[..n]) {
             d.write(*v);
         }
     }

@@ -1,0 +1,231 @@
+//! The f32 sum of a [`super::ThreadGroup`] all-reduce in one pass: for each 8 lanes of the
+//! result, every rank's values are loaded, rounded to the wire dtype (if any), added in rank
+//! order, scaled and rounded, and stored, without the strip path's round trips through
+//! working buffers. Large results are written with non-temporal stores, which skip reading
+//! each output cache line before it is overwritten.
+//!
+//! The arithmetic is the strip path's, operation for operation (IEEE additions and products in
+//! the same order, no fused multiply-add), so the bits are the same whichever path or thread
+//! computed a block.
+
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
+use crate::collective::round::Wire;
+
+/// Results of at least this many bytes are written with non-temporal stores: they do not fit
+/// the caches, so reading each line before overwriting it (what a plain store does) would only
+/// add a fifth to the traffic of a four-rank sum. Smaller results stay in the cache for
+/// whoever reads them next.
+pub(super) const STREAM_BYTES: usize = 4 << 20;
+
+/// `dst[j]` = element `range.start + j` of the result: `w(k · Σ_r w(ins[r][i]))`, summed in
+/// rank order in f32, where `w` rounds to `wire` (nothing without one) and `k` is `scale`
+/// (omitted without one). `dst` is as long as `range`; `stream` asks for non-temporal stores.
+///
+/// Returns `false`, writing nothing, when this CPU has no AVX2 and F16C (or the crate's SIMD
+/// is turned off): the caller then takes the strip path.
+pub(super) fn sum(
+    ins: &[&[f32]],
+    range: Range<usize>,
+    dst: &mut [MaybeUninit<f32>],
+    scale: Option<f32>,
+    wire: &Wire,
+    stream: bool,
+) -> bool {
+    assert_eq!(
+        range.len(),
+        dst.len(),
+        "fused::sum: output of another length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if crate::device::cpu::has_avx2_fma() && has_f16c() {
+        let run = match wire {
+            Wire::None => x86::sum::<{ x86::NONE }>,
+            Wire::F16 => x86::sum::<{ x86::F16 }>,
+            Wire::BF16 => x86::sum::<{ x86::BF16 }>,
+        };
+        // SAFETY: the CPU has AVX2 and F16C (checked just above), all `run` is compiled for.
+        unsafe { run(ins, range, dst, scale, wire, stream) };
+        return true;
+    }
+    let _ = (ins, scale, stream);
+    false
+}
+
+/// Whether the CPU has F16C (checked once per process).
+#[cfg(target_arch = "x86_64")]
+fn has_f16c() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| std::is_x86_feature_detected!("f16c"))
+}
+
+/// Element `i` of the result, one value at a time: the lanes before the first 32-byte aligned
+/// output address and after the last whole 8 lanes.
+fn one(ins: &[&[f32]], i: usize, scale: Option<f32>, wire: &Wire) -> f32 {
+    let mut acc = wire.one(ins[0][i]);
+    for x in &ins[1..] {
+        acc += wire.one(x[i]);
+    }
+    if let Some(k) = scale {
+        acc *= k;
+    }
+    wire.one(acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::{
+        __m256, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmpgt_epi32, _mm256_cvtph_ps,
+        _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_set1_epi32,
+        _mm256_set1_ps, _mm256_srli_epi32, _mm256_storeu_ps, _mm256_stream_ps, _mm_sfence,
+        _MM_FROUND_TO_NEAREST_INT,
+    };
+    use std::mem::MaybeUninit;
+    use std::ops::Range;
+
+    use super::one;
+    use crate::collective::round::Wire;
+
+    /// The wire of a monomorphised [`sum`]: none, f16, bf16.
+    pub(super) const NONE: u8 = 0;
+    pub(super) const F16: u8 = 1;
+    pub(super) const BF16: u8 = 2;
+
+    /// 8 values rounded to the wire `W` and widened back: F16C's conversion for f16 (the one
+    /// `half` uses on such a CPU), for bf16 the integer steps of `round.rs`'s scalar rounding
+    /// (a carry into the kept half; a NaN made quiet).
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    fn round<const W: u8>(v: __m256) -> __m256 {
+        match W {
+            F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+            BF16 => {
+                let b = _mm256_castps_si256(v);
+                let kept = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+                let magnitude = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFF_FFFF));
+                let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
+                let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+                let carry = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd);
+                let rounded = _mm256_and_si256(_mm256_add_epi32(b, carry), kept);
+                let quiet =
+                    _mm256_and_si256(_mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000)), kept);
+                _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan))
+            }
+            _ => v,
+        }
+    }
+
+    /// 8 lanes at `ins[r][i..i + 8]`, rounded to `W`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    fn load<const W: u8>(x: &[f32], i: usize) -> __m256 {
+        let lanes = &x[i..i + 8];
+        // SAFETY: `lanes` holds 8 f32 (the slice above is bounds-checked); the load is
+        // unaligned, so any f32 address is valid.
+        round::<W>(unsafe { _mm256_loadu_ps(lanes.as_ptr()) })
+    }
+
+    /// [`super::sum`] for the wire `W`, 8 lanes at a time between a scalar head (up to the
+    /// first 32-byte aligned output address) and a scalar tail.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) fn sum<const W: u8>(
+        ins: &[&[f32]],
+        range: Range<usize>,
+        dst: &mut [MaybeUninit<f32>],
+        scale: Option<f32>,
+        wire: &Wire,
+        stream: bool,
+    ) {
+        let n = dst.len();
+        let head = dst.as_ptr().align_offset(32).min(n);
+        let body = head + (n - head) / 8 * 8;
+        for (j, d) in dst[..head].iter_mut().enumerate() {
+            d.write(one(ins, range.start + j, scale, wire));
+        }
+        let k = _mm256_set1_ps(scale.unwrap_or(1.0));
+        for j in (head..body).step_by(8) {
+            let i = range.start + j;
+            let mut acc = load::<W>(ins[0], i);
+            for x in &ins[1..] {
+                acc = _mm256_add_ps(acc, load::<W>(x, i));
+            }
+            if scale.is_some() {
+                acc = _mm256_mul_ps(acc, k);
+            }
+            let v = round::<W>(acc);
+            let out = &mut dst[j..j + 8];
+            let p = out.as_mut_ptr().cast::<f32>();
+            if stream {
+                // SAFETY: `out` holds 8 f32 (bounds-checked above), and `p` is 32-byte aligned:
+                // `head` brought the first address there and every step is 8 lanes.
+                unsafe { _mm256_stream_ps(p, v) };
+            } else {
+                // SAFETY: as above; the store is unaligned, any f32 address is valid.
+                unsafe { _mm256_storeu_ps(p, v) };
+            }
+        }
+        for (j, d) in dst.iter_mut().enumerate().skip(body) {
+            d.write(one(ins, range.start + j, scale, wire));
+        }
+        if stream {
+            // Non-temporal stores are weakly ordered: this fence makes them visible before the
+            // block's completion is counted (and the result handed to the other ranks).
+            _mm_sfence();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every wire, sum and average, non-temporal or plain stores, and outputs starting at each
+    /// of the 8 alignments with lengths that leave tails: bitwise the scalar rank-order sum.
+    /// (Skipped on a CPU without AVX2 and F16C, where `sum` declines and the strip path runs.)
+    #[test]
+    fn the_one_pass_sum_is_the_scalar_one_bit_for_bit() {
+        let len = 1000;
+        // Seeded values of both signs over 2^-27 ..= 2^22 (f16's subnormals, its overflow,
+        // bf16's dropped bits), a NaN and infinities among them.
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let b = (state >> 32) as u32;
+            f32::from_bits((b & 0x807F_FFFF) | ((100 + (b >> 8) % 50) << 23))
+        };
+        let mut ranks: Vec<Vec<f32>> = (0..3).map(|_| (0..len).map(|_| next()).collect()).collect();
+        ranks[1][17] = f32::NAN;
+        ranks[2][40] = f32::INFINITY;
+        ranks[0][41] = f32::NEG_INFINITY;
+        let ins: Vec<&[f32]> = ranks.iter().map(Vec::as_slice).collect();
+        for wire in [Wire::None, Wire::F16, Wire::BF16] {
+            for scale in [None, Some(1.0 / 3.0)] {
+                for stream in [false, true] {
+                    for shift in 0..8 {
+                        let range = 5..len - 11;
+                        let mut buf = vec![MaybeUninit::<f32>::uninit(); range.len() + 8];
+                        let dst = &mut buf[shift..shift + range.len()];
+                        if !sum(&ins, range.clone(), dst, scale, &wire, stream) {
+                            eprintln!("no AVX2 and F16C here: the strip path covers this CPU");
+                            return;
+                        }
+                        for (j, d) in dst.iter().enumerate() {
+                            // SAFETY: `sum` wrote every element of `dst`.
+                            let got = unsafe { d.assume_init() };
+                            let want = one(&ins, range.start + j, scale, &wire);
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "element {j}, shift {shift}, scale {scale:?}, stream {stream}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
