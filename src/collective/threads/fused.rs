@@ -77,9 +77,9 @@ fn one(ins: &[&[f32]], i: usize, scale: Option<f32>, wire: &Wire) -> f32 {
 mod x86 {
     use std::arch::x86_64::{
         __m256, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
-        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmpgt_epi32, _mm256_cvtph_ps,
-        _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_set1_epi32,
-        _mm256_set1_ps, _mm256_srli_epi32, _mm256_storeu_ps, _mm256_stream_ps, _mm_sfence,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps, _mm256_cvtps_ph,
+        _mm256_loadu_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_set1_epi32, _mm256_set1_ps,
+        _mm256_srli_epi32, _mm256_storeu_ps, _mm256_stream_ps, _mm_sfence, _CMP_UNORD_Q,
         _MM_FROUND_TO_NEAREST_INT,
     };
     use std::mem::MaybeUninit;
@@ -95,7 +95,8 @@ mod x86 {
 
     /// 8 values rounded to the wire `W` and widened back: F16C's conversion for f16 (the one
     /// `half` uses on such a CPU), for bf16 the integer steps of `round.rs`'s scalar rounding
-    /// (a carry into the kept half; a NaN made quiet).
+    /// (a carry into the kept half; a NaN, found by comparing it with itself, made quiet), the
+    /// dropped half cleared once after the select.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     fn round<const W: u8>(v: __m256) -> __m256 {
@@ -103,15 +104,15 @@ mod x86 {
             F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
             BF16 => {
                 let b = _mm256_castps_si256(v);
-                let kept = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-                let magnitude = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFF_FFFF));
-                let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F80_0000));
+                let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
                 let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-                let carry = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd);
-                let rounded = _mm256_and_si256(_mm256_add_epi32(b, carry), kept);
-                let quiet =
-                    _mm256_and_si256(_mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000)), kept);
-                _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan))
+                let carried = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+                let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000));
+                let kept = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+                _mm256_castsi256_ps(_mm256_and_si256(
+                    _mm256_blendv_epi8(carried, quiet, nan),
+                    kept,
+                ))
             }
             _ => v,
         }
