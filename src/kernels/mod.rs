@@ -16,7 +16,7 @@ pub mod launch;
 pub(crate) mod modules;
 
 #[cfg(feature = "cuda")]
-pub(crate) use counters::{with_counters, workspace};
+pub(crate) use counters::with_scratch;
 #[cfg(feature = "cuda")]
 pub(crate) use modules::{launch, shipped_archs, Module};
 

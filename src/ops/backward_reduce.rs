@@ -160,7 +160,7 @@ fn backward_reduce_cuda(
 ) -> Result<candle_core::CudaStorage> {
     use crate::device::cuda::{dispatch, view, Aux, Buffers};
     use crate::kernels::args::{BackwardReduce, KernelGeometry, Scratch};
-    use crate::kernels::{launch, with_counters, workspace, KernelElem, Module};
+    use crate::kernels::{launch, with_scratch, KernelElem, Module};
     use candle_core::CudaStorage;
 
     fn run<T: KernelElem>(
@@ -182,9 +182,8 @@ fn backward_reduce_cuda(
         let mut out = unsafe { dev.alloc::<f64>(2 * g.c)? };
         let e = g.contiguous_channels_as_rows();
         if let Some(r) = e.reduction() {
-            let mut work = workspace(dev, r.work_len)?;
             let stream = dev.cuda_stream();
-            with_counters(dev, r.counters, |counters| {
+            with_scratch(dev, r.counters, r.work_len, |scratch| {
                 let mut b = Buffers::on(&stream);
                 let call = BackwardReduce {
                     dy: b.read(&dyv),
@@ -193,8 +192,8 @@ fn backward_reduce_cuda(
                     mean: b.read(&mean),
                     out: b.write(&mut out),
                     scratch: Scratch {
-                        work: b.write(&mut work),
-                        counters: b.write(counters),
+                        work: b.write(&mut scratch.work),
+                        counters: b.write(&mut scratch.counters),
                     },
                 }
                 .call(OP, x.0.dtype(), &e)?;

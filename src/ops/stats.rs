@@ -147,7 +147,7 @@ fn stats_cuda(
 ) -> Result<candle_core::CudaStorage> {
     use crate::device::cuda::{dispatch, view, Buffers};
     use crate::kernels::args::{KernelGeometry, Scratch, Stats};
-    use crate::kernels::{launch, with_counters, workspace, Module};
+    use crate::kernels::{launch, with_scratch, Module};
     use candle_core::cuda_backend::CudaDType;
     use candle_core::CudaStorage;
 
@@ -165,17 +165,16 @@ fn stats_cuda(
         let mut out = unsafe { dev.alloc::<f64>(3 * g.c)? };
         let e = g.contiguous_channels_as_rows();
         if let Some(r) = e.reduction() {
-            let mut work = workspace(dev, r.work_len)?;
             let stream = dev.cuda_stream();
-            with_counters(dev, r.counters, |counters| {
+            with_scratch(dev, r.counters, r.work_len, |scratch| {
                 let mut b = Buffers::on(&stream);
                 let call = Stats {
                     x: b.read(&x),
                     shift: b.read(&shift),
                     out: b.write(&mut out),
                     scratch: Scratch {
-                        work: b.write(&mut work),
-                        counters: b.write(counters),
+                        work: b.write(&mut scratch.work),
+                        counters: b.write(&mut scratch.counters),
                     },
                 }
                 .call(OP, xs.dtype(), &e)?;
