@@ -261,7 +261,8 @@ fn a_training_step_launches_what_the_readme_states() {
 }
 
 /// One `DataParallel::sync_gradients` of three variables in one bucket on NCCL (world size 1,
-/// the simulated NCCL): what it launches, allocates and copies on the rank's stream, and that
+/// the simulated NCCL): what it launches, allocates (the bucket, averaged in place) and copies
+/// on the rank's stream, and that
 /// it neither waits for the GPU nor reads anything back while every variable has a gradient.
 /// A variable without a gradient on this rank makes it read the bucket's flags back (one copy
 /// down, one wait): that case is counted too.
@@ -333,21 +334,79 @@ fn a_gradient_sync_launches_what_the_docs_state() {
         "a sync where every variable has a gradient copies nothing to or from the host and \
          waits for nothing: {all:?}"
     );
-    assert_eq!(all.allocs, 2, "the bucket and the result: {all:?}");
+    assert_eq!(
+        all.allocs, 1,
+        "the bucket, which the all-reduce averages in place: {all:?}"
+    );
     // Event records and stream waits: the all-reduce runs on the device's stream (a blocking
     // call); one record after it is the watchdog's, and the rest is cudarc's tracking of each
     // buffer's reads and writes, which cudarc turns on once a context has a second stream (the
     // communicator's own, for its asynchronous calls). Pinned, so that a change shows.
     assert_eq!(
         (all.event_records, all.stream_waits),
-        (7, 11),
+        (6, 9),
         "events of a sync: {all:?}"
     );
     assert_eq!(
         (some.host_syncs, some.copies_dtoh, some.memsets, some.allocs),
-        (0, 1, 0, 2),
+        (0, 1, 0, 1),
         "a missing gradient: its zeros come from the pack kernel (no allocation, no memset); \
          the flags are read back (a copy into pageable memory, which returns once done): \
          {some:?}"
     );
+}
+
+/// One training forward of an affine layer with running statistics on NCCL (world size 1, the
+/// simulated NCCL), after a first step: `bn_stats`, the all-reduce, `bn_finalize`, `bn_apply`,
+/// and three allocations, the layer's two outputs (`y` and the finalized statistics) and the
+/// local sums, which the all-reduce sums in place (NCCL's in-place form); nothing read back,
+/// no host wait.
+#[cfg(feature = "nccl")]
+#[test]
+fn a_forward_over_nccl_allocates_its_outputs_and_one_scratch() {
+    use candle_distributed::collective::{Collective, NcclGroup};
+
+    let Some(sim) = Sim::get() else {
+        eprintln!("not on the simulated driver: no counters to read");
+        return;
+    };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let comm = NcclGroup::new(&[0]).unwrap().remove(0);
+    let dev = comm.device();
+    let (bn, _vm) = common::layer(
+        8,
+        SyncBatchNormConfig::default(),
+        comm.clone() as std::sync::Arc<dyn Collective>,
+        None,
+        DType::F32,
+        &dev,
+    );
+    let x = common::randn(2, &[4, 8, 3, 3], 1.0, 2.0)
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&dev)
+        .unwrap();
+    bn.forward_t(&x, true).unwrap();
+    dev.synchronize().unwrap();
+    sim.reset();
+    let y = bn.forward_t(&x, true).unwrap();
+    let (fwd, kernels) = (sim.total_counts(), sim.launched());
+    eprintln!("forward over NCCL: {fwd:?}\n  {kernels:?}");
+    assert_eq!(
+        kernels,
+        [
+            "bn_stats_nchw_f32",
+            "ncclAllReduce",
+            "bn_finalize_f32",
+            "bn_apply_nchw_f32"
+        ],
+        "the launches of a training forward over NCCL"
+    );
+    assert_eq!(fwd.allocs, 3, "y, the statistics and the sums: {fwd:?}");
+    assert_eq!(
+        (fwd.host_syncs, fwd.copies_dtoh, fwd.copies_htod),
+        (0, 0, 0),
+        "a forward over NCCL waits for nothing and copies nothing: {fwd:?}"
+    );
+    drop(y);
 }

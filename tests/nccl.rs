@@ -44,7 +44,7 @@ use anyhow::Result;
 use candle_core::cuda_backend::cudarc::driver::CudaContext;
 use candle_core::{DType, Device, Tensor};
 use candle_distributed::collective::{
-    Collective, CollectiveError, NcclCollective, NcclGroup, Pending, ReduceOp, ThreadGroup,
+    Checked, Collective, CollectiveError, NcclCollective, NcclGroup, Pending, ReduceOp, ThreadGroup,
 };
 use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
@@ -432,6 +432,68 @@ fn the_layer_rolls_back_a_step_whose_all_reduce_was_aborted() {
 /// (Fault review D12.) NCCL averages integers as a sum then an integer division; ThreadGroup
 /// and MPI refuse `Avg` on integer dtypes, and so does this backend, without aborting the
 /// communicator.
+/// `all_reduce_owned` on NCCL: bitwise `all_reduce`'s result, every dtype and op, written into
+/// the given tensor's own storage when it is contiguous (a clone kept by the test sees the
+/// result: the storage is shared), a contiguous view at an offset included; a transposed
+/// tensor takes the allocating path and is left as it was. Checked (`Checked`) forwards it.
+#[test]
+fn an_owned_all_reduce_reduces_in_place() {
+    let n = gpus();
+    let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+    on_ranks(comms, |c| {
+        let dev = c.device();
+        let host = randn(40 + c.rank() as u64, &[6, 5], 0.5, 2.0);
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let t = host.to_dtype(dtype)?.to_device(&dev)?;
+                let want = c.all_reduce(&t, op)?.to_device(&Device::Cpu)?;
+                let bits = |t: &Tensor| -> Result<Vec<f64>> {
+                    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+                };
+                let kept = t.clone();
+                let got = c.all_reduce_owned(t, op)?;
+                assert_eq!(bits(&got)?, bits(&want)?, "{dtype:?} {op:?}");
+                assert_eq!(bits(&kept)?, bits(&want)?, "{dtype:?} {op:?}: not in place");
+            }
+        }
+        // Rows 2..5 of a contiguous tensor: a view at an offset, reduced where it lies.
+        let whole = host.to_device(&dev)?.to_dtype(DType::F32)?;
+        let want = c.all_reduce(&whole.narrow(0, 2, 3)?, ReduceOp::Sum)?;
+        let got = c.all_reduce_owned(whole.narrow(0, 2, 3)?, ReduceOp::Sum)?;
+        assert_eq!(got.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+        assert_eq!(
+            whole.narrow(0, 2, 3)?.to_vec2::<f32>()?,
+            want.to_vec2::<f32>()?
+        );
+        assert_eq!(
+            whole.narrow(0, 0, 2)?.to_vec2::<f32>()?,
+            host.narrow(0, 0, 2)?
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?,
+            "rows outside the view were written"
+        );
+        // Transposed: not contiguous, so reduced into a new tensor; the input keeps its values.
+        let t = host.to_device(&dev)?.to_dtype(DType::F32)?.t()?;
+        let kept = t.clone();
+        let got = c.all_reduce_owned(t, ReduceOp::Sum)?;
+        assert_eq!(
+            got.to_vec2::<f32>()?,
+            c.all_reduce(&kept, ReduceOp::Sum)?.to_vec2::<f32>()?
+        );
+        assert_eq!(
+            kept.to_vec2::<f32>()?,
+            host.t()?.to_dtype(DType::F32)?.to_vec2::<f32>()?
+        );
+        // Through `Checked`: still in place.
+        let checked = Checked::new(c.clone() as Arc<dyn Collective>, &dev);
+        let t = host.to_device(&dev)?.to_dtype(DType::F32)?;
+        let kept = t.clone();
+        let got = checked.all_reduce_owned(t, ReduceOp::Sum)?;
+        assert_eq!(kept.to_vec2::<f32>()?, got.to_vec2::<f32>()?);
+        Ok(())
+    });
+}
+
 #[test]
 fn an_integer_average_is_refused() {
     gpus();

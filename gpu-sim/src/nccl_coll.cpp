@@ -242,6 +242,19 @@ ncclResult_t issue(Coll k, Comm* c, CUstream stream) {
     }
     auto d = sim::find_range(uint64_t(uintptr_t(k.recv)), out, c->device, why);
     if (!d) return nccl::fail(ncclInvalidArgument, "%s: receive buffer %p (%zu bytes): %s", call, (void*)k.recv, out, why.c_str());
+    if (k.kind != kBroadcast || c->rank == k.root) {
+        // The in-place forms of the User Guide ("In-place Operations"): one buffer for an
+        // all-reduce or a broadcast; the receive buffer at this rank's offset in the send
+        // buffer for a reduce-scatter, the send buffer at this rank's offset in the receive
+        // buffer for an all-gather. The guide defines no other overlap: refused.
+        uint64_t s0 = uint64_t(uintptr_t(k.send)), r0 = uint64_t(uintptr_t(k.recv));
+        uint64_t at = uint64_t(c->rank) * k.count * es;
+        bool in_place = k.kind == kReduceScatter ? r0 == s0 + at
+                        : k.kind == kAllGather   ? s0 == r0 + at
+                                                 : s0 == r0;
+        if (s0 < r0 + out && r0 < s0 + in && !in_place)
+            return nccl::fail(ncclInvalidArgument, "%s: send buffer %p (%zu bytes) and receive buffer %p (%zu bytes) overlap, but not in an in-place form", call, (const void*)k.send, in, (void*)k.recv, out);
+    }
     uses.push_back({d, true, std::string(call) + " receive buffer"});
     k.call = c->issued.load();
     const nccl::Fault* err = nccl::find_fault("async-error", c->rank, long(k.call));

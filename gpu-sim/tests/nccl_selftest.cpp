@@ -176,6 +176,36 @@ bool collectives_compute_across_ranks() {
     return true;
 }
 
+// The in-place forms (User Guide, "In-place Operations"): an all-reduce into its own buffer,
+// an all-gather whose send buffer is the rank's part of the receive buffer, a reduce-scatter
+// whose receive buffer is the rank's part of the send buffer.
+bool in_place_forms_compute_across_ranks() {
+    auto comms = group(2);
+    std::vector<std::vector<float>> sum(2), gath(2), scat(2);
+    on_ranks(2, [&](int r) {
+        CUstream s;
+        cuStreamCreate(&s, 0);
+        float x = float(r + 1);
+        CUdeviceptr a = upload({x, -x});
+        ncclAllReduce((void*)a, (void*)a, 2, kFloat32, kSum, comms[r], s);
+        settle(comms[r]);  // the first collective may return "in progress" (connection set-up)
+        std::vector<float> parts(4, 0.f);
+        parts[2 * r] = x, parts[2 * r + 1] = 10 * x;
+        CUdeviceptr g = upload(parts), rs = upload({1, 2, 3, 4});
+        ncclAllGather((void*)(g + 8 * r), (void*)g, 2, kFloat32, comms[r], s);
+        ncclReduceScatter((void*)rs, (void*)(rs + 8 * r), 2, kFloat32, kSum, comms[r], s);
+        cuStreamSynchronize(s);
+        sum[r] = download(a, 2), gath[r] = download(g, 4), scat[r] = download(rs + 8 * r, 2);
+    });
+    for (int r = 0; r < 2; ++r) {
+        EXPECT(sum[r] == std::vector<float>({3, -3}), "rank %d in-place sum %g %g", r, sum[r][0], sum[r][1]);
+        EXPECT(gath[r] == std::vector<float>({1, 10, 2, 20}), "rank %d in-place all-gather", r);
+        EXPECT(scat[r] == std::vector<float>({2.f * (2 * r + 1), 2.f * (2 * r + 2)}), "rank %d in-place reduce-scatter", r);
+    }
+    for (auto c : comms) ncclCommAbort(c);
+    return true;
+}
+
 // ----------------------------------------------------------------------- planted defects
 bool a_call_before_init_completes_is_misuse() {
     ncclUniqueId id;
@@ -203,6 +233,22 @@ bool a_buffer_too_small_or_on_another_device_is_refused() {
     bind(0);
     r = ncclAllReduce((void*)other, (void*)small, 2, kFloat32, kSum, comms[0], nullptr);
     EXPECT(r == kInvalidArgument, "a send buffer on device 1 for rank 0's device 0: got %d", r);
+    for (auto c : comms) ncclCommAbort(c);
+    return true;
+}
+
+// Buffers that overlap other than in an in-place form: a receive buffer one value into the
+// send buffer of an all-reduce, and rank 1's all-gather with its send buffer at rank 0's part.
+bool an_overlap_other_than_in_place_is_refused() {
+    auto comms = group(2);
+    bind(0);
+    CUdeviceptr p = upload({1, 2, 3, 4});
+    int r = ncclAllReduce((void*)p, (void*)(p + 4), 2, kFloat32, kSum, comms[0], nullptr);
+    EXPECT(r == kInvalidArgument, "an all-reduce into its send buffer shifted by one value: got %d", r);
+    bind(1);
+    CUdeviceptr q = upload({1, 2, 3, 4});
+    r = ncclAllGather((void*)q, (void*)q, 2, kFloat32, comms[1], nullptr);
+    EXPECT(r == kInvalidArgument, "rank 1's all-gather sending from rank 0's part: got %d", r);
     for (auto c : comms) ncclCommAbort(c);
     return true;
 }
@@ -339,8 +385,10 @@ int main() {
         {"a_killed_peer_process_is_a_remote_error", a_killed_peer_process_is_a_remote_error},
         {"a_nonblocking_group_init_is_in_progress_then_ready", a_nonblocking_group_init_is_in_progress_then_ready},
         {"collectives_compute_across_ranks", collectives_compute_across_ranks},
+        {"in_place_forms_compute_across_ranks", in_place_forms_compute_across_ranks},
         {"a_call_before_init_completes_is_misuse", a_call_before_init_completes_is_misuse},
         {"a_buffer_too_small_or_on_another_device_is_refused", a_buffer_too_small_or_on_another_device_is_refused},
+        {"an_overlap_other_than_in_place_is_refused", an_overlap_other_than_in_place_is_refused},
         {"a_missing_peer_blocks_the_stream_until_abort", a_missing_peer_blocks_the_stream_until_abort},
         {"finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle",
          finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle},

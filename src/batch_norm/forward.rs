@@ -118,7 +118,8 @@ impl SyncBatchNorm {
         };
         let mut sums = batch_norm_stats(x, &k, self.config.layout)?;
         if train {
-            sums = self.comm.all_reduce(&sums, ReduceOp::Sum)?;
+            // The sums are this call's own: NCCL reduces them in place.
+            sums = self.comm.all_reduce_owned(sums, ReduceOp::Sum)?;
         }
         let running = self
             .running

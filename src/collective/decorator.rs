@@ -124,6 +124,15 @@ impl<D: Decorator> Collective for D {
         self.after(call, out)
     }
 
+    /// Goes to `inner`'s own `all_reduce_owned` (its hooks see an all-reduce of `t`), so that a
+    /// decorated NCCL communicator still reduces in place.
+    fn all_reduce_owned(&self, t: Tensor, op: ReduceOp) -> Result<Tensor> {
+        let call = Op::AllReduce(op);
+        self.before(call, Some(&t))?;
+        let out = self.inner().all_reduce_owned(t, op)?;
+        self.after(call, out)
+    }
+
     /// Goes to `inner`'s own `all_reduce_wire` (its hooks see an all-reduce of `t`), so that a
     /// decorated backend keeps the way it carries a wire dtype (thread ranks and MPI round on
     /// the host instead of casting).

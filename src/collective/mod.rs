@@ -129,6 +129,24 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// - [`CollectiveError::Library`] when NCCL rejects the call.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
+    /// [`Collective::all_reduce`] of a tensor the caller gives up: the result may be written
+    /// into `t`'s own storage and returned in it, which saves the result's allocation on a
+    /// backend that reduces in place (NCCL, for a contiguous `t`: its send and receive buffers
+    /// are then one). Any other handle to that storage (a clone, a view) sees the result, so
+    /// give up only a tensor nothing else reads. `SyncBatchNorm`'s forward hands its local sums
+    /// over this way, `DataParallel::sync_gradients` its packed buckets.
+    ///
+    /// `t`: as for `all_reduce`. Returns what `all_reduce` returns. The default calls
+    /// `all_reduce` (`ThreadGroup` and MPI, whose results live on the host first, keep it).
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce`]. After an error `t`'s values are unspecified (NCCL may have
+    /// written part of the result before a failure it reports later).
+    fn all_reduce_owned(&self, t: Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.all_reduce(&t, op)
+    }
+
     /// [`Collective::all_reduce`] of `t` carried in the float dtype `wire`: each rank's values
     /// rounded to `wire`, reduced (f16 and bf16 accumulate in f32), the result rounded to `wire`
     /// and returned in `t`'s dtype. `DataParallel::with_wire_dtype` sends its buckets this way.

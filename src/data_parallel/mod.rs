@@ -347,7 +347,8 @@ impl DataParallel {
             let flat = pack::pack(&parts, &lens, dtype, &device)?;
             let avg = match self.wire {
                 Some(w) => self.comm.all_reduce_wire(&flat, ReduceOp::Avg, w)?,
-                None => self.comm.all_reduce(&flat, ReduceOp::Avg)?,
+                // The bucket is this call's own: NCCL averages it in place.
+                None => self.comm.all_reduce_owned(flat, ReduceOp::Avg)?,
             };
             let total: usize = bucket.iter().map(|(_, v)| v.elem_count()).sum();
             let somewhere = if missing_here {

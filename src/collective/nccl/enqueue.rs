@@ -7,7 +7,9 @@ use std::sync::Arc;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, DType, InplaceOp1, Layout, Result, Shape, Tensor,
+};
 
 use super::super::Op;
 use super::raw::Buffers;
@@ -51,8 +53,7 @@ impl Enqueue<'_> {
         s: &CudaStorage,
         l: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (c, op) = (self.c, self.what.name());
-        let dev = &c.device;
+        let dev = &self.c.device;
         let src = view::<T>("nccl", s, l, "input")?;
         let n = l.shape().elem_count();
         let (out_len, out_dims) = self.output(n, l.dims())?;
@@ -66,34 +67,88 @@ impl Enqueue<'_> {
         }
         let (sp, _read) = src.device_ptr(&stream);
         let (dp, _write) = out.device_ptr_mut(&stream);
-        let bufs = Buffers {
-            send: sp as *const std::ffi::c_void,
-            recv: dp as *mut std::ffi::c_void,
-            // NCCL's count: per rank for a reduce-scatter, the input's otherwise.
-            count: if matches!(self.what, Op::ReduceScatter(_)) {
-                out_len
-            } else {
-                n
-            },
-            dtype: s.dtype(),
-            stream: stream.cu_stream() as super::ffi::Stream,
+        // NCCL's count: per rank for a reduce-scatter, the input's otherwise.
+        let count = if matches!(self.what, Op::ReduceScatter(_)) {
+            out_len
+        } else {
+            n
         };
-        // SAFETY: both buffers live on this communicator's GPU with the sizes `Buffers` needs
-        // (`n` in, `out_len` out, computed from the operation above); the input is kept alive by
+        // SAFETY: both buffers live on this communicator's GPU with the sizes NCCL needs (`n`
+        // in, `out_len` out, computed from the operation above); the input is kept alive by
         // the caller's tensor and the output by `out`, both until the stream has run the call
         // (candle's stream-ordered allocations; `_read`/`_write` record the use on `stream`).
+        unsafe { self.issue(sp, dp, count, s.dtype(), &stream) }?;
+        drop((_read, _write));
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from(out_dims),
+        ))
+    }
+
+    /// Enqueues the collective from `send` into `recv` (`count` values of `dtype`) on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// `send` and `recv` are device buffers on this communicator's GPU, as large as the
+    /// operation needs for `count` (see `raw::Comm::enqueue`), that stay valid until `stream`
+    /// has run the call; they are one buffer or do not overlap.
+    unsafe fn issue(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let (c, op) = (self.c, self.what.name());
+        let bufs = Buffers {
+            send: send as *const std::ffi::c_void,
+            recv: recv as *mut std::ffi::c_void,
+            count,
+            dtype,
+            stream: stream.cu_stream() as super::ffi::Stream,
+        };
+        // SAFETY: the buffers are what `raw::Comm::enqueue` needs (this function's contract).
         let res = c.watch.call(op, |comm| {
             unsafe { comm.enqueue(self.what, &bufs) }.map(|p| ((), p))
         });
-        drop((_read, _write));
         match res {
-            Ok(()) => Ok((
-                CudaStorage::wrap_cuda_slice(out, dev.clone()),
-                Shape::from(out_dims),
-            )),
+            Ok(()) => Ok(()),
             Err(CallError::Broken(why)) => Err(c.left(op, why)),
             Err(CallError::Nccl(f)) => Err(f.error(op, c.rank)),
         }
+    }
+
+    /// The collective with the send buffer as its receive buffer (NCCL's in-place form), on
+    /// `s`'s values at `l`: an all-reduce or a broadcast, whose output is as large as their
+    /// input.
+    fn run_in_place<T: DeviceRepr + CudaDType>(
+        &self,
+        s: &mut CudaStorage,
+        l: &Layout,
+    ) -> Result<()> {
+        let op = self.what.name();
+        if !matches!(self.what, Op::AllReduce(_) | Op::Broadcast(_)) {
+            return Err(invalid(op, "has no in-place form here".into()));
+        }
+        let Some((lo, hi)) = l.contiguous_offsets() else {
+            return Err(invalid(op, "an in-place input must be contiguous".into()));
+        };
+        let stream = self
+            .stream
+            .clone()
+            .unwrap_or_else(|| self.c.device.cuda_stream());
+        if let Some(side) = &self.stream {
+            side.join(&self.c.device.cuda_stream()).w()?;
+        }
+        let dtype = s.dtype();
+        let mut buf = s.as_cuda_slice_mut::<T>()?.slice_mut(lo..hi);
+        let (p, _write) = buf.device_ptr_mut(&stream);
+        // SAFETY: one buffer of `hi - lo` values on this communicator's GPU (the storage is on
+        // its device: checked by the caller), sent and received in place; the caller's tensor
+        // keeps it alive until the stream has run the call (candle's stream-ordered frees;
+        // `_write` records the use on `stream`).
+        unsafe { self.issue(p, p, hi - lo, dtype, &stream) }
     }
 }
 
@@ -124,6 +179,41 @@ impl CustomOp1 for Enqueue<'_> {
             DType::I64 => self.run::<i64>(s, l),
             DType::U32 => self.run::<u32>(s, l),
             DType::U8 => self.run::<u8>(s, l),
+            d => Err(invalid(
+                self.what.name(),
+                format!("unsupported dtype {d:?}"),
+            )),
+        }
+    }
+}
+
+impl InplaceOp1 for Enqueue<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-collective-in-place"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        Err(invalid(
+            self.what.name(),
+            "NCCL needs tensors on the communicator's GPU, got a CPU tensor".into(),
+        ))
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+        if s.device().id() != self.c.device.id() {
+            return Err(invalid(
+                self.what.name(),
+                "the tensor is on another CUDA device than the communicator".into(),
+            ));
+        }
+        match s.dtype() {
+            DType::F32 => self.run_in_place::<f32>(s, l),
+            DType::F64 => self.run_in_place::<f64>(s, l),
+            DType::F16 => self.run_in_place::<half::f16>(s, l),
+            DType::BF16 => self.run_in_place::<half::bf16>(s, l),
+            DType::I64 => self.run_in_place::<i64>(s, l),
+            DType::U32 => self.run_in_place::<u32>(s, l),
+            DType::U8 => self.run_in_place::<u8>(s, l),
             d => Err(invalid(
                 self.what.name(),
                 format!("unsupported dtype {d:?}"),

@@ -365,6 +365,31 @@ impl NcclCollective {
     }
 
     fn enqueue_on(&self, what: Op, t: &Tensor, stream: Option<Arc<CudaStream>>) -> Result<Tensor> {
+        self.check_call(what, t)?;
+        let out = t.contiguous()?.apply_op1_no_bwd(&Enqueue {
+            c: self,
+            what,
+            stream: stream.clone(),
+        })?;
+        self.track(what, stream)?;
+        Ok(out)
+    }
+
+    /// Enqueues an all-reduce of `t` into `t` itself on the device's stream (NCCL's in-place
+    /// form). `t` must be contiguous.
+    fn enqueue_in_place(&self, what: Op, t: &Tensor) -> Result<()> {
+        self.check_call(what, t)?;
+        t.inplace_op1(&Enqueue {
+            c: self,
+            what,
+            stream: None,
+        })?;
+        self.track(what, None)
+    }
+
+    /// The checks every enqueued collective makes first: a usable communicator, a float dtype
+    /// for an average, `t` on this communicator's GPU.
+    fn check_call(&self, what: Op, t: &Tensor) -> Result<()> {
         let op = what.name();
         self.check_usable(op)?;
         if let Op::AllReduce(ReduceOp::Avg) | Op::ReduceScatter(ReduceOp::Avg) = what {
@@ -388,15 +413,17 @@ impl NcclCollective {
                 ),
             ));
         }
-        let out = t.contiguous()?.apply_op1_no_bwd(&Enqueue {
-            c: self,
-            what,
-            stream: stream.clone(),
-        })?;
+        Ok(())
+    }
+
+    /// Hands the watchdog the completion event of the collective just enqueued on `stream`
+    /// (the device's stream when `None`).
+    fn track(&self, what: Op, stream: Option<Arc<CudaStream>>) -> Result<()> {
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         let on = stream.unwrap_or_else(|| self.device.cuda_stream());
-        self.watch.track(on.record_event(Some(flags)).w()?, op);
-        Ok(out)
+        self.watch
+            .track(on.record_event(Some(flags)).w()?, what.name());
+        Ok(())
     }
 }
 

@@ -53,6 +53,22 @@ impl Collective for NcclCollective {
         self.enqueue(Op::AllReduce(op), t)
     }
 
+    /// Enqueues an NCCL all-reduce of `t` into `t` itself (NCCL's in-place form: one buffer
+    /// sent and received) on the device's stream, with no host wait and no allocation, and
+    /// returns `t`. A non-contiguous `t` takes [`Collective::all_reduce`] instead (its values
+    /// are then left as they were).
+    ///
+    /// # Errors
+    ///
+    /// As `all_reduce` on this type.
+    fn all_reduce_owned(&self, t: Tensor, op: ReduceOp) -> Result<Tensor> {
+        if !t.is_contiguous() {
+            return self.all_reduce(&t, op);
+        }
+        self.enqueue_in_place(Op::AllReduce(op), &t)?;
+        Ok(t)
+    }
+
     /// Enqueues an NCCL reduce-scatter of `t` on the device's stream, with no host wait.
     ///
     /// # Errors
