@@ -191,7 +191,7 @@ bool in_place_forms_compute_across_ranks() {
         settle(comms[r]);  // the first collective may return "in progress" (connection set-up)
         std::vector<float> parts(4, 0.f);
         parts[2 * r] = x, parts[2 * r + 1] = 10 * x;
-        CUdeviceptr g = upload(parts), rs = upload({1, 2, 3, 4});
+        CUdeviceptr g = upload(parts), rs = upload({x, 2 * x, 3 * x, 4 * x});
         ncclAllGather((void*)(g + 8 * r), (void*)g, 2, kFloat32, comms[r], s);
         ncclReduceScatter((void*)rs, (void*)(rs + 8 * r), 2, kFloat32, kSum, comms[r], s);
         cuStreamSynchronize(s);
@@ -200,7 +200,8 @@ bool in_place_forms_compute_across_ranks() {
     for (int r = 0; r < 2; ++r) {
         EXPECT(sum[r] == std::vector<float>({3, -3}), "rank %d in-place sum %g %g", r, sum[r][0], sum[r][1]);
         EXPECT(gath[r] == std::vector<float>({1, 10, 2, 20}), "rank %d in-place all-gather", r);
-        EXPECT(scat[r] == std::vector<float>({2.f * (2 * r + 1), 2.f * (2 * r + 2)}), "rank %d in-place reduce-scatter", r);
+        // Each rank's {x, 2x, 3x, 4x} summed over x = 1, 2: {3, 6, 9, 12}, rank r keeps part r.
+        EXPECT(scat[r] == std::vector<float>({3.f * (2 * r + 1), 3.f * (2 * r + 2)}), "rank %d in-place reduce-scatter", r);
     }
     for (auto c : comms) ncclCommAbort(c);
     return true;
@@ -238,7 +239,8 @@ bool a_buffer_too_small_or_on_another_device_is_refused() {
 }
 
 // Buffers that overlap other than in an in-place form: a receive buffer one value into the
-// send buffer of an all-reduce, and rank 1's all-gather with its send buffer at rank 0's part.
+// send buffer of an all-reduce, rank 1's all-gather with its send buffer at rank 0's part, and
+// rank 1's reduce-scatter receiving into rank 0's part.
 bool an_overlap_other_than_in_place_is_refused() {
     auto comms = group(2);
     bind(0);
@@ -249,6 +251,8 @@ bool an_overlap_other_than_in_place_is_refused() {
     CUdeviceptr q = upload({1, 2, 3, 4});
     r = ncclAllGather((void*)q, (void*)q, 2, kFloat32, comms[1], nullptr);
     EXPECT(r == kInvalidArgument, "rank 1's all-gather sending from rank 0's part: got %d", r);
+    r = ncclReduceScatter((void*)q, (void*)q, 2, kFloat32, kSum, comms[1], nullptr);
+    EXPECT(r == kInvalidArgument, "rank 1's reduce-scatter receiving into rank 0's part: got %d", r);
     for (auto c : comms) ncclCommAbort(c);
     return true;
 }

@@ -57,6 +57,10 @@ pub trait Decorator: Send + Sync + std::fmt::Debug {
 
     /// Runs before every call, with its tensor (none for `barrier` and `split`).
     ///
+    /// For [`Collective::all_reduce_owned`] the tensor is one the caller gave up: `inner` may
+    /// write the result into its storage once this returns, so a clone kept here would show the
+    /// result, not the input (copy it, e.g. with `Tensor::copy`, to keep the input).
+    ///
     /// # Errors
     ///
     /// The decorator's own: the call then fails on this rank, without reaching `inner` (other

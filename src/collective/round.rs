@@ -121,7 +121,7 @@ fn round_f16_from(src: &[f32], dst: &mut [f32]) {
 
 /// Whether the CPU has AVX and F16C (checked once per process).
 #[cfg(target_arch = "x86_64")]
-fn has_f16c() -> bool {
+pub(crate) fn has_f16c() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
         std::is_x86_feature_detected!("avx") && std::is_x86_feature_detected!("f16c")

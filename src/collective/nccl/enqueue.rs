@@ -120,8 +120,8 @@ impl Enqueue<'_> {
     }
 
     /// The collective with the send buffer as its receive buffer (NCCL's in-place form), on
-    /// `s`'s values at `l`: an all-reduce or a broadcast, whose output is as large as their
-    /// input.
+    /// `s`'s values at `l`, on the device's stream: an all-reduce or a broadcast, whose output
+    /// is as large as their input.
     fn run_in_place<T: DeviceRepr + CudaDType>(
         &self,
         s: &mut CudaStorage,
@@ -134,13 +134,10 @@ impl Enqueue<'_> {
         let Some((lo, hi)) = l.contiguous_offsets() else {
             return Err(invalid(op, "an in-place input must be contiguous".into()));
         };
-        let stream = self
-            .stream
-            .clone()
-            .unwrap_or_else(|| self.c.device.cuda_stream());
-        if let Some(side) = &self.stream {
-            side.join(&self.c.device.cuda_stream()).w()?;
+        if self.stream.is_some() {
+            return Err(invalid(op, "runs in place on the device's stream only".into()));
         }
+        let stream = self.c.device.cuda_stream();
         let dtype = s.dtype();
         let mut buf = s.as_cuda_slice_mut::<T>()?.slice_mut(lo..hi);
         let (p, _write) = buf.device_ptr_mut(&stream);

@@ -6,7 +6,9 @@
 //!
 //! The arithmetic is the strip path's, operation for operation (IEEE additions and products in
 //! the same order, no fused multiply-add), so the bits are the same whichever path or thread
-//! computed a block.
+//! computed a block. (One exception: where two ranks hold NaNs with different payloads at the
+//! same element, which payload the sum keeps is the compiler's choice of operand order, in
+//! either path. Every rank still gets the same bits: each element is computed once, for all.)
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -39,7 +41,7 @@ pub(super) fn sum(
         "fused::sum: output of another length"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::device::cpu::has_avx2_fma() && has_f16c() {
+    if crate::device::cpu::has_avx2_fma() && crate::collective::round::has_f16c() {
         let run = match wire {
             Wire::None => x86::sum::<{ x86::NONE }>,
             Wire::F16 => x86::sum::<{ x86::F16 }>,
@@ -49,19 +51,13 @@ pub(super) fn sum(
         unsafe { run(ins, range, dst, scale, wire, stream) };
         return true;
     }
-    let _ = (ins, scale, stream);
+    let _ = (ins, scale, wire, stream);
     false
-}
-
-/// Whether the CPU has F16C (checked once per process).
-#[cfg(target_arch = "x86_64")]
-fn has_f16c() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| std::is_x86_feature_detected!("f16c"))
 }
 
 /// Element `i` of the result, one value at a time: the lanes before the first 32-byte aligned
 /// output address and after the last whole 8 lanes.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn one(ins: &[&[f32]], i: usize, scale: Option<f32>, wire: &Wire) -> f32 {
     let mut acc = wire.one(ins[0][i]);
     for x in &ins[1..] {
@@ -181,6 +177,59 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One rank, so that the sum is the rounding alone: the vector rounding against `half`'s
+    /// on edge values (ties both ways, NaNs with their payload in the dropped bits only,
+    /// infinities, the largest finite values, subnormals, signed zeros) and a sweep over one
+    /// bit pattern in 65537, for both wires, plain and streamed.
+    #[test]
+    fn the_vector_rounding_is_halfs_on_edge_values() {
+        let edges = [
+            0x3F80_8000u32, // bf16 tie, even kept part: stays
+            0x3F81_8000,    // bf16 tie, odd kept part: rounds up
+            0x3F80_1000,    // f16 tie at 1.0: stays
+            0x3F80_3000,    // f16 tie, odd: rounds up
+            0x7F80_0001,    // signalling NaN, payload only in the dropped bits
+            0xFF80_0001,
+            0x7FFF_FFFF,    // NaN, every payload bit set
+            0x7FC0_0000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F7F_FFFF, // the largest finite f32: bf16 rounds it to infinity
+            0x477F_F000, // 65520: f16 rounds it to infinity
+            0x0000_0001, // the smallest subnormal
+            0x0040_8000, // a subnormal bf16 tie
+            0x8000_0000,
+            0x0000_0000,
+        ];
+        let values: Vec<f32> = edges
+            .into_iter()
+            .chain((0..=u32::MAX).step_by(65537))
+            .map(f32::from_bits)
+            .collect();
+        for (wire, want) in [
+            (Wire::BF16, (|x: f32| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32),
+            (Wire::F16, |x: f32| half::f16::from_f32(x).to_f32()),
+        ] {
+            for stream in [false, true] {
+                let mut dst = vec![MaybeUninit::<f32>::uninit(); values.len()];
+                if !sum(&[&values], 0..values.len(), &mut dst, None, &wire, stream) {
+                    eprintln!("no AVX2 and F16C here: the strip path covers this CPU");
+                    return;
+                }
+                for (x, d) in values.iter().zip(&dst) {
+                    // SAFETY: `sum` wrote every element of `dst`.
+                    let got = unsafe { d.assume_init() };
+                    assert_eq!(
+                        got.to_bits(),
+                        want(*x).to_bits(),
+                        "input {:#010x}, stream {stream}",
+                        x.to_bits()
+                    );
+                }
+            }
+        }
+    }
 
     /// Every wire, sum and average, non-temporal or plain stores, and outputs starting at each
     /// of the 8 alignments with lengths that leave tails: bitwise the scalar rank-order sum.
