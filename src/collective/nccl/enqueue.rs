@@ -135,7 +135,10 @@ impl Enqueue<'_> {
             return Err(invalid(op, "an in-place input must be contiguous".into()));
         };
         if self.stream.is_some() {
-            return Err(invalid(op, "runs in place on the device's stream only".into()));
+            return Err(invalid(
+                op,
+                "runs in place on the device's stream only".into(),
+            ));
         }
         let stream = self.c.device.cuda_stream();
         let dtype = s.dtype();

@@ -191,7 +191,7 @@ mod tests {
             0x3F80_3000,    // f16 tie, odd: rounds up
             0x7F80_0001,    // signalling NaN, payload only in the dropped bits
             0xFF80_0001,
-            0x7FFF_FFFF,    // NaN, every payload bit set
+            0x7FFF_FFFF, // NaN, every payload bit set
             0x7FC0_0000,
             0x7F80_0000,
             0xFF80_0000,
@@ -208,7 +208,10 @@ mod tests {
             .map(f32::from_bits)
             .collect();
         for (wire, want) in [
-            (Wire::BF16, (|x: f32| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32),
+            (
+                Wire::BF16,
+                (|x: f32| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32,
+            ),
             (Wire::F16, |x: f32| half::f16::from_f32(x).to_f32()),
         ] {
             for stream in [false, true] {
