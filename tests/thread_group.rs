@@ -316,6 +316,121 @@ fn a_result_larger_than_the_caches_is_the_same_sum() {
     }
 }
 
+/// `all_reduce_parts` on thread ranks sums each rank's parts where they lie: bitwise the
+/// all-reduce of the parts laid end to end, and the trait's default (through a decorator,
+/// `Probe`, which concatenates and then all-reduces). Parts that cross the sum's blocks, an
+/// empty part, a 2-D part, views at offsets into one tensor; f32, f16 and bf16 (the parallel
+/// sum) and f64 (summed on one thread); sum and average; an f32 average on a bf16 wire.
+#[test]
+fn parts_are_summed_where_they_lie() {
+    let lens = [5usize, 0, 16384 + 7, 3, 20000, 1];
+    let total: usize = lens.iter().sum();
+    let inputs: Vec<Vec<f32>> = (0..3)
+        .map(|r| {
+            randn(300 + r as u64, &[total], 0.5, 10.0)
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect();
+    let bits = |t: Tensor| -> candle_core::Result<Vec<u64>> {
+        let v = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        Ok(v.into_iter().map(f64::to_bits).collect())
+    };
+    let cases = [
+        (DType::F32, ReduceOp::Sum, None),
+        (DType::F32, ReduceOp::Avg, None),
+        (DType::F32, ReduceOp::Avg, Some(DType::BF16)),
+        (DType::F16, ReduceOp::Avg, None),
+        (DType::BF16, ReduceOp::Sum, None),
+        (DType::F64, ReduceOp::Avg, None),
+    ];
+    for (dtype, op, wire) in cases {
+        let outs = run_ranks(3, |comm| {
+            let all = Tensor::new(inputs[comm.rank()].as_slice(), &Device::Cpu)?.to_dtype(dtype)?;
+            let mut parts = Vec::new();
+            let mut at = 0;
+            for (i, &n) in lens.iter().enumerate() {
+                let part = all.narrow(0, at, n)?;
+                parts.push(if i == 4 {
+                    part.reshape((100, 200))?
+                } else {
+                    part
+                });
+                at += n;
+            }
+            let got = comm.all_reduce_parts(&parts, op, wire)?;
+            assert_eq!(got.dims(), [total]);
+            let whole = match wire {
+                Some(w) => comm.all_reduce_wire(&all, op, w)?,
+                None => comm.all_reduce(&all, op)?,
+            };
+            let default = Probe::new(comm.clone()).all_reduce_parts(&parts, op, wire)?;
+            Ok([bits(got)?, bits(whole)?, bits(default)?])
+        });
+        for (r, [got, whole, default]) in outs.into_iter().enumerate() {
+            let what = format!("{dtype:?} {op:?} wire {wire:?} rank {r}");
+            assert!(got == whole, "{what}: not the all-reduce of the whole");
+            assert!(got == default, "{what}: not the default's result");
+        }
+    }
+}
+
+/// A transposed part is read in its logical (row-major) order, as the default reads it; ranks
+/// whose parts differ in element counts get a mismatch naming every rank's parts; an empty list
+/// and parts of two dtypes are refused before any communication.
+#[test]
+fn parts_in_logical_order_and_their_errors() {
+    let outs = run_ranks(2, |comm| {
+        let r = comm.rank() as f32;
+        let m = (Tensor::arange(0f32, 6.0, &Device::Cpu)?.reshape((2, 3))? + f64::from(r))?;
+        let parts = [Tensor::new(&[r, 1.0], &Device::Cpu)?, m.t()?];
+        let got = comm.all_reduce_parts(&parts, ReduceOp::Sum, None)?;
+        let default = Probe::new(comm.clone()).all_reduce_parts(&parts, ReduceOp::Sum, None)?;
+        let n = if comm.rank() == 0 { 2 } else { 3 };
+        let uneven = comm
+            .all_reduce_parts(
+                &[Tensor::ones(n, DType::F32, &Device::Cpu)?],
+                ReduceOp::Sum,
+                None,
+            )
+            .map_err(|e| e.to_string());
+        let none = comm
+            .all_reduce_parts(&[], ReduceOp::Sum, None)
+            .map_err(|e| e.to_string());
+        let mixed = comm
+            .all_reduce_parts(
+                &[
+                    Tensor::ones(2, DType::F32, &Device::Cpu)?,
+                    Tensor::ones(2, DType::F64, &Device::Cpu)?,
+                ],
+                ReduceOp::Sum,
+                None,
+            )
+            .map_err(|e| e.to_string());
+        Ok((
+            got.to_vec1::<f32>()?,
+            default.to_vec1::<f32>()?,
+            uneven.unwrap_err(),
+            none.unwrap_err(),
+            mixed.unwrap_err(),
+        ))
+    });
+    for (got, default, uneven, none, mixed) in outs {
+        // m.t() is [[0, 3], [1, 4], [2, 5]] + r: read as 0, 3, 1, 4, 2, 5, summed over r = 0, 1.
+        assert_eq!(got, vec![1.0, 2.0, 1.0, 7.0, 3.0, 9.0, 5.0, 11.0]);
+        assert_eq!(got, default);
+        assert!(
+            uneven.contains("rank 0: all_reduce(Sum) F32 parts [2]")
+                && uneven.contains("rank 1: all_reduce(Sum) F32 parts [3]"),
+            "{uneven}"
+        );
+        assert!(none.contains("expected at least one part"), "{none}");
+        assert!(mixed.contains("part 1 is F64, part 0 F32"), "{mixed}");
+    }
+}
+
 /// `all_reduce_wire` on thread ranks rounds each value to the wire dtype as it sums, without
 /// casting: bitwise the result of the casts the trait's default makes (cast to the wire dtype,
 /// all-reduce, cast back), and of the reference; also through a decorator (`Probe`), which

@@ -147,6 +147,46 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         self.all_reduce(&t, op)
     }
 
+    /// The all-reduce of `parts` laid end to end, as one collective: a `[Σ nᵢ]` result, where
+    /// `nᵢ` is part `i`'s element count (each part read flattened, in its row-major order).
+    /// With `wire`, carried as [`Collective::all_reduce_wire`] carries it.
+    /// `DataParallel::sync_gradients` sends a bucket of host gradients (and their flags) this
+    /// way.
+    ///
+    /// `parts`: at least one tensor, one dtype; every rank passes as many parts, with the same
+    /// element counts and dtype.
+    ///
+    /// The default concatenates the parts and all-reduces that (given up to
+    /// [`Collective::all_reduce_owned`] when it is a new tensor). `ThreadGroup` sums each
+    /// rank's parts where they lie, without the concatenation's copy; its result is bitwise
+    /// the default's (`tests/thread_group.rs::parts_are_summed_where_they_lie`).
+    ///
+    /// # Errors
+    ///
+    /// When `parts` is empty or its tensors differ in dtype, when the ranks' parts differ in
+    /// number, element counts or dtype ([`CollectiveError::Mismatch`] on `ThreadGroup`), with
+    /// `wire` as [`Collective::all_reduce_wire`], and otherwise as [`Collective::all_reduce`].
+    fn all_reduce_parts(
+        &self,
+        parts: &[Tensor],
+        op: ReduceOp,
+        wire: Option<DType>,
+    ) -> Result<Tensor> {
+        check_parts(parts)?;
+        let flat = parts
+            .iter()
+            .map(Tensor::flatten_all)
+            .collect::<Result<Vec<_>>>()?;
+        // `cat` of one part is that part itself (the caller's storage): not given up then.
+        let fresh = flat.len() > 1;
+        let flat = Tensor::cat(&flat, 0)?;
+        match wire {
+            Some(w) => self.all_reduce_wire(&flat, op, w),
+            None if fresh => self.all_reduce_owned(flat, op),
+            None => self.all_reduce(&flat, op),
+        }
+    }
+
     /// [`Collective::all_reduce`] of `t` carried in the float dtype `wire`: each rank's values
     /// rounded to `wire`, reduced (f16 and bf16 accumulate in f32), the result rounded to `wire`
     /// and returned in `t`'s dtype. `DataParallel::with_wire_dtype` sends its buckets this way.
@@ -324,6 +364,26 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         let me = ranks.iter().position(|&r| r == self.rank());
         self.split(me.map(|_| 0), me.unwrap_or(0) as u32)
     }
+}
+
+/// Errors unless `parts` holds at least one tensor and all of one dtype
+/// ([`Collective::all_reduce_parts`]).
+pub(crate) fn check_parts(parts: &[Tensor]) -> Result<()> {
+    let Some(first) = parts.first() else {
+        candle_core::bail!("all_reduce_parts: expected at least one part, got none")
+    };
+    if let Some((i, p)) = parts
+        .iter()
+        .enumerate()
+        .find(|(_, p)| p.dtype() != first.dtype())
+    {
+        candle_core::bail!(
+            "all_reduce_parts: part {i} is {:?}, part 0 {:?}: the parts must share one dtype",
+            p.dtype(),
+            first.dtype()
+        )
+    }
+    Ok(())
 }
 
 /// [`Collective::all_reduce_wire`] by casting: `t` to `wire`, the all-reduce, back to `t`'s dtype.

@@ -344,11 +344,18 @@ impl DataParallel {
             }
             // One flag per variable rides along in the same all-reduce: non-zero after it when
             // some rank has a gradient. Only a rank missing a gradient reads the flags back.
-            let flat = pack::pack(&parts, &lens, dtype, &device)?;
-            let avg = match self.wire {
-                Some(w) => self.comm.all_reduce_wire(&flat, ReduceOp::Avg, w)?,
-                // The bucket is this call's own: NCCL averages it in place.
-                None => self.comm.all_reduce_owned(flat, ReduceOp::Avg)?,
+            let avg = if device.is_cpu() {
+                // Thread ranks sum the gradients where they lie; other backends concatenate.
+                let parts = pack::parts(&parts, &lens, dtype, &device)?;
+                self.comm
+                    .all_reduce_parts(&parts, ReduceOp::Avg, self.wire)?
+            } else {
+                let flat = pack::pack(&parts, &lens, dtype, &device)?;
+                match self.wire {
+                    Some(w) => self.comm.all_reduce_wire(&flat, ReduceOp::Avg, w)?,
+                    // The bucket is this call's own: NCCL averages it in place.
+                    None => self.comm.all_reduce_owned(flat, ReduceOp::Avg)?,
+                }
             };
             let total: usize = bucket.iter().map(|(_, v)| v.elem_count()).sum();
             let somewhere = if missing_here {

@@ -1,8 +1,9 @@
 //! The flat buffer of one bucket: every variable's gradient (zeros where this rank has none),
 //! then one flag per variable (1 where this rank has a gradient), all in the bucket's dtype.
 //!
-//! On the CPU it is `Tensor::cat` of those parts. On a GPU, `cat` launched one copy kernel per
-//! part and the zeros a memset each; here `kernels/pack.cu` fills up to
+//! On the CPU the parts go to `Collective::all_reduce_parts` as they are ([`parts`]: thread
+//! ranks sum them where they lie, other backends concatenate them). On a GPU, `cat` launched
+//! one copy kernel per part and the zeros a memset each; here `kernels/pack.cu` fills up to
 //! [`PACK_SEGS`](crate::args::PACK_SEGS) gradients, their zeros and their flags per launch,
 //! reading each gradient where it lies.
 
@@ -28,6 +29,18 @@ pub(super) fn pack(
             return cuda::pack(dev, grads, lens, dtype);
         }
     }
+    Tensor::cat(&parts(grads, lens, dtype, device)?, 0)
+}
+
+/// The parts [`pack`] lays end to end on the CPU: each gradient flattened (a view of it, or
+/// `lens[i]` zeros for `None`), then the `k` flags. `Collective::all_reduce_parts` takes them
+/// as they are.
+pub(super) fn parts(
+    grads: &[Option<Tensor>],
+    lens: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> Result<Vec<Tensor>> {
     let mut parts: Vec<Tensor> = Vec::with_capacity(grads.len() + 1);
     for (g, &n) in grads.iter().zip(lens) {
         parts.push(match g {
@@ -40,7 +53,7 @@ pub(super) fn pack(
         .map(|g| f32::from(u8::from(g.is_some())))
         .collect();
     parts.push(Tensor::new(flags.as_slice(), device)?.to_dtype(dtype)?);
-    Tensor::cat(&parts, 0)
+    Ok(parts)
 }
 
 #[cfg(feature = "cuda")]

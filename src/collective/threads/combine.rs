@@ -5,7 +5,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::reduce::{self, Work};
-use super::{Contribution, BACKEND};
+use super::{Contribution, Input, BACKEND};
 use crate::collective::{scatter_rows, CollectiveError, Op, ReduceOp};
 
 /// How a call's result comes about.
@@ -28,32 +28,37 @@ pub(super) fn plan(call: u64, cs: &[Contribution]) -> Plan {
         Ok(inputs) => inputs,
         Err(e) => return Plan::Ready(Err(e)),
     };
+    let invalid =
+        |e: candle_core::Error| CollectiveError::invalid(BACKEND, cs[0].kind.name(), e.to_string());
     if let Some(op) = reduction {
-        let invalid = |e: candle_core::Error| {
-            CollectiveError::invalid(BACKEND, cs[0].kind.name(), e.to_string())
-        };
-        if let Op::ReduceScatter(_) = cs[0].kind {
+        if let (Op::ReduceScatter(_), Input::One(t)) = (cs[0].kind, inputs[0]) {
             // Checked here, once, so that every rank gets the same error.
-            if let Err(e) = scatter_rows(inputs[0], 0, cs.len()) {
+            if let Err(e) = scatter_rows(t, 0, cs.len()) {
                 return Plan::Ready(Err(invalid(e)));
             }
         }
-        match reduce::plan(&inputs, op, wire) {
+        let parts: Vec<&[Tensor]> = inputs.iter().map(|i| i.tensors()).collect();
+        match reduce::plan(&parts, &inputs[0].result_shape(), op, wire) {
             Ok(Some(work)) => return Plan::Shared(work),
             Ok(None) => {}
             Err(e) => return Plan::Ready(Err(invalid(e))),
         }
     }
-    Plan::Ready(combine(cs[0].kind, wire, &inputs, cs.len()))
+    let flat = match inputs.iter().map(|i| i.flat()).collect::<Result<Vec<_>>>() {
+        Ok(flat) => flat,
+        Err(e) => return Plan::Ready(Err(invalid(e))),
+    };
+    let flat: Vec<&Tensor> = flat.iter().collect();
+    Plan::Ready(combine(cs[0].kind, wire, &flat, cs.len()))
 }
 
 /// Checks that every rank asked for the same thing; returns their inputs in rank order.
-fn agree(call: u64, cs: &[Contribution]) -> std::result::Result<Vec<&Tensor>, CollectiveError> {
+fn agree(call: u64, cs: &[Contribution]) -> std::result::Result<Vec<&Input>, CollectiveError> {
     let kind = cs[0].kind;
-    let mut tensors: Vec<&Tensor> = Vec::with_capacity(cs.len());
+    let mut inputs: Vec<&Input> = Vec::with_capacity(cs.len());
     for (r, c) in cs.iter().enumerate() {
         match &c.input {
-            Ok(t) => tensors.push(t),
+            Ok(input) => inputs.push(input),
             Err(why) => {
                 return Err(CollectiveError::invalid(
                     BACKEND,
@@ -63,15 +68,24 @@ fn agree(call: u64, cs: &[Contribution]) -> std::result::Result<Vec<&Tensor>, Co
             }
         }
     }
-    let first = tensors[0];
-    let same_rest = |t: &Tensor| match kind {
-        Op::AllGather | Op::Split => {
-            t.rank() >= 1 && first.rank() >= 1 && t.dims()[1..] == first.dims()[1..]
+    let first = inputs[0];
+    let same_rest = |input: &Input| match (kind, input, first) {
+        (Op::AllGather | Op::Split, Input::One(t), Input::One(f)) => {
+            t.rank() >= 1 && f.rank() >= 1 && t.dims()[1..] == f.dims()[1..]
         }
-        _ => t.dims() == first.dims(),
+        (_, Input::One(t), Input::One(f)) => t.dims() == f.dims(),
+        (Op::AllReduce(_), Input::Parts(ps), Input::Parts(fs)) => {
+            ps.len() == fs.len()
+                && ps
+                    .iter()
+                    .zip(fs)
+                    .all(|(p, f)| p.elem_count() == f.elem_count())
+                && ps.iter().all(|p| p.dtype() == first.dtype())
+        }
+        _ => false,
     };
-    let agree = cs.iter().zip(&tensors).all(|(c, t)| {
-        c.kind == kind && c.wire == cs[0].wire && t.dtype() == first.dtype() && same_rest(t)
+    let agree = cs.iter().zip(&inputs).all(|(c, input)| {
+        c.kind == kind && c.wire == cs[0].wire && input.dtype() == first.dtype() && same_rest(input)
     });
     let mismatch = |why: &str| CollectiveError::Mismatch {
         backend: BACKEND,
@@ -90,7 +104,7 @@ fn agree(call: u64, cs: &[Contribution]) -> std::result::Result<Vec<&Tensor>, Co
             "every rank must call the same collective with the same dtype, shape and wire dtype",
         ));
     }
-    Ok(tensors)
+    Ok(inputs)
 }
 
 /// The common result of a call the ranks agree on, computed on this thread.
@@ -172,7 +186,7 @@ mod tests {
             Contribution {
                 kind,
                 wire: None,
-                input: Ok(t),
+                input: Ok(Input::One(t)),
             },
             Contribution {
                 kind,

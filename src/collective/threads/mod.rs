@@ -255,6 +255,59 @@ struct Finished {
     readers_left: usize,
 }
 
+/// What one rank hands a call: one tensor, or the parts of `Collective::all_reduce_parts`.
+#[derive(Debug, Clone)]
+enum Input {
+    One(Tensor),
+    Parts(Vec<Tensor>),
+}
+
+impl Input {
+    /// The tensors, in order.
+    fn tensors(&self) -> &[Tensor] {
+        match self {
+            Input::One(t) => std::slice::from_ref(t),
+            Input::Parts(parts) => parts,
+        }
+    }
+
+    /// The tensors moved to the host, detached (see `complete`).
+    fn to_host(&self) -> Result<Input> {
+        let host = |t: &Tensor| t.to_device(&Device::Cpu).map(|h| h.detach());
+        Ok(match self {
+            Input::One(t) => Input::One(host(t)?),
+            Input::Parts(parts) => Input::Parts(parts.iter().map(host).collect::<Result<_>>()?),
+        })
+    }
+
+    /// The dtype (the parts share one: `check_parts`).
+    fn dtype(&self) -> DType {
+        self.tensors().first().map_or(DType::F32, Tensor::dtype)
+    }
+
+    /// The shape of a reduction's result: the tensor's, or the parts' total as one dimension.
+    fn result_shape(&self) -> candle_core::Shape {
+        match self {
+            Input::One(t) => t.shape().clone(),
+            Input::Parts(parts) => parts.iter().map(Tensor::elem_count).sum::<usize>().into(),
+        }
+    }
+
+    /// One tensor: itself, or the parts flattened and laid end to end.
+    fn flat(&self) -> Result<Tensor> {
+        match self {
+            Input::One(t) => Ok(t.clone()),
+            Input::Parts(parts) => {
+                let flat = parts
+                    .iter()
+                    .map(Tensor::flatten_all)
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&flat, 0)
+            }
+        }
+    }
+}
+
 /// What one rank brought to a call: its input on the host, or why it could not copy it there
 /// (the call then fails on every rank alike, and the group stays in step).
 #[derive(Debug)]
@@ -262,7 +315,7 @@ struct Contribution {
     kind: Op,
     /// The dtype a reduction rounds each value to (`Collective::all_reduce_wire`).
     wire: Option<DType>,
-    input: std::result::Result<Tensor, String>,
+    input: std::result::Result<Input, String>,
 }
 
 impl Contribution {
@@ -271,7 +324,11 @@ impl Contribution {
             .wire
             .map_or(String::new(), |w| format!(" on a {w:?} wire"));
         match &self.input {
-            Ok(t) => format!("{} {:?} {:?}{wire}", self.kind, t.dtype(), t.dims()),
+            Ok(Input::One(t)) => format!("{} {:?} {:?}{wire}", self.kind, t.dtype(), t.dims()),
+            Ok(input @ Input::Parts(parts)) => {
+                let counts: Vec<usize> = parts.iter().map(Tensor::elem_count).collect();
+                format!("{} {:?} parts {counts:?}{wire}", self.kind, input.dtype())
+            }
             Err(_) => format!("{} without an input", self.kind),
         }
     }
@@ -296,7 +353,13 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 impl ThreadRank {
     fn call(&self, kind: Op, t: &Tensor) -> Result<Tensor> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        complete(&self.shared, self.rank, call, (kind, None), t)
+        complete(
+            &self.shared,
+            self.rank,
+            call,
+            (kind, None),
+            &Input::One(t.clone()),
+        )
     }
 
     /// Takes the call's place in the order now and completes it on the communication thread.
@@ -307,7 +370,7 @@ impl ThreadRank {
         let world = self.shared.world;
         let input = t.clone();
         self.worker.submit(BACKEND, &input, move || {
-            let out = complete(&shared, rank, call, (kind, None), &t)?;
+            let out = complete(&shared, rank, call, (kind, None), &Input::One(t))?;
             match kind {
                 Op::ReduceScatter(_) => scatter_rows(&out, rank, world),
                 _ => Ok(out),
@@ -324,20 +387,20 @@ fn complete(
     rank: usize,
     call: u64,
     what: (Op, Option<DType>),
-    t: &Tensor,
+    t: &Input,
 ) -> Result<Tensor> {
     let (kind, wire) = what;
-    let device = t.device().clone();
+    let device = match t.tensors().first() {
+        Some(first) => first.device().clone(),
+        None => Device::Cpu,
+    };
     // Detached: the shared state must not keep the caller's autograd graph alive. That graph
     // can hold the last reference to a rank's communicator (a layer's op keeps its `Arc`), and
     // the communicator's `Drop` takes the lock this function holds when it drops the
     // contributions: a rank that finished first would deadlock the last one.
     // A failed copy still takes part: the call number is taken, and the others are waiting
     // for this rank in that slot.
-    let input = t
-        .to_device(&Device::Cpu)
-        .map(|h| h.detach())
-        .map_err(|e| e.to_string());
+    let input = t.to_host().map_err(|e| e.to_string());
     let mut st = lock(&sh.state);
     if let Some(reason) = st.doomed(call) {
         return Err(left(rank, kind, call, reason.to_string()).into());
@@ -518,7 +581,44 @@ impl Collective for ThreadRank {
         check_wire(t, wire)?;
         let wire = (wire != t.dtype()).then_some(wire);
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        complete(&self.shared, self.rank, call, (Op::AllReduce(op), wire), t)
+        let input = Input::One(t.clone());
+        complete(
+            &self.shared,
+            self.rank,
+            call,
+            (Op::AllReduce(op), wire),
+            &input,
+        )
+    }
+
+    /// The parts are summed where they lie: the ranks' threads read every rank's parts in
+    /// place, block by block, into one shared result, as for one tensor; nothing is
+    /// concatenated. Bitwise the default's result.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_parts`]; also when a part cannot be copied to the CPU or the
+    /// result back to the first part's device.
+    fn all_reduce_parts(
+        &self,
+        parts: &[Tensor],
+        op: ReduceOp,
+        wire: Option<DType>,
+    ) -> Result<Tensor> {
+        super::check_parts(parts)?;
+        if let Some(w) = wire {
+            check_wire(&parts[0], w)?;
+        }
+        let wire = wire.filter(|&w| w != parts[0].dtype());
+        let call = self.next_call.fetch_add(1, Ordering::SeqCst);
+        let input = Input::Parts(parts.to_vec());
+        complete(
+            &self.shared,
+            self.rank,
+            call,
+            (Op::AllReduce(op), wire),
+            &input,
+        )
     }
 
     /// All-gather in rank order, computed once by the last rank to arrive.

@@ -43,24 +43,30 @@ pub(super) trait Work: Send + Sync + std::fmt::Debug {
     fn help(&self) -> Option<Result<Tensor>>;
 }
 
-/// Builds the parallel reduction of `inputs` (same dtype and shape, on the host), or `None`
-/// when the dtype or the operation is one it does not cover (integer dtypes, f64, maximum and
-/// minimum; the caller then reduces on one thread).
+/// Builds the parallel reduction of `inputs` (`inputs[r]`: rank `r`'s values, one tensor or the
+/// parts of `Collective::all_reduce_parts` laid end to end; every rank's parts of the same
+/// element counts and dtype, on the host) into a result of `shape`, or `None` when the dtype
+/// or the operation is one it does not cover (integer dtypes, f64, maximum and minimum; the
+/// caller then reduces on one thread).
 pub(super) fn plan(
-    inputs: &[&Tensor],
+    inputs: &[&[Tensor]],
+    shape: &Shape,
     op: ReduceOp,
     wire: Option<DType>,
 ) -> Result<Option<Box<dyn Work>>> {
-    if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) || inputs[0].elem_count() == 0 {
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) || shape.elem_count() == 0 {
         return Ok(None);
     }
     if !matches!(wire, None | Some(DType::F16 | DType::BF16)) {
         return Ok(None);
     }
-    Ok(match inputs[0].dtype() {
-        DType::F32 => Some(Box::new(Job::<f32>::new(inputs, op, wire)?)),
-        DType::F16 => Some(Box::new(Job::<f16>::new(inputs, op, wire)?)),
-        DType::BF16 => Some(Box::new(Job::<bf16>::new(inputs, op, wire)?)),
+    let Some(first) = inputs[0].first() else {
+        return Ok(None);
+    };
+    Ok(match first.dtype() {
+        DType::F32 => Some(Box::new(Job::<f32>::new(inputs, shape, op, wire)?)),
+        DType::F16 => Some(Box::new(Job::<f16>::new(inputs, shape, op, wire)?)),
+        DType::BF16 => Some(Box::new(Job::<bf16>::new(inputs, shape, op, wire)?)),
         _ => None,
     })
 }
@@ -169,7 +175,10 @@ impl<T> std::fmt::Debug for Output<T> {
 /// The reduction of one call's inputs, in blocks.
 #[derive(Debug)]
 struct Job<T> {
-    inputs: Vec<Tensor>,
+    /// `inputs[r][p]`: rank `r`'s part `p` (one part but for `all_reduce_parts`), contiguous.
+    inputs: Vec<Vec<Tensor>>,
+    /// Where each part starts in the result, then the result's length.
+    starts: Vec<usize>,
     shape: Shape,
     len: usize,
     /// The factor of an average (`1 / world`), `None` for a sum.
@@ -186,18 +195,29 @@ struct Job<T> {
 }
 
 impl<T: Lane> Job<T> {
-    fn new(inputs: &[&Tensor], op: ReduceOp, wire: Option<DType>) -> Result<Self> {
+    fn new(inputs: &[&[Tensor]], shape: &Shape, op: ReduceOp, wire: Option<DType>) -> Result<Self> {
         let inputs = inputs
             .iter()
-            .map(|t| t.contiguous())
-            .collect::<Result<Vec<_>>>()?;
-        let len = inputs[0].elem_count();
+            .map(|parts| parts.iter().map(|t| t.contiguous()).collect())
+            .collect::<Result<Vec<Vec<_>>>>()?;
+        let mut starts = vec![0];
+        for t in &inputs[0] {
+            starts.push(starts[starts.len() - 1] + t.elem_count());
+        }
+        let len = shape.elem_count();
+        if starts[starts.len() - 1] != len {
+            bail!(
+                "all_reduce: parts of {} values for a result of {len}",
+                starts[starts.len() - 1]
+            )
+        }
         let mut buf = Vec::<T>::with_capacity(len);
         let ptr = buf.as_mut_ptr().cast::<MaybeUninit<T>>();
         Ok(Self {
-            shape: inputs[0].shape().clone(),
+            shape: shape.clone(),
             scale: (op == ReduceOp::Avg).then(|| (1.0 / inputs.len() as f64) as f32),
             inputs,
+            starts,
             len,
             wire,
             stream: len * std::mem::size_of::<T>() >= fused::STREAM_BYTES,
@@ -211,20 +231,32 @@ impl<T: Lane> Job<T> {
         })
     }
 
-    /// Computes block `b` from the ranks' inputs into the output: in one pass where there is
-    /// one, else a strip at a time.
-    fn block(&self, b: usize, ins: &[&[T]], s: &mut Scratch<T>) {
+    /// Computes block `b` from the ranks' inputs (`parts[p][r]`: rank `r`'s part `p`) into the
+    /// output, part by part where the block spans several: in one pass where there is one,
+    /// else a strip at a time.
+    fn block(&self, b: usize, parts: &[Vec<&[T]>], s: &mut Scratch<T>) {
         let (start, end) = (b * BLOCK, self.len.min((b + 1) * BLOCK));
         // SAFETY: the block lies in a range this thread alone claimed (`next` hands out each
         // index once), `end <= len` is within the allocation's capacity, and no other
         // reference to this range exists until the buffer is handed out after the last block
         // (see `Output`).
         let dst = unsafe { std::slice::from_raw_parts_mut(self.out.ptr.add(start), end - start) };
-        if T::fused(ins, start..end, dst, self.scale, &s.wire, self.stream) {
-            return;
-        }
-        for (lo, out) in (start..end).step_by(STRIP).zip(dst.chunks_mut(STRIP)) {
-            self.strip(lo, ins, out, s);
+        // The part holding `start` (the last of several that start there: the others are empty).
+        let mut p = self.starts.partition_point(|&at| at <= start) - 1;
+        let mut at = start;
+        while at < end {
+            let (lo, hi) = (self.starts[p], end.min(self.starts[p + 1]));
+            if hi > at {
+                let (ins, out) = (&parts[p], &mut dst[at - start..hi - start]);
+                let range = at - lo..hi - lo;
+                if !T::fused(ins, range.clone(), out, self.scale, &s.wire, self.stream) {
+                    for (i, o) in range.step_by(STRIP).zip(out.chunks_mut(STRIP)) {
+                        self.strip(i, ins, o, s);
+                    }
+                }
+                at = hi;
+            }
+            p += 1;
         }
     }
 
@@ -274,15 +306,26 @@ impl<T: Lane> Work for Job<T> {
     }
 
     fn help(&self) -> Option<Result<Tensor>> {
-        let guards: Vec<_> = self.inputs.iter().map(|t| t.storage_and_layout()).collect();
-        let slices: Result<Vec<&[T]>> = guards
-            .iter()
-            .map(|(storage, layout)| match &**storage {
-                Storage::Cpu(cpu) => {
-                    let all = cpu.as_slice::<T>()?;
-                    Ok(&all[layout.start_offset()..layout.start_offset() + self.len])
-                }
-                _ => bail!("all_reduce: ThreadGroup reduces on the host"),
+        let guards: Vec<Vec<_>> = (self.inputs.iter())
+            .map(|parts| parts.iter().map(|t| t.storage_and_layout()).collect())
+            .collect();
+        // `slices[p][r]`: rank `r`'s part `p`.
+        let slices: Result<Vec<Vec<&[T]>>> = (0..self.starts.len() - 1)
+            .map(|p| {
+                let n = self.starts[p + 1] - self.starts[p];
+                (guards.iter())
+                    .map(|rank| {
+                        let (storage, layout) = &rank[p];
+                        match &**storage {
+                            Storage::Cpu(cpu) => {
+                                let all = cpu.as_slice::<T>()?;
+                                let at = layout.start_offset();
+                                Ok(&all[at..at + n])
+                            }
+                            _ => bail!("all_reduce: ThreadGroup reduces on the host"),
+                        }
+                    })
+                    .collect()
             })
             .collect();
         let mut scratch = Scratch::new(self.wire);
@@ -294,8 +337,8 @@ impl<T: Lane> Work for Job<T> {
             }
             // An input that is not a host slice cannot be summed; its block still counts, so
             // that the call ends (with the error) instead of leaving the others waiting.
-            if let Ok(ins) = &slices {
-                self.block(b, ins, &mut scratch);
+            if let Ok(parts) = &slices {
+                self.block(b, parts, &mut scratch);
             }
             done = self.finished.fetch_add(1, Ordering::AcqRel) + 1 == self.blocks;
         }
