@@ -323,7 +323,9 @@ fn a_result_larger_than_the_caches_is_the_same_sum() {
 /// sum) and f64 (summed on one thread); sum and average; an f32 average on a bf16 wire.
 #[test]
 fn parts_are_summed_where_they_lie() {
-    let lens = [5usize, 0, 16384 + 7, 3, 20000, 1];
+    // Parts across blocks of 16384, one ending on a block's boundary, empty ones first, in
+    // a block, on a boundary and last.
+    let lens = [0usize, 5, 0, 16384 + 7, 3, 20000, 1, 32768 - 20016, 0, 16384, 2, 0];
     let total: usize = lens.iter().sum();
     let inputs: Vec<Vec<f32>> = (0..3)
         .map(|r| {
@@ -353,7 +355,7 @@ fn parts_are_summed_where_they_lie() {
             let mut at = 0;
             for (i, &n) in lens.iter().enumerate() {
                 let part = all.narrow(0, at, n)?;
-                parts.push(if i == 4 {
+                parts.push(if i == 5 {
                     part.reshape((100, 200))?
                 } else {
                     part
@@ -378,46 +380,41 @@ fn parts_are_summed_where_they_lie() {
 }
 
 /// A transposed part is read in its logical (row-major) order, as the default reads it; ranks
-/// whose parts differ in element counts get a mismatch naming every rank's parts; an empty list
-/// and parts of two dtypes are refused before any communication.
+/// whose parts differ in element counts (also with the same total) get a mismatch naming every
+/// rank's parts; an empty list, or parts of two dtypes, on one rank only fails the call on every
+/// rank with that rank's reason, and the group goes on in step.
 #[test]
 fn parts_in_logical_order_and_their_errors() {
     let outs = run_ranks(2, |comm| {
         let r = comm.rank() as f32;
+        let ones = |n: usize| Tensor::ones(n, DType::F32, &Device::Cpu);
         let m = (Tensor::arange(0f32, 6.0, &Device::Cpu)?.reshape((2, 3))? + f64::from(r))?;
         let parts = [Tensor::new(&[r, 1.0], &Device::Cpu)?, m.t()?];
         let got = comm.all_reduce_parts(&parts, ReduceOp::Sum, None)?;
         let default = Probe::new(comm.clone()).all_reduce_parts(&parts, ReduceOp::Sum, None)?;
-        let n = if comm.rank() == 0 { 2 } else { 3 };
-        let uneven = comm
-            .all_reduce_parts(
-                &[Tensor::ones(n, DType::F32, &Device::Cpu)?],
-                ReduceOp::Sum,
-                None,
-            )
-            .map_err(|e| e.to_string());
-        let none = comm
-            .all_reduce_parts(&[], ReduceOp::Sum, None)
-            .map_err(|e| e.to_string());
-        let mixed = comm
-            .all_reduce_parts(
-                &[
-                    Tensor::ones(2, DType::F32, &Device::Cpu)?,
-                    Tensor::ones(2, DType::F64, &Device::Cpu)?,
-                ],
-                ReduceOp::Sum,
-                None,
-            )
-            .map_err(|e| e.to_string());
+        let sum = |parts: &[Tensor]| {
+            comm.all_reduce_parts(parts, ReduceOp::Sum, None)
+                .map_err(|e| e.to_string())
+        };
+        let uneven = sum(&[ones(if comm.rank() == 0 { 2 } else { 3 })?]);
+        let split = if comm.rank() == 0 { [1, 3] } else { [2, 2] };
+        let split = sum(&[ones(split[0])?, ones(split[1])?]);
+        let two = [ones(2)?, ones(2)?];
+        let mixed = [ones(2)?, Tensor::ones(2, DType::F64, &Device::Cpu)?];
+        // Rank 0 alone passes no parts, then rank 1 alone parts of two dtypes.
+        let none = sum(if comm.rank() == 0 { &[] } else { &two });
+        let mixed = sum(if comm.rank() == 1 { &mixed } else { &two });
+        // In step after the failures: the next call pairs with the same call on the other rank.
+        let after = sum(&two).map_err(candle_core::Error::Msg)?.to_vec1::<f32>()?;
         Ok((
             got.to_vec1::<f32>()?,
             default.to_vec1::<f32>()?,
-            uneven.unwrap_err(),
-            none.unwrap_err(),
-            mixed.unwrap_err(),
+            [uneven.unwrap_err(), split.unwrap_err()],
+            [none.unwrap_err(), mixed.unwrap_err()],
+            after,
         ))
     });
-    for (got, default, uneven, none, mixed) in outs {
+    for (got, default, [uneven, split], [none, mixed], after) in outs {
         // m.t() is [[0, 3], [1, 4], [2, 5]] + r: read as 0, 3, 1, 4, 2, 5, summed over r = 0, 1.
         assert_eq!(got, vec![1.0, 2.0, 1.0, 7.0, 3.0, 9.0, 5.0, 11.0]);
         assert_eq!(got, default);
@@ -426,9 +423,36 @@ fn parts_in_logical_order_and_their_errors() {
                 && uneven.contains("rank 1: all_reduce(Sum) F32 parts [3]"),
             "{uneven}"
         );
-        assert!(none.contains("expected at least one part"), "{none}");
-        assert!(mixed.contains("part 1 is F64, part 0 F32"), "{mixed}");
+        assert!(
+            split.contains("rank 0: all_reduce(Sum) F32 parts [1, 3]")
+                && split.contains("rank 1: all_reduce(Sum) F32 parts [2, 2]"),
+            "{split}"
+        );
+        assert!(
+            none.contains("rank 0 could not take part") && none.contains("at least one part"),
+            "{none}"
+        );
+        assert!(
+            mixed.contains("rank 1 could not take part")
+                && mixed.contains("part 1 is F64, part 0 F32"),
+            "{mixed}"
+        );
+        assert_eq!(after, vec![2.0; 4]);
     }
+}
+
+/// With one rank the result is still a new tensor: an f64 part (summed on one thread, where a
+/// result could be the input itself) is copied, so that setting the variable it came from
+/// leaves the result alone.
+#[test]
+fn a_single_part_on_one_rank_is_not_its_own_result() {
+    let outs = run_ranks(1, |comm| {
+        let v = candle_core::Var::new(&[1.5f64, -2.0, 4.0], &Device::Cpu)?;
+        let got = comm.all_reduce_parts(&[v.as_tensor().clone()], ReduceOp::Sum, None)?;
+        v.set(&Tensor::zeros(3, DType::F64, &Device::Cpu)?)?;
+        Ok(got.to_vec1::<f64>()?)
+    });
+    assert_eq!(outs[0], vec![1.5, -2.0, 4.0]);
 }
 
 /// `all_reduce_wire` on thread ranks rounds each value to the wire dtype as it sums, without

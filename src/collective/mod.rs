@@ -163,8 +163,9 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     ///
-    /// When `parts` is empty or its tensors differ in dtype, when the ranks' parts differ in
-    /// number, element counts or dtype ([`CollectiveError::Mismatch`] on `ThreadGroup`), with
+    /// When `parts` is empty or its tensors differ in dtype or device (on `ThreadGroup` the
+    /// call then fails on every rank, with this rank's reason), when the ranks' parts differ
+    /// in number, element counts or dtype ([`CollectiveError::Mismatch`] on `ThreadGroup`), with
     /// `wire` as [`Collective::all_reduce_wire`], and otherwise as [`Collective::all_reduce`].
     fn all_reduce_parts(
         &self,
@@ -366,22 +367,27 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Errors unless `parts` holds at least one tensor and all of one dtype
+/// Errors unless `parts` holds at least one tensor, all of one dtype and on one device
 /// ([`Collective::all_reduce_parts`]).
 pub(crate) fn check_parts(parts: &[Tensor]) -> Result<()> {
     let Some(first) = parts.first() else {
         candle_core::bail!("all_reduce_parts: expected at least one part, got none")
     };
-    if let Some((i, p)) = parts
-        .iter()
-        .enumerate()
-        .find(|(_, p)| p.dtype() != first.dtype())
-    {
-        candle_core::bail!(
-            "all_reduce_parts: part {i} is {:?}, part 0 {:?}: the parts must share one dtype",
-            p.dtype(),
-            first.dtype()
-        )
+    for (i, p) in parts.iter().enumerate() {
+        if p.dtype() != first.dtype() {
+            candle_core::bail!(
+                "all_reduce_parts: part {i} is {:?}, part 0 {:?}: the parts must share one dtype",
+                p.dtype(),
+                first.dtype()
+            )
+        }
+        if !p.device().same_device(first.device()) {
+            candle_core::bail!(
+                "all_reduce_parts: part {i} is on {:?}, part 0 on {:?}: the parts must share one device",
+                p.device(),
+                first.device()
+            )
+        }
     }
     Ok(())
 }

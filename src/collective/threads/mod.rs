@@ -297,6 +297,9 @@ impl Input {
     fn flat(&self) -> Result<Tensor> {
         match self {
             Input::One(t) => Ok(t.clone()),
+            // A copy even of one part (which `cat` would hand back as it is): the result must
+            // not share the caller's storage.
+            Input::Parts(parts) if parts.len() == 1 => parts[0].flatten_all()?.copy(),
             Input::Parts(parts) => {
                 let flat = parts
                     .iter()
@@ -358,7 +361,7 @@ impl ThreadRank {
             self.rank,
             call,
             (kind, None),
-            &Input::One(t.clone()),
+            Ok(&Input::One(t.clone())),
         )
     }
 
@@ -370,7 +373,7 @@ impl ThreadRank {
         let world = self.shared.world;
         let input = t.clone();
         self.worker.submit(BACKEND, &input, move || {
-            let out = complete(&shared, rank, call, (kind, None), &Input::One(t))?;
+            let out = complete(&shared, rank, call, (kind, None), Ok(&Input::One(t)))?;
             match kind {
                 Op::ReduceScatter(_) => scatter_rows(&out, rank, world),
                 _ => Ok(out),
@@ -387,20 +390,20 @@ fn complete(
     rank: usize,
     call: u64,
     what: (Op, Option<DType>),
-    t: &Input,
+    t: std::result::Result<&Input, String>,
 ) -> Result<Tensor> {
     let (kind, wire) = what;
-    let device = match t.tensors().first() {
-        Some(first) => first.device().clone(),
-        None => Device::Cpu,
+    let device = match t.as_ref().map(|t| t.tensors().first()) {
+        Ok(Some(first)) => first.device().clone(),
+        _ => Device::Cpu,
     };
     // Detached: the shared state must not keep the caller's autograd graph alive. That graph
     // can hold the last reference to a rank's communicator (a layer's op keeps its `Arc`), and
     // the communicator's `Drop` takes the lock this function holds when it drops the
     // contributions: a rank that finished first would deadlock the last one.
-    // A failed copy still takes part: the call number is taken, and the others are waiting
-    // for this rank in that slot.
-    let input = t.to_host().map_err(|e| e.to_string());
+    // A failed copy (or an input refused on this rank) still takes part: the call number is
+    // taken, and the others are waiting for this rank in that slot.
+    let input = t.and_then(|t| t.to_host().map_err(|e| e.to_string()));
     let mut st = lock(&sh.state);
     if let Some(reason) = st.doomed(call) {
         return Err(left(rank, kind, call, reason.to_string()).into());
@@ -587,13 +590,15 @@ impl Collective for ThreadRank {
             self.rank,
             call,
             (Op::AllReduce(op), wire),
-            &input,
+            Ok(&input),
         )
     }
 
     /// The parts are summed where they lie: the ranks' threads read every rank's parts in
     /// place, block by block, into one shared result, as for one tensor; nothing is
-    /// concatenated. Bitwise the default's result.
+    /// concatenated. Bitwise the default's result. Parts on a GPU are copied to the host one
+    /// by one (a view copies its whole storage: make such parts contiguous first, or pack
+    /// them, as `DataParallel` does).
     ///
     /// # Errors
     ///
@@ -605,19 +610,21 @@ impl Collective for ThreadRank {
         op: ReduceOp,
         wire: Option<DType>,
     ) -> Result<Tensor> {
-        super::check_parts(parts)?;
-        if let Some(w) = wire {
-            check_wire(&parts[0], w)?;
-        }
-        let wire = wire.filter(|&w| w != parts[0].dtype());
+        // Checked after the call's number is taken: parts refused on one rank fail the call on
+        // every rank (with the reason), instead of leaving the others waiting in its slot.
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
+        let checked = super::check_parts(parts).and_then(|()| match wire {
+            Some(w) => check_wire(&parts[0], w),
+            None => Ok(()),
+        });
+        let wire = wire.filter(|&w| parts.first().is_some_and(|p| w != p.dtype()));
         let input = Input::Parts(parts.to_vec());
         complete(
             &self.shared,
             self.rank,
             call,
             (Op::AllReduce(op), wire),
-            &input,
+            checked.map(|()| &input).map_err(|e| e.to_string()),
         )
     }
 
