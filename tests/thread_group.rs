@@ -325,7 +325,20 @@ fn a_result_larger_than_the_caches_is_the_same_sum() {
 fn parts_are_summed_where_they_lie() {
     // Parts across blocks of 16384, one ending on a block's boundary, empty ones first, in
     // a block, on a boundary and last.
-    let lens = [0usize, 5, 0, 16384 + 7, 3, 20000, 1, 32768 - 20016, 0, 16384, 2, 0];
+    let lens = [
+        0usize,
+        5,
+        0,
+        16384 + 7,
+        3,
+        20000,
+        1,
+        32768 - 20016,
+        0,
+        16384,
+        2,
+        0,
+    ];
     let total: usize = lens.iter().sum();
     let inputs: Vec<Vec<f32>> = (0..3)
         .map(|r| {
@@ -405,7 +418,9 @@ fn parts_in_logical_order_and_their_errors() {
         let none = sum(if comm.rank() == 0 { &[] } else { &two });
         let mixed = sum(if comm.rank() == 1 { &mixed } else { &two });
         // In step after the failures: the next call pairs with the same call on the other rank.
-        let after = sum(&two).map_err(candle_core::Error::Msg)?.to_vec1::<f32>()?;
+        let after = sum(&two)
+            .map_err(candle_core::Error::Msg)?
+            .to_vec1::<f32>()?;
         Ok((
             got.to_vec1::<f32>()?,
             default.to_vec1::<f32>()?,
