@@ -152,38 +152,56 @@ impl Enqueue<'_> {
     }
 }
 
-impl CustomOp1 for Enqueue<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-collective"
-    }
+/// `$e.$run::<T>($s, $l)` for the element type `T` of `$s`'s dtype, among those NCCL takes
+/// here; an error naming the dtype otherwise.
+macro_rules! by_dtype {
+    ($e:expr, $run:ident, $s:expr, $l:expr) => {
+        match $s.dtype() {
+            DType::F32 => $e.$run::<f32>($s, $l),
+            DType::F64 => $e.$run::<f64>($s, $l),
+            DType::F16 => $e.$run::<half::f16>($s, $l),
+            DType::BF16 => $e.$run::<half::bf16>($s, $l),
+            DType::I64 => $e.$run::<i64>($s, $l),
+            DType::U32 => $e.$run::<u32>($s, $l),
+            DType::U8 => $e.$run::<u8>($s, $l),
+            d => Err(invalid($e.what.name(), format!("unsupported dtype {d:?}"))),
+        }
+    };
+}
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        Err(invalid(
+impl Enqueue<'_> {
+    /// The error for a tensor on the CPU.
+    fn on_cpu(&self) -> candle_core::Error {
+        invalid(
             self.what.name(),
             "NCCL needs tensors on the communicator's GPU, got a CPU tensor".into(),
-        ))
+        )
     }
 
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    /// Errors unless `s` is on this communicator's GPU.
+    fn check_device(&self, s: &CudaStorage) -> Result<()> {
         if s.device().id() != self.c.device.id() {
             return Err(invalid(
                 self.what.name(),
                 "the tensor is on another CUDA device than the communicator".into(),
             ));
         }
-        match s.dtype() {
-            DType::F32 => self.run::<f32>(s, l),
-            DType::F64 => self.run::<f64>(s, l),
-            DType::F16 => self.run::<half::f16>(s, l),
-            DType::BF16 => self.run::<half::bf16>(s, l),
-            DType::I64 => self.run::<i64>(s, l),
-            DType::U32 => self.run::<u32>(s, l),
-            DType::U8 => self.run::<u8>(s, l),
-            d => Err(invalid(
-                self.what.name(),
-                format!("unsupported dtype {d:?}"),
-            )),
-        }
+        Ok(())
+    }
+}
+
+impl CustomOp1 for Enqueue<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-collective"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Err(self.on_cpu())
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.check_device(s)?;
+        by_dtype!(self, run, s, l)
     }
 }
 
@@ -193,32 +211,12 @@ impl InplaceOp1 for Enqueue<'_> {
     }
 
     fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
-        Err(invalid(
-            self.what.name(),
-            "NCCL needs tensors on the communicator's GPU, got a CPU tensor".into(),
-        ))
+        Err(self.on_cpu())
     }
 
     fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
-        if s.device().id() != self.c.device.id() {
-            return Err(invalid(
-                self.what.name(),
-                "the tensor is on another CUDA device than the communicator".into(),
-            ));
-        }
-        match s.dtype() {
-            DType::F32 => self.run_in_place::<f32>(s, l),
-            DType::F64 => self.run_in_place::<f64>(s, l),
-            DType::F16 => self.run_in_place::<half::f16>(s, l),
-            DType::BF16 => self.run_in_place::<half::bf16>(s, l),
-            DType::I64 => self.run_in_place::<i64>(s, l),
-            DType::U32 => self.run_in_place::<u32>(s, l),
-            DType::U8 => self.run_in_place::<u8>(s, l),
-            d => Err(invalid(
-                self.what.name(),
-                format!("unsupported dtype {d:?}"),
-            )),
-        }
+        self.check_device(s)?;
+        by_dtype!(self, run_in_place, s, l)
     }
 }
 
