@@ -41,7 +41,9 @@
 //! (`tests/data_parallel.rs::cpu::a_failed_start_changes_no_variable`).
 //!
 //! Gradients are flattened into buckets (25 MiB by default, `with_bucket_bytes`), in name order,
-//! one all-reduce (average) per bucket; a variable without a gradient on some rank counts as zero
+//! one all-reduce (average) per bucket (on the host handed over as the gradients themselves,
+//! `Collective::all_reduce_parts`: thread ranks sum them where they lie, without copying them
+//! into a bucket first); a variable without a gradient on some rank counts as zero
 //! there (one without a gradient on every rank gets none, so an optimizer leaves it alone), and
 //! every rank issues the same collectives. The result is PyTorch DDP's: the mean over
 //! ranks of each rank's gradient. With each rank's loss the mean over its own batch and equal
@@ -100,7 +102,8 @@
 //!   micro-batches (`accumulation_all_reduces_gradients_once_per_step`; MPI: the same on 4
 //!   processes).
 //! - **16-bit gradients on the wire** (`DataParallel::with_wire_dtype(Some(BF16 | F16))`): the
-//!   bucket goes through `Collective::all_reduce_wire`, which casts it before the all-reduce and
+//!   bucket goes through `Collective::all_reduce_wire` (host gradients: `all_reduce_parts` with
+//!   the wire), which casts it before the all-reduce and
 //!   back after (NCCL), or rounds each value to the wire dtype on the host, bitwise the same
 //!   without the casts (`ThreadGroup` while it sums, MPI in the buffer it sends); 16-bit values
 //!   are summed in f32 except on NCCL.
@@ -245,7 +248,8 @@ impl DataParallel {
 
     /// Gradients travel as `dtype` (`F16` or `BF16`: half the bytes of f32) and come back in
     /// their own dtype; `None` (the default) sends them as they are. Every rank must choose
-    /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_wire`]; what
+    /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_wire`]
+    /// (host gradients: [`crate::collective::Collective::all_reduce_parts`]); what
     /// the sum is computed in is the backend's: [`crate::collective::ThreadGroup`] and MPI
     /// accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit float type,
     /// so it saves no bytes; both round f32 gradients to the wire dtype on the host instead of
@@ -322,7 +326,8 @@ impl DataParallel {
     /// variables differ (possible with lists passed to [`DataParallel::from_vars`]), or, on
     /// `ThreadGroup` and MPI, a trainable variable of an integer dtype (an average needs a float
     /// dtype); also when a gradient cannot be converted to its variable's dtype and flattened into
-    /// the bucket.
+    /// the bucket, or has another element count than its variable (an error on that rank only,
+    /// before the all-reduce: the other ranks wait in it until their timeout).
     pub fn sync_gradients(&self, mut grads: GradStore) -> Result<GradStore> {
         for bucket in self.buckets() {
             let (dtype, device) = (bucket[0].1.dtype(), bucket[0].1.device().clone());

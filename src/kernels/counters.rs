@@ -44,8 +44,7 @@ pub(crate) fn with_scratch<R>(
     let work = work.max(1);
     let fresh_enough = |map: &mut HashMap<DeviceId, ReductionScratch>| -> Result<()> {
         let old = map.get(&dev.id());
-        let small = |have: usize, need: usize| have < need;
-        if old.is_none_or(|s| small(s.counters.len(), counters) || small(s.work.len(), work)) {
+        if old.is_none_or(|s| s.counters.len() < counters || s.work.len() < work) {
             let keep = |have: Option<usize>, need: usize| have.unwrap_or(0).max(need);
             let counters = keep(old.map(|s| s.counters.len()), counters);
             let work = keep(old.map(|s| s.work.len()), work);
