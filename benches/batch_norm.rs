@@ -13,8 +13,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::{Collective, ThreadGroup};
 use candle_distributed::ops::{
-    batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_gather_stats,
-    batch_norm_stats,
+    batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_elemt,
+    batch_norm_gather_stats, batch_norm_stats,
 };
 use candle_distributed::{sync_batch_norm, Layout, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
@@ -102,6 +102,15 @@ fn bench_shape(
     let sums = batch_norm_stats(&x, &shift, layout).unwrap();
     let st = batch_norm_gather_stats(&sums, &shift, 1e-5).unwrap();
     let weight = Tensor::ones(ch, DType::F32, &dev).unwrap();
+    let bias = Tensor::zeros(ch, DType::F32, &dev).unwrap();
+    // The forward's second pass alone: the normalisation, reading the tensor and writing another.
+    group.throughput(Throughput::Bytes(2 * bytes));
+    group.bench_function("syncbn_apply", |b| {
+        b.iter(|| {
+            let (w, bi) = (Some(&weight), Some(&bias));
+            batch_norm_elemt(&x, &st.mean, &st.invstd, w, bi, None, false, layout).unwrap()
+        })
+    });
     group.throughput(Throughput::Bytes(5 * bytes));
     group.bench_function("syncbn_backward_ops", |b| {
         b.iter(|| {

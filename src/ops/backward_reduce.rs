@@ -35,7 +35,7 @@ struct Centred<'a, T: Elem, const MASK: bool> {
 
 impl<T: Elem, const MASK: bool> Terms for Centred<'_, T, MASK> {
     #[inline(always)]
-    fn lanes(&self, i: usize, j: usize) -> ([f64; LANES], [f64; LANES]) {
+    fn lanes(&self, i: usize, j: usize) -> [[f64; LANES]; 3] {
         let values = |s: &[T]| -> [T; LANES] { s[i..i + LANES].try_into().expect("LANES values") };
         let consts =
             |s: &[T::R]| -> [T::R; LANES] { s[j..j + LANES].try_into().expect("LANES means") };
@@ -43,18 +43,18 @@ impl<T: Elem, const MASK: bool> Terms for Centred<'_, T, MASK> {
         let (h, l) = (consts(self.h), consts(self.l));
         let g: [f64; LANES] = std::array::from_fn(|k| grad::<T, MASK>(&dy[k], &y[k]));
         let xc: [f64; LANES] = std::array::from_fn(|k| ((x[k].load() - h[k]) - l[k]).to_f64());
-        (g, std::array::from_fn(|k| g[k] * xc[k]))
+        [g, g, xc]
     }
 
     #[inline(always)]
-    fn one(&self, i: usize, j: usize) -> (f64, f64) {
+    fn one(&self, i: usize, j: usize) -> [f64; 3] {
         let g = grad::<T, MASK>(&self.dy[i], &self.y[i]);
-        (g, g * ((self.x[i].load() - self.h[j]) - self.l[j]).to_f64())
+        [g, g, ((self.x[i].load() - self.h[j]) - self.l[j]).to_f64()]
     }
 }
 
 #[inline(always)]
-fn plane_reduce_mask<T: Elem, const MASK: bool>(
+fn plane_reduce_mask<T: Elem, const MASK: bool, const FMA: bool>(
     dy: &[T],
     x: &[T],
     y: &[T],
@@ -62,28 +62,28 @@ fn plane_reduce_mask<T: Elem, const MASK: bool>(
     l: T::R,
 ) -> (f64, f64) {
     let (h, l) = (&[h; LANES], &[l; LANES]);
-    segment_sums(x.len(), &Centred::<T, MASK> { dy, x, y, h, l })
+    segment_sums::<FMA>(x.len(), &Centred::<T, MASK> { dy, x, y, h, l })
 }
 
 simd_fn! {
     /// `(Σg, Σg·(x − h − l))` of one channels-first segment.
-    fn plane_reduce<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, h: T::R, l: T::R) -> (f64, f64) {
+    fn plane_reduce<T: Elem, const FMA: bool>(dy: &[T], x: &[T], y: Option<&[T]>, h: T::R, l: T::R) -> (f64, f64) {
         match y {
-            None => plane_reduce_mask::<T, false>(dy, x, dy, h, l),
-            Some(y) => plane_reduce_mask::<T, true>(dy, x, y, h, l),
+            None => plane_reduce_mask::<T, false, FMA>(dy, x, dy, h, l),
+            Some(y) => plane_reduce_mask::<T, true, FMA>(dy, x, y, h, l),
         }
     }
 }
 
 #[inline(always)]
-fn rows_reduce_mask<T: Elem, const MASK: bool>(
+fn rows_reduce_mask<T: Elem, const MASK: bool, const FMA: bool>(
     dy: &[T],
     x: &[T],
     y: &[T],
     [h, l]: [&[T::R]; 2],
     [a, b]: [&mut [f64]; 2],
 ) {
-    row_sums(
+    row_sums::<FMA>(
         x.len() / h.len(),
         a,
         b,
@@ -93,10 +93,10 @@ fn rows_reduce_mask<T: Elem, const MASK: bool>(
 
 simd_fn! {
     /// Adds `Σg` and `Σg·(x − h − l)` of channels-last rows into `[a, b]` (`[C]` each).
-    fn rows_reduce<T: Elem>(dy: &[T], x: &[T], y: Option<&[T]>, mean: [&[T::R]; 2], acc: [&mut [f64]; 2]) -> () {
+    fn rows_reduce<T: Elem, const FMA: bool>(dy: &[T], x: &[T], y: Option<&[T]>, mean: [&[T::R]; 2], acc: [&mut [f64]; 2]) -> () {
         match y {
-            None => rows_reduce_mask::<T, false>(dy, x, dy, mean, acc),
-            Some(y) => rows_reduce_mask::<T, true>(dy, x, y, mean, acc),
+            None => rows_reduce_mask::<T, false, FMA>(dy, x, dy, mean, acc),
+            Some(y) => rows_reduce_mask::<T, true, FMA>(dy, x, y, mean, acc),
         }
     }
 }
