@@ -2,7 +2,8 @@
 """PyTorch's training-mode BatchNorm2d on the benchmark's shapes, as the baseline of the README table.
 
 Usage: python scripts/bench_torch.py > target/bench_torch.json
-Prints JSON {"<N>x<C>x<H>x<W>_<nchw|nhwc>": {"forward": ms, "forward_backward": ms}} with median
+BENCH_ONLY=64x256x14x14_nhwc (a key as below) times that shape and layout alone; BENCH_REPEATS
+sets the calls per median (30). Prints JSON {"<N>x<C>x<H>x<W>_<nchw|nhwc>": {"forward": ms, "forward_backward": ms}} with median
 milliseconds, run with the same thread count and allocator setting as the Rust benchmark. The
 backward is seeded with a dense gradient of ones (what candle's `y.backward()` does).
 """
@@ -16,6 +17,7 @@ import torch
 
 SHAPES = [(32, 64, 32, 32), (64, 256, 14, 14), (8, 32, 112, 112)]
 REPEATS = int(os.environ.get("BENCH_REPEATS", "30"))
+ONLY = os.environ.get("BENCH_ONLY")
 
 
 def median_ms(fn):
@@ -34,6 +36,8 @@ def main():
     out = {}
     for n, c, h, w in SHAPES:
         for layout in ("nchw", "nhwc"):
+            if ONLY and ONLY != f"{n}x{c}x{h}x{w}_{layout}":
+                continue
             fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
             bn = torch.nn.BatchNorm2d(c).train().to(memory_format=fmt)
             x = (torch.randn(n, c, h, w) * 2 + 1).to(memory_format=fmt)

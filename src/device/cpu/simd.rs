@@ -26,10 +26,10 @@ pub(crate) trait Terms {
 /// `p·q + acc`: one fused multiply-add (one rounding) when `FMA`, else a product and a sum (two
 /// roundings; without the FMA instructions `f64::mul_add` would be a slow library call).
 ///
-/// Measured for the channels-last statistics pass (64x256x14x14, f32, 2 threads, a C replica
-/// of the loop in alternating runs on the 2-core EPYC development machine, 2026-11-25): 218 µs
-/// with the fused form against 265 µs with a product and a sum; the adders, which also do the
-/// subtractions and the plain sums, were the limit.
+/// Measured for the channels-last statistics pass (64x256x14x14, f32, 2 threads, alternating
+/// criterion runs on the 2-core EPYC development machine, 2026-11-25; docs/benchmarks.md):
+/// 246–327 µs fused against 292–376 µs with a product and a sum, whose additions shared the
+/// adders with the subtractions and the plain sums.
 #[inline(always)]
 pub(crate) fn madd<const FMA: bool>(p: f64, q: f64, acc: f64) -> f64 {
     if FMA {
