@@ -8,13 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shape=${1:-64x256x14x14} layout=${2:-nhwc} rounds=${3:-6}
-export MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
-export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-2} OMP_NUM_THREADS=${RAYON_NUM_THREADS:-2}
-venv=${TORCH_VENV:-$HOME/.cache/candle-distributed-bench-venv}
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.15.0 numpy
-fi
+. scripts/bench-env.sh
 cargo bench --bench batch_norm --no-run
 estimate=target/criterion/${shape}_${layout}/syncbn_forward/new/estimates.json
 for round in $(seq "$rounds"); do
