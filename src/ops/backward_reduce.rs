@@ -9,7 +9,7 @@ use super::arity::CudaIn;
 use super::arity::{self, AnyArity, CpuIn};
 use super::{backward_slices, check_device, check_same_shape, per_channel_f64, OP};
 use crate::device::cpu::{
-    self, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Real, Terms, LANES,
+    self, prefetch, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Real, Terms, LANES,
 };
 use crate::device::Geometry;
 
@@ -50,6 +50,15 @@ impl<T: Elem, const MASK: bool> Terms for Centred<'_, T, MASK> {
     fn one(&self, i: usize, j: usize) -> [f64; 3] {
         let g = grad::<T, MASK>(&self.dy[i], &self.y[i]);
         [g, g, ((self.x[i].load() - self.h[j]) - self.l[j]).to_f64()]
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, i: usize) {
+        prefetch(self.dy.get(i));
+        prefetch(self.x.get(i));
+        if MASK {
+            prefetch(self.y.get(i));
+        }
     }
 }
 

@@ -21,6 +21,23 @@ pub(crate) trait Terms {
 
     /// `(u, p, q)` of the value at flat index `i`, with the per-channel constants at `j`.
     fn one(&self, i: usize, j: usize) -> [f64; 3];
+
+    /// Asks for the cache lines of the inputs at flat index `i` ([`prefetch`]); an index past
+    /// the end is ignored.
+    fn prefetch(&self, i: usize);
+}
+
+/// Asks the CPU to bring the cache line holding `v` into its caches, if there is one; a hint
+/// that reads nothing and changes nothing.
+#[inline(always)]
+pub(crate) fn prefetch<T>(v: Option<&T>) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(v) = v {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch reads no memory architecturally and cannot fault; the pointer
+        // comes from a reference, so it is valid and aligned anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>((v as *const T).cast::<i8>()) }
+    }
 }
 
 /// `p·q + acc`: one fused multiply-add (one rounding) when `FMA`, else a product and a sum (two
@@ -47,6 +64,10 @@ const SUB_BLOCK: usize = 256;
 /// several rows even for wide rows.
 const MIN_SUB_ROWS: usize = 4;
 
+/// The fewest channels (values per row) for which [`row_sums`] prefetches each tile's next
+/// sub-block; narrower rows are read nearly in sequence, which the hardware follows.
+const PREFETCH_MIN_C: usize = 256;
+
 /// Adds per-channel sums over `rows` rows of `c = a.len()` values into `a` (`Σu`) and `b`
 /// (`Σp·q`, [`madd`] with `FMA`), `[C]` each: `t.lanes(r·C + j, j)` for the tile of channels
 /// `j..j + LANES` of row `r`, `t.one(r·C + j, j)` for each of the last `C % LANES` channels.
@@ -61,6 +82,13 @@ pub(crate) fn row_sums<const FMA: bool>(rows: usize, a: &mut [f64], b: &mut [f64
     for r0 in (0..rows).step_by(per) {
         let r1 = (r0 + per).min(rows);
         for j in (0..full).step_by(LANES) {
+            // The lines this tile reads in the next sub-block: with wide rows they lie a row
+            // apart, a pattern the hardware prefetchers follow poorly.
+            if c >= PREFETCH_MIN_C {
+                for r in r1..(r1 + per).min(rows) {
+                    t.prefetch(r * c + j);
+                }
+            }
             let mut acc_a: [f64; LANES] = a[j..j + LANES].try_into().expect("LANES channels");
             let mut acc_b: [f64; LANES] = b[j..j + LANES].try_into().expect("LANES channels");
             for r in r0..r1 {
