@@ -3,7 +3,8 @@
 
 Usage: python scripts/bench_torch.py > target/bench_torch.json
 BENCH_ONLY=64x256x14x14_nhwc (a key as below) times that shape and layout alone; BENCH_REPEATS
-sets the calls per median (30). Prints JSON {"<N>x<C>x<H>x<W>_<nchw|nhwc>": {"forward": ms, "forward_backward": ms}} with median
+sets the calls per median (30). Prints JSON
+{"<N>x<C>x<H>x<W>_<nchw|nhwc>": {"forward": ms, "forward_backward": ms}} with median
 milliseconds, run with the same thread count and allocator setting as the Rust benchmark. The
 backward is seeded with a dense gradient of ones (what candle's `y.backward()` does).
 """
