@@ -72,9 +72,9 @@ fn one(ins: &[&[f32]], i: usize, scale: Option<f32>, wire: &Wire) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m256, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
+        __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
         _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps, _mm256_cvtps_ph,
-        _mm256_loadu_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_set1_epi32, _mm256_set1_ps,
+        _mm256_loadu_ps, _mm256_movemask_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_set1_epi32, _mm256_set1_ps,
         _mm256_srli_epi32, _mm256_storeu_ps, _mm256_stream_ps, _mm_sfence, _CMP_UNORD_Q,
         _MM_FROUND_TO_NEAREST_INT,
     };
@@ -90,9 +90,8 @@ mod x86 {
     pub(super) const BF16: u8 = 2;
 
     /// 8 values rounded to the wire `W` and widened back: F16C's conversion for f16 (the one
-    /// `half` uses on such a CPU), for bf16 the integer steps of `round.rs`'s scalar rounding
-    /// (a carry into the kept half; a NaN, found by comparing it with itself, made quiet), the
-    /// dropped half cleared once after the select.
+    /// `half` uses on such a CPU), for bf16 [`bf16_carry`] with a NaN (found by comparing it
+    /// with itself) made quiet instead, the dropped half cleared once after the select.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     fn round<const W: u8>(v: __m256) -> __m256 {
@@ -101,17 +100,37 @@ mod x86 {
             BF16 => {
                 let b = _mm256_castps_si256(v);
                 let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-                let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-                let carried = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
                 let quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000));
-                let kept = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
                 _mm256_castsi256_ps(_mm256_and_si256(
-                    _mm256_blendv_epi8(carried, quiet, nan),
-                    kept,
+                    _mm256_blendv_epi8(bf16_carry(b), quiet, nan),
+                    _mm256_set1_epi32(KEPT),
                 ))
             }
             _ => v,
         }
+    }
+
+    /// The bits kept by bf16: the upper half of an f32.
+    const KEPT: i32 = 0xFFFF_0000u32 as i32;
+
+    /// The integer steps of `round.rs`'s scalar bf16 rounding on 8 values' bits `b`: a carry
+    /// into the kept half that rounds to nearest, ties to even (the dropped half is left as it
+    /// comes out). Right for every value but a NaN, whose payload it may carry into an
+    /// infinity or across the sign.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn bf16_carry(b: __m256i) -> __m256i {
+        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd))
+    }
+
+    /// 8 values that are not NaN rounded to bf16 and widened back: [`round`] without the NaN
+    /// test, select and quieting (5 integer operations instead of 8).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn bf16_not_nan(v: __m256) -> __m256 {
+        let b = bf16_carry(_mm256_castps_si256(v));
+        _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(KEPT)))
     }
 
     /// 8 lanes at `ins[r][i..i + 8]`, rounded to `W`.
@@ -122,6 +141,47 @@ mod x86 {
         // SAFETY: `lanes` holds 8 f32 (the slice above is bounds-checked); the load is
         // unaligned, so any f32 address is valid.
         round::<W>(unsafe { _mm256_loadu_ps(lanes.as_ptr()) })
+    }
+
+    /// The 8 result lanes from element `i`: the ranks' values rounded to `W`, added in rank
+    /// order, multiplied by `k` (if any) and rounded.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    fn lanes<const W: u8>(ins: &[&[f32]], i: usize, k: Option<__m256>) -> __m256 {
+        let mut acc = load::<W>(ins[0], i);
+        for x in &ins[1..] {
+            acc = _mm256_add_ps(acc, load::<W>(x, i));
+        }
+        if let Some(k) = k {
+            acc = _mm256_mul_ps(acc, k);
+        }
+        round::<W>(acc)
+    }
+
+    /// [`lanes`] for the bf16 wire with the cheaper rounding of values that are not NaN
+    /// ([`bf16_not_nan`]), or `None` when a NaN may have been among them: when the plain sum of
+    /// the ranks' values (which is NaN if any of them is) or the scaled sum of their roundings
+    /// is NaN. The plain sum costs one addition per rank, the NaN handling it replaces three
+    /// operations per rank and for the result.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn lanes_bf16(ins: &[&[f32]], i: usize, k: Option<__m256>) -> Option<__m256> {
+        let x = &ins[0][i..i + 8];
+        // SAFETY: `x` holds 8 f32 (bounds-checked just above); the load is unaligned.
+        let mut raw = unsafe { _mm256_loadu_ps(x.as_ptr()) };
+        let mut acc = bf16_not_nan(raw);
+        for x in &ins[1..] {
+            let x = &x[i..i + 8];
+            // SAFETY: as above.
+            let v = unsafe { _mm256_loadu_ps(x.as_ptr()) };
+            raw = _mm256_add_ps(raw, v);
+            acc = _mm256_add_ps(acc, bf16_not_nan(v));
+        }
+        if let Some(k) = k {
+            acc = _mm256_mul_ps(acc, k);
+        }
+        let nan = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(acc, raw));
+        (nan == 0).then(|| bf16_not_nan(acc))
     }
 
     /// [`super::sum`] for the wire `W`, 8 lanes at a time between a scalar head (up to the
@@ -144,14 +204,11 @@ mod x86 {
         let k = _mm256_set1_ps(scale.unwrap_or(1.0));
         for j in (head..body).step_by(8) {
             let i = range.start + j;
-            let mut acc = load::<W>(ins[0], i);
-            for x in &ins[1..] {
-                acc = _mm256_add_ps(acc, load::<W>(x, i));
-            }
-            if scale.is_some() {
-                acc = _mm256_mul_ps(acc, k);
-            }
-            let v = round::<W>(acc);
+            let v = match W {
+                BF16 => lanes_bf16(ins, i, scale.map(|_| k))
+                    .unwrap_or_else(|| lanes::<W>(ins, i, scale.map(|_| k))),
+                _ => lanes::<W>(ins, i, scale.map(|_| k)),
+            };
             let out = &mut dst[j..j + 8];
             let p = out.as_mut_ptr().cast::<f32>();
             if stream {
@@ -241,7 +298,7 @@ mod tests {
     fn the_one_pass_sum_is_the_scalar_one_bit_for_bit() {
         let len = 1000;
         // Seeded values of both signs over 2^-27 ..= 2^22 (f16's subnormals, its overflow,
-        // bf16's dropped bits), a NaN and infinities among them.
+        // bf16's dropped bits), NaNs and infinities among them.
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = || {
             state ^= state << 13;
@@ -254,6 +311,14 @@ mod tests {
         ranks[1][17] = f32::NAN;
         ranks[2][40] = f32::INFINITY;
         ranks[0][41] = f32::NEG_INFINITY;
+        // NaNs whose payload lies in bf16's dropped half: rounding them by the carry alone
+        // would make an infinity and a negative zero.
+        ranks[0][60] = f32::from_bits(0x7F80_0001);
+        ranks[1][70] = f32::from_bits(0xFFFF_FFFF);
+        // Finite values that bf16 rounds to infinities of both signs: a NaN sum of roundings
+        // from a finite plain sum.
+        ranks[0][80] = f32::MAX;
+        ranks[2][80] = -f32::MAX;
         let ins: Vec<&[f32]> = ranks.iter().map(Vec::as_slice).collect();
         for wire in [Wire::None, Wire::F16, Wire::BF16] {
             for scale in [None, Some(1.0 / 3.0)] {
