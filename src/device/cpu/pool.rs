@@ -2,6 +2,8 @@
 //! combined in a fixed order, so that results do not depend on the number of threads.
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use super::super::Geometry;
 
@@ -122,14 +124,20 @@ const MIN_POOL_VALUES: usize = 1 << 20;
 
 /// Runs `f(i)` for every `i < items` of a job over `values` values: on candle's CPU worker pool,
 /// the threads candle's own CPU ops run on (`candle_core::utils::barrier_pool`), each thread
-/// one contiguous run of indices; on the calling thread below [`MIN_POOL_VALUES`].
+/// taking runs of consecutive indices that shrink as the job nears its end ([`grab`]); on the
+/// calling thread below [`MIN_POOL_VALUES`].
 ///
-/// Why one run per thread: each thread then streams through one region of the tensors. Handing
-/// out runs of about an eighth of a thread's share as threads free up (`execute_chunked`'s own
-/// split) was slower on the 2-core EPYC development machine (2026-11-25, four alternating
-/// criterion rounds): normalisation 280–302 µs against 238–244 µs and op backward 1.30–1.38
-/// ms against 1.00–1.09 ms for 64x256x14x14 NHWC, forward 402–443 µs against 337–344 µs for
-/// 8x32x112x112 NCHW; single indices from a shared cursor were slower still.
+/// Why shrinking runs: each thread streams through a few long regions of the tensors, as with
+/// one run per thread, while whichever thread is ahead takes over the last short runs instead of
+/// spinning at the end of the job. Measured on the 2-core EPYC development machine
+/// (2026-11-26, five alternating criterion rounds against one run per thread): forward
+/// 655–874 µs against 701–1220 µs for 64x256x14x14 NHWC and 305–337 against 313–429 µs for
+/// 32x64x32x32 NHWC, op backward 775–1125 µs against 978–1485 µs for 8x32x112x112 NCHW; a
+/// profile of the one-run split had put 8 % of the C = 256 forward in the pool's end-of-job
+/// wait. One run per thread had itself beaten runs of about an eighth of a thread's share
+/// handed out in turn (`execute_chunked`'s own split; 2026-11-25: normalisation 238–244 µs
+/// against 280–302 µs and op backward 1.00–1.09 ms against 1.30–1.38 ms for 64x256x14x14 NHWC)
+/// and single indices from a shared cursor.
 ///
 /// Why this pool: a second one beside it (rayon's, which this crate used before) competed with
 /// candle's workers, which spin for a while after every candle op. Why not always: the pool
@@ -137,22 +145,27 @@ const MIN_POOL_VALUES: usize = 1 << 20;
 /// small tensors, which they otherwise work on side by side.
 ///
 /// A panic in `f` is caught in the pool and raised again here once every thread has stopped
-/// (the rest of the panicking thread's run is skipped): a panic unwinding through the pool's
-/// own lock would poison it for the rest of the process.
+/// (the rest of the panicking thread's current run is skipped, the other threads go on): a
+/// panic unwinding through the pool's own lock would poison it for the rest of the process.
 pub(crate) fn on_pool(items: usize, values: usize, f: impl Fn(usize) + Sync) {
-    if values < MIN_POOL_VALUES {
+    if values < MIN_POOL_VALUES || IN_JOB.get() {
         (0..items).for_each(f);
         return;
     }
     let panicked = std::sync::Mutex::new(None);
     let pool = candle_core::utils::barrier_pool();
-    // One "item" of `execute_chunked` per thread (it splits `parts` items into chunks of one),
-    // each standing for its share of the indices; nested in a pool job, `execute_chunked` runs
-    // them all on the calling thread.
-    let parts = pool.n_workers() + 1;
-    pool.execute_chunked(parts, |range| {
-        let range = range.start * items / parts..range.end * items / parts;
-        let run = std::panic::AssertUnwindSafe(|| range.for_each(&f));
+    let threads = pool.n_workers() + 1;
+    let next = AtomicUsize::new(0);
+    let _job = JobFlag::set();
+    // One "item" of `execute_chunked` per thread (it splits `threads` items into chunks of
+    // one), each taking runs until none is left; called from one of the pool's workers,
+    // `execute_chunked` calls this once, on that thread, which then takes every run.
+    pool.execute_chunked(threads, |_| {
+        let run = std::panic::AssertUnwindSafe(|| {
+            while let Some(run) = grab(&next, items, threads) {
+                run.for_each(&f);
+            }
+        });
         if let Err(payload) = std::panic::catch_unwind(run) {
             let mut first = panicked.lock().unwrap_or_else(|e| e.into_inner());
             first.get_or_insert(payload);
@@ -161,6 +174,46 @@ pub(crate) fn on_pool(items: usize, values: usize, f: impl Fn(usize) + Sync) {
     let payload = panicked.into_inner().unwrap_or_else(|e| e.into_inner());
     if let Some(payload) = payload {
         std::panic::resume_unwind(payload);
+    }
+}
+
+thread_local! {
+    /// Whether this thread is running a pool job of [`on_pool`]: the pool's own workers run a
+    /// job started inside one inline, but the thread that started a job works on it too, and
+    /// a second job started there would wait for the pool's lock, which that thread holds.
+    static IN_JOB: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as running a pool job ([`IN_JOB`]) until dropped.
+struct JobFlag;
+
+impl JobFlag {
+    fn set() -> Self {
+        IN_JOB.set(true);
+        JobFlag
+    }
+}
+
+impl Drop for JobFlag {
+    fn drop(&mut self) {
+        IN_JOB.set(false);
+    }
+}
+
+/// Takes the next run of indices below `items` from the shared position `next`: a
+/// `1 / (2 · threads)` share of those left, at least one; `None` once none is left. The first
+/// runs cover a quarter of the job each (two threads), the last ones single indices.
+fn grab(next: &AtomicUsize, items: usize, threads: usize) -> Option<Range<usize>> {
+    let mut at = next.load(Relaxed);
+    loop {
+        if at >= items {
+            return None;
+        }
+        let take = ((items - at) / (2 * threads)).max(1);
+        match next.compare_exchange_weak(at, at + take, Relaxed, Relaxed) {
+            Ok(_) => return Some(at..at + take),
+            Err(now) => at = now,
+        }
     }
 }
 
@@ -251,4 +304,82 @@ pub(crate) fn written<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -
     // zipping each with inputs of the same length).
     unsafe { out.set_len(len) };
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    /// Counts how often `on_pool` calls each index of a job large enough for the pool.
+    fn hits(items: usize) -> Vec<u32> {
+        let counts: Vec<AtomicU32> = (0..items).map(|_| AtomicU32::new(0)).collect();
+        on_pool(items, MIN_POOL_VALUES, |i| {
+            counts[i].fetch_add(1, Relaxed);
+        });
+        counts.into_iter().map(AtomicU32::into_inner).collect()
+    }
+
+    #[test]
+    fn every_index_runs_once() {
+        for items in [1, 2, 3, 7, 64, 1000, 4097] {
+            assert!(hits(items).iter().all(|&n| n == 1), "{items} items");
+        }
+    }
+
+    /// A job started from inside a pool job runs inline, every index once, on whichever
+    /// thread started it (one of the pool's workers, or the thread that started the outer job,
+    /// which works on it too and once waited forever for the pool's lock it held).
+    #[test]
+    fn a_nested_job_runs_every_index_once() {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let inner: Vec<AtomicU32> = (0..4 * 300).map(|_| AtomicU32::new(0)).collect();
+            on_pool(4, MIN_POOL_VALUES, |o| {
+                on_pool(300, MIN_POOL_VALUES, |i| {
+                    inner[o * 300 + i].fetch_add(1, Relaxed);
+                });
+            });
+            done.send(inner.iter().all(|n| n.load(Relaxed) == 1))
+        });
+        let once = finished.recv_timeout(std::time::Duration::from_secs(60));
+        assert_eq!(
+            once,
+            Ok(true),
+            "nested jobs: every index once, within a minute"
+        );
+    }
+
+    #[test]
+    fn runs_shrink_and_cover_the_job() {
+        let next = AtomicUsize::new(0);
+        let runs: Vec<Range<usize>> = std::iter::from_fn(|| grab(&next, 100, 2)).collect();
+        assert_eq!(runs[0], 0..25);
+        assert_eq!(runs[1], 25..43);
+        assert!(runs
+            .windows(2)
+            .all(|w| w[0].end == w[1].start && w[1].len() <= w[0].len()));
+        assert_eq!(runs.last().map(|r| r.end), Some(100));
+        assert_eq!(runs.last().map(Range::len), Some(1));
+    }
+
+    /// A panic in a work item reaches the caller with its payload, after the pool has stopped,
+    /// and the pool runs the next job normally.
+    #[test]
+    fn a_panic_reaches_the_caller_and_the_pool_goes_on() {
+        let ran = AtomicU32::new(0);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            on_pool(1000, MIN_POOL_VALUES, |i| {
+                ran.fetch_add(1, Relaxed);
+                if i == 600 {
+                    panic!("item {i} failed");
+                }
+            })
+        }));
+        let payload = caught.expect_err("the panic of item 600");
+        let msg = payload.downcast_ref::<String>().map(String::as_str);
+        assert_eq!(msg, Some("item 600 failed"));
+        assert!(ran.load(Relaxed) <= 1000);
+        assert!(hits(1000).iter().all(|&n| n == 1));
+    }
 }
