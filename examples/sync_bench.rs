@@ -13,7 +13,10 @@
 //!
 //! Every variant is timed once per round, the variants interleaved, from a barrier to a
 //! barrier on rank 0 (so a time is that of the slowest rank); the median over the rounds is
-//! printed, after two rounds of warm-up.
+//! printed, after two rounds of warm-up. The script sets the allocator's environment
+//! (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_ARENA_MAX`; see the
+//! `collective::ThreadGroup` module docs): without it, page faults dominate the thread ranks'
+//! times.
 
 use std::sync::Arc;
 use std::time::Instant;
