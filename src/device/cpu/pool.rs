@@ -201,8 +201,9 @@ impl Drop for JobFlag {
 }
 
 /// Takes the next run of indices below `items` from the shared position `next`: a
-/// `1 / (2 · threads)` share of those left, at least one; `None` once none is left. The first
-/// runs cover a quarter of the job each (two threads), the last ones single indices.
+/// `1 / (2 · threads)` share of those left, at least one; `None` once none is left. With two
+/// threads the first run is a quarter of the job, the next a quarter of the rest, and so on
+/// down to single indices.
 fn grab(next: &AtomicUsize, items: usize, threads: usize) -> Option<Range<usize>> {
     let mut at = next.load(Relaxed);
     loop {
