@@ -34,7 +34,8 @@ if command -v mpirun > /dev/null && command -v mpicc > /dev/null; then
     CARGO_TARGET_DIR=target/mpi-release cargo build --release --features mpi --example sync_bench
     extra=()
     [ "$(id -u)" = 0 ] && extra+=(--allow-run-as-root)
-    mpirun "${extra[@]}" --oversubscribe -np 4 -x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_ -x MALLOC_ARENA_MAX \
+    mpirun "${extra[@]}" --oversubscribe -np 4 \
+        -x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_ -x MALLOC_ARENA_MAX \
         target/mpi-release/release/examples/sync_bench --backend mpi --mib "$mib" --iters "$iters" \
         --json "$out/mpi.json"
 else

@@ -209,7 +209,7 @@ mod x86 {
         for (j, d) in dst[..head].iter_mut().enumerate() {
             d.write(one(ins, range.start + j, scale, wire));
         }
-        let k = _mm256_set1_ps(scale.unwrap_or(1.0));
+        let k = scale.map(|s| _mm256_set1_ps(s));
         for j in (head..body).step_by(8) {
             let i = range.start + j;
             // One prefetch per 64-byte line of each rank's input: every other step.
@@ -219,9 +219,8 @@ mod x86 {
                 }
             }
             let v = match W {
-                BF16 => lanes_bf16(ins, i, scale.map(|_| k))
-                    .unwrap_or_else(|| lanes::<W>(ins, i, scale.map(|_| k))),
-                _ => lanes::<W>(ins, i, scale.map(|_| k)),
+                BF16 => lanes_bf16(ins, i, k).unwrap_or_else(|| lanes::<W>(ins, i, k)),
+                _ => lanes::<W>(ins, i, k),
             };
             let out = &mut dst[j..j + 8];
             let p = out.as_mut_ptr().cast::<f32>();
