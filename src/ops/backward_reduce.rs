@@ -34,11 +34,24 @@ struct Centred<'a, T: Elem, const MASK: bool> {
 }
 
 impl<T: Elem, const MASK: bool> Terms for Centred<'_, T, MASK> {
+    /// The shortest of the inputs and of the means' halves.
+    fn len(&self) -> (usize, usize) {
+        let values = self.dy.len().min(self.x.len()).min(self.y.len());
+        (values, self.h.len().min(self.l.len()))
+    }
+
     #[inline(always)]
-    fn lanes(&self, i: usize, j: usize) -> [[f64; LANES]; 3] {
-        let values = |s: &[T]| -> [T; LANES] { s[i..i + LANES].try_into().expect("LANES values") };
-        let consts =
-            |s: &[T::R]| -> [T::R; LANES] { s[j..j + LANES].try_into().expect("LANES means") };
+    unsafe fn lanes(&self, i: usize, j: usize) -> [[f64; LANES]; 3] {
+        let values = |s: &[T]| {
+            // SAFETY: `i + LANES` is within every input (the caller's contract against
+            // `len`); an array of `T` has the alignment of `T`.
+            unsafe { *s.as_ptr().add(i).cast::<[T; LANES]>() }
+        };
+        let consts = |s: &[T::R]| {
+            // SAFETY: `j + LANES` is within both halves of the means (the caller's contract
+            // against `len`); an array of `T::R` has the alignment of `T::R`.
+            unsafe { *s.as_ptr().add(j).cast::<[T::R; LANES]>() }
+        };
         let (dy, x, y) = (values(self.dy), values(self.x), values(self.y));
         let (h, l) = (consts(self.h), consts(self.l));
         let g: [f64; LANES] = std::array::from_fn(|k| grad::<T, MASK>(&dy[k], &y[k]));
