@@ -13,9 +13,9 @@ const BLOCK: usize = 1 << 15;
 /// The fewest channels-last rows in a work item of [`reduce2`], up to [`MAX_ROW_ITEM`] values:
 /// each item also pays for `C`-long work of its own (its shifts, zeroed sums and their move to
 /// the common shift, the combination), which wide rows left at 1/128 of a [`BLOCK`]-sized
-/// item. Channels-last statistics 186 against 201 µs with 512-row items (64x256x14x14),
-/// 103 against 108 µs (32x64x32x32, already 512 rows per item: the single buffer below); f32,
-/// 2 threads, interleaved in one process, 2-core EPYC, 2026-11-26.
+/// item. Channels-last statistics of 64x256x14x14 (C = 256): 186 µs with 512-row items
+/// against 201 µs with 128-row ones, both with the single buffer of [`reduce2`] (f32, 2
+/// threads, interleaved in one process, 2-core EPYC, 2026-11-26; docs/benchmarks.md).
 const MIN_ITEM_ROWS: usize = 512;
 
 /// The most values in a work item of channels-last rows of [`reduce2`].

@@ -21,7 +21,7 @@ pub(crate) trait Terms {
     /// `(u, p, q)` of the [`LANES`] consecutive values from flat index `i`, whose per-channel
     /// constants start at index `j` (channels-last: the channel of value `i`; a channels-first
     /// segment: 0, its constants repeated [`LANES`] times). Reads without bounds checks, which
-    /// cost 4–7 % of the channels-last statistics pass (64x256x14x14 and 32x64x32x32, f32, 2
+    /// cost 7 % of the channels-last statistics pass (64x256x14x14 and 32x64x32x32, f32, 2
     /// threads, interleaved in one process, 2-core EPYC, 2026-11-26).
     ///
     /// # Safety
