@@ -65,19 +65,68 @@ where
     } else {
         let s = g.s;
         let segs = s.div_ceil(BLOCK);
-        let items = g.n * c * segs;
-        let parts: Vec<(f64, f64)> = map_indexed(items, g.len(), |i| {
-            let (p, seg) = (i / segs, i % segs);
-            let lo = p * s + seg * BLOCK;
-            plane(p % c, lo, (lo + BLOCK).min((p + 1) * s))
+        let units = g.n * c * segs;
+        // Planes shorter than a block go several to a work item (`BLOCK / S` of them), so that
+        // the pool's cost per item is not paid per plane of a few hundred values; each
+        // segment's sums still get a slot of their own and combine in segment order.
+        let group = (BLOCK / s.min(BLOCK)).max(1);
+        let items = units.div_ceil(group);
+        let mut parts: Vec<(f64, f64)> = Vec::with_capacity(units);
+        let slots = Disjoint::new(&mut parts.spare_capacity_mut()[..units]);
+        on_pool(items, g.len(), |i| {
+            let (lo, hi) = (i * group, ((i + 1) * group).min(units));
+            // SAFETY: every item index is handed to one call only, so the ranges of segments
+            // never overlap.
+            let slots = unsafe { slots.range(lo, hi) };
+            let mut at = Segment::of(lo, segs, c);
+            for slot in slots {
+                let start = at.plane * s + at.seg * BLOCK;
+                slot.write(plane(at.ch, start, (start + BLOCK).min((at.plane + 1) * s)));
+                at.advance(segs, c);
+            }
         });
-        for (i, (a, b)) in parts.into_iter().enumerate() {
-            let ch = (i / segs) % c;
-            out[ch] += a;
-            out[c + ch] += b;
+        // SAFETY: `on_pool` returned, so every item wrote the slots of its segments, and the
+        // items' ranges cover `0..units`.
+        unsafe { parts.set_len(units) };
+        for (p, segments) in parts.chunks_exact(segs).enumerate() {
+            let ch = p % c;
+            for &(a, b) in segments {
+                out[ch] += a;
+                out[c + ch] += b;
+            }
         }
     }
     out
+}
+
+/// A segment of a channels-first reduction: the `seg`-th block of `plane` (sample·C + channel),
+/// whose channel is `ch`.
+struct Segment {
+    plane: usize,
+    seg: usize,
+    ch: usize,
+}
+
+impl Segment {
+    /// The `u`-th segment, with `segs` segments per plane and `c` channels.
+    fn of(u: usize, segs: usize, c: usize) -> Self {
+        let plane = u / segs;
+        Self {
+            plane,
+            seg: u % segs,
+            ch: plane % c,
+        }
+    }
+
+    /// Moves to the next segment without dividing.
+    fn advance(&mut self, segs: usize, c: usize) {
+        self.seg += 1;
+        if self.seg == segs {
+            self.seg = 0;
+            self.plane += 1;
+            self.ch = if self.ch + 1 == c { 0 } else { self.ch + 1 };
+        }
+    }
 }
 
 /// Element-wise driver writing one or two outputs of the input's length.
@@ -242,27 +291,6 @@ fn grab(next: &AtomicUsize, items: usize, threads: usize) -> Option<Range<usize>
             Err(now) => at = now,
         }
     }
-}
-
-/// `[f(0), f(1), …]` for `items` indices of a job over `values` values, run as [`on_pool`]
-/// runs them and returned in index order whatever thread computed each, so that the
-/// reductions' partial sums combine in a fixed order.
-pub(crate) fn map_indexed<R: Send>(
-    items: usize,
-    values: usize,
-    f: impl Fn(usize) -> R + Sync,
-) -> Vec<R> {
-    let mut out: Vec<R> = Vec::with_capacity(items);
-    let slots = Disjoint::new(&mut out.spare_capacity_mut()[..items]);
-    on_pool(items, values, |i| {
-        // SAFETY: every index is handed to one call only, so no two calls touch one slot.
-        let slot = unsafe { slots.range(i, i + 1) };
-        slot[0].write(f(i));
-    });
-    // SAFETY: `on_pool` returned, so every one of the `items` slots was written (a panic in
-    // `f` propagates out of `on_pool` before this line, leaking what was written).
-    unsafe { out.set_len(items) };
-    out
 }
 
 /// Runs `f(i, chunk)` on the pool ([`on_pool`]) for every chunk `i` of `chunk` elements of
@@ -446,6 +474,40 @@ mod tests {
                 let a: f64 = (0..nrows).map(|r| value(r, ch)).sum();
                 let b: f64 = (0..nrows).map(|r| value(r, ch) * value(r, ch)).sum();
                 assert_eq!((out[ch], out[c + ch]), (a, b), "C = {c}, channel {ch}");
+            }
+        }
+    }
+
+    /// The channels-first path of `reduce2`: planes shorter than a block several to an item,
+    /// planes longer than one in several segments, one value per plane: every segment is
+    /// summed once with its own channel, and the sums add up per channel.
+    #[test]
+    fn channels_first_segments_are_each_summed_once_with_their_channel() {
+        for [n, c, s] in [
+            [64usize, 256, 196],
+            [3, 5, BLOCK + 5],
+            [7, 3, 50_001],
+            [2, 400_000, 2],
+        ] {
+            let g = Geometry::of("test", &[n, c, s], crate::Layout::ChannelsFirst).unwrap();
+            let value = |i: usize| ((i * 31) % 97) as f64 - 48.0;
+            let calls = AtomicU32::new(0);
+            let plane = |ch: usize, lo: usize, hi: usize| {
+                assert!(lo < hi && hi <= g.len(), "segment {lo}..{hi}");
+                assert_eq!(lo / s, (hi - 1) / s, "one plane per segment");
+                assert_eq!(lo / s % c, ch, "segment {lo}..{hi} of channel {ch}");
+                calls.fetch_add(1, Relaxed);
+                let a: f64 = (lo..hi).map(value).sum();
+                (a, (lo..hi).map(|i| value(i) * value(i)).sum())
+            };
+            let out = reduce2(&g, plane, |_, _, _| unreachable!("channels-first"));
+            let segs = s.div_ceil(BLOCK) as u32;
+            assert_eq!(calls.into_inner(), (n * c) as u32 * segs, "{n}x{c}x{s}");
+            for ch in 0..c {
+                let idx = || (0..n).flat_map(|k| (k * c + ch) * s..(k * c + ch + 1) * s);
+                let a: f64 = idx().map(value).sum();
+                let b: f64 = idx().map(|i| value(i) * value(i)).sum();
+                assert_eq!((out[ch], out[c + ch]), (a, b), "{n}x{c}x{s}, channel {ch}");
             }
         }
     }
