@@ -110,11 +110,11 @@ const PREFETCH_MIN_C: usize = 256;
 ///
 /// Channels go in tiles of [`LANES`] whose partial sums stay in vector registers over a
 /// sub-block of a few rows ([`SUB_BLOCK`]), the tiles of a sub-block one after the other.
-#[inline(always)]
 ///
 /// # Panics
 /// When `t` holds fewer than `rows · C` values or fewer than `C` constants, or `b` is not `C`
 /// long.
+#[inline(always)]
 pub(crate) fn row_sums<const FMA: bool>(rows: usize, a: &mut [f64], b: &mut [f64], t: &impl Terms) {
     let c = a.len();
     let (values, consts) = t.len();
