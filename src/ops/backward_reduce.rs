@@ -9,7 +9,7 @@ use super::arity::CudaIn;
 use super::arity::{self, AnyArity, CpuIn};
 use super::{backward_slices, check_device, check_same_shape, per_channel_f64, OP};
 use crate::device::cpu::{
-    self, prefetch, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Real, Terms, LANES,
+    self, prefetch_l2, reduce2, row_sums, segment_sums, simd_fn, split, Elem, Real, Terms, LANES,
 };
 use crate::device::Geometry;
 
@@ -67,10 +67,10 @@ impl<T: Elem, const MASK: bool> Terms for Centred<'_, T, MASK> {
 
     #[inline(always)]
     fn prefetch(&self, i: usize) {
-        prefetch(self.dy.get(i));
-        prefetch(self.x.get(i));
+        prefetch_l2(self.dy.get(i));
+        prefetch_l2(self.x.get(i));
         if MASK {
-            prefetch(self.y.get(i));
+            prefetch_l2(self.y.get(i));
         }
     }
 }

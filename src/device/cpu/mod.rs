@@ -12,7 +12,9 @@ mod pool;
 mod simd;
 
 pub(crate) use pool::{chunks_on_pool, elementwise, reduce2, written};
-pub(crate) use simd::{has_avx2_fma, prefetch, row_sums, segment_sums, simd_fn, Terms, LANES};
+pub(crate) use simd::{
+    has_avx2_fma, prefetch, prefetch_l2, row_sums, segment_sums, simd_fn, Terms, LANES,
+};
 
 /// Arithmetic type of the element-wise passes: f32 for f32/f16/bf16, f64 for f64.
 pub(crate) trait Real:

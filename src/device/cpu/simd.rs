@@ -31,8 +31,8 @@ pub(crate) trait Terms {
     /// `(u, p, q)` of the value at flat index `i`, with the per-channel constants at `j`.
     fn one(&self, i: usize, j: usize) -> [f64; 3];
 
-    /// Asks for the cache lines of the inputs at flat index `i` ([`prefetch`]); an index past
-    /// the end is ignored.
+    /// Asks for the cache lines of the inputs at flat index `i` ([`prefetch_l2`]); an index
+    /// past the end is ignored.
     fn prefetch(&self, i: usize);
 }
 
@@ -46,6 +46,24 @@ pub(crate) fn prefetch<T>(v: Option<&T>) {
         // SAFETY: a prefetch reads no memory architecturally and cannot fault; the pointer
         // comes from a reference, so it is valid and aligned anyway.
         unsafe { _mm_prefetch::<_MM_HINT_T0>((v as *const T).cast::<i8>()) }
+    }
+}
+
+/// Asks the CPU to bring the cache line holding `v` into its level-2 cache, not the level-1
+/// ([`prefetch`] asks for both); a hint that reads nothing and changes nothing.
+///
+/// For [`row_sums`]' strided reads of wide rows this is the faster hint: the level-1 hint
+/// made the channels-last passes slower wherever their inputs came from memory (64x256x14x14
+/// NHWC, f32, 2 threads, variants interleaved call by call in one process, 2-core EPYC,
+/// 2026-11-26; docs/benchmarks.md).
+#[inline(always)]
+pub(crate) fn prefetch_l2<T>(v: Option<&T>) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(v) = v {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        // SAFETY: a prefetch reads no memory architecturally and cannot fault; the pointer
+        // comes from a reference, so it is valid and aligned anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>((v as *const T).cast::<i8>()) }
     }
 }
 
