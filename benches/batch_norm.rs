@@ -9,14 +9,15 @@
 //! twice, write dx), forward + backward 8.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::{Collective, ThreadGroup};
 use candle_distributed::ops::{
     batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_elemt,
-    batch_norm_gather_stats, batch_norm_stats,
+    batch_norm_gather_stats, batch_norm_stats, BatchStats,
 };
-use candle_distributed::{sync_batch_norm, Layout, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, Layout, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
@@ -155,10 +156,96 @@ fn bench_shape(
         })
     });
 
+    // The same step replayed by hand, the way candle-core's `Tensor::backward` runs it for
+    // this graph, with a clock around each part: inside the step, where the tensors no longer
+    // stay in the cache, how much of its time is the layer's and how much candle's. The table
+    // puts the two parts' sum beside the step's time as a check of the replay.
+    let replay = Replay {
+        bn: &bn,
+        xv: &xv,
+        stats: &st,
+        weight: &weight,
+        layout,
+    };
+    group.throughput(Throughput::Bytes(8 * bytes));
+    group.bench_function("autograd_replay_layer", |b| {
+        b.iter_custom(|iters| replay.run(iters).layer)
+    });
+    group.bench_function("autograd_replay_candle", |b| {
+        b.iter_custom(|iters| replay.run(iters).candle)
+    });
+
     if !channels_last {
         bench_candle_nn(&mut group, ch, &x, &xv, bytes);
     }
     group.finish();
+}
+
+/// The autograd step `bn.forward_t(x, true)?.backward()?` done by hand in the order candle-core
+/// 0.11's `Tensor::backward` does it for this graph: the layer's forward, a dense seed of ones
+/// for `y`, the layer's backward (`batch_norm_backward_reduce`, `batch_norm_backward_elemt`,
+/// the parameters' gradients), then each input's gradient added into a zero-filled one.
+struct Replay<'a> {
+    bn: &'a SyncBatchNorm,
+    xv: &'a Var,
+    /// The batch's statistics (the forward computes the same ones inside the layer).
+    stats: &'a BatchStats,
+    weight: &'a Tensor,
+    layout: Layout,
+}
+
+/// Time spent over the steps of one [`Replay::run`], split between the layer and candle.
+struct ReplayTimes {
+    /// The forward and the layer's backward ops.
+    layer: Duration,
+    /// The seed and the gradients' zero fills and additions.
+    candle: Duration,
+}
+
+impl Replay<'_> {
+    fn run(&self, iters: u64) -> ReplayTimes {
+        let (x, st, layout) = (self.xv.as_tensor(), self.stats, self.layout);
+        let mut t = ReplayTimes {
+            layer: Duration::ZERO,
+            candle: Duration::ZERO,
+        };
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            let y = self.bn.forward_t(x, true).unwrap();
+            let t1 = Instant::now();
+            let seed = y.ones_like().unwrap().contiguous().unwrap();
+            let t2 = Instant::now();
+            let red = batch_norm_backward_reduce(&seed, x, &st.mean, None, layout).unwrap();
+            let (dx, _) = batch_norm_backward_elemt(
+                &seed,
+                x,
+                &st.mean,
+                &st.invstd,
+                Some(self.weight),
+                &red,
+                &st.count,
+                None,
+                false,
+                layout,
+            )
+            .unwrap();
+            let dgamma = (red.get(1).unwrap() * &st.invstd).unwrap();
+            let dgamma = dgamma.to_dtype(DType::F32).unwrap();
+            let dbeta = red.get(0).unwrap().to_dtype(DType::F32).unwrap();
+            let t3 = Instant::now();
+            let accumulate = |g: &Tensor, of: &Tensor| of.zeros_like().unwrap().add(g).unwrap();
+            let grads = [
+                accumulate(&dx, x),
+                accumulate(&dgamma, self.weight),
+                accumulate(&dbeta, self.weight),
+            ];
+            let t4 = Instant::now();
+            t.layer += (t1 - t0) + (t3 - t2);
+            t.candle += (t2 - t1) + (t4 - t3);
+            drop((y, seed, red, dx, dgamma, dbeta, grads));
+        }
+        t
+    }
 }
 
 /// Copies `src` into `dst` (of one length) on candle's worker pool, 32768 values per item.

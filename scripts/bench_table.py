@@ -62,20 +62,27 @@ for shape in SHAPES:
 
 print()
 print(
-    "| shape | layout | autograd fwd+bwd ms | candle's share ms | the rest ms "
-    "| PyTorch fwd+bwd ms | ratio to PyTorch: autograd fwd+bwd / the rest |"
+    "| shape | layout | autograd fwd+bwd ms | candle's share alone ms | the rest ms "
+    "| replay: layer + candle ms (sum) | PyTorch fwd+bwd / without accumulation ms "
+    "| ratio: autograd fwd+bwd / the rest to PyTorch fwd+bwd | ratio: layer in the replay "
+    "to PyTorch without accumulation |"
 )
-print("|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|")
 for shape in SHAPES:
     for layout in ["nchw", "nhwc"]:
         g = f"{shape}_{layout}"
         auto = median_ms(g, "syncbn_forward_backward_autograd")
         share = median_ms(g, "candle_autograd_share")
         rest = auto - share if auto is not None and share is not None else None
+        layer = median_ms(g, "autograd_replay_layer")
+        candle = median_ms(g, "autograd_replay_candle")
+        both = layer + candle if layer is not None and candle is not None else None
         tfb = torch[g]["forward_backward"]
+        tgrad = torch[g].get("forward_backward_no_accumulation")
         print(
             f"| {shape} | {layout.upper()} | {fmt(auto)} | {fmt(share)} | {fmt(rest)} "
-            f"| {tfb:.2f} | {ratio(auto, tfb)} / {ratio(rest, tfb)} |"
+            f"| {fmt(layer)} + {fmt(candle)} ({fmt(both)}) | {tfb:.2f} / {fmt(tgrad)} "
+            f"| {ratio(auto, tfb)} / {ratio(rest, tfb)} | {ratio(layer, tgrad)} |"
         )
 
 print()

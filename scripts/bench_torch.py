@@ -4,9 +4,13 @@
 Usage: python scripts/bench_torch.py > target/bench_torch.json
 BENCH_ONLY=64x256x14x14_nhwc (a key as below) times that shape and layout alone; BENCH_REPEATS
 sets the calls per median (30). Prints JSON
-{"<N>x<C>x<H>x<W>_<nchw|nhwc>": {"forward": ms, "forward_backward": ms}} with median
-milliseconds, run with the same thread count and allocator setting as the Rust benchmark. The
-backward is seeded with a dense gradient of ones (what candle's `y.backward()` does).
+{"<N>x<C>x<H>x<W>_<nchw|nhwc>": {"forward": ms, "forward_backward": ms,
+"forward_backward_no_accumulation": ms}} with median milliseconds, run with the same thread
+count and allocator setting as the Rust benchmark. The backward is seeded with a dense gradient
+of ones (what candle's `y.backward()` does), made once outside the timing. "forward_backward"
+is `y.backward(ones)`, which also adds the input's gradient into `x.grad`;
+"forward_backward_no_accumulation" is `torch.autograd.grad` of the input and both parameters,
+which returns the gradients without adding them anywhere.
 """
 import json
 import os
@@ -53,9 +57,13 @@ def main():
                 y = bn(xg)
                 y.backward(ones)
 
+            def fwd_grad():
+                torch.autograd.grad(bn(xg), (xg, bn.weight, bn.bias), ones)
+
             out[f"{n}x{c}x{h}x{w}_{layout}"] = {
                 "forward": median_ms(fwd),
                 "forward_backward": median_ms(fwd_bwd),
+                "forward_backward_no_accumulation": median_ms(fwd_grad),
             }
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}",
