@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::ops::{
     batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_elemt,
     batch_norm_gather_stats, batch_norm_stats, BatchStats,
@@ -47,8 +47,10 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-/// The layer's forward, the two backward ops, forward + backward through autograd and candle's
-/// share of that on one shape; candle-nn's BatchNorm beside them in NCHW (it has no channels-last form).
+/// On one shape: a copy of the tensor (the machine's limit), the layer's forward, its two passes
+/// alone, the two backward ops, forward + backward through autograd, candle's share of that timed
+/// alone, and the autograd step's replay split between the layer and candle; candle-nn's
+/// BatchNorm beside them in NCHW (it has no channels-last form).
 fn bench_shape(
     c: &mut Criterion,
     comm: &Arc<dyn Collective>,
@@ -162,15 +164,19 @@ fn bench_shape(
     // puts the two parts' sum beside the step's time as a check of the replay.
     let replay = Replay {
         bn: &bn,
+        comm,
         xv: &xv,
         stats: &st,
         weight: &weight,
         layout,
     };
+    // Each of the two runs whole steps and reports one part of them, so criterion, which sizes
+    // its runs by what is reported, takes about twice the measurement time over each.
     group.throughput(Throughput::Bytes(8 * bytes));
     group.bench_function("autograd_replay_layer", |b| {
         b.iter_custom(|iters| replay.run(iters).layer)
     });
+    group.throughput(Throughput::Bytes(5 * bytes));
     group.bench_function("autograd_replay_candle", |b| {
         b.iter_custom(|iters| replay.run(iters).candle)
     });
@@ -183,10 +189,15 @@ fn bench_shape(
 
 /// The autograd step `bn.forward_t(x, true)?.backward()?` done by hand in the order candle-core
 /// 0.11's `Tensor::backward` does it for this graph: the layer's forward, a dense seed of ones
-/// for `y`, the layer's backward (`batch_norm_backward_reduce`, `batch_norm_backward_elemt`,
-/// the parameters' gradients), then each input's gradient added into a zero-filled one.
+/// for `y`, the layer's backward (`batch_norm_backward_reduce`, the all-reduce of its sums,
+/// `batch_norm_backward_elemt`, the parameters' gradients), then each input's gradient added
+/// into a zero-filled one. Candle's walk of the graph and the tensors' drops are on neither
+/// clock.
 struct Replay<'a> {
     bn: &'a SyncBatchNorm,
+    /// The layer's group (world size 1 here): its backward all-reduces the sums of its
+    /// reduction, as the layer does in training.
+    comm: &'a Arc<dyn Collective>,
     xv: &'a Var,
     /// The batch's statistics (the forward computes the same ones inside the layer).
     stats: &'a BatchStats,
@@ -216,13 +227,14 @@ impl Replay<'_> {
             let seed = y.ones_like().unwrap().contiguous().unwrap();
             let t2 = Instant::now();
             let red = batch_norm_backward_reduce(&seed, x, &st.mean, None, layout).unwrap();
+            let sums = self.comm.all_reduce(&red, ReduceOp::Sum).unwrap();
             let (dx, _) = batch_norm_backward_elemt(
                 &seed,
                 x,
                 &st.mean,
                 &st.invstd,
                 Some(self.weight),
-                &red,
+                &sums,
                 &st.count,
                 None,
                 false,
@@ -242,7 +254,7 @@ impl Replay<'_> {
             let t4 = Instant::now();
             t.layer += (t1 - t0) + (t3 - t2);
             t.candle += (t2 - t1) + (t4 - t3);
-            drop((y, seed, red, dx, dgamma, dbeta, grads));
+            drop((y, seed, red, sums, dx, dgamma, dbeta, grads));
         }
         t
     }

@@ -8,7 +8,7 @@ sets the calls per median (30). Prints JSON
 "forward_backward_no_accumulation": ms}} with median milliseconds, run with the same thread
 count and allocator setting as the Rust benchmark. The backward is seeded with a dense gradient
 of ones (what candle's `y.backward()` does), made once outside the timing. "forward_backward"
-is `y.backward(ones)`, which also adds the input's gradient into `x.grad`;
+is `y.backward(ones)`, which also adds the gradients into `x.grad` and the parameters' `.grad`;
 "forward_backward_no_accumulation" is `torch.autograd.grad` of the input and both parameters,
 which returns the gradients without adding them anywhere.
 """

@@ -43,10 +43,11 @@ impl<T: Elem> Terms for Shifted<'_, T> {
         [self.x[i].load().to_f64() - self.k[j]; 3]
     }
 
-    /// Into the level-2 cache: with the level-1 hint prefetching `x` left this pass as fast or
-    /// slower (64x256x14x14 NHWC, four alternating criterion rounds, 2-core EPYC, 2026-11-25:
-    /// 274–331 µs against 253–311 µs); with this one it is faster wherever `x` does not stay in
-    /// the cache between calls (docs/benchmarks.md).
+    /// Into the level-2 cache (64x256x14x14 NHWC, f32, 2 threads, variants interleaved call
+    /// by call in one process, Zen 4 EPYC, 2026-11-26; docs/benchmarks.md): with `x` evicted
+    /// before each call 715–784 µs, against 845–1035 µs with the level-1 hint and 1007–1210 µs
+    /// without a prefetch; with `x` in the L3 between calls 4 % slower than without (and the
+    /// level-1 hint as fast or slower there: 274–331 against 253–311 µs, 2026-11-25).
     #[inline(always)]
     fn prefetch(&self, i: usize) {
         prefetch_l2(self.x.get(i));

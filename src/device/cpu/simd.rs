@@ -38,6 +38,7 @@ pub(crate) trait Terms {
 
 /// Asks the CPU to bring the cache line holding `v` into its caches, if there is one; a hint
 /// that reads nothing and changes nothing.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[inline(always)]
 pub(crate) fn prefetch<T>(v: Option<&T>) {
     #[cfg(target_arch = "x86_64")]
@@ -50,12 +51,14 @@ pub(crate) fn prefetch<T>(v: Option<&T>) {
 }
 
 /// Asks the CPU to bring the cache line holding `v` into its level-2 cache, not the level-1
-/// ([`prefetch`] asks for both); a hint that reads nothing and changes nothing.
+/// ([`prefetch`] asks for both; on cores older than AMD's Zen 4 this hint may act like that
+/// one); a hint that reads nothing and changes nothing.
 ///
-/// For [`row_sums`]' strided reads of wide rows this is the faster hint: the level-1 hint
-/// made the channels-last passes slower wherever their inputs came from memory (64x256x14x14
-/// NHWC, f32, 2 threads, variants interleaved call by call in one process, 2-core EPYC,
+/// For [`row_sums`]' strided reads of wide rows this is the faster hint: the level-1 hint was
+/// the slower one wherever the channels-last passes' inputs came from memory (64x256x14x14
+/// NHWC, f32, 2 threads, variants interleaved call by call in one process, Zen 4 EPYC,
 /// 2026-11-26; docs/benchmarks.md).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[inline(always)]
 pub(crate) fn prefetch_l2<T>(v: Option<&T>) {
     #[cfg(target_arch = "x86_64")]
