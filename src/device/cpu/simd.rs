@@ -38,16 +38,9 @@ pub(crate) trait Terms {
 
 /// Asks the CPU to bring the cache line holding `v` into its caches, if there is one; a hint
 /// that reads nothing and changes nothing.
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[inline(always)]
 pub(crate) fn prefetch<T>(v: Option<&T>) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(v) = v {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: a prefetch reads no memory architecturally and cannot fault; the pointer
-        // comes from a reference, so it is valid and aligned anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>((v as *const T).cast::<i8>()) }
-    }
+    prefetch_into::<false, T>(v)
 }
 
 /// Asks the CPU to bring the cache line holding `v` into its level-2 cache, not the level-1
@@ -58,15 +51,29 @@ pub(crate) fn prefetch<T>(v: Option<&T>) {
 /// the slower one wherever the channels-last passes' inputs came from memory (64x256x14x14
 /// NHWC, f32, 2 threads, variants interleaved call by call in one process, Zen 4 EPYC,
 /// 2026-11-26; docs/benchmarks.md).
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[inline(always)]
 pub(crate) fn prefetch_l2<T>(v: Option<&T>) {
+    prefetch_into::<true, T>(v)
+}
+
+/// [`prefetch`] (`L2_ONLY = false`, x86's `T0` hint) or [`prefetch_l2`] (`true`, `T1`); nothing
+/// on other architectures.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+#[inline(always)]
+fn prefetch_into<const L2_ONLY: bool, T>(v: Option<&T>) {
     #[cfg(target_arch = "x86_64")]
     if let Some(v) = v {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let p = (v as *const T).cast::<i8>();
         // SAFETY: a prefetch reads no memory architecturally and cannot fault; the pointer
         // comes from a reference, so it is valid and aligned anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>((v as *const T).cast::<i8>()) }
+        unsafe {
+            if L2_ONLY {
+                _mm_prefetch::<_MM_HINT_T1>(p)
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(p)
+            }
+        }
     }
 }
 
