@@ -97,9 +97,9 @@ fn stats_cpu(xs: &CpuStorage, xl: &Layout, g: &Geometry, shift: &[f64]) -> Resul
         let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
             // The shifts from a cache-line boundary, so that the tiles' 32-byte loads do not
             // straddle lines (the sums in `acc` start on one too when C is a multiple of 4), in
-            // a buffer each thread keeps: the items are small and many. 64x256x14x14 NHWC: 244–250 µs against
-            // 255–261 µs with every line straddled (six alternating criterion runs, 2-core
-            // EPYC, 2026-11-25).
+            // a buffer each thread keeps: the items are small and many. 64x256x14x14 NHWC:
+            // 244–250 µs against 255–261 µs with every line straddled (six alternating
+            // criterion runs, 2-core EPYC, 2026-11-25).
             let mut buf = SHIFTS.take();
             buf.resize(c + 8, 0.0);
             let line = (64 - buf.as_ptr() as usize % 64) % 64 / 8;
