@@ -2,6 +2,9 @@
 //! same run: one bucket of f32 gradients reduced by `DataParallel::sync_gradients` with f32,
 //! bf16 and f16 on the wire, the bare all-reduce, a memcpy that moves as many bytes as the
 //! all-reduce must (thread ranks), and MPI's own `MPI_Allreduce` on the same buffer (MPI).
+//! The all-reduces and the memcpy are timed twice: on an input written long before, and on a
+//! gradient fresh from `backward()`, the sync's own input (made the same way, outside the
+//! timing; see `docs/benchmarks.md` for what that changes).
 //! `scripts/bench-collectives.sh` runs it beside PyTorch's gloo and writes the table of
 //! `docs/benchmarks.md`.
 //!
@@ -11,9 +14,11 @@
 //! mpirun -np 4 target/release/examples/sync_bench --backend mpi --mib 25
 //! ```
 //!
-//! Every variant is timed once per round, the variants interleaved, from a barrier to a
-//! barrier on rank 0 (so a time is that of the slowest rank); the median over the rounds is
-//! printed, after two rounds of warm-up. The script sets the allocator's environment
+//! Every variant is timed once per round, from a barrier to a barrier on rank 0 (so a time is
+//! that of the slowest rank); the median over the rounds is printed, after two rounds of
+//! warm-up. The variants run in a new seeded random order each round: what ran just before
+//! moves a time by a third on the machines measured (the write-back of what it left in the
+//! caches), and a fixed order would give each variant the same neighbour every round. The script sets the allocator's environment
 //! (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_ARENA_MAX`; see the
 //! `collective::ThreadGroup` module docs): without it, page faults dominate the thread ranks'
 //! times.
@@ -21,10 +26,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::DataParallel;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
 
 /// The collective backend the ranks use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -60,17 +68,20 @@ struct Args {
 enum Variant {
     /// Every rank copies its share of `(W + 1)·S / 2` bytes (a memcpy of B bytes reads B and
     /// writes B: together the `W·S` bytes an all-reduce must read and the `S` it must write
-    /// into one shared result).
-    Memcpy,
+    /// into one shared result). `fresh`: the source is a gradient fresh from `backward()`
+    /// (made outside the timing, as the sync's); otherwise a buffer written once, before the
+    /// first round.
+    Memcpy { fresh: bool },
     /// `MPI_Allreduce` of the bucket into a buffer allocated once (MPI only).
     RawMpi,
     /// `MPI_Iallreduce` and `MPI_Wait`, the same buffers (MPI only): the non-blocking form the
     /// backend uses, so that it can time a collective out.
     RawMpiNonBlocking,
-    /// `Collective::all_reduce(bucket, Avg)`.
-    AllReduce,
-    /// `Collective::all_reduce_wire(bucket, Avg, wire)`.
-    AllReduceWire(DType),
+    /// `Collective::all_reduce(bucket, Avg)` (`wire: None`) or
+    /// `Collective::all_reduce_wire(bucket, Avg, wire)`. `fresh`: the bucket is a gradient fresh
+    /// from `backward()` (made outside the timing, as the sync's); otherwise the same tensor
+    /// every round, written before the first.
+    AllReduce { wire: Option<DType>, fresh: bool },
     /// `DataParallel::sync_gradients` with this wire dtype (`None`: f32).
     Sync(Option<DType>),
 }
@@ -78,11 +89,21 @@ enum Variant {
 impl Variant {
     fn name(&self) -> String {
         match self {
-            Variant::Memcpy => "memcpy of the minimum traffic".into(),
+            Variant::Memcpy { fresh: false } => "memcpy of the minimum traffic".into(),
+            Variant::Memcpy { fresh: true } => "memcpy of the minimum traffic, source fresh".into(),
             Variant::RawMpi => "raw MPI_Allreduce".into(),
             Variant::RawMpiNonBlocking => "raw MPI_Iallreduce + MPI_Wait".into(),
-            Variant::AllReduce => "all_reduce (Avg)".into(),
-            Variant::AllReduceWire(w) => format!("all_reduce_wire (Avg, {})", w.as_str()),
+            Variant::AllReduce { wire, fresh } => {
+                let name = match wire {
+                    None => "all_reduce (Avg)".to_string(),
+                    Some(w) => format!("all_reduce_wire (Avg, {})", w.as_str()),
+                };
+                if *fresh {
+                    format!("{name}, input fresh")
+                } else {
+                    name
+                }
+            }
             Variant::Sync(w) => format!("sync_gradients, {} wire", w.map_or("f32", |d| d.as_str())),
         }
     }
@@ -112,14 +133,17 @@ fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row
         .contiguous()?;
     let vars = vec![("w".to_string(), var.clone())];
     let mut variants = vec![
-        Variant::Memcpy,
-        Variant::AllReduce,
-        Variant::AllReduceWire(DType::BF16),
-        Variant::AllReduceWire(DType::F16),
+        Variant::Memcpy { fresh: false },
+        Variant::Memcpy { fresh: true },
     ];
     if raw.is_some() {
-        variants.insert(1, Variant::RawMpi);
-        variants.insert(2, Variant::RawMpiNonBlocking);
+        variants.push(Variant::RawMpi);
+        variants.push(Variant::RawMpiNonBlocking);
+    }
+    for fresh in [false, true] {
+        for wire in [None, Some(DType::BF16), Some(DType::F16)] {
+            variants.push(Variant::AllReduce { wire, fresh });
+        }
     }
     let mut dps = Vec::new();
     for wire in [None, Some(DType::BF16), Some(DType::F16)] {
@@ -134,25 +158,59 @@ fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row
     let mut raw = raw;
     let mut times = vec![Vec::new(); variants.len()];
     let mut results: Vec<Option<Tensor>> = vec![None; variants.len()];
+    // One generator per rank, all seeded alike: every rank runs the variants in the same order.
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    let mut order: Vec<usize> = (0..variants.len()).collect();
     for round in 0..usize::from(a.iters) + 2 {
-        for (i, v) in variants.iter().enumerate() {
-            let grads = match v {
-                Variant::Sync(_) => Some((var.as_tensor() * &g)?.sum_all()?.backward()?),
+        order.shuffle(&mut rng);
+        for &i in &order {
+            let v = &variants[i];
+            // A gradient fresh from `backward()`, for the variants that take one (made outside
+            // the timing).
+            let mut grads = match v {
+                Variant::Sync(_)
+                | Variant::AllReduce { fresh: true, .. }
+                | Variant::Memcpy { fresh: true } => {
+                    Some((var.as_tensor() * &g)?.sum_all()?.backward()?)
+                }
                 _ => None,
+            };
+            let fresh = match v {
+                Variant::Sync(_) => None,
+                _ => grads
+                    .as_ref()
+                    .and_then(|gs| gs.get(var.as_tensor()))
+                    .cloned(),
             };
             // The previous round's result is freed outside the timing.
             results[i] = None;
             comm.barrier()?;
             let t = Instant::now();
             match v {
-                Variant::Memcpy => dst.copy_from_slice(&src),
+                Variant::Memcpy { .. } => match &fresh {
+                    Some(x) => {
+                        let (storage, layout) = x.storage_and_layout();
+                        let (Storage::Cpu(CpuStorage::F32(x)), Some((a, _))) =
+                            (&*storage, layout.contiguous_offsets())
+                        else {
+                            bail!("the gradient is not a contiguous f32 host tensor");
+                        };
+                        dst.copy_from_slice(&x[a..a + share]);
+                    }
+                    None => dst.copy_from_slice(&src),
+                },
                 Variant::RawMpi => raw.as_mut().context("raw MPI without MPI")?(false)?,
                 Variant::RawMpiNonBlocking => raw.as_mut().context("raw MPI without MPI")?(true)?,
-                Variant::AllReduce => _ = comm.all_reduce(&g, ReduceOp::Avg)?,
-                Variant::AllReduceWire(w) => _ = comm.all_reduce_wire(&g, ReduceOp::Avg, *w)?,
+                Variant::AllReduce { wire, .. } => {
+                    let x = fresh.as_ref().unwrap_or(&g);
+                    _ = match wire {
+                        None => comm.all_reduce(x, ReduceOp::Avg)?,
+                        Some(w) => comm.all_reduce_wire(x, ReduceOp::Avg, *w)?,
+                    }
+                }
                 Variant::Sync(_) => {
                     let dp = &dps[i - (variants.len() - dps.len())];
-                    let synced = dp.sync_gradients(grads.context("no gradients")?)?;
+                    let synced = dp.sync_gradients(grads.take().context("no gradients")?)?;
                     results[i] = synced.get(var.as_tensor()).cloned();
                 }
             }

@@ -5,14 +5,14 @@
 # MPI is installed, sync_bench under `mpirun -np 4` (with MPI's own MPI_Allreduce of the same
 # buffer). Prints the table of docs/benchmarks.md (scripts/bench_collectives_table.py).
 #
-#   scripts/bench-collectives.sh            # 25 MiB, 30 rounds; MIB=… ITERS=… to change
+#   scripts/bench-collectives.sh            # 25 MiB, 100 rounds; MIB=… ITERS=… to change
 #
 # Installs PyTorch 2.15.0 into TORCH_VENV (default ~/.cache/candle-distributed-bench-venv) when
 # missing. Every side runs with the allocator setting of scripts/bench.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mib=${MIB:-25}
-iters=${ITERS:-30}
+iters=${ITERS:-100}
 venv=${TORCH_VENV:-$HOME/.cache/candle-distributed-bench-venv}
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
