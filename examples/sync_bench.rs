@@ -82,6 +82,9 @@ enum Variant {
     /// from `backward()` (made outside the timing, as the sync's); otherwise the same tensor
     /// every round, written before the first.
     AllReduce { wire: Option<DType>, fresh: bool },
+    /// `Collective::all_reduce(bucket, Sum)` of the reused bucket: what raw MPI computes, without
+    /// the average's scaling.
+    AllReduceSum,
     /// `DataParallel::sync_gradients` with this wire dtype (`None`: f32).
     Sync(Option<DType>),
 }
@@ -93,6 +96,7 @@ impl Variant {
             Variant::Memcpy { fresh: true } => "memcpy of the minimum traffic, source fresh".into(),
             Variant::RawMpi => "raw MPI_Allreduce".into(),
             Variant::RawMpiNonBlocking => "raw MPI_Iallreduce + MPI_Wait".into(),
+            Variant::AllReduceSum => "all_reduce (Sum)".into(),
             Variant::AllReduce { wire, fresh } => {
                 let name = match wire {
                     None => "all_reduce (Avg)".to_string(),
@@ -140,6 +144,7 @@ fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row
         variants.push(Variant::RawMpi);
         variants.push(Variant::RawMpiNonBlocking);
     }
+    variants.push(Variant::AllReduceSum);
     for fresh in [false, true] {
         for wire in [None, Some(DType::BF16), Some(DType::F16)] {
             variants.push(Variant::AllReduce { wire, fresh });
@@ -201,6 +206,7 @@ fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row
                 },
                 Variant::RawMpi => raw.as_mut().context("raw MPI without MPI")?(false)?,
                 Variant::RawMpiNonBlocking => raw.as_mut().context("raw MPI without MPI")?(true)?,
+                Variant::AllReduceSum => _ = comm.all_reduce(&g, ReduceOp::Sum)?,
                 Variant::AllReduce { wire, .. } => {
                     let x = fresh.as_ref().unwrap_or(&g);
                     _ = match wire {
@@ -265,13 +271,13 @@ fn main() -> Result<()> {
     );
     let base = rows[0].median_s;
     println!(
-        "{:<34} {:>9}  {:>8}  max |diff| from f32",
+        "{:<44} {:>9}  {:>8}  max |diff| from f32",
         "", "time", "vs first"
     );
     for r in &rows {
         let diff = r.max_diff.map_or(String::new(), |d| format!("{d:.2e}"));
         println!(
-            "{:<34} {:>6.2} ms  {:>7.2}×  {diff}",
+            "{:<44} {:>6.2} ms  {:>7.2}×  {diff}",
             r.name,
             1e3 * r.median_s,
             r.median_s / base
