@@ -5,6 +5,7 @@
 use half::f16;
 
 /// The dtype values are rounded to.
+#[derive(Debug)]
 pub(crate) enum Wire {
     None,
     F16,
@@ -23,22 +24,27 @@ impl Wire {
 
     /// Rounds every value of `v` to the wire dtype (kept as f32, exactly representable).
     pub(crate) fn round(&self, v: &mut [f32]) {
-        match self {
-            Wire::None => {}
-            Wire::F16 => {
-                for part in v.chunks_mut(64) {
-                    let mut copy = [0f32; 64];
-                    copy[..part.len()].copy_from_slice(part);
-                    round_f16_from(&copy[..part.len()], part);
-                }
+        self.scale_round(v, None);
+    }
+
+    /// Multiplies every value of `v` by `scale` (if any), then rounds it to the wire dtype, in
+    /// one pass over `v` (64 values at a time through a stack buffer): bitwise the product in
+    /// f32 followed by [`Wire::round`].
+    pub(crate) fn scale_round(&self, v: &mut [f32], scale: Option<f32>) {
+        if let Wire::None = self {
+            if let Some(k) = scale {
+                v.iter_mut().for_each(|x| *x *= k);
             }
-            Wire::BF16 => {
-                for part in v.chunks_mut(64) {
-                    let mut copy = [0f32; 64];
-                    copy[..part.len()].copy_from_slice(part);
-                    round_bf16_from(&copy[..part.len()], part);
-                }
+            return;
+        }
+        for part in v.chunks_mut(64) {
+            let mut copy = [0f32; 64];
+            let copy = &mut copy[..part.len()];
+            match scale {
+                Some(k) => copy.iter_mut().zip(&*part).for_each(|(c, x)| *c = x * k),
+                None => copy.copy_from_slice(part),
             }
+            self.round_from(copy, part);
         }
     }
 
@@ -225,6 +231,36 @@ mod tests {
             let x = f32::from_bits(b);
             let want = bf16::from_f32(x).to_f32().to_bits();
             assert_eq!(round_bf16(x).to_bits(), want, "input {b:#010x}");
+        }
+    }
+
+    /// The one-pass scaling and rounding is the product in f32 and then `half`'s rounding, bit
+    /// for bit, for each wire and with and without a scale: values spread over the exponent
+    /// range (products that overflow, round to ties, or turn subnormal), NaNs and infinities,
+    /// over a length that leaves a partial last group of 64.
+    #[test]
+    fn scaling_and_rounding_in_one_pass_is_the_two_steps() {
+        let src: Vec<f32> = (0..=u32::MAX)
+            .step_by(65521)
+            .map(f32::from_bits)
+            .chain([f32::NAN, f32::INFINITY, -0.0, 65520.0, 3.0e38])
+            .collect();
+        assert_ne!(src.len() % 64, 0);
+        for wire in [Wire::None, Wire::F16, Wire::BF16] {
+            for scale in [None, Some(0.25f32), Some(1.0 / 3.0), Some(3.0)] {
+                let mut got = src.clone();
+                wire.scale_round(&mut got, scale);
+                for (x, g) in src.iter().zip(&got) {
+                    let p = scale.map_or(*x, |k| x * k);
+                    let want = wire.one(p);
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "{wire:?}, scale {scale:?}, input {:#010x}",
+                        x.to_bits()
+                    );
+                }
+            }
         }
     }
 }

@@ -453,25 +453,23 @@ impl MpiCollective {
                 HostBuf::U8(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
             }
         })?;
-        if rop == ReduceOp::Avg {
-            // Scaled in place in the wire type (f32 for f16/bf16) before the conversion back, so
-            // that a sum beyond the input type's range still averages correctly; by `1/world`
-            // rounded to the wire type, as candle divides a tensor by a scalar.
-            match &mut recv {
-                HostBuf::F32(r) => {
-                    let k = (1.0 / self.world as f64) as f32;
-                    r.iter_mut().for_each(|x| *x *= k);
-                }
-                HostBuf::F64(r) => {
-                    let k = 1.0 / self.world as f64;
-                    r.iter_mut().for_each(|x| *x *= k);
-                }
-                // Refused before any communication (`avg_dtype`).
-                HostBuf::I64(_) | HostBuf::U32(_) | HostBuf::U8(_) => {}
+        // An average is scaled in place in the wire type (f32 for f16/bf16) before the
+        // conversion back, so that a sum beyond the input type's range still averages
+        // correctly; by `1/world` rounded to the wire type, as candle divides a tensor by a
+        // scalar. An f32 result is scaled and rounded to the wire dtype (if any) in one pass.
+        let avg = rop == ReduceOp::Avg;
+        match &mut recv {
+            HostBuf::F32(r) => {
+                let k = avg.then_some((1.0 / self.world as f64) as f32);
+                Wire::to(wire).scale_round(r, k);
             }
-        }
-        if let HostBuf::F32(r) = &mut recv {
-            Wire::to(wire).round(r);
+            HostBuf::F64(r) if avg => {
+                let k = 1.0 / self.world as f64;
+                r.iter_mut().for_each(|x| *x *= k);
+            }
+            // No scaling: a sum, a maximum or a minimum, or an integer type, whose average is
+            // refused before any communication (`avg_dtype`).
+            HostBuf::F64(_) | HostBuf::I64(_) | HostBuf::U32(_) | HostBuf::U8(_) => {}
         }
         recv.into_tensor(t.dims(), t.dtype(), t.device())
     }

@@ -274,10 +274,7 @@ impl<T: Lane> Job<T> {
                 add(acc, tmp);
             }
         }
-        if let Some(k) = self.scale {
-            acc.iter_mut().for_each(|a| *a *= k);
-        }
-        s.wire.round(acc);
+        s.wire.scale_round(acc, self.scale);
         T::narrow(acc, &mut s.lanes[..n]);
         for (d, v) in out.iter_mut().zip(&s.lanes[..n]) {
             d.write(*v);
