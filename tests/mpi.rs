@@ -61,8 +61,12 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 10] = [
+    let checks: [(&str, Check); 11] = [
         ("collective values", collective_values),
+        (
+            "all_reduce_parts reads large parts in place, as the concatenation",
+            parts_in_place,
+        ),
         (
             "a wire dtype rounds like the casts it saves",
             wire_rounds_like_casts,
@@ -150,6 +154,77 @@ fn collective_values(comm: &Arc<dyn Collective>) -> Result<()> {
     // broadcast from rank 2.
     let b = comm.broadcast(&Tensor::new(&[r * 7.0], &Device::Cpu)?, 2)?;
     ensure!(b.to_vec1::<f64>()? == [14.0]);
+    Ok(())
+}
+
+/// `all_reduce_parts` of host f32 and f64 parts, read in place where they are large and
+/// contiguous (at least 64 Ki elements) and copied in runs where not: the values of the
+/// all-reduce of their concatenation, bit for bit, for a sum, an average and a maximum. The
+/// parts hold whole numbers, so that every order of MPI's additions gives the same bits (a
+/// 25-value run and a 65536-value part may take different algorithms). Parts that differ
+/// between ranks are a mismatch on every rank.
+fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
+    let r = comm.rank() as u64;
+    // Whole numbers in [-64, 64), seeded per rank and part; `+ 0` turns the rounding's negative
+    // zeros positive (which of two zeros a maximum keeps depends on the order of the operands).
+    let whole = |seed: u64, dims: &[usize]| -> Result<Tensor> {
+        Ok(randn(seed * 10 + r, dims, 0.0, 20.0)
+            .round()?
+            .clamp(-64.0, 63.0)?
+            .affine(1.0, 0.0)?)
+    };
+    for dtype in [DType::F32, DType::F64] {
+        let parts = vec![
+            whole(1, &[70_000])?.to_dtype(dtype)?,        // in place
+            whole(2, &[10])?.to_dtype(dtype)?,            // a run of three copied parts
+            whole(3, &[300, 300])?.t()?.to_dtype(dtype)?, // strided
+            whole(4, &[0])?.to_dtype(dtype)?,
+            whole(5, &[1 << 16])?.to_dtype(dtype)?, // in place, at the threshold
+            whole(6, &[3, 5])?.to_dtype(dtype)?,    // copied, last
+        ];
+        let flat = parts
+            .iter()
+            .map(Tensor::flatten_all)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let flat = Tensor::cat(&flat, 0)?;
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+            let got = comm.all_reduce_parts(&parts, op, None)?;
+            let want = comm.all_reduce(&flat, op)?;
+            ensure!(
+                got.dims() == want.dims(),
+                "{dtype:?} {op:?}: {:?}",
+                got.dims()
+            );
+            let (a, b) = (
+                got.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+                want.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+            );
+            let bad = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
+            ensure!(bad.is_none(), "{dtype:?} {op:?}: element {bad:?} differs");
+        }
+    }
+    // Rank 1 passes the same parts in another order: the same total, other MPI calls.
+    let g = comm
+        .split(Some(0), comm.rank() as u32)?
+        .expect("every rank joins");
+    let (big, small) = (whole(7, &[1 << 16])?, whole(8, &[5])?);
+    let parts = if comm.rank() == 1 {
+        [small, big]
+    } else {
+        [big, small]
+    };
+    let err = g
+        .all_reduce_parts(&parts, ReduceOp::Sum, None)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("every rank must call the same collective"),
+        "parts that differ between ranks: {err:?}"
+    );
     Ok(())
 }
 

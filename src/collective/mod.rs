@@ -173,19 +173,7 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         op: ReduceOp,
         wire: Option<DType>,
     ) -> Result<Tensor> {
-        check_parts(parts)?;
-        let flat = parts
-            .iter()
-            .map(Tensor::flatten_all)
-            .collect::<Result<Vec<_>>>()?;
-        // `cat` of one part is that part itself (the caller's storage): not given up then.
-        let fresh = flat.len() > 1;
-        let flat = Tensor::cat(&flat, 0)?;
-        match wire {
-            Some(w) => self.all_reduce_wire(&flat, op, w),
-            None if fresh => self.all_reduce_owned(flat, op),
-            None => self.all_reduce(&flat, op),
-        }
+        all_reduce_concatenated(self, parts, op, wire)
     }
 
     /// [`Collective::all_reduce`] of `t` carried in the float dtype `wire`: each rank's values
@@ -390,6 +378,29 @@ pub(crate) fn check_parts(parts: &[Tensor]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// [`Collective::all_reduce_parts`] by concatenation: the parts laid end to end in one new
+/// tensor, all-reduced (the trait's default).
+pub(crate) fn all_reduce_concatenated<C: Collective + ?Sized>(
+    c: &C,
+    parts: &[Tensor],
+    op: ReduceOp,
+    wire: Option<DType>,
+) -> Result<Tensor> {
+    check_parts(parts)?;
+    let flat = parts
+        .iter()
+        .map(Tensor::flatten_all)
+        .collect::<Result<Vec<_>>>()?;
+    // `cat` of one part is that part itself (the caller's storage): not given up then.
+    let fresh = flat.len() > 1;
+    let flat = Tensor::cat(&flat, 0)?;
+    match wire {
+        Some(w) => c.all_reduce_wire(&flat, op, w),
+        None if fresh => c.all_reduce_owned(flat, op),
+        None => c.all_reduce(&flat, op),
+    }
 }
 
 /// [`Collective::all_reduce_wire`] by casting: `t` to `wire`, the all-reduce, back to `t`'s dtype.

@@ -25,12 +25,13 @@ use mpi::Threading;
 
 use super::round::Wire;
 use super::{
-    all_reduce_cast, check_wire, scatter_rows, Collective, CollectiveError, Op, Pending, ReduceOp,
-    Worker, DEFAULT_TIMEOUT,
+    all_reduce_cast, all_reduce_concatenated, check_parts, check_wire, scatter_rows, Collective,
+    CollectiveError, Op, Pending, ReduceOp, Worker, DEFAULT_TIMEOUT,
 };
 
 mod host;
 mod ops;
+mod parts;
 
 use host::{avg_dtype, dtype_code, invalid, shape_code, with_buf, HostBuf, HostSlice, Source};
 
@@ -431,12 +432,8 @@ impl MpiCollective {
         wire: Option<DType>,
     ) -> Result<Tensor> {
         let n = t.elem_count();
-        let mpi_op = match rop {
-            ReduceOp::Sum | ReduceOp::Avg => SystemOperation::sum(),
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Min => SystemOperation::min(),
-        };
-        let mut recv = send.with_slice(|s| match s {
+        let mpi_op = mpi_op(rop);
+        let recv = send.with_slice(|s| match s {
             HostSlice::F32(s) => {
                 HostBuf::F32(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
             }
@@ -453,6 +450,20 @@ impl MpiCollective {
                 HostBuf::U8(received(n, |r| self.all_reduce_into(op, s, r, mpi_op)))
             }
         })?;
+        self.finish(recv, t.dims(), t.dtype(), t.device(), rop, wire)
+    }
+
+    /// A reduction's result `recv` as a tensor of `dims`, `dtype` on `device`: averaged for
+    /// `Avg`, and rounded to `wire` (if any).
+    fn finish(
+        &self,
+        mut recv: HostBuf,
+        dims: &[usize],
+        dtype: DType,
+        device: &candle_core::Device,
+        rop: ReduceOp,
+        wire: Option<DType>,
+    ) -> Result<Tensor> {
         // An average is scaled in place in the wire type (f32 for f16/bf16) before the
         // conversion back, so that a sum beyond the input type's range still averages
         // correctly; by `1/world` rounded to the wire type, as candle divides a tensor by a
@@ -471,7 +482,7 @@ impl MpiCollective {
             // refused before any communication (`avg_dtype`).
             HostBuf::F64(_) | HostBuf::I64(_) | HostBuf::U32(_) | HostBuf::U8(_) => {}
         }
-        recv.into_tensor(t.dims(), t.dtype(), t.device())
+        recv.into_tensor(dims, dtype, device)
     }
 
     fn all_reduce_into<T: Equivalence, R: Equivalence>(
@@ -485,6 +496,15 @@ impl MpiCollective {
             let req = locked(|| self.comm.immediate_all_reduce_into(scope, s, r, mpi_op));
             self.wait(op, req);
         });
+    }
+}
+
+/// MPI's operation for `rop` (an average is a sum, scaled afterwards).
+fn mpi_op(rop: ReduceOp) -> SystemOperation {
+    match rop {
+        ReduceOp::Sum | ReduceOp::Avg => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::Min => SystemOperation::min(),
     }
 }
 

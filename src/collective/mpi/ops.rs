@@ -32,6 +32,34 @@ impl Collective for MpiCollective {
         self.reduce(OP, send.take(OP)?, t, op, None)
     }
 
+    /// The all-reduce of host parts of f32 or f64, without a wire, reads every contiguous part
+    /// of at least 64 Ki elements where it lies and reduces it into its place in the result
+    /// (one MPI call each); the parts between those are copied end to end and reduced with
+    /// one call per run. This saves the concatenation's copy of the large parts, which
+    /// `DataParallel::sync_gradients` sends. Other parts (f16, bf16, integers, not on the host)
+    /// and a wire take the default: the concatenation, all-reduced.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_parts`]; ranks whose parts differ in number or element counts
+    /// make a mismatch on every rank. A timeout aborts the MPI job instead of returning.
+    fn all_reduce_parts(
+        &self,
+        parts: &[Tensor],
+        op: ReduceOp,
+        wire: Option<DType>,
+    ) -> Result<Tensor> {
+        check_parts(parts)?;
+        let first = &parts[0];
+        if wire.is_some()
+            || !first.device().is_cpu()
+            || !matches!(first.dtype(), DType::F32 | DType::F64)
+        {
+            return all_reduce_concatenated(self, parts, op, wire);
+        }
+        self.all_reduce_parts_host(parts, op)
+    }
+
     /// All-reduce of an f32 tensor on an f16 or bf16 wire: each value rounded to the wire dtype
     /// in the host buffer, summed in f32 by MPI (which has no 16-bit float type, so the values
     /// travel as f32 whatever the wire), averaged, rounded again: the default's result (cast,
