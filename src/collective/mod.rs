@@ -159,7 +159,10 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// The default concatenates the parts and all-reduces that (given up to
     /// [`Collective::all_reduce_owned`] when it is a new tensor). `ThreadGroup` sums each
     /// rank's parts where they lie, without the concatenation's copy; its result is bitwise
-    /// the default's (`tests/thread_group.rs::parts_are_summed_where_they_lie`).
+    /// the default's (`tests/thread_group.rs::parts_are_summed_where_they_lie`). MPI reduces
+    /// each host part of f32 or f64 of at least 64 Ki elements where it lies, into its place in
+    /// the result, and copies only the smaller parts between them (without a wire; the MPI
+    /// suite's "all_reduce_parts reads large parts in place", `scripts/test-mpi.sh`).
     ///
     /// # Errors
     ///
