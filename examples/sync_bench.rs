@@ -17,11 +17,11 @@
 //! Every variant is timed once per round, from a barrier to a barrier on rank 0 (so a time is
 //! that of the slowest rank); the median over the rounds is printed, after two rounds of
 //! warm-up. The variants run in a new seeded random order each round: what ran just before
-//! moves a time by a third on the machines measured (the write-back of what it left in the
-//! caches), and a fixed order would give each variant the same neighbour every round. The script sets the allocator's environment
-//! (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_ARENA_MAX`; see the
-//! `collective::ThreadGroup` module docs): without it, page faults dominate the thread ranks'
-//! times.
+//! moved a time by up to a third on the machine measured (likely what it left in the caches;
+//! not measured directly), and a fixed order would give each variant the same neighbour every
+//! round. The script sets the allocator's environment (`MALLOC_MMAP_THRESHOLD_`,
+//! `MALLOC_TRIM_THRESHOLD_`, `MALLOC_ARENA_MAX`; see the `collective::ThreadGroup` module
+//! docs): without it, page faults dominate the thread ranks' times.
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -50,14 +50,7 @@ impl Collective for MpiCollective {
         wire: Option<DType>,
     ) -> Result<Tensor> {
         check_parts(parts)?;
-        let first = &parts[0];
-        if wire.is_some()
-            || !first.device().is_cpu()
-            || !matches!(first.dtype(), DType::F32 | DType::F64)
-        {
-            return all_reduce_concatenated(self, parts, op, wire);
-        }
-        self.all_reduce_parts_host(parts, op)
+        self.all_reduce_parts_in_place(parts, op, wire)
     }
 
     /// All-reduce of an f32 tensor on an f16 or bf16 wire: each value rounded to the wire dtype
