@@ -54,15 +54,24 @@ T combine(T a, T b, int op) {
         case ncclProd: return T(a * b);
         case ncclMax: return a > b ? a : b;
         case ncclMin: return a < b ? a : b;
-        default: return T(a + b);  // ncclSum, ncclAvg (divided at the end)
+        default: return T(a + b);  // ncclSum, ncclAvg (pre-multiplied or divided at the end)
     }
 }
 
+// ncclAvg, as NCCL computes it: for floating types a pre-multiplied sum (every rank's value
+// times 1/n rounded to the element type, each product rounded, then summed), for integers the
+// sum divided by n at the end (truncating). (NCCL's enqueue maps ncclAvg to its PreMulSum
+// device op with the scalar 1.0/nRanks converted to the element type for floats, and to
+// SumPostDiv for integers.)
 template <class T>
 void reduce_plain(uint8_t* out, const uint8_t* const* in, int n, size_t len, int op) {
+    constexpr bool kFloat = std::is_floating_point_v<T>;
+    const bool premul = kFloat && op == ncclAvg;
+    const T scale = kFloat ? T(1.0 / double(n)) : T(1);
     for (size_t i = 0; i < len; ++i) {
         T acc;
         std::memcpy(&acc, in[0] + i * sizeof(T), sizeof(T));
+        if (premul) acc = T(acc * scale);
         for (int p = 1; p < n; ++p) {
             T x;
             std::memcpy(&x, in[p] + i * sizeof(T), sizeof(T));
@@ -73,26 +82,30 @@ void reduce_plain(uint8_t* out, const uint8_t* const* in, int n, size_t len, int
                 else if (op == ncclProd) acc = T(W(acc) * W(x));
                 else acc = combine(acc, x, op);
             } else {
+                if (premul) x = T(x * scale);
                 acc = combine(acc, x, op);
             }
         }
-        if (op == ncclAvg) acc = T(acc / T(n));  // integers: truncating division, as NCCL
+        if (!kFloat && op == ncclAvg) acc = T(acc / T(n));  // SumPostDiv: truncating division
         std::memcpy(out + i * sizeof(T), &acc, sizeof(T));
     }
 }
 
-// f16 and bf16: each step of the reduction rounded to the type.
+// f16 and bf16: each step of the reduction rounded to the type; ncclAvg pre-multiplies each
+// value by 1/n rounded to the type, the product rounded to the type (the product of two
+// 16-bit values is exact in f32, so rounding it once is the correctly rounded 16-bit product).
 template <float (*Load)(uint16_t), uint16_t (*Store)(float)>
 void reduce_16(uint8_t* out, const uint8_t* const* in, int n, size_t len, int op) {
-    for (size_t i = 0; i < len; ++i) {
+    const float scale = Load(Store(float(1.0 / double(n))));
+    auto value = [&](const uint8_t* p) {
         uint16_t b;
-        std::memcpy(&b, in[0] + 2 * i, 2);
-        float acc = Load(b);
-        for (int p = 1; p < n; ++p) {
-            std::memcpy(&b, in[p] + 2 * i, 2);
-            acc = Load(Store(combine(acc, Load(b), op)));
-        }
-        if (op == ncclAvg) acc = acc / float(n);
+        std::memcpy(&b, p, 2);
+        float v = Load(b);
+        return op == ncclAvg ? Load(Store(v * scale)) : v;
+    };
+    for (size_t i = 0; i < len; ++i) {
+        float acc = value(in[0] + 2 * i);
+        for (int p = 1; p < n; ++p) acc = Load(Store(combine(acc, value(in[p] + 2 * i), op)));
         uint16_t r = Store(acc);
         std::memcpy(out + 2 * i, &r, 2);
     }
@@ -162,12 +175,48 @@ void consumed(Comm* c, uint64_t g) {
     c->world.h->slots[c->rank].consumed.store(g, std::memory_order_release);
 }
 
-// The stream task of collective `k`.
-void run(Comm* c, const Coll& k) {
+// The end of collective `k`'s task, run or stopped: the next one may start, and abort,
+// finalize and destroy, which wait for every issued collective, count it.
+void end_task(Comm* c, const Coll& k) {
+    uint64_t next = k.call;  // stopped tasks may end out of order
+    while (next < k.call + 1 && !c->done.compare_exchange_weak(next, k.call + 1)) {
+    }
+    c->finished.fetch_add(1);
+}
+
+// The injected `kernel-fault`: collective K's kernel faults at its start, once the host has
+// enqueued more work behind it on its stream (so the fault lies under work the program is
+// waiting for), or after a second: the context's error becomes sticky, as after an illegal
+// address, and the collective never meets its peers.
+bool kernel_fault(Comm* c, const Coll& k, sim::Stream* s) {
+    if (!nccl::find_fault("kernel-fault", c->rank, long(k.call))) return false;
+    uint64_t seq;  // this task's number on its stream (the worker runs them in order)
+    {
+        std::lock_guard<std::mutex> lk(s->m);
+        seq = s->completed + 1;
+    }
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (;;) {
+        {
+            std::lock_guard<std::mutex> lk(s->m);
+            if (s->enqueued > seq) break;
+        }
+        if (std::chrono::steady_clock::now() > until) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    sim::set_sticky(s->ctx, CUDA_ERROR_ILLEGAL_ADDRESS,
+                    std::string("injected kernel-fault: ") + kind_name(k.kind) + " #" +
+                        std::to_string(k.call) + " of rank " + std::to_string(c->rank) +
+                        " faulted on its stream");
+    return true;
+}
+
+// The stream task of collective `k` on stream `s`.
+void run(Comm* c, const Coll& k, sim::Stream* s) {
     // A communicator's collectives run in the order they were issued, whatever their streams.
     bool go = nccl::wait_until(c, [&] { return c->done.load() == k.call; }, true);
     if (go && nccl::find_fault("skip", c->rank, long(k.call))) block(c);
-    go = go && !c->aborted;
+    go = go && !c->aborted && !kernel_fault(c, k, s);
     const size_t es = type_size(k.dtype), per = nccl::kChunk / es;
     const int n = c->nranks, r = c->rank;
     const size_t total = k.kind == kReduceScatter ? k.count * size_t(n) : k.count;
@@ -202,10 +251,22 @@ void run(Comm* c, const Coll& k) {
         }
         consumed(c, g);
     }
-    uint64_t next = k.call;  // stopped tasks may end out of order
-    while (next < k.call + 1 && !c->done.compare_exchange_weak(next, k.call + 1)) {
+    end_task(c, k);
+}
+
+// Whether a non-blocking communicator's enqueue of `k` returns ncclInProgress: always for the
+// first collective of its kind and type (its connections), otherwise one in
+// `nccl::in_progress_rate()`, decided by the seed, the rank and the collective's number.
+bool in_progress(Comm* c, const Coll& k) {
+    unsigned key = unsigned(k.kind) * 10 + unsigned(k.dtype);  // dtype < 10, checked at issue
+    if (key < 64 && !(c->connected & (1ull << key))) {
+        c->connected |= 1ull << key;
+        return true;
     }
-    c->finished.fetch_add(1);
+    unsigned rate = nccl::in_progress_rate();
+    if (rate == 0) return false;
+    uint64_t h = nccl::mix64(nccl::in_progress_seed() ^ nccl::mix64(uint64_t(c->rank) << 32 ^ k.call));
+    return h % rate == 0;
 }
 
 ncclResult_t issue(Coll k, Comm* c, CUstream stream) {
@@ -215,6 +276,8 @@ ncclResult_t issue(Coll k, Comm* c, CUstream stream) {
         Comm* c;
         ~Leave() { nccl::leave(c); }
     } leave{c};
+    if (c->finalizing)
+        return nccl::fail(ncclInvalidUsage, "%s: the communicator was finalized (ncclCommFinalize): only ncclCommDestroy may follow", call);
     size_t es = type_size(k.dtype);
     if (!es) return nccl::fail(ncclInvalidArgument, "%s: data type %d is not simulated", call, k.dtype);
     if (k.kind != kBroadcast && k.kind != kAllGather && (k.op < ncclSum || k.op > ncclAvg))
@@ -265,16 +328,20 @@ ncclResult_t issue(Coll k, Comm* c, CUstream stream) {
     if (err) nccl::set_async(c, err->code, "injected asynchronous error at collective #" + std::to_string(k.call));
     sim::Op op;
     op.kind = "launch";
-    op.run = [c, k] { run(c, k); };
+    op.run = [c, k, s] { run(c, k, s); };
+    // Dropped after a sticky CUDA error (the stream runs nothing more): the task still ends,
+    // or abort, finalize and destroy would wait for it forever.
+    op.dropped = [c, k] { end_task(c, k); };
     sim::count(s, &sim::Counts::launches);
     sim::log_launch(call);
     if (CUresult r = sim::enqueue(s, std::move(op), uses))
         return nccl::fail(ncclUnhandledCudaError, "%s: enqueue failed (CUDA error %d)", call, r);
     c->issued.fetch_add(1);
     if (err && err->stall_ms) sim::stall_next_driver_call(err->stall_ms);
-    // A non-blocking communicator's first collective sets up its connections in the background.
-    if (!c->blocking && !c->connected) {
-        c->connected = true;
+    // A non-blocking communicator may finish any enqueue in the background (NCCL ends every
+    // enqueue with the communicator's asynchronous state, and connects lazily): the first
+    // collective of each kind and type, and others at random (GPU_SIM_NCCL_INPROGRESS).
+    if (!c->blocking && in_progress(c, k)) {
         nccl::start_job(c, [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); });
         return ncclInProgress;
     }

@@ -24,12 +24,7 @@ constexpr char kIdMagic[8] = {'G', 'S', 'N', 'C', 'C', 'L', '0', '1'};
 thread_local int t_group_depth = 0;
 thread_local std::vector<Comm*> t_group_inits;
 
-uint64_t mix(uint64_t x) {  // splitmix64's finaliser
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
+using nccl::mix64;
 
 // The init job: arrive, then wait for every rank (forever, unless aborted).
 void init_job(Comm* c) {
@@ -82,6 +77,9 @@ void leave_world(Comm* c) {
     if (c->world.h->refs.fetch_sub(1) == 1) nccl::unlink_world(c->world);
 }
 
+// Whether every collective issued on `c` has run (or stopped) on its stream.
+bool own_work_done(Comm* c) { return c->finished.load() >= c->issued.load(); }
+
 // Waits until every collective issued on `c` has run (or stopped) on its stream.
 void drain(Comm* c) {
     while (c->finished.load() < c->issued.load())
@@ -103,7 +101,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
     std::memset(id->internal, 0, sizeof id->internal);
     std::memcpy(id->internal, kIdMagic, 8);
     std::random_device rd;
-    uint64_t key = (uint64_t(rd()) << 32) ^ rd() ^ mix(uint64_t(getpid()));
+    uint64_t key = (uint64_t(rd()) << 32) ^ rd() ^ mix64(uint64_t(getpid()));
     std::memcpy(id->internal + 8, &key, 8);
     return ncclSuccess;
 }
@@ -216,6 +214,8 @@ ncclResult_t ncclCommSplit(Comm* c, int color, int key, Comm** out, ncclConfigPr
         ~Leave() { nccl::leave(c); }
     } leave{c};
     if (!out) return nccl::fail(ncclInvalidArgument, "%s: null communicator pointer", call);
+    if (c->finalizing)
+        return nccl::fail(ncclInvalidUsage, "%s: the communicator was finalized (ncclCommFinalize)", call);
     if (color < NCCL_SPLIT_NOCOLOR)
         return nccl::fail(ncclInvalidArgument, "%s: color %d (a color is >= 0, or NCCL_SPLIT_NOCOLOR)", call, color);
     bool blocking = c->blocking;
@@ -242,7 +242,7 @@ ncclResult_t ncclCommSplit(Comm* c, int color, int key, Comm** out, ncclConfigPr
             std::sort(members.begin(), members.end());
             int new_rank = 0;
             while (members[new_rank].second != c->rank) ++new_rank;
-            uint64_t child_key = mix(c->key ^ mix(n + 1) ^ mix(uint64_t(uint32_t(color)) << 20));
+            uint64_t child_key = mix64(c->key ^ mix64(n + 1) ^ mix64(uint64_t(uint32_t(color)) << 20));
             child = new_comm(child_key, int(members.size()), new_rank, c->device, blocking);
             // NCCL initialises the child inside the split's job: it is ready when the parent is.
             // (Waited for under the parent's conditions: aborting the parent ends it.)
@@ -266,16 +266,9 @@ ncclResult_t ncclCommSplit(Comm* c, int color, int key, Comm** out, ncclConfigPr
 ncclResult_t ncclCommFinalize(Comm* c) {
     if (ncclResult_t r = nccl::enter(c, "ncclCommFinalize")) return r;
     c->finalizing = true;
-    c->world.h->slots[c->rank].finalized.store(1);
-    // Quiescent: this rank's collectives have run, and every rank has called finalize.
-    nccl::start_job(c, [c] {
-        nccl::wait_until(c, [c] {
-            if (c->finished.load() < c->issued.load()) return false;
-            for (int p = 0; p < c->nranks; ++p)
-                if (!c->world.h->slots[p].finalized.load()) return false;
-            return true;
-        });
-    });
+    // Done once this rank's own collectives have run: NCCL's finalize synchronises the
+    // communicator's streams, with no barrier between ranks.
+    nccl::start_job(c, [c] { nccl::wait_until(c, [c] { return own_work_done(c); }); });
     ncclResult_t r = finish_or_progress(c);
     nccl::leave(c);
     return r;
@@ -286,15 +279,10 @@ ncclResult_t ncclCommDestroy(Comm* c) {
     if (c->busy.load())
         return nccl::fail(ncclInvalidUsage, "ncclCommDestroy: a call is still in progress (poll ncclCommGetAsyncError until ncclSuccess first)");
     if (!c->finalizing) {
-        // NCCL 2.27 finalizes a communicator destroyed without it, blocking.
-        c->world.h->slots[c->rank].finalized.store(1);
+        // Without ncclCommFinalize, NCCL finalizes here, blocking: it waits for this rank's
+        // own collectives (which may wait for peers), never for the peers' destroy.
         c->finalizing = true;
-        nccl::wait_until(c, [c] {
-            if (c->finished.load() < c->issued.load()) return false;
-            for (int p = 0; p < c->nranks; ++p)
-                if (!c->world.h->slots[p].finalized.load()) return false;
-            return true;
-        });
+        nccl::wait_until(c, [c] { return own_work_done(c); });
     }
     nccl::unregister_comm(c);
     nccl::join_job(c);

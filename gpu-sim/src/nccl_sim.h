@@ -63,7 +63,6 @@ struct alignas(64) Slot {
     std::atomic<int32_t> pid;
     std::atomic<int32_t> device;
     std::atomic<uint32_t> gone;       // 1 once aborted or destroyed
-    std::atomic<uint32_t> finalized;  // 1 once ncclCommFinalize was called
     std::atomic<uint64_t> posted;     // steps whose data this rank has posted
     std::atomic<uint64_t> consumed;   // steps this rank has finished reading
     // The collective the posted step belongs to (compared between ranks).
@@ -107,6 +106,19 @@ struct Fault {
 // The fault of `kind` for `rank` at collective `call` (call -1 matches a fault with no call).
 const Fault* find_fault(const char* kind, int rank, long call);
 int reported_version();  // 22703 unless `version=N` is injected
+// GPU_SIM_NCCL_INPROGRESS, read once: a non-blocking communicator's enqueue returns
+// ncclInProgress for the first collective of each kind and type and, beyond that, for one in
+// `in_progress_rate()` (0: never) chosen by `in_progress_seed()`. Unset: seed 0, one in 4;
+// `first`: the first of each kind and type only; `random:SEED` or `random:SEED:RATE`.
+unsigned in_progress_rate();
+uint64_t in_progress_seed();
+// splitmix64's finaliser: ids, split keys and seeded choices.
+inline uint64_t mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
 // NCCL_COMM_BLOCKING as NCCL finds it: the environment, then NCCL_CONF_FILE or
 // ~/.nccl.conf, then /etc/nccl.conf; or the injected `blocking`. -1 when unset.
 int blocking_override();
@@ -126,8 +138,8 @@ struct Comm {
     std::atomic<bool> aborted{false};
     std::atomic<int> inside{0};        // host threads inside a call (more than one: misuse)
     std::atomic<bool> joined{false};   // this rank has arrived in its world
-    bool finalizing = false;
-    bool connected = false;            // the first collective's "connection" was made
+    bool finalizing = false;           // ncclCommFinalize was called: no more collectives
+    uint64_t connected = 0;            // (kind, type) pairs whose "connections" were made
     uint64_t splits = 0;
     // Collectives: numbered at issue; stream tasks run in that order, one at a time.
     // `done`: the next collective allowed to run; `finished`: tasks that have ended (run or

@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -55,7 +57,7 @@ std::vector<Fault> parse_faults() {
             }
         }
         static const char* kinds[] = {"init-never", "skip", "hang", "async-error", "sync-error",
-                                      "blocking", "version"};
+                                      "blocking", "version", "kernel-fault"};
         bool known = false;
         for (const char* k : kinds) known |= f.kind == k;
         if (!known) sim::fatal("GPU_SIM_NCCL_FAULTS: unknown fault '%s'", f.kind.c_str());
@@ -159,6 +161,36 @@ int reported_version() {
     const Fault* f = find_fault("version", -1, -1);
     return f ? f->code : 22703;
 }
+
+namespace {
+struct InProgress {
+    unsigned rate = 4;
+    uint64_t seed = 0;
+};
+const InProgress& in_progress_setting() {
+    static const InProgress v = [] {
+        InProgress p;
+        const char* e = std::getenv("GPU_SIM_NCCL_INPROGRESS");
+        if (!e || !*e) return p;
+        std::string s = e;
+        unsigned long long seed = 0;
+        unsigned rate = p.rate;
+        if (s == "first") {
+            p.rate = 0;
+        } else if (std::sscanf(s.c_str(), "random:%llu:%u", &seed, &rate) >= 1 && rate > 0) {
+            p.seed = seed;
+            p.rate = rate;
+        } else {
+            sim::fatal("GPU_SIM_NCCL_INPROGRESS=%s: expected first, random:SEED or random:SEED:RATE (RATE > 0)", e);
+        }
+        return p;
+    }();
+    return v;
+}
+}  // namespace
+
+unsigned in_progress_rate() { return in_progress_setting().rate; }
+uint64_t in_progress_seed() { return in_progress_setting().seed; }
 
 int blocking_override() {
     if (find_fault("blocking", -1, -1)) return 1;

@@ -139,6 +139,9 @@ struct Dep {
 struct Op {
     std::vector<Dep> deps;
     std::function<void()> run;  // runs on the worker; errors go to set_sticky
+    // Runs instead of `run` when the context's sticky error drops the operation (work that
+    // others wait for, such as an NCCL collective, must still say that it ended).
+    std::function<void()> dropped;
     const char* kind;           // "launch", "copy", ... for counters
 };
 

@@ -49,7 +49,11 @@ void worker_loop(Stream* s) {
             d.stream->cv.wait(lk, [&] { return d.stream->completed >= d.seq; });
         }
         // After a sticky error the context is unusable: queued work is dropped.
-        if (s->ctx->sticky.load() == CUDA_SUCCESS && item.second.run) item.second.run();
+        if (s->ctx->sticky.load() == CUDA_SUCCESS) {
+            if (item.second.run) item.second.run();
+        } else if (item.second.dropped) {
+            item.second.dropped();
+        }
         {
             std::lock_guard<std::mutex> lk(s->m);
             s->completed = item.first;

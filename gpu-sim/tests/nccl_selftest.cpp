@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,12 +57,17 @@ int ncclCommFinalize(ncclComm_t);
 int ncclCommDestroy(ncclComm_t);
 int ncclCommAbort(ncclComm_t);
 int ncclCommCount(ncclComm_t, int*);
+int ncclCommUserRank(ncclComm_t, int*);
+const char* ncclGetLastError(ncclComm_t);
 }
 
 namespace {
 
 constexpr int kSuccess = 0, kInvalidArgument = 4, kInvalidUsage = 5, kRemoteError = 6,
-              kInProgress = 7, kFloat32 = 7, kInt32 = 2, kSum = 0, kMax = 2;
+              kInProgress = 7, kFloat32 = 7, kInt32 = 2, kSum = 0, kMax = 2, kAvg = 4;
+
+// What the last `group` call's ncclGroupEnd returned.
+int g_group_end = -1;
 
 #define EXPECT(cond, ...)                            \
     do {                                             \
@@ -91,21 +97,35 @@ int settle(ncclComm_t c, int ms = 5000) {
     return s;
 }
 
-// `n` ranks on devices 0..n-1, initialised in one group from this thread.
-std::vector<ncclComm_t> group(int n) {
+// `n` ranks on devices first..first+n-1, initialised in one group from this thread (what
+// ncclGroupEnd returned in `g_group_end`).
+std::vector<ncclComm_t> group(int n, int first = 0) {
     ncclUniqueId id;
     ncclGetUniqueId(&id);
     std::vector<ncclComm_t> comms(n);
     ncclGroupStart();
     for (int r = 0; r < n; ++r) {
-        bind(r);
+        bind(first + r);
         ncclConfig cfg = nonblocking();
         ncclCommInitRankConfig(&comms[r], n, id, r, &cfg);
     }
-    int end = ncclGroupEnd();
-    if (end != kInProgress) std::printf("    ncclGroupEnd returned %d, not in progress\n", end);
+    g_group_end = ncclGroupEnd();
     for (auto c : comms) settle(c);
     return comms;
+}
+
+// Runs `f` on a thread of its own and waits for it at most `ms`: false if it had not returned
+// by then (the thread is left behind, blocked: the test has failed).
+bool returns_within(int ms, std::function<void()> f) {
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread([done, f = std::move(f)] {
+        f();
+        *done = true;
+    }).detach();
+    auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (!*done && std::chrono::steady_clock::now() < end)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return *done;
 }
 
 CUdeviceptr upload(const std::vector<float>& v) {
@@ -136,6 +156,7 @@ bool a_nonblocking_group_init_is_in_progress_then_ready() {
     int v = 0;
     EXPECT(ncclGetVersion(&v) == kSuccess && v >= 22700, "version %d", v);
     auto comms = group(2);
+    EXPECT(g_group_end == kInProgress, "a non-blocking group's ncclGroupEnd returns in progress, got %d", g_group_end);
     for (auto c : comms) {
         int s = -1, n = 0;
         EXPECT(ncclCommGetAsyncError(c, &s) == kSuccess && s == kSuccess, "state %d", s);
@@ -155,12 +176,16 @@ bool collectives_compute_across_ranks() {
         CUdeviceptr in = upload({x, -x}), out = upload({0, 0}), all = upload(std::vector<float>(6));
         CUdeviceptr six = upload({1, 2, 3, 4, 5, 6}), one = upload({0, 0}), b = upload({x * 10});
         ncclAllReduce((void*)in, (void*)out, 2, kFloat32, kSum, comms[r], s);
-        settle(comms[r]);  // the first collective may return "in progress" (connection set-up)
+        settle(comms[r]);  // any enqueue may return "in progress": polled ready before the next
         sum[r] = (cuStreamSynchronize(s), download(out, 2));
         ncclAllReduce((void*)in, (void*)out, 2, kFloat32, kMax, comms[r], s);
+        settle(comms[r]);
         ncclAllGather((void*)in, (void*)all, 2, kFloat32, comms[r], s);
+        settle(comms[r]);
         ncclReduceScatter((void*)six, (void*)one, 2, kFloat32, kSum, comms[r], s);
+        settle(comms[r]);
         ncclBroadcast((void*)b, (void*)b, 1, kFloat32, 2, comms[r], s);
+        settle(comms[r]);
         cuStreamSynchronize(s);
         max[r] = download(out, 2), gath[r] = download(all, 6), scat[r] = download(one, 2);
         bc[r] = download(b, 1);
@@ -188,12 +213,14 @@ bool in_place_forms_compute_across_ranks() {
         float x = float(r + 1);
         CUdeviceptr a = upload({x, -x});
         ncclAllReduce((void*)a, (void*)a, 2, kFloat32, kSum, comms[r], s);
-        settle(comms[r]);  // the first collective may return "in progress" (connection set-up)
+        settle(comms[r]);  // any enqueue may return "in progress": polled ready before the next
         std::vector<float> parts(4, 0.f);
         parts[2 * r] = x, parts[2 * r + 1] = 10 * x;
         CUdeviceptr g = upload(parts), rs = upload({x, 2 * x, 3 * x, 4 * x});
         ncclAllGather((void*)(g + 8 * r), (void*)g, 2, kFloat32, comms[r], s);
+        settle(comms[r]);
         ncclReduceScatter((void*)rs, (void*)(rs + 8 * r), 2, kFloat32, kSum, comms[r], s);
+        settle(comms[r]);
         cuStreamSynchronize(s);
         sum[r] = download(a, 2), gath[r] = download(g, 4), scat[r] = download(rs + 8 * r, 2);
     });
@@ -293,15 +320,127 @@ bool an_unordered_read_of_the_output_is_a_race() {
     return true;
 }
 
-bool finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle() {
+// NCCL's finalize synchronises the communicator's own work, with no barrier between ranks;
+// nothing but ncclCommDestroy may follow it.
+bool finalize_waits_for_its_own_work_only_and_destroy_then_forgets_the_handle() {
     auto comms = group(2);
+    bind(0);
+    CUstream s0;
+    cuStreamCreate(&s0, 0);
+    CUdeviceptr p0 = upload({1});
+    ncclAllReduce((void*)p0, (void*)p0, 1, kFloat32, kSum, comms[0], s0);
+    settle(comms[0]);
     EXPECT(ncclCommFinalize(comms[0]) == kInProgress, "finalize is asynchronous");
-    EXPECT(settle(comms[0], 100) == kInProgress, "rank 1 has not finalized: still in progress");
-    ncclCommFinalize(comms[1]);
-    EXPECT(settle(comms[0]) == kSuccess && settle(comms[1]) == kSuccess, "both done");
-    for (auto c : comms) EXPECT(ncclCommDestroy(c) == kSuccess, "destroy");
-    int s;
-    EXPECT(ncclCommGetAsyncError(comms[0], &s) == kInvalidArgument, "a destroyed handle is refused");
+    EXPECT(settle(comms[0], 100) == kInProgress, "rank 0's all-reduce waits for rank 1: finalize still in progress");
+    bind(1);
+    CUdeviceptr p1 = upload({2});
+    ncclAllReduce((void*)p1, (void*)p1, 1, kFloat32, kSum, comms[1], nullptr);
+    settle(comms[1]);
+    EXPECT(settle(comms[0]) == kSuccess, "rank 0's own work done: finalized, though rank 1 never finalized");
+    bind(0);
+    EXPECT(download(p0, 1) == std::vector<float>({3}), "the all-reduce ran");
+    int r = ncclAllReduce((void*)p0, (void*)p0, 1, kFloat32, kSum, comms[0], s0);
+    EXPECT(r == kInvalidUsage, "a collective after finalize: got %d", r);
+    EXPECT(ncclCommDestroy(comms[0]) == kSuccess, "destroy");
+    int st;
+    EXPECT(ncclCommGetAsyncError(comms[0], &st) == kInvalidArgument, "a destroyed handle is refused");
+    bind(1);
+    EXPECT(returns_within(2000, [c = comms[1]] { ncclCommDestroy(c); }),
+           "a destroy without finalize returns without waiting for peers");
+    return true;
+}
+
+// NCCL's ncclCommDestroy without finalize waits for the rank's own work, not for the peers'
+// destroy: a rank whose peer is still running may leave.
+bool destroy_without_finalize_does_not_wait_for_peers() {
+    auto comms = group(2);
+    EXPECT(returns_within(2000, [c = comms[0]] { ncclCommDestroy(c); }),
+           "rank 0's destroy, rank 1 live and idle");
+    ncclCommAbort(comms[1]);
+    return true;
+}
+
+// An abort must return when the context's error is sticky: a collective queued behind one
+// that waits for a peer is dropped by the stream, and still counts as ended. Devices 2 and 3
+// (device 3's error stays sticky for the rest of the process).
+bool an_abort_after_a_sticky_error_returns() {
+    auto comms = group(2, 2);
+    bind(3);
+    CUstream a, b, c;
+    cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
+    cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
+    cuStreamCreate(&c, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr x = upload({1}), y = upload({2}), q = upload({0}), z = upload({0}), w = upload({0});
+    cuStreamSynchronize(nullptr);
+    // Rank 1 (device 3) issues two all-reduces; rank 0 never does: the first waits, the
+    // second is queued behind it.
+    ncclAllReduce((void*)x, (void*)x, 1, kFloat32, kSum, comms[1], a);
+    settle(comms[1]);
+    ncclAllReduce((void*)y, (void*)y, 1, kFloat32, kSum, comms[1], a);
+    settle(comms[1]);
+    // A race on device 3 makes its error sticky.
+    cuMemcpyDtoDAsync_v2(q, z, 4, b);
+    CUresult r = cuMemcpyDtoDAsync_v2(w, q, 4, c);
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "the planted race, got %d", r);
+    EXPECT(returns_within(5000, [k = comms[1]] { ncclCommAbort(k); }),
+           "ncclCommAbort after a sticky error returns");
+    ncclCommAbort(comms[0]);
+    return true;
+}
+
+// ncclAvg of floats is a pre-multiplied sum (NCCL's PreMulSum: each value times 1/n rounded to
+// the type, then summed), not the sum divided by n: they differ when 1/n is inexact.
+bool avg_is_a_premultiplied_sum() {
+    const int n = 3, len = 64;
+    auto comms = group(n);
+    std::vector<std::vector<float>> in(n, std::vector<float>(len)), got(n);
+    uint32_t state = 12345;
+    for (auto& v : in)
+        for (float& x : v) {
+            state = state * 1664525u + 1013904223u;
+            x = float(state >> 8) / float(1 << 24) * 10.f - 5.f;
+        }
+    on_ranks(n, [&](int r) {
+        CUstream s;
+        cuStreamCreate(&s, 0);
+        CUdeviceptr p = upload(in[r]);
+        ncclAllReduce((void*)p, (void*)p, len, kFloat32, kAvg, comms[r], s);
+        settle(comms[r]);
+        cuStreamSynchronize(s);
+        got[r] = download(p, len);
+    });
+    const float scale = float(1.0 / n);
+    int differ = 0;
+    for (int i = 0; i < len; ++i) {
+        float pre = in[0][i] * scale, div = in[0][i];
+        for (int r = 1; r < n; ++r) pre += in[r][i] * scale, div += in[r][i];
+        div /= float(n);
+        differ += pre != div;
+        for (int r = 0; r < n; ++r)
+            EXPECT(got[r][i] == pre, "rank %d element %d: %.9g, the pre-multiplied sum is %.9g (sum / n: %.9g)", r, i, got[r][i], pre, div);
+    }
+    EXPECT(differ > 0, "the inputs tell the two apart (%d of %d elements differ)", differ, len);
+    for (auto c : comms) ncclCommAbort(c);
+    return true;
+}
+
+// A non-blocking communicator may return ncclInProgress from any enqueue, not only its first
+// (GPU_SIM_NCCL_INPROGRESS; the default returns it for one in 4 at random).
+bool any_enqueue_may_be_in_progress() {
+    auto comms = group(2);
+    std::vector<int> later(2, 0);
+    on_ranks(2, [&](int r) {
+        CUdeviceptr p = upload({1});
+        for (int i = 0; i < 40; ++i) {
+            int res = ncclAllReduce((void*)p, (void*)p, 1, kFloat32, kSum, comms[r], nullptr);
+            later[r] += res == kInProgress && i > 0;
+            settle(comms[r]);
+        }
+        cuStreamSynchronize(nullptr);
+    });
+    for (int r = 0; r < 2; ++r)
+        EXPECT(later[r] > 0, "rank %d: no enqueue after the first was in progress", r);
+    for (auto c : comms) ncclCommAbort(c);
     return true;
 }
 
@@ -320,7 +459,9 @@ bool two_threads_in_one_communicator_is_misuse() {
         bind(0);
         for (int i = 0; i < 20000 && misuse == 0; ++i) {
             int r = ncclAllReduce((void*)a, (void*)b, 1, kFloat32, kSum, comms[0], nullptr);
-            misuse += r == kInvalidUsage;
+            // Not a refusal because a call is still in progress (any enqueue may be): the
+            // refusal of a second thread inside the communicator, by its text.
+            misuse += r == kInvalidUsage && std::strstr(ncclGetLastError(comms[0]), "another thread");
         }
     });
     for (auto& t : ts) t.join();
@@ -337,8 +478,13 @@ bool split_orders_by_key_and_nocolor_gets_none() {
         settle(comms[r]);
     });
     EXPECT(kids[0] == nullptr, "NCCL_SPLIT_NOCOLOR gives no communicator");
-    int n = 0;
-    EXPECT(kids[1] && ncclCommCount(kids[1], &n) == kSuccess && n == 2, "a child of 2");
+    for (int r = 1; r < 3; ++r) {
+        int n = 0, rank = -1;
+        EXPECT(kids[r] && ncclCommCount(kids[r], &n) == kSuccess && n == 2, "parent rank %d: a child of 2", r);
+        // Keys 9 (parent rank 1) and 8 (parent rank 2): the smaller key is child rank 0.
+        EXPECT(ncclCommUserRank(kids[r], &rank) == kSuccess && rank == 2 - r,
+               "parent rank %d with key %d: child rank %d, expected %d", r, 10 - r, rank, 2 - r);
+    }
     for (auto c : kids)
         if (c) ncclCommAbort(c);
     for (auto c : comms) ncclCommAbort(c);
@@ -394,11 +540,15 @@ int main() {
         {"a_buffer_too_small_or_on_another_device_is_refused", a_buffer_too_small_or_on_another_device_is_refused},
         {"an_overlap_other_than_in_place_is_refused", an_overlap_other_than_in_place_is_refused},
         {"a_missing_peer_blocks_the_stream_until_abort", a_missing_peer_blocks_the_stream_until_abort},
-        {"finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle",
-         finalize_waits_for_every_rank_and_destroy_then_forgets_the_handle},
+        {"finalize_waits_for_its_own_work_only_and_destroy_then_forgets_the_handle",
+         finalize_waits_for_its_own_work_only_and_destroy_then_forgets_the_handle},
+        {"destroy_without_finalize_does_not_wait_for_peers", destroy_without_finalize_does_not_wait_for_peers},
+        {"avg_is_a_premultiplied_sum", avg_is_a_premultiplied_sum},
+        {"any_enqueue_may_be_in_progress", any_enqueue_may_be_in_progress},
         {"two_threads_in_one_communicator_is_misuse", two_threads_in_one_communicator_is_misuse},
         {"split_orders_by_key_and_nocolor_gets_none", split_orders_by_key_and_nocolor_gets_none},
-        // Last: the race it plants makes device 0's error sticky.
+        // Last: the races they plant make device 3's and device 0's errors sticky.
+        {"an_abort_after_a_sticky_error_returns", an_abort_after_a_sticky_error_returns},
         {"an_unordered_read_of_the_output_is_a_race", an_unordered_read_of_the_output_is_a_race},
     };
     int failed = 0, passed = 0;

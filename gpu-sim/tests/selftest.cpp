@@ -263,11 +263,14 @@ bool a_write_after_an_unordered_read_is_a_race() {
     Device d(0);
     TwoStreams t(CU_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING);
     auto [a, b, in, mid, out] = t;
-    (void)mid;
+    auto races = gpusim_races();
     EXPECT(add_one(d, in, out, 64, b) == CUDA_SUCCESS, "the reader");
-    // The host has not waited for the reader: a write on another stream is unordered with it.
-    CUresult r = add_one(d, out, in, 64, a);
+    // The host has not waited for the reader: a write of `in` on another stream is unordered
+    // with it. The writer reads only `mid`, which nothing has touched since the host's
+    // synchronisation, so the write-after-read is the only conflict it can have.
+    CUresult r = add_one(d, mid, in, 64, a);
     EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "got %s", name(r));
+    EXPECT(gpusim_races() == races + 1, "one race counted");
     return true;
 }
 
