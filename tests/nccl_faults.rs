@@ -422,6 +422,96 @@ fn blocking_mode_seen_only_at_start_up_is_refused() {
 
 #[test]
 #[ignore = "run by the fault tests, in a child process"]
+fn child_a_cuda_error_under_a_pending_collective() {
+    if !is_child() {
+        return;
+    }
+    let comms = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
+    let out = on_ranks(comms, |c| {
+        let t = Tensor::new(&[1f32, 2.0], &c.device())?;
+        let first = c.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?;
+        let t0 = Instant::now();
+        // Collective #1 faults on rank 0's GPU once #2 is queued behind it: the watchdog's
+        // event query returns the CUDA error, it aborts, and the abort must return although
+        // the faulted context drops #2 without running it. (A start may itself fail with the
+        // CUDA error, if the fault is already there.)
+        let pending: Vec<_> = (0..2)
+            .map(|_| c.all_reduce_async(&t, ReduceOp::Sum))
+            .collect();
+        std::thread::sleep(TIMEOUT + Duration::from_millis(500));
+        let waits: Vec<bool> = pending
+            .into_iter()
+            .map(|p| p.and_then(|p| p.wait()).is_err())
+            .collect();
+        let deferred = match c.deferred_error() {
+            Ok(()) => "no error".to_string(),
+            Err(e) => e.to_string(),
+        };
+        let took = t0.elapsed();
+        let t1 = Instant::now();
+        drop(c);
+        Ok((first, waits, deferred, took, t1.elapsed()))
+    });
+    for (rank, (first, waits, deferred, took, drop_took)) in out.into_iter().enumerate() {
+        assert_eq!(first, vec![2.0, 4.0], "rank {rank}: the good step");
+        assert_eq!(
+            waits,
+            vec![true; 2],
+            "rank {rank}: a lost collective's wait succeeded"
+        );
+        // Rank 0 sees the CUDA error; rank 1, whose peer never arrives, its timeout.
+        let want = if rank == 0 {
+            "CUDA error CUDA_ERROR_ILLEGAL_ADDRESS while waiting"
+        } else {
+            "did not complete within"
+        };
+        assert!(deferred.contains(want), "rank {rank}: {deferred}");
+        assert!(took < TIMEOUT + SLACK, "rank {rank}: {took:?}");
+        assert!(
+            drop_took < SLACK,
+            "rank {rank}: the drop took {drop_took:?}"
+        );
+    }
+}
+
+/// (Simulator review, the watchdog's CUDA-error arm.) Rank 0's GPU faults under its second
+/// collective (an illegal address: the context's error is sticky): rank 0 reports the CUDA
+/// error, rank 1 its timeout, and both drops return.
+#[test]
+fn a_cuda_error_under_a_pending_collective() {
+    in_child(
+        "child_a_cuda_error_under_a_pending_collective",
+        &[("GPU_SIM_NCCL_FAULTS", "kernel-fault:rank=0,call=1")],
+        LIMIT,
+    );
+}
+
+#[test]
+#[ignore = "run by the fault tests, in a child process"]
+fn child_an_old_nccl_is_refused_by_name() {
+    if !is_child() {
+        return;
+    }
+    let err = NcclGroup::new(&[0, 1]).unwrap_err().to_string();
+    assert!(
+        err.contains("NCCL 2.26.0 is loaded") && err.contains("2.27 or newer"),
+        "{err}"
+    );
+}
+
+/// An NCCL older than 2.27 (the simulated one reporting 2.26.0): refused before any
+/// communicator is made, naming both versions.
+#[test]
+fn an_old_nccl_is_refused_by_name() {
+    in_child(
+        "child_an_old_nccl_is_refused_by_name",
+        &[("GPU_SIM_NCCL_FAULTS", "version:n=22600")],
+        LIMIT,
+    );
+}
+
+#[test]
+#[ignore = "run by the fault tests, in a child process"]
 fn child_an_unknown_return_code_is_an_error() {
     if !is_child() {
         return;

@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::parallel::{self, ColumnParallelLinear, ParallelMode, RowParallelLinear};
 use candle_nn::{VarBuilder, VarMap};
+use common::mlp::load_shard;
 use common::*;
 
 /// What a rank computes from its input: the op under test.
@@ -244,20 +245,6 @@ fn row(
     Ok(layer)
 }
 
-/// Sets variable `name` to this rank's part of `full` along `dim`.
-fn load_shard(
-    vm: &VarMap,
-    name: &str,
-    full: &Tensor,
-    dim: usize,
-    c: &Arc<dyn Collective>,
-) -> candle_core::Result<()> {
-    let n = full.dims()[dim] / c.world_size();
-    let part = full.narrow(dim, c.rank() * n, n)?.contiguous()?;
-    let data = vm.data().lock().unwrap();
-    data[name].set(&part.to_device(data[name].device())?)
-}
-
 fn parallel_layers_match_finite_differences(dev: &Device) -> anyhow::Result<()> {
     let sum = Objective::SumOverRanks;
     let rep = Objective::Replicated;
@@ -302,111 +289,13 @@ fn parallel_layers_match_finite_differences(dev: &Device) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// The MLP `relu(x·W1ᵀ + b1)·W2ᵀ + b2` in one process with candle autograd, under the loss
-/// `Σ (y − target)²`: the output and the gradients of W1, W2, x and b2.
-fn unsharded_mlp(
-    x: &Tensor,
-    target: &Tensor,
-    [w1, b1, w2, b2]: [&Tensor; 4],
-) -> (Tensor, [Tensor; 4]) {
-    let (xv, w1v, b1v, w2v, b2v) = (
-        Var::from_tensor(x).unwrap(),
-        Var::from_tensor(w1).unwrap(),
-        Var::from_tensor(b1).unwrap(),
-        Var::from_tensor(w2).unwrap(),
-        Var::from_tensor(b2).unwrap(),
-    );
-    let h = xv
-        .as_tensor()
-        .matmul(&w1v.as_tensor().t().unwrap())
-        .unwrap()
-        .broadcast_add(b1v.as_tensor())
-        .unwrap()
-        .relu()
-        .unwrap();
-    let y = h
-        .matmul(&w2v.as_tensor().t().unwrap())
-        .unwrap()
-        .broadcast_add(b2v.as_tensor())
-        .unwrap();
-    let loss = (&y - target).unwrap().sqr().unwrap().sum_all().unwrap();
-    let g = loss.backward().unwrap();
-    let want = [
-        g.get(w1v.as_tensor()).unwrap().clone(),
-        g.get(w2v.as_tensor()).unwrap().clone(),
-        g.get(xv.as_tensor()).unwrap().clone(),
-        g.get(b2v.as_tensor()).unwrap().clone(),
-    ];
-    (y, want)
-}
-
 /// Column(8 → 16) → ReLU → Row(16 → 5) over 4 ranks against the unsharded MLP on the same global
-/// input: outputs, the input gradient, and every weight gradient (shards gathered = full).
+/// input (`common::mlp`): outputs, the input gradient, and every weight gradient.
 fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
-    let (w1, b1, w2, b2) = (
-        randn(1, &[16, 8], 0.0, 0.5),
-        randn(2, &[16], 0.0, 0.5),
-        randn(3, &[5, 16], 0.0, 0.5),
-        randn(4, &[5], 0.0, 0.5),
-    );
-    let x = randn(5, &[8, 8], 0.0, 1.0);
-    let target = randn(6, &[8, 5], 0.0, 1.0);
-    let (y, want) = unsharded_mlp(&x, &target, [&w1, &b1, &w2, &b2]);
+    let p = mlp::problem(4);
     for mode in [ParallelMode::AllReduce, ParallelMode::ReduceScatter] {
-        let outs = run_ranks_on(4, dev, |c| {
-            let vm = VarMap::new();
-            let vb = VarBuilder::from_varmap(&vm, DType::F64, dev);
-            let l1 = ColumnParallelLinear::new(8, 16, true, mode, vb.pp("l1"), c.clone())?;
-            let l2 = RowParallelLinear::new(16, 5, true, mode, vb.pp("l2"), c.clone())?;
-            load_shard(&vm, "l1.weight", &w1, 0, &c)?;
-            load_shard(&vm, "l1.bias", &b1, 0, &c)?;
-            load_shard(&vm, "l2.weight", &w2, 1, &c)?;
-            vm.data().lock().unwrap()["l2.bias"].set(&on(dev, &b2))?;
-            let (xin, tgt) = match mode {
-                ParallelMode::AllReduce => (x.clone(), target.clone()),
-                ParallelMode::ReduceScatter => (
-                    x.narrow(0, 2 * c.rank(), 2)?,
-                    target.narrow(0, 2 * c.rank(), 2)?,
-                ),
-            };
-            let (xin, tgt) = (on(dev, &xin), on(dev, &tgt));
-            let xr = Var::from_tensor(&xin)?;
-            let y = l2.forward(&l1.forward(xr.as_tensor())?.relu()?)?;
-            // AllReduce: y replicated, the loss once (replicated); ReduceScatter: each rank's
-            // rows, the loss summed over ranks. Either way the objective is the full loss.
-            let loss = (&y - &tgt)?.sqr()?.sum_all()?;
-            let g = loss.backward()?;
-            let get = |n: &str| cpu(g.get(vm.data().lock().unwrap()[n].as_tensor()).unwrap());
-            Ok((
-                cpu(&y),
-                get("l1.weight"),
-                get("l2.weight"),
-                cpu(g.get(xr.as_tensor()).unwrap()),
-                get("l2.bias"),
-            ))
-        });
-        let what = format!("{mode:?}");
-        let ys: Vec<&Tensor> = outs.iter().map(|o| &o.0).collect();
-        let y_all = if mode == ParallelMode::AllReduce {
-            ys[0].clone()
-        } else {
-            Tensor::cat(&ys, 0).unwrap()
-        };
-        assert_close(&format!("{what} output"), &y_all, &y, tol::F64);
-        let gw1 = Tensor::cat(&outs.iter().map(|o| &o.1).collect::<Vec<_>>(), 0).unwrap();
-        let gw2 = Tensor::cat(&outs.iter().map(|o| &o.2).collect::<Vec<_>>(), 1).unwrap();
-        assert_close(&format!("{what} dW1"), &gw1, &want[0], tol::F64);
-        assert_close(&format!("{what} dW2"), &gw2, &want[1], tol::F64);
-        let dx = if mode == ParallelMode::AllReduce {
-            outs[0].3.clone()
-        } else {
-            Tensor::cat(&outs.iter().map(|o| &o.3).collect::<Vec<_>>(), 0).unwrap()
-        };
-        assert_close(&format!("{what} dx"), &dx, &want[2], tol::F64);
-        // The replicated output bias gets the full gradient on every rank, in both modes.
-        for (r, o) in outs.iter().enumerate() {
-            assert_close(&format!("{what} rank {r} db2"), &o.4, &want[3], tol::F64);
-        }
+        let outs = run_ranks_on(4, dev, |c| mlp::rank(&p, mode, c, dev));
+        mlp::check(&p, mode, &outs);
     }
     Ok(())
 }

@@ -4,8 +4,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cinttypes>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "sim.h"
 
@@ -89,6 +92,13 @@ void unmap(Allocation& a) {
 
 }  // namespace
 
+// /proc/sys/vm/max_map_count, for messages.
+static std::string max_map_count() {
+    std::ifstream in("/proc/sys/vm/max_map_count");
+    std::string v;
+    return std::getline(in, v) ? v : "unknown";
+}
+
 CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out) {
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;  // cuMemAlloc: "bytesize is 0" is an error
     const size_t padded = round_up(size, kAlign);
@@ -98,12 +108,22 @@ CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out) {
         if (!pinned_host && used()[device] + padded > device_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
     }
     const size_t len = body + 2 * kPage;
+    // Out of host mappings (each allocation is three: guard, body, guard; the kernel allows
+    // vm.max_map_count per process) is the simulator's limit, not the device's: said so.
+    auto no_map = [&](const char* call) {
+        log("%s of %zu bytes for device %d failed (%s): the simulator is out of host memory "
+            "mappings or memory (vm.max_map_count %s), not the simulated device: "
+            "CUDA_ERROR_OUT_OF_MEMORY",
+            call, len, device, std::strerror(errno), max_map_count().c_str());
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    };
     void* m = mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (m == MAP_FAILED) return no_map("mmap");
     char* body_start = static_cast<char*>(m) + kPage;
     if (mprotect(body_start, body, PROT_READ | PROT_WRITE) != 0) {
+        CUresult r = no_map("mprotect");
         munmap(m, len);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return r;
     }
     auto a = std::make_shared<Allocation>();
     a->base = reinterpret_cast<uint64_t>(body_start + body - padded);

@@ -184,26 +184,15 @@ void end_task(Comm* c, const Coll& k) {
     c->finished.fetch_add(1);
 }
 
-// The injected `kernel-fault`: collective K's kernel faults at its start, once the host has
-// enqueued more work behind it on its stream (so the fault lies under work the program is
-// waiting for), or after a second: the context's error becomes sticky, as after an illegal
-// address, and the collective never meets its peers.
+// The injected `kernel-fault`: collective K's kernel faults at its start, once the rank has
+// issued collective K + 1 (queued behind it, so that the fault lies under work the program
+// still waits for), or after a second: the context's error becomes sticky, as after an
+// illegal address, and K never meets its peers.
 bool kernel_fault(Comm* c, const Coll& k, sim::Stream* s) {
     if (!nccl::find_fault("kernel-fault", c->rank, long(k.call))) return false;
-    uint64_t seq;  // this task's number on its stream (the worker runs them in order)
-    {
-        std::lock_guard<std::mutex> lk(s->m);
-        seq = s->completed + 1;
-    }
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    for (;;) {
-        {
-            std::lock_guard<std::mutex> lk(s->m);
-            if (s->enqueued > seq) break;
-        }
-        if (std::chrono::steady_clock::now() > until) break;
+    while (c->issued.load() <= k.call + 1 && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
     sim::set_sticky(s->ctx, CUDA_ERROR_ILLEGAL_ADDRESS,
                     std::string("injected kernel-fault: ") + kind_name(k.kind) + " #" +
                         std::to_string(k.call) + " of rank " + std::to_string(c->rank) +

@@ -245,10 +245,12 @@ impl Watch {
         }
         let mut pending = lock(&self.pending);
         while let Some((event, started, op)) = pending.front() {
-            // SAFETY: the event is alive (owned by the queue) and its context is bound first.
-            let status = unsafe {
-                let _ = ctx.bind_to_thread();
-                cu::cuEventQuery(event.cu_event())
+            // A context that cannot be bound (a sticky error, such as a kernel's illegal
+            // address, recorded by cudarc) is that error, not the query's "no context".
+            let status = match ctx.bind_to_thread() {
+                Err(e) => e.0,
+                // SAFETY: the event is alive (owned by the queue) and its context is bound.
+                Ok(()) => unsafe { cu::cuEventQuery(event.cu_event()) },
             };
             let why = match status {
                 cu::CUresult::CUDA_SUCCESS => {

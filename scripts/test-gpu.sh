@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# Validates the crate on this machine's real NVIDIA GPUs and prints one summary table:
+#   - tests/cuda.rs and tests/nccl.rs (NCCL with one rank per GPU present);
+#   - every `cuda::` variant of the device tests, the torchvision models included;
+#   - the ResNet example's --check over NCCL on every GPU (--world-size = the GPU count), in
+#     f32 and bf16, with gradient accumulation and several buckets;
+#   - compute-sanitizer's memcheck, racecheck and synccheck over tests/cuda.rs, where it is
+#     installed.
+#
+#   scripts/test-gpu.sh                    # on a GPU machine with Rust: builds, then runs
+#   scripts/test-gpu.sh --build-only DIR   # on any machine (no GPU, no driver needed): builds
+#                                          # the binaries into DIR (stripped, xz-compressed)
+#   scripts/test-gpu.sh --bin-dir DIR      # on a GPU machine without Rust: runs DIR's binaries
+#
+# Building needs what scripts/check-cuda.sh needs (nvcc from PyPI through scripts/nvcc-env.sh,
+# stub libraries for linking without a driver); binaries go to target/gpu. Running needs the
+# NVIDIA driver, and NCCL 2.27 or newer, cuBLAS, cuRAND and the CUDA runtime 13 where the
+# dynamic linker finds them (LD_LIBRARY_PATH, or PyPI's nvidia-* packages of this python3,
+# which are appended to it). Exit status: 0 when every step passed, 1 when one failed, 2 when
+# there is no GPU to test on. Steps' output goes to TEST_GPU_LOGS (default target/test-gpu-logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+
+mode=source bin_dir=
+case "${1:-}" in
+    --build-only) mode=build bin_dir=${2:?--build-only needs a folder} ;;
+    --bin-dir) mode=bin bin_dir=${2:?--bin-dir needs a folder} ;;
+    -h | --help) usage; exit 0 ;;
+    "") ;;
+    *) echo "test-gpu: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+esac
+
+# ------------------------------------------------------------------------------ building
+# Builds every test and example binary with --features cuda,nccl (release) and copies them
+# into "$1" under plain names (tests/cuda.rs -> cuda).
+build_into() {
+    local dest=$1
+    set -e
+    . scripts/nvcc-env.sh
+    . scripts/cuda-stubs.sh
+    # Machine code for the GPUs present (nvidia-smi), else for sm_90; PTX for newer ones.
+    if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
+        CUDA_COMPUTE_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
+            head -1 | tr -d '.') || true
+        export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+    fi
+    export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000} CARGO_TARGET_DIR="$root/target/gpu"
+    local exes
+    exes=$(cargo build --release --features cuda,nccl --tests --examples \
+        --message-format=json-render-diagnostics | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])')
+    rm -rf "$dest"
+    mkdir -p "$dest"
+    local e name
+    for e in $exes; do
+        name=$(basename "$e")
+        name=${name%-*[0-9a-f]} # a test binary's hash suffix
+        cp "$e" "$dest/$name"
+        strip "$dest/$name"
+    done
+    set +e
+}
+
+if [ "$mode" = build ]; then
+    build_into "$bin_dir" || exit 1
+    xz -T0 -3 "$bin_dir"/*
+    du -sh "$bin_dir"
+    echo "test-gpu: binaries in $bin_dir; on the GPU machine: scripts/test-gpu.sh --bin-dir $bin_dir"
+    exit 0
+fi
+
+# ------------------------------------------------------------------------------ the GPUs
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+fi
+if [ "$gpus" -eq 0 ]; then
+    cat >&2 <<'EOF'
+test-gpu: no NVIDIA GPU found (nvidia-smi is missing or lists no GPU), so there is nothing to
+validate here. This script runs the crate's GPU suites on real GPUs. Without one:
+  scripts/test-gpu-sim.sh                 runs every CUDA and NCCL path on simulated GPUs
+  scripts/test-gpu.sh --build-only DIR    builds binaries here to run on a GPU machine with
+                                          scripts/test-gpu.sh --bin-dir DIR
+EOF
+    exit 2
+fi
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader |
+    sed 's/^/test-gpu: GPU /'
+
+if [ "$mode" = source ]; then
+    bin_dir="$root/target/gpu/named"
+    echo "test-gpu: building (target/gpu)"
+    build_into "$bin_dir" || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
+else
+    bin_dir=$(cd "$bin_dir" && pwd)
+    for f in "$bin_dir"/*.xz; do
+        [ -e "$f" ] || continue
+        [ -e "${f%.xz}" ] || xz -dk -T0 "$f"
+        chmod +x "${f%.xz}"
+    done
+fi
+
+# PyPI's NVIDIA libraries of this python3 (NCCL, cuBLAS, cuRAND, cudart), after the user's own.
+sp=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
+if [ -n "$sp" ] && [ -d "$sp/nvidia" ]; then
+    extra=$(find "$sp/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$extra"
+fi
+sanitizer=$(command -v compute-sanitizer 2>/dev/null ||
+    ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+
+# ------------------------------------------------------------------------------ the steps
+logs=${TEST_GPU_LOGS:-$root/target/test-gpu-logs}
+mkdir -p "$logs"
+results=()
+failed=0
+# step NAME COMMAND...: runs it, its output into $logs/NAME.log (and its last lines on failure).
+step() {
+    local name=$1
+    shift
+    local t0=$SECONDS status
+    echo "test-gpu: $name"
+    "$@" >"$logs/$name.log" 2>&1
+    status=$?
+    local took=$((SECONDS - t0))
+    if [ $status -eq 0 ]; then
+        results+=("$(printf '%-34s %-6s %6s s  %s' "$name" pass "$took" "$(summary "$logs/$name.log")")")
+    else
+        failed=1
+        results+=("$(printf '%-34s %-6s %6s s  exit %s, log %s' "$name" FAIL "$took" "$status" "$logs/$name.log")")
+        tail -20 "$logs/$name.log" | sed 's/^/    /'
+    fi
+}
+# The last "test result" line of a libtest run, or the last line of a program's output.
+summary() {
+    local r
+    r=$(grep -E '^test result:' "$1" | tail -1 | sed 's/^test result: //; s/; finished in.*//')
+    [ -n "$r" ] || r=$(tail -1 "$1" | cut -c1-80)
+    echo "$r"
+}
+bin() { echo "$bin_dir/$1"; }
+
+step cuda "$(bin cuda)" --test-threads=1
+step nccl "$(bin nccl)" --test-threads=1
+# The cuda:: variants of the device tests (device_tests! in tests/), the torchvision models
+# included. Test binaries are named after tests/NAME.rs and tests/NAME/main.rs.
+for src in tests/*.rs tests/*/main.rs; do
+    name=$(basename "${src%/main.rs}" .rs)
+    case "$name" in cuda | nccl | nccl_faults | gpu_counts) continue ;; esac # run above, or simulator-only
+    t=$(bin "$name")
+    [ -x "$t" ] || continue
+    "$t" --list 2>/dev/null | grep -q '^cuda::.*: test$' || continue
+    step "cuda::-$name" "$t" cuda:: --test-threads=1
+done
+out=$(mktemp -d)
+for precision in f32 bf16; do
+    step "resnet-check-$precision-x$gpus" "$(bin resnet)" --backend nccl --world-size "$gpus" \
+        --precision "$precision" --accumulate 2 --bucket-mb 0.1 --check --check-steps 3 \
+        --out-dir "$out/check-$precision"
+done
+if [ -n "$sanitizer" ]; then
+    for tool in memcheck racecheck synccheck; do
+        step "sanitizer-$tool" "$sanitizer" --tool "$tool" --error-exitcode 1 \
+            "$(bin cuda)" --test-threads=1
+    done
+else
+    results+=("$(printf '%-34s %-6s %6s    %s' compute-sanitizer skip - "not installed")")
+fi
+rm -rf "$out"
+
+echo
+echo "test-gpu: $gpus GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | paste -sd,)"
+printf '%-34s %-6s %8s  %s\n' step result time detail
+printf '%s\n' "${results[@]}"
+exit $failed
