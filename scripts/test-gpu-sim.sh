@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
 # The GPU half on simulated GPUs (gpu-sim/README.md), no GPU needed: the simulator's
-# self-tests, then every `cuda::` test variant, tests/cuda.rs, the launch counts of
-# tests/gpu_counts.rs, tests/nccl.rs and tests/nccl_faults.rs (the simulated NCCL), the
-# cuda_startup example, the ResNet example on `--device cuda` (4 thread ranks on one simulated
-# GPU) with its `--check`, and the README's NCCL commands at tiny sizes: `--backend nccl
-# --world-size 4 --check` and `torchrun --nproc_per_node 2` (torchrun from TORCH_VENV).
+# self-tests, then every `cuda::` test variant (under three thread schedules), tests/cuda.rs,
+# the launch counts of tests/gpu_counts.rs, tests/nccl.rs and tests/nccl_faults.rs (the
+# simulated NCCL) on 4 GPUs and tests/nccl.rs on 8, the cuda_startup example, the ResNet
+# example on `--device cuda` (4 thread ranks on one simulated GPU) with its `--check`, and the
+# README's NCCL commands at tiny sizes on 8 GPUs: `--backend nccl --world-size 8 --check` in
+# f32 and bf16 with accumulation and several buckets, a stop and `--resume`, and
+# `torchrun --nproc_per_node 8` (torchrun from TORCH_VENV).
 # Builds the simulator and the cuda,nccl binaries in target/cuda with the flags of
 # scripts/check-cuda.sh (so that CI builds them once). GPU_SIM_DEVICES sets the number of
-# simulated GPUs (default 4).
+# simulated GPUs (default 4); the 8-GPU steps set 8.
+#
+# 8 simulated GPUs in one process hold tens of thousands of simulated allocations, each two or
+# three host memory mappings: the kernel's per-process limit (vm.max_map_count, 65530 by
+# default) must be at least 262144 (`sysctl -w vm.max_map_count=262144` as root; CI sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
+maps=$(cat /proc/sys/vm/max_map_count)
+if [ "$maps" -lt 262144 ]; then
+    echo "FAIL: vm.max_map_count is $maps; 8 simulated GPUs need 262144 (sysctl -w vm.max_map_count=262144, as root)"
+    exit 1
+fi
 . scripts/nvcc-env.sh
 . scripts/cuda-stubs.sh
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
@@ -38,16 +49,22 @@ GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/p
 echo "-- build the cuda,nccl test and example binaries"
 cargo test --features $features --tests --examples --no-run -q
 
-echo "-- every cuda:: test variant, on simulated GPUs (one gated: see gpu-sim/README.md)"
+echo "-- every cuda:: test variant, on simulated GPUs (one gated: see gpu-sim/README.md), with each block's threads resumed in order, in reverse and in a seeded random order"
 # Gated: ResNet-18/34/50 at 32x32 for several steps, tens of millions of parameters through
 # element-wise kernels one emulated thread each (minutes per model here).
-cargo test --features $features --tests -q -- cuda:: --skip cuda::torchvision_models_train
+for schedule in forward reverse random:7; do
+    echo "   GPU_SIM_SCHEDULE=$schedule"
+    GPU_SIM_SCHEDULE=$schedule cargo test --features $features --tests -q -- cuda:: \
+        --skip cuda::torchvision_models_train
+done
 
 echo "-- tests/cuda.rs and tests/gpu_counts.rs, on simulated GPUs"
 cargo test --features $features --test cuda --test gpu_counts -q
 
 echo "-- tests/nccl.rs and tests/nccl_faults.rs on 4 simulated GPUs and the simulated NCCL"
 GPU_SIM_DEVICES=4 cargo test --features $features --test nccl --test nccl_faults -q
+echo "-- tests/nccl.rs on 8 simulated GPUs (an 8-GPU node's world size)"
+GPU_SIM_DEVICES=8 cargo test --features $features --test nccl -q
 
 echo "-- examples/cuda_startup, on a simulated GPU"
 cargo run --features $features -q --example cuda_startup
@@ -60,21 +77,36 @@ cargo run --features $features -q --example resnet -- "${tiny[@]}" --epochs 1 --
 cargo run --features $features -q --example resnet -- "${tiny[@]}" --check --check-steps 2 \
     --out-dir "$resnet_out/check"
 
-echo "-- the README's NCCL commands, tiny: --backend nccl --world-size 4 --check, then torchrun"
+echo "-- the README's NCCL commands, tiny, on 8 simulated GPUs: --check in f32 and bf16 with --accumulate 2 and 0.1 MiB buckets, a run stopped after its first epoch and resumed, then torchrun with 8 processes"
 small=(--image-size 8 --train-size 64 --val-size 32 --batch-size 16)
-GPU_SIM_DEVICES=4 cargo run --features $features -q --example resnet -- --backend nccl \
-    --world-size 4 "${small[@]}" --check --check-steps 2 --out-dir "$resnet_out/nccl-check"
+for precision in f32 bf16; do
+    GPU_SIM_DEVICES=8 cargo run --features $features -q --example resnet -- --backend nccl \
+        --world-size 8 "${small[@]}" --precision $precision --accumulate 2 --bucket-mb 0.1 \
+        --check --check-steps 2 --out-dir "$resnet_out/nccl-check-$precision"
+done
+resume=(--backend nccl --world-size 8 "${small[@]}" --epochs 2 --bucket-mb 0.1
+    --out-dir "$resnet_out/nccl-resume")
+GPU_SIM_DEVICES=8 cargo run --features $features -q --example resnet -- "${resume[@]}" \
+    --stop-after-epoch 1 >/dev/null
+summary=$(GPU_SIM_DEVICES=8 cargo run --features $features -q --example resnet -- \
+    "${resume[@]}" --resume "$resnet_out/nccl-resume" | tail -1)
+echo "$summary"
+python3 - "$summary" <<'PY'
+import json, sys
+s = json.loads(sys.argv[1])
+assert s["world_size"] == 8 and len(s["epochs"]) == 2, f"the resumed run did not end after 2 epochs on 8 ranks: {s}"
+PY
 # torchrun from the PyTorch that scripts/test-torch.sh installs (TORCH_VENV); only the ranks
 # get the simulated libraries (PyTorch's own CUDA build would otherwise load them).
 torchrun="${TORCH_VENV:-.venv-torch}/bin/torchrun"
 if [ -x "$torchrun" ]; then
     torchrun=$(realpath "$torchrun")
     resnet=$(realpath "$CARGO_TARGET_DIR/debug/examples/resnet")
-    summary=$(cd "$resnet_out" && LD_LIBRARY_PATH= "$torchrun" --nproc_per_node 2 --no-python \
-        env LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$resnet" --backend nccl "${small[@]}" \
+    summary=$(cd "$resnet_out" && LD_LIBRARY_PATH= "$torchrun" --nproc_per_node 8 --no-python \
+        env LD_LIBRARY_PATH="$LD_LIBRARY_PATH" GPU_SIM_DEVICES=8 "$resnet" --backend nccl "${small[@]}" \
         --epochs 1 --out-dir "$resnet_out/torchrun" | tail -1)
     echo "$summary"
-    grep -q '"world_size":2' <<<"$summary" || { echo "FAIL: torchrun's run did not report 2 ranks"; exit 1; }
+    grep -q '"world_size":8' <<<"$summary" || { echo "FAIL: torchrun's run did not report 8 ranks"; exit 1; }
 elif [ -n "${GPU_SIM_SKIP_TORCHRUN:-}" ]; then
     echo "torchrun: skipped (GPU_SIM_SKIP_TORCHRUN set)"
 else

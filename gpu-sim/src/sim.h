@@ -119,8 +119,9 @@ uint64_t mem_used(int device);
 // stream's clock advances by one per operation; an event records its stream's clock; a wait
 // merges it; the legacy stream's implicit synchronisation merges both ways; a host
 // synchronisation (stream, event or context synchronize, a query that returns success, a copy
-// into pageable memory) merges the stream's clock into the host's, and every later enqueue from
-// any host thread merges the host's. An access to an allocation conflicts with the last write,
+// into pageable memory) merges the stream's clock into the calling host thread's, and every later
+// enqueue from that thread merges that thread's (host_clock.cpp: a clock per host thread,
+// carried by thread creation and join). An access to an allocation conflicts with the last write,
 // and a write with every read since, unless those happened before it.
 using Clock = std::map<const Stream*, uint64_t>;
 struct BufferUse {
@@ -192,9 +193,16 @@ void synchronize_context(Context* c);
 bool stream_done(Stream* s, uint64_t seq);
 // The clock of `s` now (for events).
 Clock stream_clock(Stream* s);
-// Merges `c` into the stream's clock (stream wait event) or into the host's.
+// Merges `c` into the stream's clock (stream wait event) or into the calling host thread's.
 void merge_into_stream(Stream* s, const Clock& c);
 void merge_into_host(const Clock& c);
+// `into` = the element-wise maximum of `into` and `from`.
+void merge_clock(Clock& into, const Clock& from);
+// What the calling host thread has observed complete (host_clock.cpp): its own clock, or with
+// GPU_SIM_HOST_CLOCK=global the one clock of every host thread. Read and merged under the
+// race checker's mutex in global mode; a thread's own clock is touched only by that thread.
+Clock& host_clock();
+bool global_host_clock();
 
 // -------------------------------------------------------------------------------- events
 struct Event {

@@ -8,8 +8,7 @@ namespace sim {
 
 namespace {
 
-std::mutex g_hb;            // guards every Clock, Allocation access state and the host clock
-Clock g_host_clock;         // what the host has observed complete (all host threads as one)
+std::mutex g_hb;  // guards every stream's Clock, Allocation access state, the global host clock
 std::atomic<uint64_t> g_next_stream{1};
 
 uint64_t at(const Clock& c, const Stream* s) {
@@ -17,12 +16,6 @@ uint64_t at(const Clock& c, const Stream* s) {
     return it == c.end() ? 0 : it->second;
 }
 
-void merge(Clock& into, const Clock& from) {
-    for (const auto& kv : from) {
-        uint64_t& v = into[kv.first];
-        if (kv.second > v) v = kv.second;
-    }
-}
 
 std::string stream_name(const Stream* s) {
     const char* k = s->kind == StreamKind::Legacy      ? "legacy stream"
@@ -153,7 +146,7 @@ static std::vector<Dep> implicit_deps(Stream* s) {
     auto add = [&](Stream* t) {
         std::lock_guard<std::mutex> lk(t->m);
         if (t->enqueued > t->completed) deps.push_back(Dep{t, t->enqueued});
-        merge(s->clock, t->clock);
+        merge_clock(s->clock, t->clock);
     };
     if (s->kind == StreamKind::Legacy) {
         std::vector<Stream*> others;
@@ -214,7 +207,7 @@ CUresult enqueue(Stream* s, Op op, const std::vector<BufferUse>& uses, uint64_t*
         std::lock_guard<std::mutex> hb(g_hb);
         std::vector<Dep> deps = implicit_deps(s);
         op.deps.insert(op.deps.end(), deps.begin(), deps.end());
-        merge(s->clock, g_host_clock);
+        merge_clock(s->clock, host_clock());
         const uint64_t t = ++s->clock[s];
         for (const BufferUse& u : uses) {
             std::string r = check_use(s, t, s->clock, *u.alloc, u);
@@ -275,14 +268,19 @@ Clock stream_clock(Stream* s) {
 
 void merge_into_stream(Stream* s, const Clock& c) {
     std::lock_guard<std::mutex> hb(g_hb);
-    merge(s->clock, c);
+    merge_clock(s->clock, c);
 }
 
 void merge_into_host(const Clock& c) {
     std::lock_guard<std::mutex> hb(g_hb);
-    merge(g_host_clock, c);
+    merge_clock(host_clock(), c);
 }
 
-
+void merge_clock(Clock& into, const Clock& from) {
+    for (const auto& kv : from) {
+        uint64_t& v = into[kv.first];
+        if (kv.second > v) v = kv.second;
+    }
+}
 
 }  // namespace sim

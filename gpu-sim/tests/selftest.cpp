@@ -3,6 +3,7 @@
 // program on a GPU would see it. Run by scripts/test-gpu-sim.sh with the simulated libcuda
 // first on LD_LIBRARY_PATH. `selftest PTX` runs every test; `selftest PTX bench` measures the
 // executor's rate on a barrier-free kernel.
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -307,6 +308,61 @@ bool per_thread_streams_are_distinct() {
     return true;
 }
 
+// A host synchronisation orders the synchronising thread only: thread A writes and
+// synchronises; the main thread, told through an atomic flag the driver cannot see, reads on
+// another stream: a race (on a GPU nothing orders the read after the write's completion for
+// the main thread). With one clock for every host thread (GPU_SIM_HOST_CLOCK=global) it is
+// not seen: the test fails there.
+bool a_synchronisation_orders_only_its_own_thread() {
+    Device d(0);
+    TwoStreams t(CU_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING);
+    auto [a, b, in, mid, out] = t;
+    CUcontext c;
+    cuDevicePrimaryCtxRetain(&c, 0);
+    std::atomic<bool> written{false};
+    CUresult writer = CUDA_ERROR_UNKNOWN, synced = CUDA_ERROR_UNKNOWN;
+    std::thread w([&, a = a, in = in, mid = mid] {
+        cuCtxSetCurrent(c);
+        writer = add_one(d, in, mid, 64, a);
+        synced = cuStreamSynchronize(a);
+        written = true;
+    });
+    while (!written) std::this_thread::yield();
+    CUresult r = add_one(d, mid, out, 64, b);
+    w.join();
+    cuDevicePrimaryCtxRelease_v2(0);
+    EXPECT(writer == CUDA_SUCCESS && synced == CUDA_SUCCESS, "the writer thread, got %s", name(writer));
+    EXPECT(r == CUDA_ERROR_LAUNCH_FAILED, "a read ordered by nothing the driver saw, got %s", name(r));
+    return true;
+}
+
+// Thread creation and join carry the order (no false report): the main thread writes and
+// synchronises, then starts a thread that reads on its own stream and writes; the main thread
+// joins it and reads that write.
+bool thread_creation_and_join_carry_the_order() {
+    Device d(0);
+    TwoStreams t(CU_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING);
+    auto [a, b, in, mid, out] = t;
+    CUcontext c;
+    cuDevicePrimaryCtxRetain(&c, 0);
+    EXPECT(add_one(d, in, mid, 64, a) == CUDA_SUCCESS, "the first write");
+    cuStreamSynchronize(a);
+    CUresult child = CUDA_ERROR_UNKNOWN;
+    std::thread k([&, b = b, mid = mid, out = out] {
+        cuCtxSetCurrent(c);
+        child = add_one(d, mid, out, 64, b);  // ordered by the creation
+        cuStreamSynchronize(b);
+    });
+    k.join();
+    CUresult r = add_one(d, out, mid, 64, a);  // ordered by the join
+    auto v = download(mid, 64, a);
+    cuDevicePrimaryCtxRelease_v2(0);
+    EXPECT(child == CUDA_SUCCESS, "the child's read after its creation, got %s", name(child));
+    EXPECT(r == CUDA_SUCCESS, "the read after the join, got %s", name(r));
+    EXPECT(v[0] == 4.0f && v[63] == 4.0f, "1 + 1 + 1 + 1, got %g", v[0]);
+    return true;
+}
+
 bool a_stream_ordered_free_must_follow_other_streams_use() {
     Device d(0);
     CUstream a, b;
@@ -458,6 +514,8 @@ int main(int argc, char** argv) {
         {"a_write_after_an_unordered_read_is_a_race", a_write_after_an_unordered_read_is_a_race},
         {"the_legacy_stream_orders_blocking_streams_only", the_legacy_stream_orders_blocking_streams_only},
         {"per_thread_streams_are_distinct", per_thread_streams_are_distinct},
+        {"a_synchronisation_orders_only_its_own_thread", a_synchronisation_orders_only_its_own_thread},
+        {"thread_creation_and_join_carry_the_order", thread_creation_and_join_carry_the_order},
         {"a_stream_ordered_free_must_follow_other_streams_use",
          a_stream_ordered_free_must_follow_other_streams_use},
         {"pageable_copies_follow_the_completion_rules", pageable_copies_follow_the_completion_rules},
