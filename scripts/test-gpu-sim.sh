@@ -35,6 +35,11 @@ out=$GPU_SIM_OUT
 
 echo "-- the simulator's self-tests: planted defects and driver rules"
 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
+echo "-- the same with freed stream-ordered memory reused (GPU_SIM_REUSE=1)"
+GPU_SIM_REUSE=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" \
+    "$out/ptx/test_defects.ptx" >"$out/selftest-reuse.log" 2>&1 ||
+    { cat "$out/selftest-reuse.log"; exit 1; }
+tail -1 "$out/selftest-reuse.log"
 echo "-- the same checks with kernels skipped (GPU_SIM_SKIP_KERNELS=1, for host-cost timing)"
 GPU_SIM_SKIP_KERNELS=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx" skip
 "$out/bin/half_math"
@@ -42,6 +47,12 @@ GPU_SIM_SKIP_KERNELS=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$ou
 "$out/bin/rand_ref"
 "$out/bin/blas_sim"
 "$out/bin/nccl_selftest"
+for damage in finite nan none; do
+    echo "-- nccl_selftest with GPU_SIM_NCCL_ABORT_DAMAGE=$damage"
+    GPU_SIM_NCCL_ABORT_DAMAGE=$damage "$out/bin/nccl_selftest" >"$out/nccl-$damage.log" 2>&1 ||
+        { cat "$out/nccl-$damage.log"; exit 1; }
+    tail -1 "$out/nccl-$damage.log"
+done
 
 echo "-- the executor's rate on a barrier-free kernel (for the record, not a test)"
 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx" bench
@@ -65,6 +76,17 @@ echo "-- tests/nccl.rs and tests/nccl_faults.rs on 4 simulated GPUs and the simu
 GPU_SIM_DEVICES=4 cargo test --features $features --test nccl --test nccl_faults -q
 echo "-- tests/nccl.rs on 8 simulated GPUs (an 8-GPU node's world size)"
 GPU_SIM_DEVICES=8 cargo test --features $features --test nccl -q
+# The rollback and recovery tests again, under every damage an aborted collective can leave
+# (the runs above: the default, `partial`) and with freed memory reused with its contents.
+for damage in finite nan none; do
+    echo "-- the recovery tests with GPU_SIM_NCCL_ABORT_DAMAGE=$damage"
+    GPU_SIM_DEVICES=4 GPU_SIM_NCCL_ABORT_DAMAGE=$damage cargo test --features $features \
+        --test nccl -q -- abort rolls_back drop_with missing outlives
+    GPU_SIM_DEVICES=4 GPU_SIM_NCCL_ABORT_DAMAGE=$damage cargo test --features $features \
+        --test nccl_faults -q
+done
+echo "-- the NCCL suites with freed stream-ordered memory reused (GPU_SIM_REUSE=1)"
+GPU_SIM_DEVICES=4 GPU_SIM_REUSE=1 cargo test --features $features --test nccl --test nccl_faults -q
 
 echo "-- examples/cuda_startup, on a simulated GPU"
 cargo run --features $features -q --example cuda_startup

@@ -1,11 +1,11 @@
 // Driver API: allocation, free, copies and memset, with the completion rules of the driver
 // API reference ("API synchronization behavior").
+#include <cinttypes>
 #include <cstring>
 
 #include "sim.h"
 
 namespace {
-
 
 // A device range an API call touches, or a logged error naming the call and the argument.
 std::shared_ptr<sim::Allocation> range(const char* call, const char* arg, CUdeviceptr p, size_t n,
@@ -51,7 +51,7 @@ CUresult alloc(CUdeviceptr* out, size_t size, sim::Stream* s, const char* call) 
         return CUDA_SUCCESS;
     }
     uint64_t p;
-    if (CUresult r = sim::mem_alloc(ctx->device, size, false, &p)) {
+    if (CUresult r = sim::mem_alloc(ctx->device, size, false, &p, s)) {
         if (r == CUDA_ERROR_OUT_OF_MEMORY)
             sim::log("%s: %zu bytes do not fit on device %d", call, size, ctx->device);
         return r;
@@ -100,7 +100,7 @@ CUresult cuMemFreeAsync(CUdeviceptr p, CUstream h) {
     }
     sim::Op op;
     op.kind = "free";
-    op.run = [a] { sim::mem_free_now(a); };
+    op.run = [a, s] { sim::mem_free_now(a, s); };
     sim::count(s, &sim::Counts::frees);
     // The free is a write in stream order: work of other streams still using the memory must
     // be ordered before it.
@@ -217,11 +217,19 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
     auto d = range("cuMemcpyDtoDAsync", "destination", dst, n, ctx->device);
     auto a = range("cuMemcpyDtoDAsync", "source", src, n, ctx->device);
     if (!d || !a) return CUDA_ERROR_INVALID_VALUE;
+    // The driver API defines no overlapping copy (cuMemcpy's documents are silent; a GPU's
+    // copy engine does not move as memmove does): refused, the strict choice.
+    if (dst < src + n && src < dst + n) {
+        sim::log("cuMemcpyDtoDAsync: destination [0x%" PRIx64 ", +%zu) overlaps source [0x%" PRIx64 ", +%zu)",
+                 uint64_t(dst), n, uint64_t(src), n);
+        sim::count_fault();
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     sim::Op op;
     op.kind = "copy";
     op.run = [dst, src, n] {
         if (sim::skip_kernels()) return;  // device work: skipped with the kernels
-        std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+        std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
     };
     sim::count(s, &sim::Counts::copies_dtod);
     return sim::enqueue(s, std::move(op),

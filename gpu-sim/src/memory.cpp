@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cinttypes>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -36,6 +37,14 @@ std::map<int, uint64_t>& used() {
     return *u;
 }
 uint64_t g_next_id = 1;
+// GPU_SIM_REUSE=1: memory freed in stream order goes back to a pool of its stream once the
+// stream has reached the free, contents intact, and the next stream-ordered allocation of the
+// same rounded size on that stream takes it (as the stream-ordered allocator's pool does),
+// instead of being poisoned.
+std::map<std::pair<const Stream*, size_t>, std::vector<std::shared_ptr<Allocation>>>& pool() {
+    static auto* p = new std::map<std::pair<const Stream*, size_t>, std::vector<std::shared_ptr<Allocation>>>;
+    return *p;
+}
 
 size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -99,13 +108,40 @@ static std::string max_map_count() {
     return std::getline(in, v) ? v : "unknown";
 }
 
-CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out) {
+bool reuse_freed() {
+    static const bool on = [] {
+        const char* e = std::getenv("GPU_SIM_REUSE");
+        return e && std::string(e) == "1";
+    }();
+    return on;
+}
+
+CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out, const Stream* s) {
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;  // cuMemAlloc: "bytesize is 0" is an error
     const size_t padded = round_up(size, kAlign);
     const size_t body = round_up(padded, kPage);
     {
         std::lock_guard<std::mutex> g(g_mem);
         if (!pinned_host && used()[device] + padded > device_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
+        auto it = s ? pool().find({s, padded}) : pool().end();
+        if (it != pool().end() && !it->second.empty()) {
+            // A block this stream freed: same mapping, same contents, a new allocation record
+            // (its own number and race-checker state). Only the slack's canary is renewed.
+            auto old = it->second.back();
+            it->second.pop_back();
+            auto a = std::make_shared<Allocation>();
+            a->base = old->base;
+            a->size = size;
+            a->device = device;
+            a->map = old->map;
+            a->map_len = old->map_len;
+            a->id = g_next_id++;
+            std::memset(reinterpret_cast<void*>(a->base + size), kCanary, padded - size);
+            used()[device] += padded;
+            live()[a->base] = a;
+            *out = a->base;
+            return CUDA_SUCCESS;
+        }
     }
     const size_t len = body + 2 * kPage;
     // Out of host mappings (each allocation is three: guard, body, guard; the kernel allows
@@ -138,6 +174,8 @@ CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out) {
     // the canary.
     if (!skip_kernels()) std::memset(reinterpret_cast<void*>(a->base), 0xFF, size);
     std::memset(reinterpret_cast<void*>(a->base + size), kCanary, padded - size);
+    // The gap before the allocation, up to its page's start, holds the canary too.
+    std::memset(body_start, kCanary, a->base - reinterpret_cast<uint64_t>(body_start));
     std::lock_guard<std::mutex> g(g_mem);
     a->id = g_next_id++;
     if (!pinned_host) used()[device] += padded;
@@ -165,12 +203,18 @@ CUresult mem_free_mark(uint64_t ptr, bool pinned_host, std::shared_ptr<Allocatio
     return CUDA_SUCCESS;
 }
 
-void mem_free_now(const std::shared_ptr<Allocation>& a) {
+void mem_free_now(const std::shared_ptr<Allocation>& a, const Stream* s) {
     std::lock_guard<std::mutex> g(g_mem);
     auto it = live().find(a->base);
     if (it == live().end() || it->second != a) return;
     live().erase(it);
     if (!a->pinned_host) used()[a->device] -= round_up(a->size, kAlign);
+    if (s && reuse_freed() && !a->pinned_host) {
+        // Into `s`'s pool, readable as on a GPU: every use before the free has run (stream
+        // order), so the block can be handed to the next allocation on `s`.
+        pool()[{s, round_up(a->size, kAlign)}].push_back(a);
+        return;
+    }
     // Poisoned: every later access faults, and is named as a freed allocation.
     mprotect(a->map, a->map_len, PROT_NONE);
     quarantine().push_back(a);
@@ -223,6 +267,12 @@ std::string check_canaries(const std::vector<uint64_t>& ptrs) {
         for (size_t i = 0; i < slack; i++)
             if (end[i] != kCanary)
                 return "a write " + std::to_string(i) + " bytes past the end of " + name(*a);
+        const unsigned char* start = reinterpret_cast<const unsigned char*>(a->base);
+        const unsigned char* page = static_cast<const unsigned char*>(a->map) + kPage;
+        for (const unsigned char* q = start; q > page; --q)
+            if (q[-1] != kCanary)
+                return "a write " + std::to_string(start - q + 1) + " bytes before the start of " +
+                       name(*a);
     }
     return "";
 }

@@ -17,21 +17,16 @@ using nccl::Comm;
 
 namespace {
 
-enum Kind : int { kAllReduce = 1, kBroadcast, kAllGather, kReduceScatter };
+using nccl::kAllGather;
+using nccl::kAllReduce;
+using nccl::kBroadcast;
+using nccl::kReduceScatter;
+using nccl::type_size;
+
 const char* kind_name(int k) {
     return k == kAllReduce ? "ncclAllReduce" : k == kBroadcast ? "ncclBroadcast"
                                           : k == kAllGather  ? "ncclAllGather"
                                                              : "ncclReduceScatter";
-}
-
-size_t type_size(int t) {
-    switch (t) {
-        case ncclInt8: case ncclUint8: return 1;
-        case ncclFloat16: case ncclBfloat16: return 2;
-        case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-        case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
-        default: return 0;
-    }
 }
 
 struct Coll {
@@ -212,7 +207,8 @@ void run(Comm* c, const Coll& k, sim::Stream* s) {
     const uint8_t* slots[nccl::kMaxRanks];
     for (int p = 0; p < n; ++p) slots[p] = c->world.data + size_t(p) * nccl::kChunk;
     bool hang = nccl::find_fault("hang", r, long(k.call)) != nullptr;
-    for (size_t lo = 0; go && lo < total; lo += per) {
+    size_t lo = 0;
+    for (; go && lo < total; lo += per) {
         size_t hi = std::min(total, lo + per), len = hi - lo;
         uint64_t g = ++c->steps;
         bool sends = k.kind != kBroadcast || r == k.root;
@@ -240,6 +236,8 @@ void run(Comm* c, const Coll& k, sim::Stream* s) {
         }
         consumed(c, g);
     }
+    // Stopped (abort, asynchronous error, fault) after `lo` elements: the output is damaged.
+    if (lo < total) nccl::damage({k.kind, k.dtype, n, r, k.count, k.send, k.recv}, lo);
     end_task(c, k);
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -53,6 +54,31 @@ constexpr unsigned NCCL_CONFIG_MAGIC = 0xcafebeef;
 constexpr int NCCL_CONFIG_UNDEF_INT = INT32_MIN;
 
 namespace nccl {
+
+enum CollKind : int { kAllReduce = 1, kBroadcast, kAllGather, kReduceScatter };
+
+// Bytes per element of an NCCL data type; 0 for a type the simulation does not know.
+inline size_t type_size(int t) {
+    switch (t) {
+        case ncclInt8: case ncclUint8: return 1;
+        case ncclFloat16: case ncclBfloat16: return 2;
+        case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+        case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+        default: return 0;
+    }
+}
+
+// A collective stopped before completing (an abort, an asynchronous error, a fault), after
+// `done` elements of its loop (nccl_damage.cpp): its output is scribbled as
+// GPU_SIM_NCCL_ABORT_DAMAGE says (default: the completed steps stay, the rest holds half of
+// this rank's own contribution; `finite`, `nan`, `none`).
+struct Interrupted {
+    int kind, dtype, nranks, rank;
+    size_t count;
+    const uint8_t* send;
+    uint8_t* recv;
+};
+void damage(const Interrupted& k, size_t done);
 
 constexpr int kMaxRanks = 64;
 constexpr size_t kChunk = 256 * 1024;  // bytes each rank posts per step of a collective

@@ -70,8 +70,9 @@ void stall_next_driver_call(int ms);
 // --------------------------------------------------------------------------- device memory
 // Allocations are host memory behind an allocation table; each sits at the end of its pages,
 // rounded up to 256 bytes (the GPU's allocation alignment), with an inaccessible page on each
-// side, so that a kernel running past either end faults. The 256-byte slack past the end is
-// filled with a canary that is checked after every launch.
+// side, so that a kernel running past either end of the pages faults. The slack past the end
+// (up to 255 bytes) and the gap before the start (up to its first page's start) are filled
+// with a canary that is checked after every launch.
 struct Allocation {
     uint64_t base = 0;
     size_t size = 0;
@@ -91,13 +92,18 @@ struct Allocation {
     void* map = nullptr;
     size_t map_len = 0;
 };
-// Allocates `size` bytes of device memory on `device` (or pinned host memory).
-CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out);
+// Allocates `size` bytes of device memory on `device` (or pinned host memory); `s`, for a
+// stream-ordered allocation, may hand back a block that stream freed (GPU_SIM_REUSE=1).
+CUresult mem_alloc(int device, size_t size, bool pinned_host, uint64_t* out,
+                   const Stream* s = nullptr);
 // Frees now (poisons and quarantines); for a stream-ordered free, `mem_free_mark` at enqueue
-// and `mem_free_now` when the stream reaches it.
+// and `mem_free_now` when the stream `s` reaches it (with GPU_SIM_REUSE=1 the block then
+// goes, unpoisoned, to `s`'s pool).
 CUresult mem_free_mark(uint64_t ptr, bool pinned_host, std::shared_ptr<Allocation>* out,
                        std::string& why);
-void mem_free_now(const std::shared_ptr<Allocation>& a);
+void mem_free_now(const std::shared_ptr<Allocation>& a, const Stream* s = nullptr);
+// GPU_SIM_REUSE=1: freed stream-ordered memory is reused by its stream with its old contents.
+bool reuse_freed();
 // Finds the live allocation holding [ptr, ptr+len) on `device`. On failure, `why` says what
 // the range is (host memory, a freed allocation, another device's, past the end) and the
 // result is null. len 0 checks ptr alone.

@@ -9,6 +9,8 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -284,19 +286,33 @@ bool an_overlap_other_than_in_place_is_refused() {
     return true;
 }
 
+// What an aborted collective leaves, by GPU_SIM_NCCL_ABORT_DAMAGE: nothing of its steps
+// completed (the peer never came), so `partial` and `finite` leave half of this rank's own
+// value, `nan` a NaN, `none` the old contents; an in-place call's input is damaged alike.
 bool a_missing_peer_blocks_the_stream_until_abort() {
+    const char* e = std::getenv("GPU_SIM_NCCL_ABORT_DAMAGE");
+    const std::string mode = e && *e ? e : "partial";
     auto comms = group(2);
     bind(0);
     CUstream s;
     cuStreamCreate(&s, 0);
-    CUdeviceptr in = upload({5}), out = upload({-7});
-    ncclAllReduce((void*)in, (void*)out, 1, kInt32, kSum, comms[0], s);
+    CUdeviceptr in = upload({5}), out = upload({-7}), both = upload({3});
+    ncclAllReduce((void*)in, (void*)out, 1, kFloat32, kSum, comms[0], s);
+    settle(comms[0]);
+    ncclAllReduce((void*)both, (void*)both, 1, kFloat32, kSum, comms[0], s);
     settle(comms[0]);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     EXPECT(cuStreamQuery(s) == CUDA_ERROR_NOT_READY, "the stream waits for rank 1");
     EXPECT(ncclCommAbort(comms[0]) == kSuccess, "abort");
     EXPECT(cuStreamSynchronize(s) == CUDA_SUCCESS, "the abort frees the stream");
-    EXPECT(download(out, 1) == std::vector<float>({-7}), "the aborted collective wrote nothing");
+    float got = download(out, 1)[0], in_place = download(both, 1)[0];
+    if (mode == "none") {
+        EXPECT(got == -7 && in_place == 3, "nothing written: %g, %g", got, in_place);
+    } else if (mode == "nan") {
+        EXPECT(std::isnan(got) && std::isnan(in_place), "NaN written: %g, %g", got, in_place);
+    } else {
+        EXPECT(got == 2.5f && in_place == 1.5f, "half of the own value written (%s): %g, %g", mode.c_str(), got, in_place);
+    }
     ncclCommAbort(comms[1]);
     return true;
 }

@@ -5,6 +5,7 @@
 // executor's rate on a barrier-free kernel.
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -171,6 +172,26 @@ bool write_into_the_alignment_slack_is_caught() {
     cuLaunchKernel(d.fn("sim_write_past"), 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
     CUresult r = cuCtxSynchronize();
     EXPECT(r == CUDA_ERROR_ILLEGAL_ADDRESS, "got %s", name(r));
+    return true;
+}
+
+bool a_write_just_before_the_start_is_caught() {
+    Device d(0);
+    CUdeviceptr out = upload(std::vector<float>(10));  // at the end of its page: a gap before
+    int n = 0, past = -1;                              // out[-1]
+    void* args[] = {&out, &n, &past};
+    cuLaunchKernel(d.fn("sim_write_past"), 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    CUresult r = cuCtxSynchronize();
+    EXPECT(r == CUDA_ERROR_ILLEGAL_ADDRESS, "got %s", name(r));
+    return true;
+}
+
+bool an_overlapping_device_copy_is_refused() {
+    Device d(0);
+    CUdeviceptr p = upload(std::vector<float>(64, 1.0f));
+    CUresult r = cuMemcpyDtoDAsync_v2(p + 4, p, 128, nullptr);
+    EXPECT(r == CUDA_ERROR_INVALID_VALUE, "a copy into its own source shifted by one value, got %s", name(r));
+    EXPECT(cuMemcpyDtoDAsync_v2(p + 128, p, 128, nullptr) == CUDA_SUCCESS, "adjacent halves");
     return true;
 }
 
@@ -363,6 +384,33 @@ bool thread_creation_and_join_carry_the_order() {
     return true;
 }
 
+// A stream-ordered free, then an allocation of the same size on the same stream: by default
+// fresh memory (another address, NaN bytes); with GPU_SIM_REUSE=1 the freed block with its old
+// contents, as the stream-ordered allocator's pool hands it back on a GPU.
+bool a_freed_block_comes_back_only_in_reuse_mode() {
+    const char* e = std::getenv("GPU_SIM_REUSE");
+    const bool reuse = e && std::string(e) == "1";
+    Device d(0);
+    CUstream s;
+    cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+    CUdeviceptr p, q;
+    EXPECT(cuMemAllocAsync(&p, 256, s) == CUDA_SUCCESS, "alloc");
+    std::vector<float> ones(64, 1.0f);
+    cuMemcpyHtoDAsync_v2(p, ones.data(), 256, s);
+    cuMemFreeAsync(p, s);
+    cuStreamSynchronize(s);  // the stream has reached the free: the block is in its pool
+    EXPECT(cuMemAllocAsync(&q, 200, s) == CUDA_SUCCESS, "alloc again");
+    auto v = download(q, 50, s);
+    if (reuse) {
+        EXPECT(q == p && v[0] == 1.0f && v[49] == 1.0f, "the same block with its contents: %g", v[0]);
+    } else {
+        EXPECT(q != p && std::isnan(v[0]) && std::isnan(v[49]), "fresh memory, NaN: %g", v[0]);
+    }
+    cuMemFreeAsync(q, s);
+    cuStreamSynchronize(s);
+    return true;
+}
+
 bool a_stream_ordered_free_must_follow_other_streams_use() {
     Device d(0);
     CUstream a, b;
@@ -506,6 +554,8 @@ int main(int argc, char** argv) {
         {"other_devices_pointer_is_refused", other_devices_pointer_is_refused},
         {"write_past_the_end_faults_and_sticks", write_past_the_end_faults_and_sticks},
         {"write_into_the_alignment_slack_is_caught", write_into_the_alignment_slack_is_caught},
+        {"a_write_just_before_the_start_is_caught", a_write_just_before_the_start_is_caught},
+        {"an_overlapping_device_copy_is_refused", an_overlapping_device_copy_is_refused},
         {"freed_memory_is_poisoned", freed_memory_is_poisoned},
         {"copies_are_range_checked", copies_are_range_checked},
         {"a_divergent_barrier_fails_a_strict_launch", a_divergent_barrier_fails_a_strict_launch},
@@ -515,6 +565,7 @@ int main(int argc, char** argv) {
         {"the_legacy_stream_orders_blocking_streams_only", the_legacy_stream_orders_blocking_streams_only},
         {"per_thread_streams_are_distinct", per_thread_streams_are_distinct},
         {"a_synchronisation_orders_only_its_own_thread", a_synchronisation_orders_only_its_own_thread},
+        {"a_freed_block_comes_back_only_in_reuse_mode", a_freed_block_comes_back_only_in_reuse_mode},
         {"thread_creation_and_join_carry_the_order", thread_creation_and_join_carry_the_order},
         {"a_stream_ordered_free_must_follow_other_streams_use",
          a_stream_ordered_free_must_follow_other_streams_use},
