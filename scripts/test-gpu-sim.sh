@@ -116,7 +116,7 @@ echo "$summary"
 python3 - "$summary" <<'PY'
 import json, sys
 s = json.loads(sys.argv[1])
-assert s["world_size"] == 8 and len(s["epochs"]) == 2, f"the resumed run did not end after 2 epochs on 8 ranks: {s}"
+assert s["world_size"] == 8 and s["epochs"] == 2, f"the resumed run did not end after 2 epochs on 8 ranks: {s}"
 PY
 # torchrun from the PyTorch that scripts/test-torch.sh installs (TORCH_VENV); only the ranks
 # get the simulated libraries (PyTorch's own CUDA build would otherwise load them).

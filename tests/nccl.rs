@@ -488,7 +488,7 @@ fn a_peer_missing_at_start_up_times_out() {
 }
 
 /// Rank 1 never joins: rank 0's started all-reduce is aborted by the watchdog, its `wait`
-/// fails with the reason (it does not hand on a buffer NCCL never wrote), `deferred_error`
+/// fails with the reason (it does not hand on a buffer NCCL never finished writing), `deferred_error`
 /// reports it,
 /// and the drop of the broken communicator returns at once.
 #[test]

@@ -350,7 +350,7 @@ fn child_an_abort_between_the_call_and_its_tracking_is_not_missed() {
 /// (Fault review D1.) Rank 0's second collective meets an asynchronous error the moment it is
 /// enqueued, and its next driver call stalls 100 ms, so the watchdog aborts the communicator
 /// before the collective is tracked: its wait must still fail, not hand on an output NCCL
-/// never wrote.
+/// never finished writing.
 #[test]
 fn an_abort_between_the_call_and_its_tracking_is_not_missed() {
     in_child(

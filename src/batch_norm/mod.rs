@@ -337,7 +337,8 @@ impl SyncBatchNorm {
     ///
     /// Every training forward calls this first. Why it exists: on NCCL a collective's call
     /// returns when it is enqueued, so a step whose all-reduce is later aborted by the watchdog
-    /// has committed statistics computed from a buffer NCCL never wrote. Exact when the failure
+    /// has committed statistics computed from a buffer NCCL never finished writing (it may hold
+    /// the old sums, a partial result or garbage: NCCL promises nothing). Exact when the failure
     /// is noticed within one step (a training loop that reads its loss every step waits for
     /// the stream, and so for the abort); a loop that enqueues several steps without reading
     /// anything back can outrun the watchdog, and the rollback then covers only the last step.

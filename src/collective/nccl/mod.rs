@@ -355,7 +355,8 @@ impl NcclCollective {
         Ok(Pending::new(move || {
             keep.release()?;
             // No host wait here (the device's stream waits for the side stream), but a
-            // collective lost to an abort never wrote `out`: say so rather than hand it on.
+            // collective lost to an abort never finished writing `out`: say so rather than
+            // hand it on.
             // (An abort after this point shows in `deferred_error` and the next call.)
             if let Some(why) = watch.lost() {
                 return Err(rank_left(rank, op, why));
