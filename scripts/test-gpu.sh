@@ -38,9 +38,8 @@ esac
 # into "$1" under plain names (tests/cuda.rs -> cuda).
 build_into() {
     local dest=$1
-    set -e
-    . scripts/nvcc-env.sh
-    . scripts/cuda-stubs.sh
+    . scripts/nvcc-env.sh || return 1
+    . scripts/cuda-stubs.sh || return 1
     # Machine code for the GPUs present (nvidia-smi), else for sm_90; PTX for newer ones.
     if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
         CUDA_COMPUTE_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
@@ -55,21 +54,19 @@ import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["executable"])')
+        print(m["executable"])') || return 1
     rm -rf "$dest"
     mkdir -p "$dest"
     local e name
     for e in $exes; do
         name=$(basename "$e")
         name=${name%-*[0-9a-f]} # a test binary's hash suffix
-        cp "$e" "$dest/$name"
-        strip "$dest/$name"
+        cp "$e" "$dest/$name" && strip "$dest/$name" || return 1
     done
-    set +e
 }
 
 if [ "$mode" = build ]; then
-    build_into "$bin_dir" || exit 1
+    build_into "$bin_dir" || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
     xz -T0 -3 "$bin_dir"/*
     du -sh "$bin_dir"
     echo "test-gpu: binaries in $bin_dir; on the GPU machine: scripts/test-gpu.sh --bin-dir $bin_dir"

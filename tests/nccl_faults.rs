@@ -270,44 +270,85 @@ fn a_rank_that_never_arrives_at_init() {
     );
 }
 
-#[test]
-#[ignore = "run by the fault tests, in a child process"]
-fn child_an_abort_with_collectives_queued() {
-    if !is_child() {
-        return;
-    }
+/// What one rank saw of `k` async all-reduces started after a good one (collective #0) when a
+/// fault lets none of them finish: the good one's result, whether each was lost (its start or
+/// its wait failed), `deferred_error`'s text, whether the next call failed, the time from the
+/// starts to those answers, and the drop's time.
+struct Queued {
+    first: Vec<f32>,
+    lost: Vec<bool>,
+    deferred: String,
+    next_failed: bool,
+    took: Duration,
+    drop_took: Duration,
+}
+
+/// Two thread ranks start `k` async all-reduces each after a good one, wait past the
+/// timeout (the watchdog aborts), then ask every question of [`Queued`].
+fn queue_through_a_fault(k: usize) -> Vec<Queued> {
     let comms = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
-    let out = on_ranks(comms, |c| {
+    on_ranks(comms, |c| {
         let t = Tensor::new(&[1f32, 2.0], &c.device())?;
         let first = c.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?;
         let t0 = Instant::now();
-        // Three started, none of which can finish (the fault): the watchdog aborts the
-        // communicator with all three queued; each wait fails, none hands on its output.
-        let pending = (0..3)
+        // A start may itself fail, when the fault is already known.
+        let pending: Vec<_> = (0..k)
             .map(|_| c.all_reduce_async(&t, ReduceOp::Sum))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+            .collect();
         std::thread::sleep(TIMEOUT + Duration::from_millis(500));
-        let waits: Vec<bool> = pending.into_iter().map(|p| p.wait().is_err()).collect();
-        let deferred = c.deferred_error().is_err();
-        let next = c.all_reduce(&t, ReduceOp::Sum).is_err();
+        let lost = pending
+            .into_iter()
+            .map(|p| p.and_then(|p| p.wait()).is_err())
+            .collect();
+        let deferred = match c.deferred_error() {
+            Ok(()) => "no error".to_string(),
+            Err(e) => e.to_string(),
+        };
+        let next_failed = c.all_reduce(&t, ReduceOp::Sum).is_err();
         let took = t0.elapsed();
         let t1 = Instant::now();
         drop(c);
-        Ok((first, waits, deferred, next, took, t1.elapsed()))
-    });
-    for (rank, (first, waits, deferred, next, took, drop_took)) in out.into_iter().enumerate() {
-        assert_eq!(first, vec![2.0, 4.0], "rank {rank}: the good step");
+        Ok(Queued {
+            first,
+            lost,
+            deferred,
+            next_failed,
+            took,
+            drop_took: t1.elapsed(),
+        })
+    })
+}
+
+/// Every rank: the good step's sum, every queued collective lost, the abort reported by
+/// `deferred_error` and the next call, within the timeout, and a drop that returns.
+fn assert_all_lost(seen: &[Queued], k: usize) {
+    for (rank, q) in seen.iter().enumerate() {
+        assert_eq!(q.first, vec![2.0, 4.0], "rank {rank}: the good step");
         assert_eq!(
-            waits,
-            vec![true; 3],
+            q.lost,
+            vec![true; k],
             "rank {rank}: a queued collective's wait succeeded"
         );
-        assert!(deferred && next, "rank {rank}: the abort was not reported");
-        assert!(took < TIMEOUT + SLACK, "rank {rank}: {took:?}");
         assert!(
-            drop_took < SLACK,
-            "rank {rank}: the drop took {drop_took:?}"
+            q.deferred != "no error" && q.next_failed,
+            "rank {rank}: the abort was not reported"
         );
+        assert!(q.took < TIMEOUT + SLACK, "rank {rank}: {:?}", q.took);
+        assert!(
+            q.drop_took < SLACK,
+            "rank {rank}: the drop took {:?}",
+            q.drop_took
+        );
+    }
+}
+
+#[test]
+#[ignore = "run by the fault tests, in a child process"]
+fn child_an_abort_with_collectives_queued() {
+    if is_child() {
+        // Three started, none of which can finish (the fault): the watchdog aborts the
+        // communicator with all three queued; each wait fails, none hands on its output.
+        assert_all_lost(&queue_through_a_fault(3), 3);
     }
 }
 
@@ -426,50 +467,23 @@ fn child_a_cuda_error_under_a_pending_collective() {
     if !is_child() {
         return;
     }
-    let comms = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
-    let out = on_ranks(comms, |c| {
-        let t = Tensor::new(&[1f32, 2.0], &c.device())?;
-        let first = c.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?;
-        let t0 = Instant::now();
-        // Collective #1 faults on rank 0's GPU once #2 is queued behind it: the watchdog's
-        // event query returns the CUDA error, it aborts, and the abort must return although
-        // the faulted context drops #2 without running it. (A start may itself fail with the
-        // CUDA error, if the fault is already there.)
-        let pending: Vec<_> = (0..2)
-            .map(|_| c.all_reduce_async(&t, ReduceOp::Sum))
-            .collect();
-        std::thread::sleep(TIMEOUT + Duration::from_millis(500));
-        let waits: Vec<bool> = pending
-            .into_iter()
-            .map(|p| p.and_then(|p| p.wait()).is_err())
-            .collect();
-        let deferred = match c.deferred_error() {
-            Ok(()) => "no error".to_string(),
-            Err(e) => e.to_string(),
-        };
-        let took = t0.elapsed();
-        let t1 = Instant::now();
-        drop(c);
-        Ok((first, waits, deferred, took, t1.elapsed()))
-    });
-    for (rank, (first, waits, deferred, took, drop_took)) in out.into_iter().enumerate() {
-        assert_eq!(first, vec![2.0, 4.0], "rank {rank}: the good step");
-        assert_eq!(
-            waits,
-            vec![true; 2],
-            "rank {rank}: a lost collective's wait succeeded"
-        );
-        // Rank 0 sees the CUDA error; rank 1, whose peer never arrives, its timeout.
-        let want = if rank == 0 {
-            "CUDA error CUDA_ERROR_ILLEGAL_ADDRESS while waiting"
-        } else {
-            "did not complete within"
-        };
-        assert!(deferred.contains(want), "rank {rank}: {deferred}");
-        assert!(took < TIMEOUT + SLACK, "rank {rank}: {took:?}");
+    // Collective #1 faults on rank 0's GPU once #2 is queued behind it: the watchdog's event
+    // query returns the CUDA error, it aborts, and the abort must return although the faulted
+    // context drops #2 without running it.
+    let seen = queue_through_a_fault(2);
+    assert_all_lost(&seen, 2);
+    // Rank 0 sees the CUDA error; rank 1, whose peer never arrives, its timeout.
+    for (rank, want) in [
+        "CUDA error CUDA_ERROR_ILLEGAL_ADDRESS while waiting",
+        "did not complete within",
+    ]
+    .into_iter()
+    .enumerate()
+    {
         assert!(
-            drop_took < SLACK,
-            "rank {rank}: the drop took {drop_took:?}"
+            seen[rank].deferred.contains(want),
+            "rank {rank}: {}",
+            seen[rank].deferred
         );
     }
 }
