@@ -35,6 +35,13 @@ out=$GPU_SIM_OUT
 
 echo "-- the simulator's self-tests: planted defects and driver rules"
 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
+for schedule in reverse random:7; do
+    echo "-- the same with blocks and threads in the order GPU_SIM_SCHEDULE=$schedule"
+    GPU_SIM_SCHEDULE=$schedule GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" \
+        "$out/bin/selftest" "$out/ptx/test_defects.ptx" >"$out/selftest-$schedule.log" 2>&1 ||
+        { cat "$out/selftest-$schedule.log"; exit 1; }
+    tail -1 "$out/selftest-$schedule.log"
+done
 echo "-- the same with freed stream-ordered memory reused (GPU_SIM_REUSE=1)"
 GPU_SIM_REUSE=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" \
     "$out/ptx/test_defects.ptx" >"$out/selftest-reuse.log" 2>&1 ||

@@ -33,3 +33,11 @@ extern "C" __global__ void sim_divergent_barrier(float* out) {
     __syncthreads();
     out[threadIdx.x] = 1.0f;
 }
+
+// Assumes that block 0 runs before the others (no GPU promises an order between blocks):
+// block 0 writes *flag; every other block b copies it to out[b]. Correct only in index order.
+extern "C" __global__ void sim_block_zero_first(int* flag, int* out) {
+    if (threadIdx.x != 0) return;
+    if (blockIdx.x == 0) *flag = 1;
+    else out[blockIdx.x] = *reinterpret_cast<volatile int*>(flag);
+}

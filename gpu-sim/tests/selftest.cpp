@@ -237,6 +237,28 @@ bool a_divergent_barrier_fails_a_strict_launch() {
     return true;
 }
 
+// Blocks run in the schedule's order (GPU_SIM_SCHEDULE): a kernel assuming that block 0 runs
+// first is right under `forward` only. Run under each schedule by scripts/test-gpu-sim.sh.
+bool blocks_run_in_the_schedules_order() {
+    const char* e = std::getenv("GPU_SIM_SCHEDULE");
+    const bool forward = !e || !*e || std::string(e) == "forward";
+    Device d(0);
+    CUdeviceptr flag, out;
+    cuMemAlloc_v2(&flag, 4);
+    cuMemAlloc_v2(&out, 64 * 4);
+    cuMemsetD32Async(flag, 0, 1, nullptr);
+    cuMemsetD32Async(out, 7, 64, nullptr);
+    void* args[] = {&flag, &out};
+    cuLaunchKernel(d.fn("sim_block_zero_first"), 64, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    std::vector<int> v(64);
+    cuMemcpyDtoHAsync_v2(v.data(), out, 64 * 4, nullptr);
+    int early = 0;  // blocks that ran before block 0
+    for (int b = 1; b < 64; ++b) early += v[b] == 0;
+    if (forward) EXPECT(early == 0, "in index order every block runs after block 0: %d did not", early);
+    else EXPECT(early > 0, "under %s some block runs before block 0: none did", e);
+    return true;
+}
+
 // --------------------------------------------------------------------------- stream order
 // Two streams created with `fa` and `fb`, and three buffers of 64 floats: `in` (ones), `mid`
 // and `out`, allocated synchronously and with the upload complete (usable from any stream).
@@ -559,6 +581,7 @@ int main(int argc, char** argv) {
         {"freed_memory_is_poisoned", freed_memory_is_poisoned},
         {"copies_are_range_checked", copies_are_range_checked},
         {"a_divergent_barrier_fails_a_strict_launch", a_divergent_barrier_fails_a_strict_launch},
+        {"blocks_run_in_the_schedules_order", blocks_run_in_the_schedules_order},
         {"unordered_cross_stream_use_is_a_race", unordered_cross_stream_use_is_a_race},
         {"an_event_wait_orders_streams", an_event_wait_orders_streams},
         {"a_write_after_an_unordered_read_is_a_race", a_write_after_an_unordered_read_is_a_race},

@@ -445,14 +445,25 @@ bool run(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, std::s
     std::vector<unsigned> order(threads);
     for (unsigned i = 0; i < threads; i++)
         order[i] = cfg.schedule.mode == Schedule::Reverse ? (unsigned)threads - 1 - i : i;
+    // Blocks run one after another, in the schedule's order too: x fastest (forward), the
+    // reverse, or a seeded shuffle, so that a kernel assuming an order between blocks (block 0
+    // first, say) fails under some schedule. (They never run concurrently: see docs/kernels.md.)
+    const size_t nblocks = size_t(grid.x) * grid.y * grid.z;
+    std::vector<size_t> blocks;  // linear block numbers, for the orders other than forward
+    if (cfg.schedule.mode != Schedule::Forward) {
+        blocks.resize(nblocks);
+        for (size_t i = 0; i < nblocks; i++) blocks[i] = i;
+        if (cfg.schedule.mode == Schedule::Reverse) std::reverse(blocks.begin(), blocks.end());
+        else std::shuffle(blocks.begin(), blocks.end(), rng);
+    }
     bool ok = true;
     try {
-        for (unsigned z = 0; z < grid.z; z++)
-            for (unsigned y = 0; y < grid.y; y++)
-                for (unsigned x = 0; x < grid.x; x++) {
-                    block_idx = dim3(x, y, z);
-                    run_block(*l, cfg.schedule, rng, order);
-                }
+        for (size_t i = 0; i < nblocks; i++) {
+            const size_t b = blocks.empty() ? i : blocks[i];
+            block_idx = dim3(unsigned(b % grid.x), unsigned(b / grid.x % grid.y),
+                             unsigned(b / (size_t(grid.x) * grid.y)));
+            run_block(*l, cfg.schedule, rng, order);
+        }
     } catch (Abort&) {
         ok = false;
         error = l->error;
