@@ -9,8 +9,10 @@
 #
 #   scripts/test-gpu.sh                    # on a GPU machine with Rust: builds, then runs
 #   scripts/test-gpu.sh --build-only DIR   # on any machine (no GPU, no driver needed): builds
-#                                          # the binaries into DIR (stripped, xz-compressed)
+#                                          # the binaries into DIR/binaries.tar.zst (stripped;
+#                                          # one zstd --long stream: ~44 MB for all of them)
 #   scripts/test-gpu.sh --bin-dir DIR      # on a GPU machine without Rust: runs DIR's binaries
+#                                          # (unpacks binaries.tar.zst with zstd, or *.xz)
 #
 # Building needs what scripts/check-cuda.sh needs (nvcc from PyPI through scripts/nvcc-env.sh,
 # stub libraries for linking without a driver); binaries go to target/gpu. Running needs the
@@ -22,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 
 mode=source bin_dir=
 case "${1:-}" in
@@ -66,9 +68,15 @@ for line in sys.stdin:
 }
 
 if [ "$mode" = build ]; then
-    build_into "$bin_dir" || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
-    xz -T0 -3 "$bin_dir"/*
-    du -sh "$bin_dir"
+    command -v zstd >/dev/null || { echo "test-gpu: --build-only needs zstd (apt-get install zstd)" >&2; exit 1; }
+    build_into "$bin_dir.raw" || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
+    # Every binary carries candle's kernel images: one stream with a long window stores them
+    # once (1.7 GB of binaries in ~44 MB; separate files would take ~245 MB).
+    mkdir -p "$bin_dir"
+    tar cf - -C "$bin_dir.raw" . | zstd -q -f --long=31 -12 -T0 -o "$bin_dir/binaries.tar.zst" ||
+        { echo "test-gpu: FAIL: packing the binaries" >&2; exit 1; }
+    rm -rf "$bin_dir.raw"
+    du -sh "$bin_dir/binaries.tar.zst"
     echo "test-gpu: binaries in $bin_dir; on the GPU machine: scripts/test-gpu.sh --bin-dir $bin_dir"
     exit 0
 fi
@@ -97,11 +105,17 @@ if [ "$mode" = source ]; then
     build_into "$bin_dir" || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
 else
     bin_dir=$(cd "$bin_dir" && pwd)
+    if [ -f "$bin_dir/binaries.tar.zst" ] && [ ! -e "$bin_dir/cuda" ]; then
+        command -v zstd >/dev/null ||
+            { echo "test-gpu: unpacking $bin_dir/binaries.tar.zst needs zstd" >&2; exit 1; }
+        zstd -q -d --long=31 -c "$bin_dir/binaries.tar.zst" | tar xf - -C "$bin_dir" ||
+            { echo "test-gpu: FAIL: unpacking the binaries" >&2; exit 1; }
+    fi
     for f in "$bin_dir"/*.xz; do
         [ -e "$f" ] || continue
         [ -e "${f%.xz}" ] || xz -dk -T0 "$f"
-        chmod +x "${f%.xz}"
     done
+    find "$bin_dir" -maxdepth 1 -type f ! -name '*.zst' ! -name '*.xz' -exec chmod +x {} +
 fi
 
 # PyPI's NVIDIA libraries of this python3 (NCCL, cuBLAS, cuRAND, cudart), after the user's own.
@@ -153,7 +167,9 @@ for src in tests/*.rs tests/*/main.rs; do
     case "$name" in cuda | nccl | nccl_faults | gpu_counts) continue ;; esac # run above, or simulator-only
     t=$(bin "$name")
     [ -x "$t" ] || continue
-    "$t" --list 2>/dev/null | grep -q '^cuda::.*: test$' || continue
+    # (Read whole first: `grep -q` in a pipe under pipefail fails when it stops reading early.)
+    tests=$("$t" --list 2>/dev/null) || true
+    grep -q 'cuda::.*: test$' <<<"$tests" || continue # cuda::x or mod::cuda::x
     step "cuda::-$name" "$t" cuda:: --test-threads=1
 done
 out=$(mktemp -d)
