@@ -35,18 +35,22 @@ out=$GPU_SIM_OUT
 
 echo "-- the simulator's self-tests: planted defects and driver rules"
 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
+# quietly LOG CMD...: runs a self-test with its output in $out/LOG.log; prints its last line,
+# or all of it when it fails.
+quietly() {
+    local log="$out/$1.log"
+    shift
+    "$@" >"$log" 2>&1 || { cat "$log"; exit 1; }
+    tail -1 "$log"
+}
 for schedule in reverse random:7; do
     echo "-- the same with blocks and threads in the order GPU_SIM_SCHEDULE=$schedule"
     GPU_SIM_SCHEDULE=$schedule GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" \
-        "$out/bin/selftest" "$out/ptx/test_defects.ptx" >"$out/selftest-$schedule.log" 2>&1 ||
-        { cat "$out/selftest-$schedule.log"; exit 1; }
-    tail -1 "$out/selftest-$schedule.log"
+        quietly "selftest-$schedule" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
 done
 echo "-- the same with freed stream-ordered memory reused (GPU_SIM_REUSE=1)"
-GPU_SIM_REUSE=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" \
-    "$out/ptx/test_defects.ptx" >"$out/selftest-reuse.log" 2>&1 ||
-    { cat "$out/selftest-reuse.log"; exit 1; }
-tail -1 "$out/selftest-reuse.log"
+GPU_SIM_REUSE=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" \
+    quietly selftest-reuse "$out/bin/selftest" "$out/ptx/test_defects.ptx"
 echo "-- the same checks with kernels skipped (GPU_SIM_SKIP_KERNELS=1, for host-cost timing)"
 GPU_SIM_SKIP_KERNELS=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx" skip
 "$out/bin/half_math"
@@ -56,9 +60,7 @@ GPU_SIM_SKIP_KERNELS=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$ou
 "$out/bin/nccl_selftest"
 for damage in finite nan none; do
     echo "-- nccl_selftest with GPU_SIM_NCCL_ABORT_DAMAGE=$damage"
-    GPU_SIM_NCCL_ABORT_DAMAGE=$damage "$out/bin/nccl_selftest" >"$out/nccl-$damage.log" 2>&1 ||
-        { cat "$out/nccl-$damage.log"; exit 1; }
-    tail -1 "$out/nccl-$damage.log"
+    GPU_SIM_NCCL_ABORT_DAMAGE=$damage quietly "nccl-$damage" "$out/bin/nccl_selftest"
 done
 
 echo "-- the executor's rate on a barrier-free kernel (for the record, not a test)"
@@ -67,7 +69,7 @@ GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/p
 echo "-- build the cuda,nccl test and example binaries"
 cargo test --features $features --tests --examples --no-run -q
 
-echo "-- every cuda:: test variant, on simulated GPUs (one gated: see gpu-sim/README.md), with each block's threads resumed in order, in reverse and in a seeded random order"
+echo "-- every cuda:: test variant, on simulated GPUs (one gated: see gpu-sim/README.md), with blocks and threads in index order, reversed and in a seeded random order"
 # Gated: ResNet-18/34/50 at 32x32 for several steps, tens of millions of parameters through
 # element-wise kernels one emulated thread each (minutes per model here).
 for schedule in forward reverse random:7; do
