@@ -195,10 +195,11 @@ bool kernel_fault(Comm* c, const Coll& k, sim::Stream* s) {
     return true;
 }
 
-// The stream task of collective `k` on stream `s`.
-void run(Comm* c, const Coll& k, sim::Stream* s) {
-    // A communicator's collectives run in the order they were issued, whatever their streams.
-    bool go = nccl::wait_until(c, [&] { return c->done.load() == k.call; }, true);
+// The stream task of collective `k` on stream `s`, `turn` its place on the device.
+void run(Comm* c, const Coll& k, sim::Stream* s, const nccl::DeviceTurn& turn) {
+    // A communicator's collectives run in the order they were issued, whatever their streams
+    // (and in the `device` progress mode, every communicator's of the device).
+    bool go = nccl::wait_until(c, [&] { return c->done.load() == k.call; }, true) && turn.wait(c);
     if (go && nccl::find_fault("skip", c->rank, long(k.call))) block(c);
     go = go && !c->aborted && !kernel_fault(c, k, s);
     const size_t es = type_size(k.dtype), per = nccl::kChunk / es;
@@ -238,6 +239,7 @@ void run(Comm* c, const Coll& k, sim::Stream* s) {
     }
     // Stopped (abort, asynchronous error, fault) after `lo` elements: the output is damaged.
     if (lo < total) nccl::damage({k.kind, k.dtype, n, r, k.count, k.send, k.recv}, lo);
+    turn.end();
     end_task(c, k);
 }
 
@@ -313,16 +315,25 @@ ncclResult_t issue(Coll k, Comm* c, CUstream stream) {
     // error does): raised after, the stream could run it to completion first, and the fault
     // would sometimes hit nothing.
     if (err) nccl::set_async(c, err->code, "injected asynchronous error at collective #" + std::to_string(k.call));
+    const nccl::DeviceTurn turn(c->device);
     sim::Op op;
     op.kind = "launch";
-    op.run = [c, k, s] { run(c, k, s); };
+    op.run = [c, k, s, turn] { run(c, k, s, turn); };
     // Dropped after a sticky CUDA error (the stream runs nothing more): the task still ends,
-    // or abort, finalize and destroy would wait for it forever.
-    op.dropped = [c, k] { end_task(c, k); };
+    // or abort, finalize and destroy (and the device's later collectives) would wait for it
+    // forever.
+    op.dropped = [c, k, turn] {
+        turn.end();
+        end_task(c, k);
+    };
     sim::count(s, &sim::Counts::launches);
     sim::log_launch(call);
-    if (CUresult r = sim::enqueue(s, std::move(op), uses))
+    if (CUresult r = sim::enqueue(s, std::move(op), uses)) {
+        // A race report: the operation is queued all the same (the context's error is now
+        // sticky, so it will be dropped, ending its turn and its task): it counts as issued.
+        c->issued.fetch_add(1);
         return nccl::fail(ncclUnhandledCudaError, "%s: enqueue failed (CUDA error %d)", call, r);
+    }
     c->issued.fetch_add(1);
     if (err && err->stall_ms) sim::stall_next_driver_call(err->stall_ms);
     // A non-blocking communicator may finish any enqueue in the background (NCCL ends every

@@ -149,6 +149,29 @@ inline uint64_t mix64(uint64_t x) {
 // ~/.nccl.conf, then /etc/nccl.conf; or the injected `blocking`. -1 when unset.
 int blocking_override();
 
+// GPU_SIM_NCCL_PROGRESS, read once (nccl_progress.cpp): `shared` (default) lets every
+// communicator of a device progress on its own, as a GPU with free multiprocessors usually
+// does; `device` runs at most one collective at a time per device, across all its
+// communicators, in the order the host issued them (NCCL's kernels block their
+// multiprocessors while they wait for peers, and the User Guide's "Using multiple NCCL
+// communicators concurrently" promises nothing else).
+bool device_progress();
+struct Comm;
+// A collective's place in its device's issue order (taken at issue, in the `device` mode; a
+// no-op otherwise). `end` must follow exactly once, whether the task ran, stopped or was
+// dropped.
+struct DeviceTurn {
+    int device = 0;
+    uint64_t ticket = 0;
+    bool held = false;
+    DeviceTurn() = default;
+    explicit DeviceTurn(int device);
+    // Waits until every collective issued before this one on the device has ended; false when
+    // the communicator was aborted first.
+    bool wait(Comm* c) const;
+    void end() const;
+};
+
 // ---------------------------------------------------------------------------- communicators
 struct Comm {
     uint64_t key = 0;

@@ -317,6 +317,65 @@ bool a_missing_peer_blocks_the_stream_until_abort() {
     return true;
 }
 
+// Two communicators over the same two devices, used in opposite orders: rank 0 issues an
+// all-reduce on A then one on B, rank 1 on B then on A, each on a stream of its own. With
+// communicators progressing independently (GPU_SIM_NCCL_PROGRESS unset or `shared`) both
+// complete; with one collective at a time per device in issue order (`device`) the inversion
+// deadlocks every time, until the communicators are aborted (run in both modes).
+bool communicators_in_opposite_orders_deadlock_one_collective_per_device() {
+    const char* e = std::getenv("GPU_SIM_NCCL_PROGRESS");
+    const bool device = e && std::string(e) == "device";
+    auto a = group(2), b = group(2);
+    std::vector<CUstream> first(2), second(2);
+    // Per rank: the result of A and of B, each in an allocation of its own (the race checker
+    // tracks whole allocations).
+    std::vector<CUdeviceptr> out_a(2), out_b(2);
+    on_ranks(2, [&](int r) {
+        cuStreamCreate(&first[r], CU_STREAM_NON_BLOCKING);
+        cuStreamCreate(&second[r], CU_STREAM_NON_BLOCKING);
+        CUdeviceptr x = upload({float(r + 1)}), y = upload({float(10 * (r + 1))});
+        out_a[r] = upload({0});
+        out_b[r] = upload({0});
+        cuStreamSynchronize(nullptr);  // the uploads happen before the non-blocking streams' work
+        if (r == 0) {
+            ncclAllReduce((void*)x, (void*)out_a[r], 1, kFloat32, kSum, a[r], first[r]);
+            settle(a[r]);
+            ncclAllReduce((void*)y, (void*)out_b[r], 1, kFloat32, kSum, b[r], second[r]);
+            settle(b[r]);
+        } else {
+            ncclAllReduce((void*)y, (void*)out_b[r], 1, kFloat32, kSum, b[r], first[r]);
+            settle(b[r]);
+            ncclAllReduce((void*)x, (void*)out_a[r], 1, kFloat32, kSum, a[r], second[r]);
+            settle(a[r]);
+        }
+    });
+    if (!device) {
+        for (int r = 0; r < 2; ++r) {
+            bind(r);
+            EXPECT(cuStreamSynchronize(first[r]) == CUDA_SUCCESS && cuStreamSynchronize(second[r]) == CUDA_SUCCESS, "rank %d completes", r);
+            float sa = download(out_a[r], 1)[0], sb = download(out_b[r], 1)[0];
+            EXPECT(sa == 3 && sb == 30, "rank %d: A's sum %g (want 3), B's %g (want 30)", r, sa, sb);
+        }
+    } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        for (int r = 0; r < 2; ++r) {
+            bind(r);
+            EXPECT(cuStreamQuery(first[r]) == CUDA_ERROR_NOT_READY && cuStreamQuery(second[r]) == CUDA_ERROR_NOT_READY,
+                   "rank %d: both collectives wait (the first for its peer, the second for the device)", r);
+        }
+    }
+    for (int r = 0; r < 2; ++r) {
+        ncclCommAbort(a[r]);
+        ncclCommAbort(b[r]);
+    }
+    for (int r = 0; r < 2; ++r) {
+        bind(r);
+        EXPECT(cuStreamSynchronize(first[r]) == CUDA_SUCCESS && cuStreamSynchronize(second[r]) == CUDA_SUCCESS,
+               "rank %d: the aborts free both streams", r);
+    }
+    return true;
+}
+
 bool an_unordered_read_of_the_output_is_a_race() {
     auto comms = group(1);
     bind(0);
@@ -563,6 +622,8 @@ int main() {
         {"any_enqueue_may_be_in_progress", any_enqueue_may_be_in_progress},
         {"two_threads_in_one_communicator_is_misuse", two_threads_in_one_communicator_is_misuse},
         {"split_orders_by_key_and_nocolor_gets_none", split_orders_by_key_and_nocolor_gets_none},
+        {"communicators_in_opposite_orders_deadlock_one_collective_per_device",
+         communicators_in_opposite_orders_deadlock_one_collective_per_device},
         // Last: the races they plant make device 3's and device 0's errors sticky.
         {"an_abort_after_a_sticky_error_returns", an_abort_after_a_sticky_error_returns},
         {"an_unordered_read_of_the_output_is_a_race", an_unordered_read_of_the_output_is_a_race},
