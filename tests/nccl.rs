@@ -317,6 +317,32 @@ fn parallel_layers_and_async_collectives_over_nccl() {
     }
 }
 
+/// Tensor and data parallelism side by side, one rank per GPU: replicas of 2 ranks each
+/// (`gpus() / 2` of them), the sharded MLP on each replica's data with `DataParallel` over
+/// the replicas (`common::mlp`, f64), against the unsharded MLPs. Each rank's layers and its
+/// `DataParallel` use two communicators split from one, on the same GPU: under
+/// `GPU_SIM_NCCL_PROGRESS=device` (one collective at a time per GPU, in issue order) this
+/// completes only because every rank issues them in the same order.
+#[test]
+fn parallel_layers_beside_data_parallel_over_nccl() {
+    let n = gpus();
+    if n < 4 || n % 2 != 0 {
+        eprintln!("parallel_layers_beside_data_parallel_over_nccl: skipped, needs an even GPU count of at least 4");
+        return;
+    }
+    let ps: Vec<_> = (0..n / 2)
+        .map(|d| common::mlp::replica(2, d as u64))
+        .collect();
+    for mode in [ParallelMode::AllReduce, ParallelMode::ReduceScatter] {
+        let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+        let outs = on_ranks(comms, |c| {
+            let dev = c.device();
+            common::mlp::rank_2d(&ps, mode, c as Arc<dyn Collective>, &dev)
+        });
+        common::mlp::check_data_parallel(&ps, mode, &common::mlp::by_replica(outs, 2));
+    }
+}
+
 /// A tensor on another GPU than the communicator's is refused by name, on every kind of call,
 /// and the communicator stays usable (nothing was enqueued).
 #[test]

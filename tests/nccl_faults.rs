@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::{Collective, NcclCollective, NcclGroup, ReduceOp};
+use candle_distributed::collective::{
+    Collective, CollectiveError, NcclCollective, NcclGroup, ReduceOp,
+};
 use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use common::randn;
@@ -242,6 +244,101 @@ fn an_asynchronous_error_after_one_call() {
     in_child(
         "child_layer_through_a_fault",
         &[("GPU_SIM_NCCL_FAULTS", "async-error:rank=0,call=1")],
+        LIMIT,
+    );
+}
+
+/// Two communicators over the same two GPUs, used in opposite orders: rank 0 starts an
+/// all-reduce on A then one on B, rank 1 on B then on A, waits for both (no host wait: the
+/// GPU's stream waits) and reads both results to the host. Each rank's result: whether both
+/// communicators then report the watchdog's abort (`deferred_error`, `RankLeft`), the errors'
+/// messages or the values read, and the time from the first start to the end of the reads.
+fn opposite_orders() -> Vec<(bool, String, Duration)> {
+    let a = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
+    let b = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
+    let pairs: Vec<_> = a.into_iter().zip(b).collect();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = pairs
+            .into_iter()
+            .map(|(a, b)| {
+                s.spawn(move || -> Result<(bool, String, Duration)> {
+                    let (first, second) = if a.rank() == 0 { (a, b) } else { (b, a) };
+                    // Each communicator has a candle device of its own (the same GPU).
+                    let x =
+                        |c: &NcclCollective| Tensor::new(&[1f32 + c.rank() as f32], &c.device());
+                    let (x1, x2) = (x(&first)?, x(&second)?);
+                    let t0 = Instant::now();
+                    let one = first.all_reduce_async(&x1, ReduceOp::Sum)?;
+                    let two = second.all_reduce_async(&x2, ReduceOp::Sum)?;
+                    let (one, two) = (one.wait()?, two.wait()?);
+                    // Returns once the GPU's stream is free: after the collectives, or after
+                    // the watchdog's abort stopped them.
+                    let values = [one.to_vec1::<f32>()?[0], two.to_vec1::<f32>()?[0]];
+                    let took = t0.elapsed();
+                    let errs = [first.deferred_error().err(), second.deferred_error().err()];
+                    let aborted = errs.iter().all(|e| {
+                        e.as_ref().is_some_and(|e| {
+                            matches!(
+                                CollectiveError::find(e),
+                                Some(CollectiveError::RankLeft { .. })
+                            )
+                        })
+                    });
+                    let what = if errs.iter().any(Option::is_some) {
+                        errs.iter()
+                            .map(|e| e.as_ref().map_or("no error".into(), |e| format!("{e:#}")))
+                            .collect::<Vec<_>>()
+                            .join(" | ")
+                    } else {
+                        format!("{values:?}")
+                    };
+                    Ok((aborted, what, took))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    })
+}
+
+#[test]
+#[ignore = "run by the fault tests, in a child process"]
+fn child_communicators_in_opposite_orders() {
+    if !is_child() {
+        return;
+    }
+    let device = std::env::var("GPU_SIM_NCCL_PROGRESS").as_deref() == Ok("device");
+    for (rank, (aborted, what, took)) in opposite_orders().into_iter().enumerate() {
+        if device {
+            assert!(
+                aborted,
+                "rank {rank}: both communicators must report the abort: {what}"
+            );
+            assert!(
+                took < TIMEOUT + SLACK,
+                "rank {rank}: the reads took {took:?}: {what}"
+            );
+        } else {
+            // 1 + 2 on both communicators.
+            assert_eq!(what, "[3.0, 3.0]", "rank {rank}");
+        }
+    }
+}
+
+/// Communicators used in opposite orders on two ranks: with one collective at a time per GPU
+/// (`GPU_SIM_NCCL_PROGRESS=device`, NCCL's kernels occupying the GPU while they wait) the
+/// inversion deadlocks, and each rank's watchdog aborts both communicators at the timeout:
+/// the reads return, both communicators report the abort, nothing hangs. With communicators progressing independently (the
+/// simulator's default) the same program completes: the deadlock is the mode's doing.
+#[test]
+fn communicators_used_in_opposite_orders_time_out() {
+    in_child(
+        "child_communicators_in_opposite_orders",
+        &[("GPU_SIM_NCCL_PROGRESS", "device")],
+        LIMIT,
+    );
+    in_child(
+        "child_communicators_in_opposite_orders",
+        &[("GPU_SIM_NCCL_PROGRESS", "shared")],
         LIMIT,
     );
 }

@@ -300,6 +300,19 @@ fn sharded_mlp_matches_the_unsharded_one(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Tensor and data parallelism side by side over 4 ranks: 2 replicas, each the sharded MLP
+/// over 2 ranks on its own data, with `DataParallel` over the replicas (`common::mlp`): each
+/// replica's outputs and input gradient against its unsharded MLP, the weight gradients
+/// against the mean of the two unsharded MLPs'.
+fn sharded_mlp_beside_data_parallel(dev: &Device) -> anyhow::Result<()> {
+    let ps = [mlp::replica(2, 0), mlp::replica(2, 1)];
+    for mode in [ParallelMode::AllReduce, ParallelMode::ReduceScatter] {
+        let outs = run_ranks_on(4, dev, |c| mlp::rank_2d(&ps, mode, c, dev));
+        mlp::check_data_parallel(&ps, mode, &mlp::by_replica(outs, 2));
+    }
+    Ok(())
+}
+
 /// An async all-reduce returns before the other rank has even called its part: rank 1 only
 /// calls after rank 0 reports that its start returned (a blocking start would deadlock into
 /// the timeout).
@@ -349,4 +362,5 @@ device_tests!(
     parallel_region_helpers_match_finite_differences,
     parallel_layers_match_finite_differences,
     sharded_mlp_matches_the_unsharded_one,
+    sharded_mlp_beside_data_parallel,
 );

@@ -1,6 +1,8 @@
 //! The sharded 2-layer MLP of `tests/parallel.rs` (thread ranks) and `tests/nccl.rs` (NCCL
 //! ranks): Column(8 → 4·W) → ReLU → Row(4·W → 5) over W ranks against the unsharded MLP in one
-//! process with candle autograd, on the same global input of 2·W rows, in f64.
+//! process with candle autograd, on the same global input of 2·W rows, in f64. Also side by side
+//! with `DataParallel`: D replicas of the W-rank MLP, each on its own data, whose gradients are
+//! averaged over the replicas against the mean of D unsharded MLPs' gradients.
 
 use std::sync::Arc;
 
@@ -8,6 +10,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_distributed::collective::Collective;
 use candle_distributed::parallel::{ColumnParallelLinear, ParallelMode, RowParallelLinear};
+use candle_distributed::DataParallel;
 use candle_nn::{VarBuilder, VarMap};
 
 use super::{assert_close, cpu, on, randn, tol};
@@ -47,6 +50,15 @@ pub fn problem(world: usize) -> Problem {
     }
 }
 
+/// The weights of `problem(world)` with replica `replica`'s own input and target (replica 0's
+/// are `problem(world)`'s): one data-parallel replica's share of a global batch.
+pub fn replica(world: usize, replica: u64) -> Problem {
+    let mut p = problem(world);
+    p.x = randn(5 + 10 * replica, &[2 * world, 8], 0.0, 1.0);
+    p.target = randn(6 + 10 * replica, &[2 * world, 5], 0.0, 1.0);
+    p
+}
+
 /// Sets variable `name` to this rank's part of `full` along `dim`.
 pub fn load_shard(
     vm: &VarMap,
@@ -71,6 +83,60 @@ pub fn rank(
     c: Arc<dyn Collective>,
     dev: &Device,
 ) -> Result<RankOut> {
+    rank_in(p, mode, c, None, dev)
+}
+
+/// As [`rank`], with the layers' collectives on `tp` and a `DataParallel` over `dp` (made
+/// before the forward, as a training loop makes it) averaging the weight gradients over the
+/// replicas after the backward: tensor and data parallelism side by side.
+pub fn rank_data_parallel(
+    p: &Problem,
+    mode: ParallelMode,
+    tp: Arc<dyn Collective>,
+    dp: Arc<dyn Collective>,
+    dev: &Device,
+) -> Result<RankOut> {
+    rank_in(p, mode, tp, Some(dp), dev)
+}
+
+/// Rank `c` of a world of D·W ranks (`problems`: D replicas of W-rank problems) as
+/// tensor-parallel rank `c.rank() % W` of replica `c.rank() / W`: `c` is split into its
+/// replica's tensor-parallel group and its data-parallel group (the ranks with its
+/// tensor-parallel rank), then [`rank_data_parallel`] runs on the two.
+pub fn rank_2d(
+    problems: &[Problem],
+    mode: ParallelMode,
+    c: Arc<dyn Collective>,
+    dev: &Device,
+) -> Result<RankOut> {
+    let w = problems[0].world;
+    assert_eq!(c.world_size(), w * problems.len(), "D·W ranks");
+    let (d, t) = (c.rank() / w, c.rank() % w);
+    let tp = c.split(Some(d as u32), t as u32)?.expect("a color");
+    let dp = c.split(Some(t as u32), d as u32)?.expect("a color");
+    rank_data_parallel(&problems[d], mode, tp, dp, dev)
+}
+
+/// [`rank_2d`]'s results in world-rank order, grouped by replica for [`check_data_parallel`].
+pub fn by_replica(outs: Vec<RankOut>, w: usize) -> Vec<Vec<RankOut>> {
+    let mut it = outs.into_iter();
+    let mut groups = Vec::new();
+    loop {
+        let g: Vec<_> = it.by_ref().take(w).collect();
+        if g.is_empty() {
+            return groups;
+        }
+        groups.push(g);
+    }
+}
+
+fn rank_in(
+    p: &Problem,
+    mode: ParallelMode,
+    c: Arc<dyn Collective>,
+    dp: Option<Arc<dyn Collective>>,
+    dev: &Device,
+) -> Result<RankOut> {
     let vm = VarMap::new();
     let vb = VarBuilder::from_varmap(&vm, DType::F64, dev);
     let h = p.w1.dim(0)?;
@@ -80,6 +146,7 @@ pub fn rank(
     load_shard(&vm, "l1.bias", &p.b1, 0, &c)?;
     load_shard(&vm, "l2.weight", &p.w2, 1, &c)?;
     vm.data().lock().unwrap()["l2.bias"].set(&on(dev, &p.b2))?;
+    let dp = dp.map(|d| DataParallel::new(&vm, d)).transpose()?;
     let (xin, tgt) = match mode {
         ParallelMode::AllReduce => (p.x.clone(), p.target.clone()),
         ParallelMode::ReduceScatter => (
@@ -90,7 +157,10 @@ pub fn rank(
     let (xin, tgt) = (on(dev, &xin), on(dev, &tgt));
     let xr = Var::from_tensor(&xin)?;
     let y = l2.forward(&l1.forward(xr.as_tensor())?.relu()?)?;
-    let g = (&y - &tgt)?.sqr()?.sum_all()?.backward()?;
+    let mut g = (&y - &tgt)?.sqr()?.sum_all()?.backward()?;
+    if let Some(dp) = &dp {
+        g = dp.sync_gradients(g)?;
+    }
     let get = |n: &str| cpu(g.get(vm.data().lock().unwrap()[n].as_tensor()).unwrap());
     Ok(RankOut {
         y: cpu(&y),
@@ -133,9 +203,47 @@ fn unsharded(p: &Problem) -> (Tensor, [Tensor; 4]) {
 /// Every rank's results (in rank order) against the unsharded MLP: outputs, the input
 /// gradient, and every weight gradient (shards gathered = full).
 pub fn check(p: &Problem, mode: ParallelMode, outs: &[RankOut]) {
-    assert_eq!(outs.len(), p.world, "one result per rank");
     let (y, want) = unsharded(p);
-    let what = format!("{mode:?} over {} ranks", p.world);
+    check_against(p, mode, outs, &y, &want, "");
+}
+
+/// `outs[d]`: replica `d`'s ranks (in tensor-parallel rank order) of
+/// [`rank_data_parallel`] on `problems[d]`: each replica's outputs and input gradient against
+/// its own unsharded MLP, its weight gradients against the mean over the replicas.
+pub fn check_data_parallel(problems: &[Problem], mode: ParallelMode, outs: &[Vec<RankOut>]) {
+    assert_eq!(outs.len(), problems.len(), "one result per replica");
+    let all: Vec<_> = problems.iter().map(unsharded).collect();
+    let mean = |i: usize| {
+        let sum = all
+            .iter()
+            .skip(1)
+            .fold(all[0].1[i].clone(), |acc, (_, w)| (acc + &w[i]).unwrap());
+        (sum / all.len() as f64).unwrap()
+    };
+    let (dw1, dw2, db2) = (mean(0), mean(1), mean(3));
+    for (d, ((p, (y, want)), outs)) in problems.iter().zip(&all).zip(outs).enumerate() {
+        let want = [dw1.clone(), dw2.clone(), want[2].clone(), db2.clone()];
+        check_against(
+            p,
+            mode,
+            outs,
+            y,
+            &want,
+            &format!(", replica {d} of {}", problems.len()),
+        );
+    }
+}
+
+fn check_against(
+    p: &Problem,
+    mode: ParallelMode,
+    outs: &[RankOut],
+    y: &Tensor,
+    want: &[Tensor; 4],
+    label: &str,
+) {
+    assert_eq!(outs.len(), p.world, "one result per rank");
+    let what = format!("{mode:?} over {} ranks{label}", p.world);
     let cat = |f: fn(&RankOut) -> &Tensor, dim| {
         Tensor::cat(&outs.iter().map(f).collect::<Vec<_>>(), dim).unwrap()
     };
@@ -143,7 +251,7 @@ pub fn check(p: &Problem, mode: ParallelMode, outs: &[RankOut]) {
         ParallelMode::AllReduce => (outs[0].y.clone(), outs[0].dx.clone()),
         ParallelMode::ReduceScatter => (cat(|o| &o.y, 0), cat(|o| &o.dx, 0)),
     };
-    assert_close(&format!("{what} output"), &y_all, &y, tol::F64);
+    assert_close(&format!("{what} output"), &y_all, y, tol::F64);
     assert_close(
         &format!("{what} dW1"),
         &cat(|o| &o.dw1, 0),
