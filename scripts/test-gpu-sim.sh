@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU half on simulated GPUs (gpu-sim/README.md), no GPU needed: the simulator's
-# self-tests, then every `cuda::` test variant (under three thread schedules), tests/cuda.rs,
-# the launch counts of tests/gpu_counts.rs, tests/nccl.rs and tests/nccl_faults.rs (the
-# simulated NCCL) on 4 GPUs and tests/nccl.rs on 8, the cuda_startup example, the ResNet
+# self-tests, then every `cuda::` test variant (under three thread schedules, one with each
+# launch's blocks on 4 OS threads), tests/cuda.rs, the launch counts of tests/gpu_counts.rs,
+# tests/nccl.rs and tests/nccl_faults.rs (the simulated NCCL) on 4 GPUs, tests/nccl.rs on 8
+# and with one collective at a time per GPU, the cuda_startup example, the ResNet
 # example on `--device cuda` (4 thread ranks on one simulated GPU) with its `--check`, and the
 # README's NCCL commands at tiny sizes on 8 GPUs: `--backend nccl --world-size 8 --check` in
 # f32 and bf16 with accumulation and several buckets, a stop and `--resume`, and
@@ -48,6 +49,11 @@ for schedule in reverse random:7; do
     GPU_SIM_SCHEDULE=$schedule GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" \
         quietly "selftest-$schedule" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
 done
+echo "-- the same with the blocks of a launch on 4 OS threads (GPU_SIM_BLOCK_THREADS=4), in each order"
+for schedule in forward reverse random:7; do
+    GPU_SIM_BLOCK_THREADS=4 GPU_SIM_SCHEDULE=$schedule GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" \
+        quietly "selftest-threads-$schedule" "$out/bin/selftest" "$out/ptx/test_defects.ptx"
+done
 echo "-- the same with freed stream-ordered memory reused (GPU_SIM_REUSE=1)"
 GPU_SIM_REUSE=1 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" \
     quietly selftest-reuse "$out/bin/selftest" "$out/ptx/test_defects.ptx"
@@ -62,6 +68,8 @@ for damage in finite nan none; do
     echo "-- nccl_selftest with GPU_SIM_NCCL_ABORT_DAMAGE=$damage"
     GPU_SIM_NCCL_ABORT_DAMAGE=$damage quietly "nccl-$damage" "$out/bin/nccl_selftest"
 done
+echo "-- nccl_selftest with one collective at a time per device (GPU_SIM_NCCL_PROGRESS=device)"
+GPU_SIM_NCCL_PROGRESS=device quietly nccl-device "$out/bin/nccl_selftest"
 
 echo "-- the executor's rate on a barrier-free kernel (for the record, not a test)"
 GPU_SIM_KERNELS="$GPU_SIM_KERNELS:$out/test-kernels" "$out/bin/selftest" "$out/ptx/test_defects.ptx" bench
@@ -72,10 +80,13 @@ cargo test --features $features --tests --examples --no-run -q
 echo "-- every cuda:: test variant, on simulated GPUs (one gated: see gpu-sim/README.md), with blocks and threads in index order, reversed and in a seeded random order"
 # Gated: ResNet-18/34/50 at 32x32 for several steps, tens of millions of parameters through
 # element-wise kernels one emulated thread each (minutes per model here).
+# The random order also with each launch's blocks on 4 OS threads at once.
 for schedule in forward reverse random:7; do
-    echo "   GPU_SIM_SCHEDULE=$schedule"
-    GPU_SIM_SCHEDULE=$schedule cargo test --features $features --tests -q -- cuda:: \
-        --skip cuda::torchvision_models_train
+    threads=1
+    [ "$schedule" = random:7 ] && threads=4
+    echo "   GPU_SIM_SCHEDULE=$schedule GPU_SIM_BLOCK_THREADS=$threads"
+    GPU_SIM_SCHEDULE=$schedule GPU_SIM_BLOCK_THREADS=$threads cargo test --features $features \
+        --tests -q -- cuda:: --skip cuda::torchvision_models_train
 done
 
 echo "-- tests/cuda.rs and tests/gpu_counts.rs, on simulated GPUs"
@@ -94,6 +105,13 @@ for damage in finite nan none; do
     GPU_SIM_DEVICES=4 GPU_SIM_NCCL_ABORT_DAMAGE=$damage cargo test --features $features \
         --test nccl_faults -q
 done
+# One collective at a time per GPU in issue order: what NCCL's kernels may do when they occupy
+# the GPU. Tests one at a time (cargo's parallel tests share the GPUs, and their communicators'
+# collectives would interleave). Covers the parallel layers beside DataParallel, and the
+# example's --check over NCCL.
+echo "-- tests/nccl.rs with one collective at a time per GPU (GPU_SIM_NCCL_PROGRESS=device), one test at a time"
+GPU_SIM_DEVICES=4 GPU_SIM_NCCL_PROGRESS=device cargo test --features $features --test nccl -q \
+    -- --test-threads=1
 echo "-- the NCCL suites with freed stream-ordered memory reused (GPU_SIM_REUSE=1)"
 GPU_SIM_DEVICES=4 GPU_SIM_REUSE=1 cargo test --features $features --test nccl --test nccl_faults -q
 

@@ -4,6 +4,7 @@
 // emulator, on the stream's worker thread.
 #include <dirent.h>
 #include <dlfcn.h>
+#include <link.h>
 
 #include <cinttypes>
 #include <cstring>
@@ -20,7 +21,49 @@ struct KernelLib {
     std::string path;
     emu::Registry registry;
     bool strict_barriers = false;
+    // The library's thread-local storage: its module id and size (0: none). cuda_emu.h makes
+    // `__shared__` a `static thread_local`, so a kernel library's TLS holds its kernels'
+    // static shared memory (the emulator's own thread-locals live in libgpusim).
+    size_t tls_modid = 0, tls_size = 0;
 };
+
+// The size of the TLS segment of module `modid` (0 if none), from the loaded objects' headers.
+size_t tls_size_of(size_t modid) {
+    struct Find {
+        size_t modid, size = 0;
+    } f{modid};
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* data) {
+            auto* f = static_cast<Find*>(data);
+            if (info->dlpi_tls_modid != f->modid) return 0;
+            for (int i = 0; i < info->dlpi_phnum; i++)
+                if (info->dlpi_phdr[i].p_type == PT_TLS) f->size = info->dlpi_phdr[i].p_memsz;
+            return 1;
+        },
+        &f);
+    return f.size;
+}
+
+}  // namespace
+
+// The dynamic linker's TLS accessor (x86-64 ABI): the calling thread's block of module
+// `ti_module` at `ti_offset`, allocated on first use.
+struct TlsIndex {
+    unsigned long ti_module, ti_offset;
+};
+extern "C" void* __tls_get_addr(TlsIndex*);
+
+namespace {
+
+// At every block start: the kernel library's static shared memory, on the running thread,
+// is filled with 0xFF bytes (NaN for every float type), as dynamic shared memory is: a GPU
+// promises nothing about shared memory at a block's start, and a block that reads what the
+// previous block on the same multiprocessor left must fail here.
+void poison_static_shared(const void* arg) {
+    const auto* lib = static_cast<const KernelLib*>(arg);
+    TlsIndex ti{lib->tls_modid, 0};
+    std::memset(__tls_get_addr(&ti), 0xFF, lib->tls_size);
+}
 
 struct Module;
 struct Function {
@@ -87,6 +130,8 @@ std::vector<KernelLib*>& libs() {
                 }
                 if (!h) sim::fatal("cannot load kernel library %s: %s", lib->path.c_str(), dlerror());
                 lib->strict_barriers = dlsym(h, "gpusim_strict_barriers") != nullptr;
+                if (dlinfo(h, RTLD_DI_TLS_MODID, &lib->tls_modid) == 0 && lib->tls_modid)
+                    lib->tls_size = tls_size_of(lib->tls_modid);
                 out.push_back(lib);
             }
         }
@@ -291,6 +336,10 @@ CUresult cuLaunchKernel(CUfunction h, unsigned gx, unsigned gy, unsigned gz, uns
     cfg.block = dim3(bx, by, bz);
     cfg.smem = smem;
     cfg.lenient_barriers = !f->module->lib->strict_barriers;
+    if (f->module->lib->tls_size) {
+        cfg.block_start = poison_static_shared;
+        cfg.block_start_arg = f->module->lib;
+    }
     static const emu::Schedule schedule = [] {
         emu::Schedule sc;
         const char* v = std::getenv("GPU_SIM_SCHEDULE");

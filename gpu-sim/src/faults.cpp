@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include "faults.h"
 #include "sim.h"
@@ -66,21 +67,19 @@ void ensure_altstack() {
 
 }  // namespace
 
-bool guarded_run(const emu::KernelEntry& k, void** args, const emu::LaunchConfig& cfg,
-                 std::string& error, uint64_t* fault_addr) {
+bool guarded(const std::function<void()>& body, uint64_t* fault_addr) {
     std::call_once(g_installed, install);
     ensure_altstack();
     *fault_addr = 0;
     if (sigsetjmp(t_jump, 1) != 0) {
         emu::abandon();
         *fault_addr = t_fault_addr;
-        error = "memory fault";
         return false;
     }
     t_guarded = 1;
-    bool ok = emu::run(k, args, cfg, error);
+    body();
     t_guarded = 0;
-    return ok;
+    return true;
 }
 
 }  // namespace sim

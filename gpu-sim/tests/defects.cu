@@ -41,3 +41,38 @@ extern "C" __global__ void sim_block_zero_first(int* flag, int* out) {
     if (blockIdx.x == 0) *flag = 1;
     else out[blockIdx.x] = *reinterpret_cast<volatile int*>(flag);
 }
+
+// "The last block to arrive adds the partials", with the defect that a block announces its
+// arrival (counter[0]) before writing its partial, so the last block can read one not yet
+// written. Blocks run one after another never show it (each block ends before the next
+// starts); blocks running at once do, whatever their order: a block that is not the last
+// lingers between announcing and writing until the last block has read (counter[1]), or for a
+// bounded time (alone on its thread, it writes then). Thread 0 of each block only; `out` gets
+// the sum of partials b + 1, that is n(n + 1)/2 for n blocks when correct.
+extern "C" __global__ void sim_announce_before_writing(float* partials, unsigned* counter,
+                                                       float* out) {
+    if (threadIdx.x != 0) return;
+    unsigned arrived = atomicAdd(&counter[0], 1u);
+    if (arrived != gridDim.x - 1)
+        for (long i = 0; i < 200000000L && *(volatile unsigned*)&counter[1] == 0; i++) {
+        }
+    partials[blockIdx.x] = float(blockIdx.x + 1);
+    if (arrived == gridDim.x - 1) {
+        float s = 0.0f;
+        for (unsigned b = 0; b < gridDim.x; b++) s += *(volatile float*)&partials[b];
+        *out = s;
+        atomicExch(&counter[1], 1u);
+    }
+}
+
+// Reads a static shared variable before any thread of its block wrote it, then writes it:
+// undefined on a GPU (shared memory holds anything at a block's start). out[b] gets what block
+// b read: on one OS thread, blocks one after another, the previous block's 7 unless the
+// emulator poisons static shared memory at every block start.
+extern "C" __global__ void sim_static_shared_read_first(int* out) {
+    __shared__ int s;
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = s;
+        s = 7;
+    }
+}

@@ -239,6 +239,11 @@ bool a_divergent_barrier_fails_a_strict_launch() {
 
 // Blocks run in the schedule's order (GPU_SIM_SCHEDULE): a kernel assuming that block 0 runs
 // first is right under `forward` only. Run under each schedule by scripts/test-gpu-sim.sh.
+bool several_block_threads() {
+    const char* e = std::getenv("GPU_SIM_BLOCK_THREADS");
+    return e && std::atoi(e) > 1;
+}
+
 bool blocks_run_in_the_schedules_order() {
     const char* e = std::getenv("GPU_SIM_SCHEDULE");
     const bool forward = !e || !*e || std::string(e) == "forward";
@@ -254,8 +259,51 @@ bool blocks_run_in_the_schedules_order() {
     cuMemcpyDtoHAsync_v2(v.data(), out, 64 * 4, nullptr);
     int early = 0;  // blocks that ran before block 0
     for (int b = 1; b < 64; ++b) early += v[b] == 0;
-    if (forward) EXPECT(early == 0, "in index order every block runs after block 0: %d did not", early);
-    else EXPECT(early > 0, "under %s some block runs before block 0: none did", e);
+    if (!forward) EXPECT(early > 0, "under %s some block runs before block 0: none did", e);
+    // On several threads (GPU_SIM_BLOCK_THREADS) blocks start in index order but run at once.
+    else if (!several_block_threads())
+        EXPECT(early == 0, "in index order every block runs after block 0: %d did not", early);
+    return true;
+}
+
+// Static shared memory (`__shared__` arrays of a kernel) holds 0xFF bytes at every block
+// start, as dynamic shared memory does: a block reading it before writing it reads -1, never
+// what the previous block left (7) nor zeros.
+bool static_shared_memory_is_poisoned_at_every_block_start() {
+    Device d(0);
+    CUdeviceptr out;
+    cuMemAlloc_v2(&out, 8 * 4);
+    cuMemsetD32Async(out, 3, 8, nullptr);
+    void* args[] = {&out};
+    cuLaunchKernel(d.fn("sim_static_shared_read_first"), 8, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    std::vector<int> v(8);
+    cuMemcpyDtoHAsync_v2(v.data(), out, 8 * 4, nullptr);
+    for (int b = 0; b < 8; ++b)
+        EXPECT(v[b] == -1, "block %d read %d from static shared memory at its start, not the poison -1", b, v[b]);
+    return true;
+}
+
+// The blocks of one launch run at once on several OS threads (GPU_SIM_BLOCK_THREADS > 1): a
+// "last block adds the partials" kernel whose blocks announce their arrival before writing
+// their partial is caught (the last block reads an unwritten partial); on one thread, blocks
+// run one after another and the same kernel sums right. Run in both settings.
+bool blocks_of_a_launch_run_at_once_on_several_threads() {
+    Device d(0);
+    CUdeviceptr partials, counter, out;
+    cuMemAlloc_v2(&partials, 2 * 4);
+    cuMemAlloc_v2(&counter, 2 * 4);
+    cuMemAlloc_v2(&out, 4);
+    cuMemsetD32Async(partials, 0, 2, nullptr);
+    cuMemsetD32Async(counter, 0, 2, nullptr);
+    cuMemsetD32Async(out, 0, 1, nullptr);
+    void* args[] = {&partials, &counter, &out};
+    cuLaunchKernel(d.fn("sim_announce_before_writing"), 2, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    float sum = 0;
+    cuMemcpyDtoHAsync_v2(&sum, out, 4, nullptr);
+    if (several_block_threads())
+        EXPECT(sum != 3.0f, "the last block reads block 0's partial before it is written: got the right sum %g", sum);
+    else
+        EXPECT(sum == 3.0f, "blocks one after another: every partial is written first: got %g, want 3", sum);
     return true;
 }
 
@@ -582,6 +630,8 @@ int main(int argc, char** argv) {
         {"copies_are_range_checked", copies_are_range_checked},
         {"a_divergent_barrier_fails_a_strict_launch", a_divergent_barrier_fails_a_strict_launch},
         {"blocks_run_in_the_schedules_order", blocks_run_in_the_schedules_order},
+        {"blocks_of_a_launch_run_at_once_on_several_threads", blocks_of_a_launch_run_at_once_on_several_threads},
+        {"static_shared_memory_is_poisoned_at_every_block_start", static_shared_memory_is_poisoned_at_every_block_start},
         {"unordered_cross_stream_use_is_a_race", unordered_cross_stream_use_is_a_race},
         {"an_event_wait_orders_streams", an_event_wait_orders_streams},
         {"a_write_after_an_unordered_read_is_a_race", a_write_after_an_unordered_read_is_a_race},

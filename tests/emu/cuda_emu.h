@@ -1,7 +1,9 @@
 // A CUDA emulator for the kernels in kernels/*.cu (and, in the simulated device of gpu-sim/,
 // candle's kernels), compiled by g++ (test-only).
 //
-// Blocks run one after another on the calling OS thread. The threads of a block are fibers
+// Blocks run one after another on the calling OS thread (`emu::run`), or on several OS threads
+// at once (`emu::run_blocks` from each; the simulated device's GPU_SIM_BLOCK_THREADS), each with
+// its own fibers, shared memory and built-in variables. The threads of a block are fibers
 // (a small assembly context switch, stacks from a per-thread pool) that switch only at
 // __syncthreads, __syncwarp, shuffles and ballots; a thread that never blocks runs to its end
 // on one stack, which the next thread then reuses. The order in which runnable fibers resume is
@@ -11,7 +13,7 @@
 // lenient mode counts exited threads as arrived, as sm_70 and later GPUs do), a warp operation
 // whose mask names exited, absent or diverged lanes, a shuffle reading a lane outside its mask.
 // Dynamic shared memory is filled with 0xFF bytes (NaN for every float type) at every block
-// start.
+// start; the simulated device does the same to a module's static shared memory.
 //
 // It cannot see true races, memory-model bugs, occupancy, launch-resource limits or timing.
 #pragma once
@@ -117,7 +119,8 @@ struct Reg {
 #define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict
-// Shared memory: one copy per OS thread (blocks of one launch run one after another on it).
+// Shared memory: one copy per OS thread (the blocks a thread runs, one after another, reuse it;
+// the simulated device poisons it at each block start through LaunchConfig::block_start).
 #define __shared__ static thread_local
 #define EMU_REGISTER(name) static ::emu::Reg emu_reg_##name(#name, &name);
 

@@ -410,7 +410,13 @@ void abandon() {
     cur_tid = &kHostTid;
 }
 
-bool run(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, std::string& error) {
+void Grid::fail(const std::string& why) {
+    std::lock_guard<std::mutex> lk(m);
+    if (!failed.exchange(true)) error = why;
+}
+
+bool prepare(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, Grid& g,
+             std::string& error) {
     const dim3 grid = cfg.grid, block = cfg.block;
     const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
     if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 ||
@@ -431,9 +437,37 @@ bool run(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, std::s
         error = "a launch from inside a kernel";
         return false;
     }
+    g.kernel = &kernel;
+    g.args = args;
+    g.cfg = cfg;
+    g.nblocks = size_t(grid.x) * grid.y * grid.z;
+    // Blocks start in the schedule's order too: x fastest (forward), the reverse, or a seeded
+    // shuffle, so that a kernel assuming an order between blocks (block 0 first, say) fails
+    // under some schedule. On one thread they run one after another; on several, concurrently.
+    if (cfg.schedule.mode != Schedule::Forward) {
+        g.order.resize(g.nblocks);
+        for (size_t i = 0; i < g.nblocks; i++) g.order[i] = i;
+        if (cfg.schedule.mode == Schedule::Reverse) {
+            std::reverse(g.order.begin(), g.order.end());
+        } else {
+            std::mt19937_64 rng(cfg.schedule.seed);
+            std::shuffle(g.order.begin(), g.order.end(), rng);
+        }
+    }
+    return true;
+}
+
+void run_blocks(Grid& g) {
+    const LaunchConfig& cfg = g.cfg;
+    const dim3 grid = cfg.grid, block = cfg.block;
+    const unsigned threads = block.x * block.y * block.z;
+    if (g_launch) {
+        g.fail("a launch from inside a kernel");
+        return;
+    }
     auto* l = new Launch;
-    l->kernel = &kernel;
-    l->args = args;
+    l->kernel = g.kernel;
+    l->args = g.args;
     l->lenient = cfg.lenient_barriers;
     l->fibers.resize(threads);
     l->smem.assign(cfg.smem, 0xFF);
@@ -441,35 +475,38 @@ bool run(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, std::s
     cur_tid = &kHostTid;
     grid_dim = grid;
     block_dim = block;
-    std::mt19937_64 rng(cfg.schedule.seed);
     std::vector<unsigned> order(threads);
-    for (unsigned i = 0; i < threads; i++)
-        order[i] = cfg.schedule.mode == Schedule::Reverse ? (unsigned)threads - 1 - i : i;
-    // Blocks run one after another, in the schedule's order too: x fastest (forward), the
-    // reverse, or a seeded shuffle, so that a kernel assuming an order between blocks (block 0
-    // first, say) fails under some schedule. (They never run concurrently: see docs/kernels.md.)
-    const size_t nblocks = size_t(grid.x) * grid.y * grid.z;
-    std::vector<size_t> blocks;  // linear block numbers, for the orders other than forward
-    if (cfg.schedule.mode != Schedule::Forward) {
-        blocks.resize(nblocks);
-        for (size_t i = 0; i < nblocks; i++) blocks[i] = i;
-        if (cfg.schedule.mode == Schedule::Reverse) std::reverse(blocks.begin(), blocks.end());
-        else std::shuffle(blocks.begin(), blocks.end(), rng);
-    }
-    bool ok = true;
     try {
-        for (size_t i = 0; i < nblocks; i++) {
-            const size_t b = blocks.empty() ? i : blocks[i];
+        for (;;) {
+            if (g.failed.load()) break;
+            const size_t i = g.next.fetch_add(1);
+            if (i >= g.nblocks) break;
+            const size_t b = g.order.empty() ? i : g.order[i];
             block_idx = dim3(unsigned(b % grid.x), unsigned(b / grid.x % grid.y),
                              unsigned(b / (size_t(grid.x) * grid.y)));
+            // The threads' order within the block: a function of the seed and the block
+            // alone, whichever OS thread runs it.
+            for (unsigned t = 0; t < threads; t++)
+                order[t] = cfg.schedule.mode == Schedule::Reverse ? threads - 1 - t : t;
+            std::mt19937_64 rng(cfg.schedule.seed ^ (0x9e3779b97f4a7c15ull * (b + 1)));
+            if (cfg.block_start) cfg.block_start(cfg.block_start_arg);
             run_block(*l, cfg.schedule, rng, order);
         }
     } catch (Abort&) {
-        ok = false;
-        error = l->error;
+        g.fail(l->error);
     }
     abandon();
-    return ok;
+}
+
+bool run(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, std::string& error) {
+    Grid g;
+    if (!prepare(kernel, args, cfg, g, error)) return false;
+    run_blocks(g);
+    if (g.failed.load()) {
+        error = g.error;
+        return false;
+    }
+    return true;
 }
 
 }  // namespace emu

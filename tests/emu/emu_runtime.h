@@ -2,8 +2,10 @@
 // include cuda_emu.h only.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,11 +43,39 @@ struct LaunchConfig {
     Schedule schedule;
     // Exited threads count as arrived at __syncthreads (sm_70 and later); strict otherwise.
     bool lenient_barriers = false;
+    // Called on the running OS thread at every block start, after dynamic shared memory is
+    // filled (the launcher poisons the kernel module's static shared memory with it).
+    void (*block_start)(const void* arg) = nullptr;
+    const void* block_start_arg = nullptr;
 };
 
 // Runs `kernel` over the grid on the calling thread. Returns true, or false with `error` set
 // (a launch configuration the device refuses, or undefined behaviour the emulator detected).
 bool run(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, std::string& error);
+
+// A launch's blocks, handed out to the OS threads that run them (`run_blocks`), each block
+// once, in the schedule's order of starting; the first failure stops every thread at its next
+// block. `run` is `prepare` then `run_blocks` on the calling thread alone.
+struct Grid {
+    const KernelEntry* kernel = nullptr;
+    void** args = nullptr;
+    LaunchConfig cfg;
+    size_t nblocks = 0;
+    std::vector<size_t> order;  // linear block numbers in start order (empty: index order)
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::mutex m;        // guards `error`
+    std::string error;   // the first failure's
+    void fail(const std::string& why);
+};
+// Checks the launch configuration and fills `g`. False with `error` set if the device would
+// refuse the launch.
+bool prepare(const KernelEntry& kernel, void** args, const LaunchConfig& cfg, Grid& g,
+             std::string& error);
+// Runs blocks of `g` on the calling thread until none is left or one (on any thread) failed.
+// Every thread running blocks of one grid at once has its own fibers, shared memory and
+// built-in variables. A failure is recorded in `g` (the first one's message).
+void run_blocks(Grid& g);
 
 // Frees what an interrupted `run` held (one left by a longjmp out of a kernel, from a signal
 // handler): its fiber stacks go back to the pool and the thread is no longer inside a launch.
