@@ -250,9 +250,16 @@ fn an_asynchronous_error_after_one_call() {
 
 /// Two communicators over the same two GPUs, used in opposite orders: rank 0 starts an
 /// all-reduce on A then one on B, rank 1 on B then on A, waits for both (no host wait: the
-/// GPU's stream waits) and reads both results to the host. Each rank's result: whether both
-/// communicators then report the watchdog's abort (`deferred_error`, `RankLeft`), the errors'
-/// messages or the values read, and the time from the first start to the end of the reads.
+/// GPU's stream waits) and reads both results to the host. Each rank's result: whether one of
+/// its communicators, at least, then reports the watchdog's abort (`deferred_error`,
+/// `RankLeft`), the errors' messages or the values read, and the time from the first start to
+/// the end of the reads.
+///
+/// Under one collective at a time per GPU the four collectives wait in a cycle (rank 0's A for
+/// rank 1's A, which waits for GPU 1, held by rank 1's B, which waits for rank 0's B, which
+/// waits for GPU 0, held by rank 0's A), so no collective can complete before an abort. Which
+/// watchdog fires first is a race, and an abort can let the other communicator's pair
+/// complete; but on each rank one collective, at least, can only end by an abort.
 fn opposite_orders() -> Vec<(bool, String, Duration)> {
     let a = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
     let b = NcclGroup::with_timeout(&[0, 1], TIMEOUT).unwrap();
@@ -276,7 +283,7 @@ fn opposite_orders() -> Vec<(bool, String, Duration)> {
                     let values = [one.to_vec1::<f32>()?[0], two.to_vec1::<f32>()?[0]];
                     let took = t0.elapsed();
                     let errs = [first.deferred_error().err(), second.deferred_error().err()];
-                    let aborted = errs.iter().all(|e| {
+                    let aborted = errs.iter().any(|e| {
                         e.as_ref().is_some_and(|e| {
                             matches!(
                                 CollectiveError::find(e),
@@ -311,7 +318,7 @@ fn child_communicators_in_opposite_orders() {
         if device {
             assert!(
                 aborted,
-                "rank {rank}: both communicators must report the abort: {what}"
+                "rank {rank}: a communicator must report the abort: {what}"
             );
             assert!(
                 took < TIMEOUT + SLACK,
@@ -326,9 +333,10 @@ fn child_communicators_in_opposite_orders() {
 
 /// Communicators used in opposite orders on two ranks: with one collective at a time per GPU
 /// (`GPU_SIM_NCCL_PROGRESS=device`, NCCL's kernels occupying the GPU while they wait) the
-/// inversion deadlocks, and each rank's watchdog aborts both communicators at the timeout:
-/// the reads return, both communicators report the abort, nothing hangs. With communicators progressing independently (the
-/// simulator's default) the same program completes: the deadlock is the mode's doing.
+/// inversion deadlocks, and the watchdogs' aborts at the timeout end it: the reads return, on
+/// each rank a communicator reports the abort, nothing hangs. With communicators progressing
+/// independently (the simulator's default) the same program completes: the deadlock is the
+/// mode's doing.
 #[test]
 fn communicators_used_in_opposite_orders_time_out() {
     in_child(
