@@ -326,7 +326,7 @@ fn parallel_layers_and_async_collectives_over_nccl() {
 #[test]
 fn parallel_layers_beside_data_parallel_over_nccl() {
     let n = gpus();
-    if n < 4 || n % 2 != 0 {
+    if n < 4 || !n.is_multiple_of(2) {
         eprintln!("parallel_layers_beside_data_parallel_over_nccl: skipped, needs an even GPU count of at least 4");
         return;
     }
