@@ -19,7 +19,8 @@ namespace {
 
 struct Job {
     emu::Grid grid;
-    std::atomic<uint64_t> fault{0};  // the first memory fault's address
+    std::mutex m;                    // guards `fault`
+    Fault fault;                     // the first fault's
     int active = 0;                  // helpers inside run_blocks (guarded by the pool's mutex)
 };
 
@@ -38,11 +39,13 @@ Pool& pool() {
 
 // Runs blocks of `j` on this thread, guarded; a memory fault fails the whole grid.
 void work_on(Job& j) {
-    uint64_t fault = 0;
+    Fault fault;
     if (!guarded([&j] { emu::run_blocks(j.grid); }, &fault)) {
-        uint64_t none = 0;
-        j.fault.compare_exchange_strong(none, fault);
-        j.grid.fail("memory fault");
+        {
+            std::lock_guard<std::mutex> lk(j.m);
+            if (!j.fault.happened) j.fault = fault;
+        }
+        j.grid.fail(fault.misaligned ? "misaligned access" : "memory fault");
     }
 }
 
@@ -96,8 +99,8 @@ unsigned block_threads() {
 }
 
 bool guarded_run(const emu::KernelEntry& k, void** args, const emu::LaunchConfig& cfg,
-                 std::string& error, uint64_t* fault_addr) {
-    *fault_addr = 0;
+                 std::string& error, Fault* fault) {
+    *fault = Fault{};
     Job j;
     if (!emu::prepare(k, args, cfg, j.grid, error)) return false;
     const bool pooled = block_threads() > 1 && j.grid.nblocks > 1;
@@ -122,7 +125,8 @@ bool guarded_run(const emu::KernelEntry& k, void** args, const emu::LaunchConfig
     }
     if (!j.grid.failed.load()) return true;
     error = j.grid.error;
-    *fault_addr = j.fault.load();
+    std::lock_guard<std::mutex> lk(j.m);
+    *fault = j.fault;
     return false;
 }
 

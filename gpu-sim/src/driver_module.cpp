@@ -355,22 +355,29 @@ CUresult cuLaunchKernel(CUfunction h, unsigned gx, unsigned gy, unsigned gz, uns
     op.run = [entry, storage, ptrs, cfg, name, ctx, pointer_args, arg_allocs] {
         if (sim::skip_kernels()) return;  // checked, counted and ordered above; not run
         std::string error;
-        uint64_t fault = 0;
+        sim::Fault fault;
         if (!sim::guarded_run(*entry, ptrs->data(), cfg, error, &fault)) {
             sim::count_fault();
-            if (fault) {
+            if (fault.misaligned) {
+                std::string where = sim::symbol_at(fault.addr);
+                sim::set_sticky(ctx, CUDA_ERROR_MISALIGNED_ADDRESS,
+                                "kernel " + name + ": misaligned address: an access through a "
+                                "pointer not aligned to its type's alignment (the alignment "
+                                "check's trap" + (where.empty() ? "" : " in " + where) + ")");
+            } else if (fault.happened) {
+                const uint64_t addr = fault.addr;
                 // Name the argument whose allocation the address is in or next to.
                 std::string arg;
                 for (const auto& ia : arg_allocs) {
                     const sim::Allocation& a = *ia.second;
-                    if (fault + 4096 >= a.base && fault < a.base + a.size + 4096)
+                    if (addr + 4096 >= a.base && addr < a.base + a.size + 4096)
                         arg = " (argument " + std::to_string(ia.first) + ")";
                 }
-                char addr[32];
-                std::snprintf(addr, sizeof addr, "0x%" PRIx64, fault);
+                char text[32];
+                std::snprintf(text, sizeof text, "0x%" PRIx64, addr);
                 sim::set_sticky(ctx, CUDA_ERROR_ILLEGAL_ADDRESS,
-                                "kernel " + name + ": illegal address " + addr + arg + ": " +
-                                    sim::describe_address(fault));
+                                "kernel " + name + ": illegal address " + text + arg + ": " +
+                                    sim::describe_address(addr));
             }
             else
                 sim::set_sticky(ctx, CUDA_ERROR_LAUNCH_FAILED, "kernel " + name + ": " + error);

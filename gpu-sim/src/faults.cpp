@@ -1,7 +1,10 @@
-// Running a kernel with its memory faults caught: a SIGSEGV or SIGBUS raised by kernel code
-// (an access to a guard page, to freed or unmapped memory) ends the launch with the faulting
-// address instead of killing the process, as a GPU reports an illegal address. Signals raised
-// outside a kernel go to the handler that was installed before (Rust's, or the default).
+// Running a kernel with its faults caught: a SIGSEGV or SIGBUS raised by kernel code (an access
+// to a guard page, to freed or unmapped memory) ends the launch with the faulting address
+// instead of killing the process, as a GPU reports an illegal address; a SIGILL (the trap of
+// the alignment check the kernel libraries are built with) ends it as a misaligned address.
+// Signals raised outside a kernel go to the handler that was installed before (Rust's, or the
+// default).
+#include <dlfcn.h>
 #include <setjmp.h>
 #include <signal.h>
 
@@ -16,20 +19,22 @@ namespace sim {
 
 namespace {
 
-struct sigaction g_old_segv, g_old_bus;
+struct sigaction g_old_segv, g_old_bus, g_old_ill;
 std::once_flag g_installed;
 thread_local sigjmp_buf t_jump;
 thread_local volatile sig_atomic_t t_guarded = 0;
 thread_local volatile uintptr_t t_fault_addr = 0;
+thread_local volatile sig_atomic_t t_fault_sig = 0;
 thread_local char* t_altstack = nullptr;
 
 void handler(int sig, siginfo_t* info, void* uctx) {
     if (t_guarded) {
         t_guarded = 0;
         t_fault_addr = reinterpret_cast<uintptr_t>(info->si_addr);
+        t_fault_sig = sig;
         siglongjmp(t_jump, 1);
     }
-    const struct sigaction& old = sig == SIGSEGV ? g_old_segv : g_old_bus;
+    const struct sigaction& old = sig == SIGSEGV ? g_old_segv : sig == SIGBUS ? g_old_bus : g_old_ill;
     if (old.sa_flags & SA_SIGINFO) {
         if (old.sa_sigaction) old.sa_sigaction(sig, info, uctx);
         return;
@@ -51,6 +56,7 @@ void install() {
     sigemptyset(&sa.sa_mask);
     sigaction(SIGSEGV, &sa, &g_old_segv);
     sigaction(SIGBUS, &sa, &g_old_bus);
+    sigaction(SIGILL, &sa, &g_old_ill);
 }
 
 // Fiber stacks are small and a fault may hit one: the handler runs on a stack of its own.
@@ -67,19 +73,27 @@ void ensure_altstack() {
 
 }  // namespace
 
-bool guarded(const std::function<void()>& body, uint64_t* fault_addr) {
+bool guarded(const std::function<void()>& body, Fault* fault) {
     std::call_once(g_installed, install);
     ensure_altstack();
-    *fault_addr = 0;
+    *fault = Fault{};
     if (sigsetjmp(t_jump, 1) != 0) {
         emu::abandon();
-        *fault_addr = t_fault_addr;
+        fault->happened = true;
+        fault->addr = t_fault_addr;
+        fault->misaligned = t_fault_sig == SIGILL;
         return false;
     }
     t_guarded = 1;
     body();
     t_guarded = 0;
     return true;
+}
+
+std::string symbol_at(uint64_t addr) {
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void*>(addr), &info) && info.dli_sname) return info.dli_sname;
+    return "";
 }
 
 }  // namespace sim

@@ -220,6 +220,8 @@ ncclResult_t ncclCommSplit(Comm* c, int color, int key, Comm** out, ncclConfigPr
         return nccl::fail(ncclInvalidArgument, "%s: color %d (a color is >= 0, or NCCL_SPLIT_NOCOLOR)", call, color);
     bool blocking = c->blocking;
     if (config && config_blocking(config, &blocking)) return ncclInvalidArgument;
+    if (const nccl::Fault* f = nccl::find_fault("split-error", c->rank, long(c->splits)))
+        return nccl::fail(f->code, "%s: injected error %d at split #%llu", call, f->code, (unsigned long long)c->splits);
     uint64_t n = c->splits++;
     nccl::Slot& me = c->world.h->slots[c->rank];
     me.split_color[n % 4].store(color);

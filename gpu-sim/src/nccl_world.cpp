@@ -57,7 +57,7 @@ std::vector<Fault> parse_faults() {
             }
         }
         static const char* kinds[] = {"init-never", "skip", "hang", "async-error", "sync-error",
-                                      "blocking", "version", "kernel-fault"};
+                                      "blocking", "version", "kernel-fault", "split-error"};
         bool known = false;
         for (const char* k : kinds) known |= f.kind == k;
         if (!known) sim::fatal("GPU_SIM_NCCL_FAULTS: unknown fault '%s'", f.kind.c_str());

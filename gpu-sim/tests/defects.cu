@@ -76,3 +76,11 @@ extern "C" __global__ void sim_static_shared_read_first(int* out) {
         s = 7;
     }
 }
+
+// Reads a float4 at in + 1, 4 bytes past a 16-byte boundary: a misaligned vector load, which
+// faults on a GPU (and which x86 would perform).
+extern "C" __global__ void sim_misaligned_vector_load(const float* in, float* out) {
+    if (threadIdx.x != 0) return;
+    float4 v = *reinterpret_cast<const float4*>(in + 1);
+    out[0] = v.x + v.y + v.z + v.w;
+}

@@ -164,6 +164,34 @@ bool write_past_the_end_faults_and_sticks() {
     return true;
 }
 
+// An access through a pointer not aligned to its type (a float4 4 bytes past a 16-byte
+// boundary) fails the launch with CUDA_ERROR_MISALIGNED_ADDRESS, naming the kernel, and the
+// error is sticky, as on a GPU; the same load at an aligned address runs.
+bool a_misaligned_vector_load_is_refused() {
+    const char* kernel = "sim_misaligned_vector_load";
+    {
+        Device d(0);
+        CUdeviceptr in = upload(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}), out = upload({0});
+        CUdeviceptr aligned = in + 12;  // the kernel's in + 1 is then 16 bytes in
+        void* args[] = {&aligned, &out};
+        cuLaunchKernel(d.fn(kernel), 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+        EXPECT(cuCtxSynchronize() == CUDA_SUCCESS, "the aligned load runs");
+        float sum = 0;
+        cuMemcpyDtoHAsync_v2(&sum, out, 4, nullptr);
+        EXPECT(sum == 26.0f, "the aligned load reads 5 + 6 + 7 + 8: got %g", sum);
+    }
+    Device d(0);
+    CUdeviceptr in = upload(std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}), out = upload({0});
+    void* args[] = {&in, &out};
+    cuLaunchKernel(d.fn(kernel), 1, 1, 1, 32, 1, 1, 0, nullptr, args, nullptr);
+    CUresult r = cuCtxSynchronize();
+    EXPECT(r == CUDA_ERROR_MISALIGNED_ADDRESS, "got %s", name(r));
+    CUdeviceptr more;
+    r = cuMemAlloc_v2(&more, 64);
+    EXPECT(r == CUDA_ERROR_MISALIGNED_ADDRESS, "the error is sticky, got %s", name(r));
+    return true;
+}
+
 bool write_into_the_alignment_slack_is_caught() {
     Device d(0);
     CUdeviceptr out = upload(std::vector<float>(10));  // 40 bytes in a 256-byte slot
@@ -623,6 +651,7 @@ int main(int argc, char** argv) {
         {"freed_pointer_argument_is_refused", freed_pointer_argument_is_refused},
         {"other_devices_pointer_is_refused", other_devices_pointer_is_refused},
         {"write_past_the_end_faults_and_sticks", write_past_the_end_faults_and_sticks},
+        {"a_misaligned_vector_load_is_refused", a_misaligned_vector_load_is_refused},
         {"write_into_the_alignment_slack_is_caught", write_into_the_alignment_slack_is_caught},
         {"a_write_just_before_the_start_is_caught", a_write_just_before_the_start_is_caught},
         {"an_overlapping_device_copy_is_refused", an_overlapping_device_copy_is_refused},
