@@ -66,7 +66,7 @@ pub mod parallel;
 
 pub use amp::GradScaler;
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
-pub use data_parallel::DataParallel;
+pub use data_parallel::{DataParallel, GradHooks, OverlapStats};
 pub use layout::Layout;
 
 /// The README's Rust code blocks, compiled and run as doctests (`cargo test --doc`), so that

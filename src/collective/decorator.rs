@@ -179,6 +179,14 @@ impl<D: Decorator> Collective for D {
         self.after_async(call, pending)
     }
 
+    /// Goes to `inner`'s own `all_reduce_wire_async` (its hooks see an all-reduce of `t`).
+    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
+        let call = Op::AllReduce(op);
+        self.before(call, Some(t))?;
+        let pending = self.inner().all_reduce_wire_async(t, op, wire)?;
+        self.after_async(call, pending)
+    }
+
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
         self.before(Op::AllGather, Some(t))?;
         let pending = self.inner().all_gather_async(t)?;

@@ -273,6 +273,26 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// [`Collective::all_reduce`], comes from [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
 
+    /// Starts [`Collective::all_reduce_wire`] and returns at once, as
+    /// [`Collective::all_reduce_async`] starts [`Collective::all_reduce`]: [`Pending::wait`]
+    /// gives what the synchronous call returns, bit for bit (`DataParallel::backward` sends its
+    /// buckets on a wire dtype this way). The default casts, as the default
+    /// [`Collective::all_reduce_wire`] does; thread ranks and MPI round on the host, as their
+    /// synchronous calls do.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_async`]; `t` or `wire` not a float dtype (here).
+    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
+        check_wire(t, wire)?;
+        if wire == t.dtype() {
+            return self.all_reduce_async(t, op);
+        }
+        let dtype = t.dtype();
+        let pending = self.all_reduce_async(&t.to_dtype(wire)?, op)?;
+        Ok(Pending::new(move || pending.wait()?.to_dtype(dtype)))
+    }
+
     /// Starts [`Collective::all_gather`]; see [`Collective::all_reduce_async`].
     ///
     /// # Errors

@@ -115,10 +115,12 @@
 //!   batch-norm buffers, optimizer moments and step, scaler state, epoch and step as one
 //!   consistent pair of files and resumes bit for bit.
 
+mod hooks;
 pub mod join;
+mod overlap;
 mod pack;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
@@ -126,7 +128,9 @@ use candle_nn::VarMap;
 
 use crate::collective::{Collective, ReduceOp};
 
+pub use hooks::GradHooks;
 pub use join::JoinStep;
+pub use overlap::OverlapStats;
 
 /// Default bucket size: 25 MiB of gradients per all-reduce (PyTorch DDP's default).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
@@ -164,6 +168,10 @@ pub struct DataParallel {
     wire: Option<DType>,
     /// The variables' device (the communicator's): where the small control tensors live.
     device: Device,
+    /// The model's gradient hooks, when the all-reduce overlaps the backward.
+    overlap: Option<GradHooks>,
+    /// What the last overlapped backward did.
+    stats: Mutex<OverlapStats>,
 }
 
 impl DataParallel {
@@ -237,6 +245,8 @@ impl DataParallel {
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             wire: None,
             device,
+            overlap: None,
+            stats: Mutex::new(OverlapStats::default()),
         })
     }
 
@@ -362,25 +372,181 @@ impl DataParallel {
                     None => self.comm.all_reduce_owned(flat, ReduceOp::Avg)?,
                 }
             };
-            let total: usize = bucket.iter().map(|(_, v)| v.elem_count()).sum();
-            let somewhere = if missing_here {
-                let f = avg.narrow(0, total, bucket.len())?;
-                Some(f.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-            } else {
-                None
-            };
-            let mut at = 0;
-            for (i, (_, v)) in bucket.iter().enumerate() {
-                let n = v.elem_count();
-                // A variable no rank has a gradient for stays without one, as in one process
-                // (an optimizer then leaves it alone, weight decay included).
-                if somewhere.as_ref().is_none_or(|f| f[i] != 0.0) {
-                    grads.insert(v.as_tensor(), avg.narrow(0, at, n)?.reshape(v.shape())?);
-                }
-                at += n;
-            }
+            let vars: Vec<&Var> = bucket.iter().map(|(_, v)| v).collect();
+            pack::unpack(&vars, &avg, missing_here, &mut grads)?;
         }
         Ok(grads)
+    }
+
+    /// Overlaps the gradient all-reduce with the backward ([`DataParallel::backward`]) for a
+    /// model built with `hooks.var_builder(..)` over this `DataParallel`'s `VarMap`: each bucket
+    /// starts as soon as its gradients are complete, while the backward computes the earlier
+    /// layers' (see [`GradHooks`]). Also copies the variables (now rank 0's) into the hooked
+    /// tensors. Collective: every rank calls it with a model built in the same order.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Module, Tensor};
+    /// use candle_distributed::collective::ThreadGroup;
+    /// use candle_distributed::{DataParallel, GradHooks};
+    /// use candle_nn::{linear, Optimizer, VarMap, SGD};
+    ///
+    /// ThreadGroup::run(2, |comm| {
+    ///     let vm = VarMap::new();
+    ///     let hooks = GradHooks::new();
+    ///     let model = linear(4, 1, hooks.var_builder(&vm, DType::F32, &Device::Cpu))?;
+    ///     let dp = DataParallel::new(&vm, comm.clone())?.with_overlap(&hooks)?;
+    ///     let mut opt = SGD::new(dp.trainable(), 0.1)?;
+    ///     let x = Tensor::full(comm.rank() as f32, (3, 4), &Device::Cpu)?;
+    ///     let loss = model.forward(&x)?.sqr()?.mean_all()?;
+    ///     dp.step(&mut opt, &loss) // overlapped backward, optimizer step, hooked copies refreshed
+    /// })?;
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// On every rank, when a hooked variable is not one of this `DataParallel`'s variables on
+    /// some rank, or the ranks took their variables from the builder in different orders (their
+    /// buckets would start in different orders); when the check's all-gather fails; when a
+    /// hooked tensor cannot be refreshed.
+    pub fn with_overlap(mut self, hooks: &GradHooks) -> Result<Self> {
+        let (names, strays) = hooks.with_hooked(|h| {
+            let known: std::collections::HashSet<candle_core::TensorId> = self
+                .params
+                .iter()
+                .map(|(_, v)| v.as_tensor().id())
+                .collect();
+            let names: Vec<String> = h.iter().map(|x| x.name.clone()).collect();
+            let strays = (h.iter())
+                .filter(|x| !known.contains(&x.var.as_tensor().id()))
+                .filter(|x| !BUFFER_SUFFIXES.iter().any(|b| x.name.ends_with(b)))
+                .count();
+            (names, strays)
+        });
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for n in &names {
+            for &b in n.as_bytes().iter().chain(b"\0") {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        let mine = Tensor::new(
+            &[[names.len() as i64, (h >> 1) as i64, strays as i64]],
+            &self.device,
+        )?;
+        let every = self.comm.all_gather(&mine)?.to_vec2::<i64>()?;
+        let stray_ranks: Vec<usize> = (0..every.len()).filter(|&r| every[r][2] > 0).collect();
+        if !stray_ranks.is_empty() {
+            bail!(
+                "DataParallel::with_overlap: the hooks hold variables that are not this DataParallel's trainable ones on rank(s) {stray_ranks:?} (build the model with hooks.var_builder over the VarMap given to DataParallel::new)"
+            )
+        }
+        if every.iter().any(|e| e[..2] != every[0][..2]) {
+            bail!(
+                "DataParallel::with_overlap: the ranks took their variables from the builder in different orders or numbers (count and fingerprint per rank: {:?}); every rank must build the same model in the same order",
+                every.iter().map(|e| (e[0], e[1])).collect::<Vec<_>>()
+            )
+        }
+        hooks.refresh()?;
+        self.overlap = Some(hooks.clone());
+        Ok(self)
+    }
+
+    /// `loss.backward()` and the gradient average of [`DataParallel::sync_gradients`] in one:
+    /// with [`DataParallel::with_overlap`], each bucket's all-reduce starts during the backward,
+    /// as soon as its gradients are complete (the rest after it); without, the two run one
+    /// after the other. Either way the result is `sync_gradients(loss.backward()?)`'s, bit for
+    /// bit on thread ranks and MPI (`tests/overlap.rs`), and every rank issues the same
+    /// collectives in the same order.
+    ///
+    /// # Errors
+    ///
+    /// Those of the backward and of [`DataParallel::sync_gradients`]; with the overlap, also when a
+    /// hooked variable was used directly as well (its gradient would be split: an error naming
+    /// it, after every bucket was sent), or when called inside another backward of the model.
+    /// A failed backward still sends every bucket (with what it has), so that no rank waits.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        self.backward_accumulated(loss, None)
+    }
+
+    /// [`DataParallel::backward`] of the last micro-batch of a step, with `earlier` the
+    /// [`DataParallel::accumulate`]d gradients of the step's other micro-batches (run through a
+    /// plain `loss.backward()`, which starts nothing): each variable's bucket carries `earlier`
+    /// plus this backward's gradient, so nothing is sent before the last micro-batch.
+    ///
+    /// # Errors
+    ///
+    /// As [`DataParallel::backward`]; also when an earlier gradient cannot be added.
+    pub fn backward_accumulated(
+        &self,
+        loss: &Tensor,
+        earlier: Option<GradStore>,
+    ) -> Result<GradStore> {
+        let Some(hooks) = &self.overlap else {
+            let grads = loss.backward()?;
+            let grads = match earlier {
+                Some(e) => self.accumulate(Some(e), grads)?,
+                None => grads,
+            };
+            return self.sync_gradients(grads);
+        };
+        let hooked = hooks.with_hooked(|h| h.iter().map(|x| x.var.clone()).collect::<Vec<_>>());
+        let plan = Arc::new(overlap::Plan::new(&self.params, &hooked, self.bucket_bytes));
+        let launcher = overlap::Launcher::new(
+            self.comm.clone(),
+            self.wire,
+            plan,
+            self.params.clone(),
+            earlier.as_ref(),
+        );
+        hooks.arm(launcher)?;
+        let result = loss.backward();
+        let launcher = hooks.disarm().ok_or_else(|| {
+            candle_core::Error::Msg("DataParallel::backward: the hooks were disarmed".into())
+        })?;
+        match result {
+            Ok(mut grads) => {
+                let stats = launcher.finish(&mut grads)?;
+                *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+                Ok(grads)
+            }
+            Err(e) => {
+                // Every bucket still goes out, so that no rank waits for this one.
+                let _ = launcher.finish(&mut GradStore::default());
+                Err(e)
+            }
+        }
+    }
+
+    /// One training step: [`DataParallel::backward`], `opt.step`, then
+    /// [`DataParallel::refresh`] (so that the next forward sees the new values).
+    ///
+    /// # Errors
+    ///
+    /// Those of the three.
+    pub fn step<O: candle_nn::Optimizer>(&self, opt: &mut O, loss: &Tensor) -> Result<()> {
+        let grads = self.backward(loss)?;
+        opt.step(&grads)?;
+        self.refresh()
+    }
+
+    /// Copies every hooked variable's value into the hooked tensor the model computes with:
+    /// needed after anything changes the variables (an optimizer step, a checkpoint load)
+    /// unless [`DataParallel::step`] did it. Nothing without [`DataParallel::with_overlap`].
+    ///
+    /// # Errors
+    ///
+    /// When a copy fails.
+    pub fn refresh(&self) -> Result<()> {
+        match &self.overlap {
+            Some(h) => h.refresh(),
+            None => Ok(()),
+        }
+    }
+
+    /// What the last overlapped [`DataParallel::backward`] did: its buckets, and how many of
+    /// them started while the backward was still running.
+    pub fn overlap_stats(&self) -> OverlapStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Consecutive runs of same-dtype, same-device variables of at most `bucket_bytes` (or one).

@@ -280,6 +280,19 @@ impl Collective for MpiCollective {
         self.start(t, move |c| c.all_reduce(&input, op))
     }
 
+    /// [`Collective::all_reduce_wire`] on a duplicate of the communicator, run by this rank's
+    /// communication thread (rounded on the host, as the synchronous call).
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_wire_async`]: only a communication thread that cannot be
+    /// started or has stopped fails here; the failures of [`Collective::all_reduce_wire`] come
+    /// from [`Pending::wait`].
+    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
+        let input = t.clone();
+        self.start(t, move |c| c.all_reduce_wire(&input, op, wire))
+    }
+
     /// [`Collective::all_gather`] on a duplicate of the communicator, run by this rank's
     /// communication thread.
     ///

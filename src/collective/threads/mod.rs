@@ -376,13 +376,18 @@ impl ThreadRank {
 
     /// Takes the call's place in the order now and completes it on the communication thread.
     fn call_async(&self, kind: Op, t: &Tensor) -> Result<Pending> {
+        self.call_async_on(kind, None, t)
+    }
+
+    /// [`Self::call_async`] of a reduction carried in `wire` (`None`: in `t`'s dtype).
+    fn call_async_on(&self, kind: Op, wire: Option<DType>, t: &Tensor) -> Result<Pending> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
         // Detached, as in `complete`: the worker must not hold the caller's graph either.
         let (shared, rank, t) = (self.shared.clone(), self.rank, t.detach());
         let world = self.shared.world;
         let input = t.clone();
         self.worker.submit(BACKEND, &input, move || {
-            let out = complete(&shared, rank, call, (kind, None), Ok(&Input::One(t)))?;
+            let out = complete(&shared, rank, call, (kind, wire), Ok(&Input::One(t)))?;
             match kind {
                 Op::ReduceScatter(_) => scatter_rows(&out, rank, world),
                 _ => Ok(out),
@@ -686,6 +691,20 @@ impl Collective for ThreadRank {
     /// has stopped fails here; the collective's own failures come from [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         self.call_async(Op::AllReduce(op), t)
+    }
+
+    /// [`Collective::all_reduce_wire`] completed on this rank's communication thread: the
+    /// values rounded to `wire` as they are summed, as the synchronous call does.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_wire_async`]: a dtype that is not a float, or a communication
+    /// thread that cannot be started or has stopped; the collective's own failures come from
+    /// [`Pending::wait`].
+    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
+        check_wire(t, wire)?;
+        let wire = (wire != t.dtype()).then_some(wire);
+        self.call_async_on(Op::AllReduce(op), wire, t)
     }
 
     /// All-gather completed on this rank's communication thread.

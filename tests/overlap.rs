@@ -1,0 +1,435 @@
+//! The overlapped backward of `DataParallel` (`GradHooks`, `DataParallel::backward`): the same
+//! gradients, bit for bit, as `loss.backward()` + `sync_gradients` on the same replicas, for f32
+//! and the 16-bit wires, with small and default buckets, unused variables, a shared weight and
+//! accumulated micro-batches; buckets started while the backward runs; misuse refused.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_distributed::collective::Collective;
+use candle_distributed::{sync_batch_norm, DataParallel, GradHooks, SyncBatchNormConfig};
+use candle_nn::{conv2d, linear, Conv2dConfig, ModuleT, Optimizer, VarBuilder, VarMap, SGD};
+use common::*;
+
+/// conv → SyncBatchNorm+ReLU → global mean → linear → linear (the last sharing nothing), in
+/// f32; `unused` adds a linear layer the forward never calls.
+struct Net {
+    conv: candle_nn::Conv2d,
+    bn: candle_distributed::SyncBatchNorm,
+    fc: candle_nn::Linear,
+    head: candle_nn::Linear,
+}
+
+fn net(vb: VarBuilder, comm: Arc<dyn Collective>, unused: bool) -> anyhow::Result<Net> {
+    let conv = conv2d(3, 6, 3, Conv2dConfig::default(), vb.pp("conv"))?;
+    let cfg = SyncBatchNormConfig::default().with_fuse_relu(true);
+    let bn = sync_batch_norm(6, cfg, vb.pp("bn"), comm)?;
+    let fc = linear(6, 5, vb.pp("fc"))?;
+    if unused {
+        linear(5, 5, vb.pp("spare"))?;
+    }
+    let head = linear(5, 4, vb.pp("head"))?;
+    Ok(Net { conv, bn, fc, head })
+}
+
+impl Net {
+    fn loss(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.bn.forward_t(&self.conv.forward(x)?, true)?;
+        let y = self.fc.forward(&y.mean(D::Minus1)?.mean(D::Minus1)?)?;
+        self.head.forward(&y)?.sqr()?.mean_all()
+    }
+}
+
+/// Seeded values for every trainable variable (the same on every rank and in both models).
+fn seed(vm: &VarMap) {
+    let data = vm.data().lock().unwrap();
+    for (name, v) in data.iter() {
+        if name.contains("running") || name.contains("num_batches") {
+            continue;
+        }
+        let by_name = name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64);
+        v.set(&on(
+            v.device(),
+            &randn(by_name % 997, v.dims(), 0.0, 0.3)
+                .to_dtype(DType::F32)
+                .unwrap(),
+        ))
+        .unwrap();
+    }
+}
+
+/// Rank `r`'s batch of step `s`: 4 images.
+fn batch(r: usize, s: u64, dev: &Device) -> Tensor {
+    on(
+        dev,
+        &randn(100 * s + r as u64, &[4, 3, 5, 5], 0.5, 1.0)
+            .to_dtype(DType::F32)
+            .unwrap(),
+    )
+}
+
+/// Every trainable gradient of `grads`, by name, flattened to f32 values.
+fn flat(vm: &VarMap, grads: &GradStore) -> Vec<(String, Option<Vec<f32>>)> {
+    let data = vm.data().lock().unwrap();
+    let mut out: Vec<_> = data
+        .iter()
+        .filter(|(k, _)| !k.contains("running") && !k.contains("num_batches"))
+        .map(|(k, v)| {
+            let g = grads.get(v.as_tensor()).map(|g| {
+                g.flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            });
+            (k.clone(), g)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// One rank: the same replica twice, one built through `GradHooks` and stepped with
+/// `DataParallel::step` (overlapped), one built from its `VarMap` and stepped with
+/// `loss.backward()` + `sync_gradients` + the optimizer; 3 SGD steps. Returns, per step, both
+/// gradient lists, then both final parameter lists, and the overlap statistics of the last step.
+fn twin_steps(
+    comm: Arc<dyn Collective>,
+    dev: &Device,
+    wire: Option<DType>,
+    bucket_bytes: usize,
+    unused: bool,
+) -> anyhow::Result<Twins> {
+    let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
+    let hooks = GradHooks::new();
+    let model_o = net(
+        hooks.var_builder(&vm_o, DType::F32, dev),
+        comm.clone(),
+        unused,
+    )?;
+    let model_p = net(
+        VarBuilder::from_varmap(&vm_p, DType::F32, dev),
+        comm.clone(),
+        unused,
+    )?;
+    seed(&vm_o);
+    seed(&vm_p);
+    let dp_o = DataParallel::new(&vm_o, comm.clone())?
+        .with_bucket_bytes(bucket_bytes)
+        .with_wire_dtype(wire)?
+        .with_overlap(&hooks)?;
+    let dp_p = DataParallel::new(&vm_p, comm.clone())?
+        .with_bucket_bytes(bucket_bytes)
+        .with_wire_dtype(wire)?;
+    let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
+    let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
+    let mut steps = Vec::new();
+    for s in 0..3 {
+        let x = batch(comm.rank(), s, dev);
+        let g_o = dp_o.backward(&model_o.loss(&x)?)?;
+        let g_p = dp_p.sync_gradients(model_p.loss(&x)?.backward()?)?;
+        steps.push([flat(&vm_o, &g_o), flat(&vm_p, &g_p)]);
+        opt_o.step(&g_o)?;
+        dp_o.refresh()?;
+        opt_p.step(&g_p)?;
+    }
+    let end = |vm: &VarMap| {
+        let data = vm.data().lock().unwrap();
+        let mut v: Vec<_> = data
+            .iter()
+            .map(|(k, v)| {
+                let t = v
+                    .as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
+                (k.clone(), Some(t.to_vec1::<f32>().unwrap()))
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    Ok((steps, [end(&vm_o), end(&vm_p)], dp_o.overlap_stats()))
+}
+
+/// Both models' gradients by name at each step (overlapped, synced).
+type StepGrads = [Vec<(String, Option<Vec<f32>>)>; 2];
+/// [`twin_steps`]' result: per-step gradients, both final variable lists, the last step's stats.
+type Twins = (Vec<StepGrads>, StepGrads, candle_distributed::OverlapStats);
+
+fn assert_twins_equal(what: &str, outs: Vec<Twins>) {
+    for (rank, (steps, end, _)) in outs.iter().enumerate() {
+        for (s, [o, p]) in steps.iter().enumerate() {
+            assert_eq!(
+                o, p,
+                "{what}: rank {rank}, step {s}: overlapped vs synced gradients"
+            );
+        }
+        assert_eq!(
+            end[0], end[1],
+            "{what}: rank {rank}: variables after 3 steps"
+        );
+    }
+}
+
+/// f32 and both 16-bit wires, each variable a bucket of its own and the default 25 MiB: the
+/// overlapped steps equal the synced ones bit for bit on every rank (3 ranks, 3 SGD steps,
+/// the batch norm's running statistics included). With one variable per bucket and every
+/// variable used, every bucket starts while the backward runs.
+fn overlapped_steps_equal_synced_ones(dev: &Device) -> anyhow::Result<()> {
+    for wire in [None, Some(DType::BF16), Some(DType::F16)] {
+        for bucket_bytes in [1, candle_distributed::data_parallel::DEFAULT_BUCKET_BYTES] {
+            let outs = run_ranks_on(3, dev, |c| twin_steps(c, dev, wire, bucket_bytes, false));
+            for (rank, (_, _, stats)) in outs.iter().enumerate() {
+                if bucket_bytes == 1 {
+                    assert_eq!(
+                        stats.started_during_backward, stats.buckets,
+                        "rank {rank}, wire {wire:?}: every bucket starts inside the backward: {stats:?}"
+                    );
+                    assert_eq!(
+                        stats.buckets, 8,
+                        "rank {rank}: one bucket per trainable variable"
+                    );
+                }
+            }
+            assert_twins_equal(
+                &format!("wire {wire:?}, buckets of {bucket_bytes} bytes"),
+                outs,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A layer the forward never uses: its bucket (and every later one) is sent after the backward,
+/// with the presence flags; its variables get no gradient, as with `sync_gradients`.
+fn an_unused_layer_is_sent_after_the_backward(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| twin_steps(c, dev, None, 1, true));
+    for (rank, (steps, _, stats)) in outs.iter().enumerate() {
+        assert!(
+            stats.started_during_backward < stats.buckets,
+            "rank {rank}: the unused layer's bucket waits for the end: {stats:?}"
+        );
+        let spare: Vec<_> = steps[0][0]
+            .iter()
+            .filter(|(n, _)| n.starts_with("spare"))
+            .collect();
+        assert!(
+            spare.iter().all(|(_, g)| g.is_none()),
+            "rank {rank}: {spare:?}"
+        );
+    }
+    assert_twins_equal("an unused layer", outs);
+    Ok(())
+}
+
+/// A weight taken twice from the builder (tied layers) is one hooked tensor: its gradient is the
+/// sum of both uses, as without hooks.
+fn a_shared_weight_gets_both_uses(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let grads = |hooked: bool| -> anyhow::Result<Vec<f32>> {
+            let vm = VarMap::new();
+            let hooks = GradHooks::new();
+            let vb = if hooked {
+                hooks.var_builder(&vm, DType::F32, dev)
+            } else {
+                VarBuilder::from_varmap(&vm, DType::F32, dev)
+            };
+            let a = linear(4, 4, vb.pp("tied"))?;
+            let b = linear(4, 4, vb.pp("tied"))?;
+            seed(&vm);
+            let mut dp = DataParallel::new(&vm, c.clone())?;
+            if hooked {
+                dp = dp.with_overlap(&hooks)?;
+            }
+            let x = on(
+                dev,
+                &randn(9 + c.rank() as u64, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?,
+            );
+            let loss = b.forward(&a.forward(&x)?.tanh()?)?.sqr()?.mean_all()?;
+            let g = dp.backward(&loss)?;
+            let w = vm.data().lock().unwrap()["tied.weight"].clone();
+            Ok(g.get(w.as_tensor())
+                .unwrap()
+                .flatten_all()?
+                .to_vec1::<f32>()?)
+        };
+        Ok((grads(true)?, grads(false)?))
+    });
+    for (rank, (hooked, plain)) in outs.iter().enumerate() {
+        assert_eq!(hooked, plain, "rank {rank}: tied weight");
+    }
+    Ok(())
+}
+
+/// Micro-batches: the first two backwards plain (`accumulate`), the last one overlapped with the
+/// sum so far: the same gradients, bit for bit, as accumulating all three and `sync_gradients`.
+fn accumulated_micro_batches_equal_synced_ones(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
+        let hooks = GradHooks::new();
+        let model_o = net(hooks.var_builder(&vm_o, DType::F32, dev), c.clone(), false)?;
+        let model_p = net(
+            VarBuilder::from_varmap(&vm_p, DType::F32, dev),
+            c.clone(),
+            false,
+        )?;
+        seed(&vm_o);
+        seed(&vm_p);
+        let dp_o = DataParallel::new(&vm_o, c.clone())?
+            .with_bucket_bytes(64)
+            .with_overlap(&hooks)?;
+        let dp_p = DataParallel::new(&vm_p, c.clone())?.with_bucket_bytes(64);
+        let (mut acc_o, mut acc_p) = (None, None);
+        for m in 0..2 {
+            let x = batch(c.rank(), 10 + m, dev);
+            acc_o = Some(dp_o.accumulate(acc_o, model_o.loss(&x)?.backward()?)?);
+            acc_p = Some(dp_p.accumulate(acc_p, model_p.loss(&x)?.backward()?)?);
+        }
+        let x = batch(c.rank(), 12, dev);
+        let g_o = dp_o.backward_accumulated(&model_o.loss(&x)?, acc_o)?;
+        let g_p = dp_p.accumulate(acc_p, model_p.loss(&x)?.backward()?)?;
+        let g_p = dp_p.sync_gradients(g_p)?;
+        Ok((flat(&vm_o, &g_o), flat(&vm_p, &g_p)))
+    });
+    for (rank, (o, p)) in outs.iter().enumerate() {
+        assert_eq!(o, p, "rank {rank}: accumulated micro-batches");
+    }
+    Ok(())
+}
+
+/// A variable used both through the builder and directly (its own tensor) would have its
+/// gradient split between the hook and the variable: an error naming it on every rank, after
+/// every bucket was sent (no rank waits for another).
+fn a_variable_used_also_without_its_hook_is_refused(dev: &Device) -> anyhow::Result<()> {
+    let errs = run_ranks_on(2, dev, |c| {
+        let vm = VarMap::new();
+        let hooks = GradHooks::new();
+        let fc = linear(4, 2, hooks.var_builder(&vm, DType::F32, dev).pp("fc"))?;
+        seed(&vm);
+        let dp = DataParallel::new(&vm, c.clone())?.with_overlap(&hooks)?;
+        let raw = vm.data().lock().unwrap()["fc.weight"].as_tensor().clone();
+        let x = on(dev, &randn(3, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?);
+        let loss = (fc.forward(&x)?.sum_all()? + raw.sqr()?.sum_all()?)?;
+        Ok(dp.backward(&loss).err().map(|e| e.to_string()))
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or("no error");
+        assert!(
+            e.contains("fc.weight") && e.contains("directly"),
+            "rank {rank}: {e}"
+        );
+    }
+    Ok(())
+}
+
+/// Models built in a different order on some rank would start their buckets in different
+/// orders: `with_overlap` fails on every rank.
+fn a_different_build_order_fails_on_every_rank(dev: &Device) -> anyhow::Result<()> {
+    let errs = run_ranks_on(2, dev, |c| {
+        let vm = VarMap::new();
+        let hooks = GradHooks::new();
+        let vb = hooks.var_builder(&vm, DType::F32, dev);
+        let names = if c.rank() == 0 {
+            ["a", "b"]
+        } else {
+            ["b", "a"]
+        };
+        for n in names {
+            linear(3, 3, vb.pp(n))?;
+        }
+        Ok(DataParallel::new(&vm, c.clone())?
+            .with_overlap(&hooks)
+            .err()
+            .map(|e| e.to_string()))
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or("no error");
+        assert!(e.contains("order"), "rank {rank}: {e}");
+    }
+    Ok(())
+}
+
+/// `DataParallel::step` refreshes the hooked copies: after two steps, the hooked model's loss
+/// equals, bit for bit, that of the same model stepped with `sync_gradients` and the optimizer.
+fn step_refreshes_what_the_model_computes_with(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
+        let hooks = GradHooks::new();
+        let model_o = net(hooks.var_builder(&vm_o, DType::F32, dev), c.clone(), false)?;
+        let model_p = net(
+            VarBuilder::from_varmap(&vm_p, DType::F32, dev),
+            c.clone(),
+            false,
+        )?;
+        seed(&vm_o);
+        seed(&vm_p);
+        let dp_o = DataParallel::new(&vm_o, c.clone())?.with_overlap(&hooks)?;
+        let dp_p = DataParallel::new(&vm_p, c.clone())?;
+        let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
+        let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
+        for s in 0..2 {
+            let x = batch(c.rank(), 20 + s, dev);
+            dp_o.step(&mut opt_o, &model_o.loss(&x)?)?;
+            opt_p.step(&dp_p.sync_gradients(model_p.loss(&x)?.backward()?)?)?;
+        }
+        let x = batch(c.rank(), 30, dev);
+        Ok((
+            model_o.loss(&x)?.to_scalar::<f32>()?,
+            model_p.loss(&x)?.to_scalar::<f32>()?,
+        ))
+    });
+    for (rank, (o, p)) in outs.iter().enumerate() {
+        assert_eq!(
+            o.to_bits(),
+            p.to_bits(),
+            "rank {rank}: loss after two steps: {o} vs {p}"
+        );
+    }
+    Ok(())
+}
+
+/// A plain `loss.backward()` through hooked tensors gives every variable its gradient, as if
+/// there were no hook (the hooks only report inside `DataParallel::backward`).
+fn a_plain_backward_through_hooks_is_unchanged(dev: &Device) -> anyhow::Result<()> {
+    let vm = VarMap::new();
+    let hooks = GradHooks::new();
+    let fc = linear(4, 2, hooks.var_builder(&vm, DType::F32, dev).pp("fc"))?;
+    seed(&vm);
+    let x = on(dev, &randn(5, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?);
+    let g = fc.forward(&x)?.sum_all()?.backward()?;
+    let w = vm.data().lock().unwrap()["fc.weight"].clone();
+    // d(sum(x·wᵀ))/dw = column sums of x, in each row.
+    let want = x
+        .sum(0)?
+        .unsqueeze(0)?
+        .broadcast_as((2, 4))?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    assert_eq!(
+        g.get(w.as_tensor())
+            .unwrap()
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        want
+    );
+    Ok(())
+}
+
+device_tests!(
+    overlapped_steps_equal_synced_ones,
+    an_unused_layer_is_sent_after_the_backward,
+    a_shared_weight_gets_both_uses,
+    accumulated_micro_batches_equal_synced_ones,
+    a_variable_used_also_without_its_hook_is_refused,
+    a_different_build_order_fails_on_every_rank,
+    a_plain_backward_through_hooks_is_unchanged,
+    step_refreshes_what_the_model_computes_with,
+);
