@@ -61,7 +61,7 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 11] = [
+    let checks: [(&str, Check); 12] = [
         ("collective values", collective_values),
         (
             "all_reduce_parts reads large parts in place, as the concatenation",
@@ -94,6 +94,10 @@ fn main() -> Result<()> {
         (
             "gradient accumulation: one all-reduce per step",
             accumulation,
+        ),
+        (
+            "the overlapped backward equals backward + sync_gradients, bit for bit",
+            overlapped_backward,
         ),
     ];
     for (name, check) in checks {
@@ -408,6 +412,26 @@ fn accumulation(comm: &Arc<dyn Collective>) -> Result<()> {
     );
     let want = training::accumulated_reference(k, DType::F64);
     training::compare("accumulation", &got, &want, tol::F64_STEPS);
+    Ok(())
+}
+
+/// `DataParallel::backward` with the overlap (buckets started from the gradient hooks on the
+/// communication thread) against `loss.backward()` + `sync_gradients` on a twin replica
+/// (`common::overlap`): 3 SGD steps, gradients and variables bit for bit, in f32 and over the
+/// bf16 and f16 wires, one bucket per variable and the default buckets.
+fn overlapped_backward(comm: &Arc<dyn Collective>) -> Result<()> {
+    for wire in [None, Some(DType::BF16), Some(DType::F16)] {
+        for bucket_bytes in [1, candle_distributed::data_parallel::DEFAULT_BUCKET_BYTES] {
+            let twins =
+                common::overlap::twin_steps(comm.clone(), &Device::Cpu, wire, bucket_bytes, false)?;
+            let stats = twins.2;
+            ensure!(
+                bucket_bytes != 1 || stats.started_during_backward == stats.buckets,
+                "wire {wire:?}: not every bucket started inside the backward: {stats:?}"
+            );
+            common::overlap::assert_twins_equal(&format!("MPI, wire {wire:?}"), vec![twins]);
+        }
+    }
     Ok(())
 }
 

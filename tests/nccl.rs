@@ -47,8 +47,8 @@ use candle_distributed::collective::{
     Checked, Collective, CollectiveError, NcclCollective, NcclGroup, Pending, ReduceOp, ThreadGroup,
 };
 use candle_distributed::parallel::ParallelMode;
-use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
-use candle_nn::{ModuleT, VarBuilder, VarMap};
+use candle_distributed::{sync_batch_norm, DataParallel, GradHooks, SyncBatchNormConfig};
+use candle_nn::{Module, ModuleT, VarBuilder, VarMap};
 use common::*;
 
 /// Relative tolerance of an `Avg` all-reduce of small whole numbers against sum / n, for f32,
@@ -413,6 +413,87 @@ fn data_parallel_with_missing_gradients_and_16_bit_wires_over_nccl() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// `DataParallel`'s overlapped backward over NCCL (each bucket's all-reduce started on NCCL's
+/// side stream from the gradient hooks, while the backward runs on the GPU's stream): the same
+/// gradients, bit for bit, as `loss.backward()` + `sync_gradients` on a twin model, in f32 and
+/// over the bf16 wire, one bucket per variable; every bucket starts inside the backward.
+#[test]
+fn overlapped_backward_over_nccl_equals_the_synced_one() {
+    let n = gpus();
+    for wire in [None, Some(DType::BF16)] {
+        let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+        let outs = on_ranks(comms, |c| {
+            let dev = c.device();
+            let comm = c as Arc<dyn Collective>;
+            let build = |vb: VarBuilder| -> Result<(candle_nn::Linear, candle_nn::Linear)> {
+                Ok((
+                    candle_nn::linear(6, 5, vb.pp("a"))?,
+                    candle_nn::linear(5, 3, vb.pp("b"))?,
+                ))
+            };
+            let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
+            let hooks = GradHooks::new();
+            let (a_o, b_o) = build(hooks.var_builder(&vm_o, DType::F32, &dev))?;
+            let (a_p, b_p) = build(VarBuilder::from_varmap(&vm_p, DType::F32, &dev))?;
+            for vm in [&vm_o, &vm_p] {
+                for v in vm.data().lock().unwrap().values() {
+                    let seed = v.elem_count() as u64;
+                    v.set(
+                        &randn(seed, v.dims(), 0.0, 0.5)
+                            .to_dtype(DType::F32)?
+                            .to_device(&dev)?,
+                    )?;
+                }
+            }
+            let dp_o = DataParallel::new(&vm_o, comm.clone())?
+                .with_bucket_bytes(1)
+                .with_wire_dtype(wire)?
+                .with_overlap(&hooks)?;
+            let dp_p = DataParallel::new(&vm_p, comm.clone())?
+                .with_bucket_bytes(1)
+                .with_wire_dtype(wire)?;
+            let x = randn(40 + comm.rank() as u64, &[4, 6], 0.0, 1.0)
+                .to_dtype(DType::F32)?
+                .to_device(&dev)?;
+            let loss = |a: &candle_nn::Linear, b: &candle_nn::Linear| -> Result<Tensor> {
+                Ok(b.forward(&a.forward(&x)?.tanh()?)?.sqr()?.mean_all()?)
+            };
+            let g_o = dp_o.backward(&loss(&a_o, &b_o)?)?;
+            let g_p = dp_p.sync_gradients(loss(&a_p, &b_p)?.backward()?)?;
+            let mut both = Vec::new();
+            for (vm, g) in [(&vm_o, &g_o), (&vm_p, &g_p)] {
+                let data = vm.data().lock().unwrap();
+                let mut names: Vec<&String> = data.keys().collect();
+                names.sort();
+                let flat: Vec<Vec<f32>> = names
+                    .iter()
+                    .map(|k| {
+                        g.get(data[*k].as_tensor())
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                    })
+                    .collect();
+                both.push(flat);
+            }
+            Ok((both, dp_o.overlap_stats()))
+        });
+        for (rank, (both, stats)) in outs.iter().enumerate() {
+            assert_eq!(
+                both[0], both[1],
+                "wire {wire:?}, rank {rank}: overlapped vs synced"
+            );
+            assert_eq!(
+                (stats.buckets, stats.started_during_backward),
+                (4, 4),
+                "wire {wire:?}, rank {rank}: {stats:?}"
+            );
         }
     }
 }

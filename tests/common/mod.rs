@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod mlp;
+pub mod overlap;
 pub mod training;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,0 +1,179 @@
+//! A replica twice, for the overlapped backward's suites (`tests/overlap.rs` on thread ranks,
+//! `tests/mpi.rs` on MPI processes): one built through `GradHooks` and stepped with
+//! `DataParallel::backward` (overlapped), one built from its `VarMap` and stepped with
+//! `loss.backward()` + `sync_gradients`; their gradients and variables compared bit for bit.
+
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_distributed::collective::Collective;
+use candle_distributed::{sync_batch_norm, DataParallel, GradHooks, SyncBatchNormConfig};
+use candle_nn::{conv2d, linear, Conv2dConfig, ModuleT, Optimizer, VarBuilder, VarMap, SGD};
+
+use super::{on, randn};
+
+/// conv → SyncBatchNorm+ReLU → global mean → linear → linear (the last sharing nothing), in
+/// f32; `unused` adds a linear layer the forward never calls.
+pub struct Net {
+    conv: candle_nn::Conv2d,
+    bn: candle_distributed::SyncBatchNorm,
+    fc: candle_nn::Linear,
+    head: candle_nn::Linear,
+}
+
+pub fn net(vb: VarBuilder, comm: Arc<dyn Collective>, unused: bool) -> anyhow::Result<Net> {
+    let conv = conv2d(3, 6, 3, Conv2dConfig::default(), vb.pp("conv"))?;
+    let cfg = SyncBatchNormConfig::default().with_fuse_relu(true);
+    let bn = sync_batch_norm(6, cfg, vb.pp("bn"), comm)?;
+    let fc = linear(6, 5, vb.pp("fc"))?;
+    if unused {
+        linear(5, 5, vb.pp("spare"))?;
+    }
+    let head = linear(5, 4, vb.pp("head"))?;
+    Ok(Net { conv, bn, fc, head })
+}
+
+impl Net {
+    pub fn loss(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.bn.forward_t(&self.conv.forward(x)?, true)?;
+        let y = self.fc.forward(&y.mean(D::Minus1)?.mean(D::Minus1)?)?;
+        self.head.forward(&y)?.sqr()?.mean_all()
+    }
+}
+
+/// Seeded values for every trainable variable (the same on every rank and in both models).
+pub fn seed(vm: &VarMap) {
+    let data = vm.data().lock().unwrap();
+    for (name, v) in data.iter() {
+        if name.contains("running") || name.contains("num_batches") {
+            continue;
+        }
+        let by_name = name
+            .bytes()
+            .fold(7u64, |h, b| h.wrapping_mul(31) ^ b as u64);
+        v.set(&on(
+            v.device(),
+            &randn(by_name % 997, v.dims(), 0.0, 0.3)
+                .to_dtype(DType::F32)
+                .unwrap(),
+        ))
+        .unwrap();
+    }
+}
+
+/// Rank `r`'s batch of step `s`: 4 images.
+pub fn batch(r: usize, s: u64, dev: &Device) -> Tensor {
+    on(
+        dev,
+        &randn(100 * s + r as u64, &[4, 3, 5, 5], 0.5, 1.0)
+            .to_dtype(DType::F32)
+            .unwrap(),
+    )
+}
+
+/// Every trainable gradient of `grads`, by name, flattened to f32 values.
+pub fn flat(vm: &VarMap, grads: &GradStore) -> Vec<(String, Option<Vec<f32>>)> {
+    let data = vm.data().lock().unwrap();
+    let mut out: Vec<_> = data
+        .iter()
+        .filter(|(k, _)| !k.contains("running") && !k.contains("num_batches"))
+        .map(|(k, v)| {
+            let g = grads.get(v.as_tensor()).map(|g| {
+                g.flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            });
+            (k.clone(), g)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// One rank: the same replica twice, one built through `GradHooks` and stepped with
+/// `DataParallel::step` (overlapped), one built from its `VarMap` and stepped with
+/// `loss.backward()` + `sync_gradients` + the optimizer; 3 SGD steps. Returns, per step, both
+/// gradient lists, then both final parameter lists, and the overlap statistics of the last step.
+pub fn twin_steps(
+    comm: Arc<dyn Collective>,
+    dev: &Device,
+    wire: Option<DType>,
+    bucket_bytes: usize,
+    unused: bool,
+) -> anyhow::Result<Twins> {
+    let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
+    let hooks = GradHooks::new();
+    let model_o = net(
+        hooks.var_builder(&vm_o, DType::F32, dev),
+        comm.clone(),
+        unused,
+    )?;
+    let model_p = net(
+        VarBuilder::from_varmap(&vm_p, DType::F32, dev),
+        comm.clone(),
+        unused,
+    )?;
+    seed(&vm_o);
+    seed(&vm_p);
+    let dp_o = DataParallel::new(&vm_o, comm.clone())?
+        .with_bucket_bytes(bucket_bytes)
+        .with_wire_dtype(wire)?
+        .with_overlap(&hooks)?;
+    let dp_p = DataParallel::new(&vm_p, comm.clone())?
+        .with_bucket_bytes(bucket_bytes)
+        .with_wire_dtype(wire)?;
+    let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
+    let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
+    let mut steps = Vec::new();
+    for s in 0..3 {
+        let x = batch(comm.rank(), s, dev);
+        let g_o = dp_o.backward(&model_o.loss(&x)?)?;
+        let g_p = dp_p.sync_gradients(model_p.loss(&x)?.backward()?)?;
+        steps.push([flat(&vm_o, &g_o), flat(&vm_p, &g_p)]);
+        opt_o.step(&g_o)?;
+        dp_o.refresh()?;
+        opt_p.step(&g_p)?;
+    }
+    let end = |vm: &VarMap| {
+        let data = vm.data().lock().unwrap();
+        let mut v: Vec<_> = data
+            .iter()
+            .map(|(k, v)| {
+                let t = v
+                    .as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
+                (k.clone(), Some(t.to_vec1::<f32>().unwrap()))
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    Ok((steps, [end(&vm_o), end(&vm_p)], dp_o.overlap_stats()))
+}
+
+/// Both models' gradients by name at each step (overlapped, synced).
+pub type StepGrads = [Vec<(String, Option<Vec<f32>>)>; 2];
+/// [`twin_steps`]' result: per-step gradients, both final variable lists, the last step's stats.
+pub type Twins = (Vec<StepGrads>, StepGrads, candle_distributed::OverlapStats);
+
+pub fn assert_twins_equal(what: &str, outs: Vec<Twins>) {
+    for (rank, (steps, end, _)) in outs.iter().enumerate() {
+        for (s, [o, p]) in steps.iter().enumerate() {
+            assert_eq!(
+                o, p,
+                "{what}: rank {rank}, step {s}: overlapped vs synced gradients"
+            );
+        }
+        assert_eq!(
+            end[0], end[1],
+            "{what}: rank {rank}: variables after 3 steps"
+        );
+    }
+}
