@@ -111,6 +111,22 @@
 //!   (`sixteen_bit_gradients_on_the_wire_stay_close`). What it buys on each backend (nothing on
 //!   `ThreadGroup`, whose ranks share memory, nor on MPI, which sends f32 whatever the wire dtype;
 //!   NCCL reduces 16-bit values natively, not measured) is in the crate's `docs/benchmarks.md`.
+//! - **The all-reduce overlapped with the backward** ([`GradHooks`], [`DataParallel::with_overlap`],
+//!   [`DataParallel::backward`], [`DataParallel::step`]; PyTorch DDP's bucket hooks): the model
+//!   is built from `hooks.var_builder(&varmap, ..)`, whose trainable tensors are copies of the
+//!   variables through an identity op that reports each variable's complete gradient during the
+//!   backward; a bucket's all-reduce starts as soon as its gradients are in (buckets in the
+//!   reverse of the build order, which is the order candle completes candle-nn layers'
+//!   gradients: last layer first), the rest after the backward with the presence flags. The
+//!   gradients equal `sync_gradients(loss.backward()?)`'s bit for bit, with f32 and the 16-bit
+//!   wires, an unused layer, a shared weight and accumulated micro-batches
+//!   (`tests/overlap.rs`, thread ranks on the CPU and the simulated GPU; `tests/mpi.rs` on 4
+//!   MPI processes; `tests/nccl.rs::overlapped_backward_over_nccl_equals_the_synced_one`), and
+//!   with one bucket per variable every bucket starts inside the backward. Costs: a second copy
+//!   of the trainable variables (the hooked copies) and one device copy of them per step
+//!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer). A
+//!   variable used both through the builder and directly is an error naming it (its gradient
+//!   would be split). What the overlap saves in time is not measured yet.
 //! - **Checkpoints** are the program's: the ResNet example (`examples/resnet/`) writes weights,
 //!   batch-norm buffers, optimizer moments and step, scaler state, epoch and step as one
 //!   consistent pair of files and resumes bit for bit.
