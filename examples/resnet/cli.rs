@@ -46,6 +46,11 @@ pub struct Cli {
     /// MiB of gradients per all-reduce.
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
+    /// on: each bucket's all-reduce starts during the backward, as soon as its gradients are
+    /// complete (DataParallel::with_overlap); off: after the backward (sync_gradients). The
+    /// same steps bit for bit.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    overlap: OnOff,
     /// What convolutions and batch norms compute in (weights, AdamW and the classifier stay
     /// f32; f16 trains with dynamic loss scaling).
     #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
@@ -101,6 +106,12 @@ enum Model {
     Resnet18,
     Resnet34,
     Resnet50,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq)]
+enum OnOff {
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -159,6 +170,7 @@ impl Cli {
             batch_size: self.batch_size as usize,
             accumulate: self.accumulate as usize,
             bucket_bytes: (self.bucket_mb * 1048576.0).max(1.0) as usize,
+            overlap: self.overlap == OnOff::On,
             precision: match self.precision {
                 PrecisionArg::F32 => Precision::Full,
                 PrecisionArg::Bf16 => Precision::Bf16,

@@ -44,6 +44,8 @@ pub struct Config {
     pub accumulate: usize,
     /// Bytes of gradients per all-reduce.
     pub bucket_bytes: usize,
+    /// Start each bucket's all-reduce during the backward (`--overlap`).
+    pub overlap: bool,
     /// Random crop padding and flips (off in `--check`).
     pub augment: bool,
     /// Stop after this many steps in total (`--check`), else run every epoch.
@@ -80,6 +82,7 @@ impl Default for Config {
             precision: Precision::Full,
             accumulate: 1,
             bucket_bytes: candle_distributed::data_parallel::DEFAULT_BUCKET_BYTES,
+            overlap: true,
             augment: true,
             max_steps: None,
             stop_after_epoch: None,

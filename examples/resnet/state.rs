@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_distributed::amp::{GradScaler, GradScalerConfig, GradScalerState};
 use candle_distributed::collective::Collective;
-use candle_distributed::DataParallel;
+use candle_distributed::{DataParallel, GradHooks};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 
 use crate::checkpoint;
@@ -89,7 +89,13 @@ pub fn setup(
     classes: usize,
 ) -> Result<State> {
     let vm = VarMap::new();
-    let vb = VarBuilder::from_varmap(&vm, cfg.dtype, device);
+    // With --overlap, the model computes with hooked copies of its trainable variables, whose
+    // backward starts each bucket's all-reduce as soon as its gradients are complete.
+    let hooks = cfg.overlap.then(GradHooks::new);
+    let vb = match &hooks {
+        Some(h) => h.var_builder(&vm, cfg.dtype, device),
+        None => VarBuilder::from_varmap(&vm, cfg.dtype, device),
+    };
     let norm = if cfg.sync_bn {
         NormKind::SyncBn(comm.clone())
     } else {
@@ -111,7 +117,10 @@ pub fn setup(
             bn.set_shift(tensors.get(&shift_key(name)))?;
         }
     }
-    let dp = DataParallel::new(&vm, comm.clone())?.with_bucket_bytes(cfg.bucket_bytes);
+    let mut dp = DataParallel::new(&vm, comm.clone())?.with_bucket_bytes(cfg.bucket_bytes);
+    if let Some(h) = &hooks {
+        dp = dp.with_overlap(h)?; // also copies the (loaded, broadcast) variables in
+    }
     let params = ParamsAdamW {
         lr: cfg.lr,
         weight_decay: cfg.weight_decay,

@@ -288,6 +288,8 @@ fn train_step(run: &Run, st: &mut State, global: &[usize]) -> Result<[f64; 3]> {
     st.opt
         .set_learning_rate(lr_at(cfg.lr, st.step, run.total_steps));
     let mut grads = None;
+    let (overlap, last) = (cfg.overlap, micro.len());
+    let mut synced = None;
     // Per micro-batch loss sums and hit counts, kept on the device until the step's one
     // all-reduce (no host read per micro-batch).
     let mut totals: Vec<Tensor> = Vec::with_capacity(2 * k);
@@ -305,14 +307,24 @@ fn train_step(run: &Run, st: &mut State, global: &[usize]) -> Result<[f64; 3]> {
         // the mean loss over the step's N samples.
         // With f16, also multiplied by the loss scale (exact: a power of two).
         let scale = st.scaler.as_ref().map_or(1.0, GradScaler::scale_factor);
-        let g = (&loss * (join.loss_weight() * scale))?.backward()?;
-        grads = Some(st.dp.accumulate(grads, g)?);
+        let weighted = (&loss * (join.loss_weight() * scale))?;
+        if overlap && m + 1 == last {
+            // The last micro-batch's backward starts the buckets as their gradients complete
+            // (the earlier micro-batches' sum riding along) and returns the averages.
+            synced = Some(st.dp.backward_accumulated(&weighted, grads.take())?);
+        } else {
+            grads = Some(st.dp.accumulate(grads, weighted.backward()?)?);
+        }
         totals.push(Tensor::stack(
             &[loss.to_dtype(DType::F64)?, hits(&logits, &y)?],
             0,
         )?);
     }
-    optimizer_step(st, grads.unwrap_or_default())?;
+    let synced = match synced {
+        Some(g) => g,
+        None => st.dp.sync_gradients(grads.unwrap_or_default())?,
+    };
+    optimizer_step(st, synced)?;
     // Global loss, accuracy and count of this step: one small all-reduce.
     let mut mine = Tensor::new(&[0f64, 0.0], device)?;
     for t in &totals {
@@ -344,11 +356,10 @@ fn micro_shares(global: &[usize], k: usize, rank: usize, world: usize) -> Vec<&[
     micro
 }
 
-/// Averages the accumulated gradients over the ranks and steps the optimizer, through the loss
-/// scaler with f16: an overflow on any rank is in every rank's averaged gradients, so every
-/// rank skips the same steps.
-fn optimizer_step(st: &mut State, grads: candle_core::backprop::GradStore) -> Result<()> {
-    let mut grads = st.dp.sync_gradients(grads)?;
+/// Steps the optimizer with the averaged gradients, through the loss scaler with f16: an
+/// overflow on any rank is in every rank's averaged gradients, so every rank skips the same
+/// steps. Then refreshes the model's hooked copies of the variables (with `--overlap`).
+fn optimizer_step(st: &mut State, mut grads: candle_core::backprop::GradStore) -> Result<()> {
     match &mut st.scaler {
         Some(scaler) => {
             let found_inf = scaler.unscale(&mut grads, &st.dp.trainable())?;
@@ -359,6 +370,7 @@ fn optimizer_step(st: &mut State, grads: candle_core::backprop::GradStore) -> Re
         }
         None => st.opt.step(&grads)?,
     }
+    st.dp.refresh()?;
     Ok(())
 }
 
