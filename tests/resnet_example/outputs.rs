@@ -115,6 +115,8 @@ fn the_command_line_maps_onto_the_config() {
         "nccl",
         "--resume",
         "out/x",
+        "--overlap",
+        "off",
     ])
     .unwrap()
     .config()
@@ -129,10 +131,12 @@ fn the_command_line_maps_onto_the_config() {
         "nccl defaults to the GPU"
     );
     assert_eq!(c.resume.as_deref(), Some(std::path::Path::new("out/x")));
+    assert!(!c.overlap && d.overlap, "--overlap off, on by default");
     for bad in [
         ["--model", "resnet19"],
         ["--world-size", "0"],
         ["--precision", "f8"],
+        ["--overlap", "maybe"],
     ] {
         let err = cli::Cli::try_parse_from(["resnet", bad[0], bad[1]])
             .unwrap_err()
