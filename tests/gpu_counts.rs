@@ -410,3 +410,82 @@ fn a_forward_over_nccl_allocates_its_outputs_and_one_scratch() {
     );
     drop(y);
 }
+
+/// The overlapped backward of `DataParallel` on NCCL (world size 1, the simulated NCCL): a
+/// 2-layer MLP, one bucket per variable. The launch log shows the first bucket's pack and
+/// all-reduce enqueued before the backward's last kernel (the hooks start buckets while the
+/// backward is still enqueuing the first layer's gradients), one `pack_f32` and one
+/// `ncclAllReduce` per bucket, and no host wait or copy to the host.
+#[cfg(feature = "nccl")]
+#[test]
+fn an_overlapped_backward_starts_buckets_before_its_last_kernel() {
+    use candle_core::Module;
+    use candle_distributed::collective::NcclGroup;
+    use candle_distributed::{DataParallel, GradHooks};
+    use candle_nn::{linear, VarMap};
+
+    let Some(sim) = Sim::get() else {
+        eprintln!("not on the simulated driver: no counters to read");
+        return;
+    };
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let comm = NcclGroup::new(&[0]).unwrap().remove(0);
+    let dev = comm.device();
+    let vm = VarMap::new();
+    let hooks = GradHooks::new();
+    let vb = hooks.var_builder(&vm, DType::F32, &dev);
+    let (a, b) = (
+        linear(6, 5, vb.pp("a")).unwrap(),
+        linear(5, 3, vb.pp("b")).unwrap(),
+    );
+    let dp = DataParallel::new(&vm, comm.clone())
+        .unwrap()
+        .with_bucket_bytes(1)
+        .with_overlap(&hooks)
+        .unwrap();
+    let x = common::randn(7, &[4, 6], 0.0, 1.0)
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&dev)
+        .unwrap();
+    let loss = || {
+        b.forward(&a.forward(&x).unwrap().tanh().unwrap())
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap()
+    };
+    // Once before counting: the first collective of a communicator sets it up.
+    dp.backward(&loss()).unwrap();
+    let l = loss();
+    dev.synchronize().unwrap();
+    sim.reset();
+    dp.backward(&l).unwrap();
+    let (counts, log) = (sim.total_counts(), sim.launched());
+    eprintln!("{counts:?}\n{log:?}");
+    let first_all_reduce = log.iter().position(|k| k == "ncclAllReduce").unwrap();
+    let last_backward = log
+        .iter()
+        .rposition(|k| k != "ncclAllReduce" && k != "pack_f32")
+        .unwrap();
+    assert!(
+        first_all_reduce < last_backward,
+        "the first bucket starts before the backward's last kernel: {log:?}"
+    );
+    let count = |name: &str| log.iter().filter(|k| *k == name).count();
+    assert_eq!(
+        (
+            count("pack_f32"),
+            count("ncclAllReduce"),
+            dp.overlap_stats().buckets
+        ),
+        (4, 4, 4),
+        "one pack and one all-reduce per bucket: {log:?}"
+    );
+    assert_eq!(
+        (counts.host_syncs, counts.copies_dtoh),
+        (0, 0),
+        "no host wait, nothing read back: {counts:?}"
+    );
+}
