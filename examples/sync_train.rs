@@ -4,10 +4,12 @@
 //! loss, the eval accuracy and the largest parameter / running-statistic difference between the
 //! two, which must stay at rounding level; exits non-zero when it does not.
 //!
-//! `cargo run --release --example sync_train [-- --steps 60 --world-size 4]`
+//! `cargo run --release --example sync_train [-- --steps 60 --world-size 4 --overlap]`
 //!
 //! The loop is the README's: `DataParallel::new` gives every rank rank 0's weights,
-//! `sync_gradients` averages the gradients over ranks. Rank r's loss is its batch mean scaled by
+//! `sync_gradients` averages the gradients over ranks. With `--overlap`, the model is built
+//! through `GradHooks` and `DataParallel::step` starts each bucket's all-reduce during the
+//! backward (the same steps, bit for bit). Rank r's loss is its batch mean scaled by
 //! `W·n_r / N` (N the global batch), so the average is the gradient of the global mean loss.
 
 use std::collections::HashMap;
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
-use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, DataParallel, GradHooks, SyncBatchNormConfig};
 use candle_nn::{Conv2dConfig, Optimizer, VarBuilder, VarMap};
 use clap::Parser;
 use rand::rngs::StdRng;
@@ -122,6 +124,10 @@ struct Args {
     /// Seed of the initial weights (candle's CPU initialisers cannot be seeded).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Start each gradient bucket's all-reduce during the backward (`GradHooks`,
+    /// `DataParallel::with_overlap`, `DataParallel::step`).
+    #[arg(long)]
+    overlap: bool,
 }
 
 /// Per-rank batch sizes of a global batch: deliberately unequal (pairs of ranks with 2 more and
@@ -182,6 +188,7 @@ struct Setup {
     lr: f64,
     sizes: Vec<usize>,
     init: HashMap<String, Tensor>,
+    overlap: bool,
 }
 
 /// One rank's training: returns its final variables and the eval accuracy of the whole group.
@@ -193,6 +200,7 @@ fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String
         lr,
         ref sizes,
         ref init,
+        overlap,
     } = *setup;
     let rank = comm.rank();
     let vm = VarMap::new();
@@ -204,10 +212,13 @@ fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String
             comm.clone(),
         )?))
     };
-    let net = Net::new(
-        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
-        &sync,
-    )?;
+    let hooks = GradHooks::new();
+    let vb = if overlap {
+        hooks.var_builder(&vm, DType::F32, &Device::Cpu)
+    } else {
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)
+    };
+    let net = Net::new(vb, &sync)?;
     if rank == 0 {
         // The reference's initial weights (as a checkpoint load would); `DataParallel::new`
         // hands rank 0's to every rank. SyncBatchNorm's `num_batches_tracked` keeps its 0.
@@ -217,7 +228,10 @@ fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String
             }
         }
     }
-    let dp = DataParallel::new(&vm, comm.clone())?;
+    let mut dp = DataParallel::new(&vm, comm.clone())?;
+    if overlap {
+        dp = dp.with_overlap(&hooks)?; // also copies rank 0's weights into the hooked copies
+    }
     let mut opt = candle_nn::SGD::new(dp.trainable(), lr)?;
     let offset: usize = sizes[..rank].iter().sum();
     for step in 0..steps {
@@ -230,7 +244,11 @@ fn rank_main(comm: Arc<dyn Collective>, setup: &Setup) -> Result<(HashMap<String
         // W·n_r/N: the average over ranks is then the gradient of the global mean loss.
         let weight = (world * sizes[rank]) as f64 / global as f64;
         let loss = (candle_nn::loss::cross_entropy(&logits, &y)? * weight)?;
-        opt.step(&dp.sync_gradients(loss.backward()?)?)?;
+        if overlap {
+            dp.step(&mut opt, &loss)?; // backward with the all-reduce overlapped, step, refresh
+        } else {
+            opt.step(&dp.sync_gradients(loss.backward()?)?)?;
+        }
         let total = (comm.all_reduce(&loss, ReduceOp::Sum)? / world as f64)?.to_scalar::<f32>()?;
         if rank == 0 && (step % 10 == 0 || step + 1 == steps) {
             println!("step {step:3}  global loss {total:.4}");
@@ -276,6 +294,7 @@ fn main() -> Result<()> {
         lr,
         sizes: sizes.clone(),
         init,
+        overlap: args.overlap,
     };
     let results = ThreadGroup::run(world, |comm| {
         rank_main(comm, &setup).map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
