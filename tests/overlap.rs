@@ -5,7 +5,10 @@
 
 mod common;
 
-use candle_core::{DType, Device, Module};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_distributed::collective::{Collective, Decorator, Op};
 use candle_distributed::{DataParallel, GradHooks};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap, SGD};
 use common::overlap::{assert_twins_equal, batch, flat, net, seed, twin_steps};
@@ -36,6 +39,63 @@ fn overlapped_steps_equal_synced_ones(dev: &Device) -> anyhow::Result<()> {
                 outs,
             );
         }
+    }
+    Ok(())
+}
+
+/// Records every call's operation and element count, in call order.
+#[derive(Debug)]
+struct Recorded {
+    inner: Arc<dyn Collective>,
+    log: Mutex<Vec<(String, usize)>>,
+}
+
+impl Decorator for Recorded {
+    fn inner(&self) -> &Arc<dyn Collective> {
+        &self.inner
+    }
+    fn before(&self, op: Op, t: Option<&Tensor>) -> candle_core::Result<()> {
+        let n = t.map_or(0, Tensor::elem_count);
+        self.log.lock().unwrap().push((format!("{op:?}"), n));
+        Ok(())
+    }
+}
+
+/// Every rank issues the same collectives in the same order, buckets included, although the
+/// hooks start them as gradients complete and each rank's data differs (3 ranks, one bucket per
+/// variable, an unused layer whose bucket waits for the end): recorded by a `Decorator`.
+fn every_rank_starts_the_same_buckets_in_the_same_order(dev: &Device) -> anyhow::Result<()> {
+    let logs = run_ranks_on(3, dev, |c| {
+        let rec = Arc::new(Recorded {
+            inner: c,
+            log: Mutex::new(Vec::new()),
+        });
+        let comm: Arc<dyn Collective> = rec.clone();
+        let vm = VarMap::new();
+        let hooks = GradHooks::new();
+        let model = net(hooks.var_builder(&vm, DType::F32, dev), comm.clone(), true)?;
+        seed(&vm);
+        let dp = DataParallel::new(&vm, comm.clone())?
+            .with_bucket_bytes(1)
+            .with_overlap(&hooks)?;
+        rec.log.lock().unwrap().clear();
+        for s in 0..2 {
+            dp.backward(&model.loss(&batch(comm.rank(), 40 + s, dev))?)?;
+        }
+        let log = rec.log.lock().unwrap().clone();
+        Ok(log)
+    });
+    let buckets = logs[0]
+        .iter()
+        .filter(|(op, _)| op.starts_with("AllReduce"))
+        .count();
+    assert!(
+        buckets >= 2 * 10,
+        "the buckets and the batch norm's all-reduces: {:?}",
+        logs[0]
+    );
+    for (rank, log) in logs.iter().enumerate() {
+        assert_eq!(log, &logs[0], "rank {rank}'s collectives against rank 0's");
     }
     Ok(())
 }
@@ -264,4 +324,5 @@ device_tests!(
     a_different_build_order_fails_on_every_rank,
     a_plain_backward_through_hooks_is_unchanged,
     step_refreshes_what_the_model_computes_with,
+    every_rank_starts_the_same_buckets_in_the_same_order,
 );
