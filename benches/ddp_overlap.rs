@@ -31,7 +31,7 @@ use anyhow::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_distributed::collective::{Collective, Decorator, Op, Pending, ThreadGroup};
-use candle_distributed::{DataParallel, GradHooks};
+use candle_distributed::{DataParallel, GradHooks, OverlapStats};
 use candle_nn::{Optimizer, VarMap, SGD};
 use model::{Arch, NormKind, ResNet};
 
@@ -129,8 +129,10 @@ const VARIANTS: [Variant; 4] = [
     Variant::Overlapped,
 ];
 
-/// Median milliseconds of each variant on rank 0, the gradient bytes, and the bucket count.
-fn measure(arch: Arch, world: usize) -> Result<([f64; 4], usize, usize, f64)> {
+/// Median milliseconds of each variant on rank 0, the gradient bytes, the overlap statistics
+/// of the last overlapped step (buckets, and those started inside the backward), and the
+/// link's bandwidth.
+fn measure(arch: Arch, world: usize) -> Result<([f64; 4], usize, OverlapStats, f64)> {
     let out = ThreadGroup::run(world, |comm| {
         let link = Arc::new(Link::new(comm.clone()));
         let dev = Device::Cpu;
@@ -226,7 +228,7 @@ fn measure(arch: Arch, world: usize) -> Result<([f64; 4], usize, usize, f64)> {
             m.sort_by(f64::total_cmp);
             m[m.len() / 2]
         });
-        Ok((med, bytes, dp.overlap_stats().buckets, bw))
+        Ok((med, bytes, dp.overlap_stats(), bw))
     })?;
     Ok(out[0])
 }
@@ -238,15 +240,17 @@ fn main() -> Result<()> {
         LATENCY.as_micros()
     );
     println!();
-    println!("| model | ranks | gradients | buckets | link | compute ms | communication ms | plain ms | overlapped ms | overlapped / max | plain / overlapped |");
+    println!("| model | ranks | gradients | buckets (started in the backward) | link | compute ms | communication ms | plain ms | overlapped ms | overlapped / max | plain / overlapped |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for arch in [Arch::ResNet20, Arch::ResNet56] {
         for world in [2, 4] {
-            let ([compute, comm, plain, over], bytes, buckets, bw) = measure(arch, world)?;
+            let ([compute, comm, plain, over], bytes, stats, bw) = measure(arch, world)?;
             println!(
-                "| {} | {world} | {:.2} MB | {buckets} | {:.1} MB/s | {compute:.0} | {comm:.0} | {plain:.0} | {over:.0} | {:.2} | {:.2}× |",
+                "| {} | {world} | {:.2} MB | {} ({}) | {:.1} MB/s | {compute:.0} | {comm:.0} | {plain:.0} | {over:.0} | {:.2} | {:.2}× |",
                 arch.name(),
                 bytes as f64 / 1e6,
+                stats.buckets,
+                stats.started_during_backward,
                 bw / 1e6,
                 over / compute.max(comm),
                 plain / over

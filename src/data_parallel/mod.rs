@@ -127,7 +127,8 @@
 //!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer). A
 //!   variable used both through the builder and directly is an error naming it (its gradient
 //!   would be split). Behind a stand-in link as slow as the compute, a ResNet-20/56 step on 2
-//!   and 4 thread ranks took 1.09–1.28× the larger of compute and communication, against about
+//!   and 4 thread ranks took 1.09–1.28× the larger of compute and communication (two runs),
+//!   every bucket started inside the backward, against about
 //!   their sum without the overlap (`cargo bench --bench ddp_overlap`, the crate's
 //!   `docs/benchmarks.md`).
 //! - **Checkpoints** are the program's: the ResNet example (`examples/resnet/`) writes weights,
