@@ -127,10 +127,9 @@
 //!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer). A
 //!   variable used both through the builder and directly is an error naming it (its gradient
 //!   would be split). Behind a stand-in link as slow as the compute, a ResNet-20/56 step on 2
-//!   and 4 thread ranks took 1.09–1.28× the larger of compute and communication (two runs),
-//!   every bucket started inside the backward, against about
-//!   their sum without the overlap (`cargo bench --bench ddp_overlap`, the crate's
-//!   `docs/benchmarks.md`).
+//!   and 4 thread ranks took 1.09–1.28× the larger of compute and communication over two
+//!   runs, against about their sum without the overlap, every bucket started inside the
+//!   backward (`cargo bench --bench ddp_overlap`, the crate's `docs/benchmarks.md`).
 //! - **Checkpoints** are the program's: the ResNet example (`examples/resnet/`) writes weights,
 //!   batch-norm buffers, optimizer moments and step, scaler state, epoch and step as one
 //!   consistent pair of files and resumes bit for bit.
