@@ -415,7 +415,9 @@ fn a_forward_over_nccl_allocates_its_outputs_and_one_scratch() {
 /// 2-layer MLP, one bucket per variable. The launch log shows the first bucket's pack and
 /// all-reduce enqueued before the backward's last kernel (the hooks start buckets while the
 /// backward is still enqueuing the first layer's gradients), one `pack_f32` and one
-/// `ncclAllReduce` per bucket, and no host wait or copy to the host.
+/// `ncclAllReduce` per bucket, no host wait or copy to the host; and one allocation, memset and
+/// launch fewer per variable than `loss.backward()` + `sync_gradients` (the gradient is handed
+/// over, not added into a zeroed slot of the variable).
 #[cfg(feature = "nccl")]
 #[test]
 fn an_overlapped_backward_starts_buckets_before_its_last_kernel() {
@@ -464,6 +466,27 @@ fn an_overlapped_backward_starts_buckets_before_its_last_kernel() {
     dp.backward(&l).unwrap();
     let (counts, log) = (sim.total_counts(), sim.launched());
     eprintln!("{counts:?}\n{log:?}");
+    // The same step the plain way (the hooks pass the gradients on): `loss.backward()`, then
+    // `sync_gradients`.
+    let l = loss();
+    dev.synchronize().unwrap();
+    sim.reset();
+    dp.sync_gradients(l.backward().unwrap()).unwrap();
+    let (plain, plain_log) = (sim.total_counts(), sim.launched());
+    eprintln!("plain: {plain:?}\n{plain_log:?}");
+    // Per variable, candle's zeros (a memset into a fresh buffer) and the add into them.
+    let vars = 4u64;
+    assert_eq!(
+        (
+            plain.allocs - counts.allocs,
+            plain.memsets - counts.memsets,
+            (plain_log.len() - log.len()) as u64
+        ),
+        (vars, vars, vars),
+        "the overlapped backward hands each gradient over without candle's zeros + add into the \
+         variable's slot: one allocation, memset and launch fewer per variable than the plain \
+         step ({counts:?} against {plain:?})"
+    );
     let first_all_reduce = log.iter().position(|k| k == "ncclAllReduce").unwrap();
     let last_backward = log
         .iter()

@@ -124,7 +124,11 @@
 //!   MPI processes; `tests/nccl.rs::overlapped_backward_over_nccl_equals_the_synced_one`), and
 //!   with one bucket per variable every bucket starts inside the backward. Costs: a second copy
 //!   of the trainable variables (the hooked copies) and one device copy of them per step
-//!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer). A
+//!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer); in
+//!   exchange the hooks hand each gradient over instead of letting candle add it into a zeroed
+//!   slot: on the simulated GPU one allocation, memset and launch fewer per variable than
+//!   `loss.backward()` + `sync_gradients`, no host wait
+//!   (`tests/gpu_counts.rs::an_overlapped_backward_starts_buckets_before_its_last_kernel`). A
 //!   variable used both through the builder and directly is an error naming it (its gradient
 //!   would be split). Behind a stand-in link as slow as the compute, a ResNet-20/56 step on 2
 //!   and 4 thread ranks took 1.09–1.28× the larger of compute and communication over two
