@@ -53,12 +53,13 @@ impl Plan {
     /// `params`: the trainable variables; `hooked`: the hooked variables in the order the model
     /// took them. Buckets of at most `bucket_bytes` (or one variable) of one dtype and device.
     pub fn new(params: &[(String, Var)], hooked: &[Var], bucket_bytes: usize) -> Self {
-        let index_of = |v: &Var| {
-            params
-                .iter()
-                .position(|(_, p)| p.as_tensor().id() == v.as_tensor().id())
-        };
-        let of_hook: Vec<Option<usize>> = hooked.iter().map(index_of).collect();
+        let index: std::collections::HashMap<candle_core::TensorId, usize> = (params.iter())
+            .enumerate()
+            .map(|(i, (_, v))| (v.as_tensor().id(), i))
+            .collect();
+        let of_hook: Vec<Option<usize>> = (hooked.iter())
+            .map(|v| index.get(&v.as_tensor().id()).copied())
+            .collect();
         let mut is_hooked = vec![false; params.len()];
         for &p in of_hook.iter().flatten() {
             is_hooked[p] = true;
