@@ -255,37 +255,17 @@ fn a_missing_gradient_counts_as_zero(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A bucket of more variables than one packing launch takes (40, f32 and f64): each variable's
-/// gradient is the mean over ranks of the ranks' gradients, zero where a rank has none; the
-/// variable no rank uses gets none. Rank `r` uses variable `i` unless `(i + r) % 3 == 0`, with
-/// gradient `(r + 1)/2 · w_i` (values exact in f32 before the average).
+/// A bucket of more variables than one packing launch takes (40, f32 and f64,
+/// `common::many_vars`): each variable's gradient is the mean over ranks of the ranks'
+/// gradients, zero where a rank has none; the variable no rank uses gets none.
 fn a_bucket_of_many_variables_averages_each(dev: &Device) -> anyhow::Result<()> {
-    const VARS: usize = 40;
+    use common::many_vars;
     let world = 3;
-    let used = |r: usize, i: usize| i != VARS - 1 && !(i + r).is_multiple_of(3);
-    let w = |i: usize| -> Vec<f64> {
-        (0..1 + i * 5 % 23)
-            .map(|j| ((i * 7 + j * 3) % 11) as f64 - 5.25)
-            .collect()
-    };
     for dtype in [DType::F32, DType::F64] {
         let outs = run_ranks_on(world, dev, |comm| {
-            let r = comm.rank();
-            let vars: Vec<(String, Var)> = (0..VARS)
-                .map(|i| {
-                    let t = Tensor::new(w(i), dev)?.to_dtype(dtype)?;
-                    Ok((format!("v{i}"), Var::from_tensor(&t)?))
-                })
-                .collect::<anyhow::Result<_>>()?;
+            let vars = many_vars::vars(dtype, dev)?;
             let dp = DataParallel::from_vars(vars.clone(), vars.clone(), comm.clone())?;
-            let mut loss = Tensor::zeros((), dtype, dev)?;
-            for (i, (_, v)) in vars.iter().enumerate() {
-                if used(r, i) {
-                    let half_sq = (v.as_tensor().sqr()? * (0.25 * (r + 1) as f64))?;
-                    loss = (loss + half_sq.sum_all()?)?;
-                }
-            }
-            let grads = dp.sync_gradients(loss.backward()?)?;
+            let grads = dp.sync_gradients(many_vars::loss(&vars, comm.rank())?.backward()?)?;
             Ok(vars
                 .iter()
                 .map(|(_, v)| {
@@ -294,28 +274,7 @@ fn a_bucket_of_many_variables_averages_each(dev: &Device) -> anyhow::Result<()> 
                 })
                 .collect::<Vec<_>>())
         });
-        for (rank, got) in outs.iter().enumerate() {
-            for (i, g) in got.iter().enumerate() {
-                let what = format!("{dtype:?} rank {rank}, variable {i}");
-                if i == VARS - 1 {
-                    assert!(g.is_none(), "{what}: unused everywhere, yet a gradient");
-                    continue;
-                }
-                let g = g.as_ref().unwrap_or_else(|| panic!("{what}: no gradient"));
-                let k: f64 = (0..world)
-                    .filter(|&r| used(r, i))
-                    .map(|r| 0.5 * (r + 1) as f64)
-                    .sum();
-                let want: Vec<f64> = w(i).iter().map(|v| k * v / world as f64).collect();
-                assert_eq!(g.len(), want.len(), "{what}");
-                for (a, b) in g.iter().zip(&want) {
-                    assert!(
-                        (a - b).abs() <= tol::F32_OUT * b.abs().max(1.0),
-                        "{what}: {a} vs {b}"
-                    );
-                }
-            }
-        }
+        many_vars::check(&format!("{dtype:?}"), &outs, world, tol::F32_OUT);
     }
     Ok(())
 }

@@ -132,6 +132,25 @@ fn measure(sim: &Sim, f: impl FnOnce()) -> (Counts, Vec<String>) {
     (counts, sim.launched())
 }
 
+/// For the NCCL tests: the simulated driver's counters, this file's lock, and a communicator of
+/// world size 1 on GPU 0; None (after saying so) on a real driver.
+#[cfg(feature = "nccl")]
+fn on_simulated_nccl() -> Option<(
+    Sim,
+    std::sync::MutexGuard<'static, ()>,
+    std::sync::Arc<candle_distributed::collective::NcclCollective>,
+)> {
+    let Some(sim) = Sim::get() else {
+        eprintln!("not on the simulated driver: no counters to read");
+        return None;
+    };
+    let alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let comm = candle_distributed::collective::NcclGroup::new(&[0])
+        .unwrap()
+        .remove(0);
+    Some((sim, alone, comm))
+}
+
 /// One training forward and its backward of an affine layer with running statistics at world
 /// size 1, after a first step (which also makes the shift), on one thread rank of a
 /// `ThreadGroup`.
@@ -269,15 +288,11 @@ fn a_training_step_launches_what_the_readme_states() {
 #[cfg(feature = "nccl")]
 #[test]
 fn a_gradient_sync_launches_what_the_docs_state() {
-    use candle_distributed::collective::NcclGroup;
     use candle_distributed::DataParallel;
 
-    let Some(sim) = Sim::get() else {
-        eprintln!("not on the simulated driver: no counters to read");
+    let Some((sim, _alone, comm)) = on_simulated_nccl() else {
         return;
     };
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let comm = NcclGroup::new(&[0]).unwrap().remove(0);
     let dev = comm.device();
     let var = |seed: u64, dims: &[usize]| {
         let t = common::randn(seed, dims, 0.0, 1.0)
@@ -364,14 +379,11 @@ fn a_gradient_sync_launches_what_the_docs_state() {
 #[cfg(feature = "nccl")]
 #[test]
 fn a_forward_over_nccl_allocates_its_outputs_and_one_scratch() {
-    use candle_distributed::collective::{Collective, NcclGroup};
+    use candle_distributed::collective::Collective;
 
-    let Some(sim) = Sim::get() else {
-        eprintln!("not on the simulated driver: no counters to read");
+    let Some((sim, _alone, comm)) = on_simulated_nccl() else {
         return;
     };
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let comm = NcclGroup::new(&[0]).unwrap().remove(0);
     let dev = comm.device();
     let (bn, _vm) = common::layer(
         8,
@@ -422,16 +434,12 @@ fn a_forward_over_nccl_allocates_its_outputs_and_one_scratch() {
 #[test]
 fn an_overlapped_backward_starts_buckets_before_its_last_kernel() {
     use candle_core::Module;
-    use candle_distributed::collective::NcclGroup;
     use candle_distributed::{DataParallel, GradHooks};
     use candle_nn::{linear, VarMap};
 
-    let Some(sim) = Sim::get() else {
-        eprintln!("not on the simulated driver: no counters to read");
+    let Some((sim, _alone, comm)) = on_simulated_nccl() else {
         return;
     };
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let comm = NcclGroup::new(&[0]).unwrap().remove(0);
     let dev = comm.device();
     let vm = VarMap::new();
     let hooks = GradHooks::new();

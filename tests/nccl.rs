@@ -344,21 +344,14 @@ fn parallel_layers_beside_data_parallel_over_nccl() {
 }
 
 /// `DataParallel` over NCCL, one rank per GPU, with gradients missing on some ranks (the
-/// presence flags ride along and are read back) and with the 16-bit wires: 40 f32 variables
-/// in one bucket, rank `r` using variable `i` unless `(i + r) % 3 == 0` with gradient
-/// `(r + 1)/2 · w_i`; each gradient must be the mean over all ranks (zero where a rank has
-/// none), the variable no rank uses none. Values of a quarter's multiples, exact in f32;
-/// tolerance `tol::F32_OUT` in f32, `tol::F16` / `tol::BF16` over the wires (relative).
+/// presence flags ride along and are read back) and with the 16-bit wires: the 40 f32 variables
+/// of `common::many_vars` in one bucket; each gradient must be the mean over all ranks (zero
+/// where a rank has none), the variable no rank uses none; tolerance `tol::F32_OUT` in f32,
+/// `tol::F16` / `tol::BF16` over the wires (relative).
 #[test]
 fn data_parallel_with_missing_gradients_and_16_bit_wires_over_nccl() {
-    const VARS: usize = 40;
+    use common::many_vars;
     let n = gpus();
-    let used = |r: usize, i: usize| i != VARS - 1 && !(i + r).is_multiple_of(3);
-    let w = |i: usize| -> Vec<f32> {
-        (0..1 + i * 5 % 23)
-            .map(|j| ((i * 7 + j * 3) % 11) as f32 - 5.25)
-            .collect()
-    };
     for (wire, tol) in [
         (None, tol::F32_OUT),
         (Some(DType::F16), tol::F16),
@@ -367,53 +360,19 @@ fn data_parallel_with_missing_gradients_and_16_bit_wires_over_nccl() {
         let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
         let outs = on_ranks(comms, |c| {
             let (r, dev) = (c.rank(), c.device());
-            let vars: Vec<(String, candle_core::Var)> = (0..VARS)
-                .map(|i| {
-                    let t = Tensor::new(w(i), &dev)?;
-                    Ok((format!("v{i}"), candle_core::Var::from_tensor(&t)?))
-                })
-                .collect::<Result<_>>()?;
+            let vars = many_vars::vars(DType::F32, &dev)?;
             let dp = DataParallel::from_vars(vars.clone(), vars.clone(), c as Arc<dyn Collective>)?
                 .with_wire_dtype(wire)?;
-            let mut loss = Tensor::zeros((), DType::F32, &dev)?;
-            for (i, (_, v)) in vars.iter().enumerate() {
-                if used(r, i) {
-                    let half_sq = (v.as_tensor().sqr()? * (0.25 * (r + 1) as f64))?;
-                    loss = (loss + half_sq.sum_all()?)?;
-                }
-            }
-            let grads = dp.sync_gradients(loss.backward()?)?;
+            let grads = dp.sync_gradients(many_vars::loss(&vars, r)?.backward()?)?;
             Ok(vars
                 .iter()
                 .map(|(_, v)| {
-                    grads
-                        .get(v.as_tensor())
-                        .map(|g| g.to_vec1::<f32>().unwrap())
+                    (grads.get(v.as_tensor()))
+                        .map(|g| g.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap())
                 })
                 .collect::<Vec<_>>())
         });
-        for (rank, got) in outs.iter().enumerate() {
-            for (i, g) in got.iter().enumerate() {
-                let what = format!("wire {wire:?}, rank {rank}, variable {i}");
-                if i == VARS - 1 {
-                    assert!(g.is_none(), "{what}: unused everywhere, yet a gradient");
-                    continue;
-                }
-                let g = g.as_ref().unwrap_or_else(|| panic!("{what}: no gradient"));
-                let k: f64 = (0..n)
-                    .filter(|&r| used(r, i))
-                    .map(|r| 0.5 * (r + 1) as f64)
-                    .sum();
-                let want: Vec<f64> = w(i).iter().map(|&v| k * v as f64 / n as f64).collect();
-                assert_eq!(g.len(), want.len(), "{what}");
-                for (a, b) in g.iter().zip(&want) {
-                    assert!(
-                        (*a as f64 - b).abs() <= tol * b.abs().max(1.0),
-                        "{what}: {a} vs {b}"
-                    );
-                }
-            }
-        }
+        many_vars::check(&format!("wire {wire:?}"), &outs, n, tol);
     }
 }
 

@@ -390,6 +390,24 @@ fn split_failing(skip: Option<usize>) -> Vec<SplitSeen> {
     })
 }
 
+/// Rank 0 waited in a split its peer never completed: the timeout, within its slack, and a
+/// parent that fails the next call.
+fn assert_split_timed_out((kind, msg, took, after): &SplitSeen) {
+    assert_eq!(
+        *kind,
+        Some("RankLeft"),
+        "rank 0: its split times out: {msg}"
+    );
+    assert!(
+        *took < TIMEOUT + SLACK,
+        "rank 0: the timeout took {took:?}: {msg}"
+    );
+    assert!(
+        !after.starts_with("ok"),
+        "rank 0: the parent after the failed split: {after}"
+    );
+}
+
 #[test]
 #[ignore = "run by the fault tests, in a child process"]
 fn child_a_split_refused_on_one_rank() {
@@ -404,20 +422,7 @@ fn child_a_split_refused_on_one_rank() {
         after.contains("aborted"),
         "rank 1: the parent after the failed split: {after}"
     );
-    let (kind, msg, took, after) = &seen[0];
-    assert_eq!(
-        *kind,
-        Some("RankLeft"),
-        "rank 0: its split times out: {msg}"
-    );
-    assert!(
-        *took < TIMEOUT + SLACK,
-        "rank 0: the timeout took {took:?}: {msg}"
-    );
-    assert!(
-        !after.starts_with("ok"),
-        "rank 0: the parent after the failed split: {after}"
-    );
+    assert_split_timed_out(&seen[0]);
 }
 
 /// Rank 1's `ncclCommSplit` returns an error at once (`split-error`): rank 1 gets NCCL's error
@@ -438,20 +443,7 @@ fn child_a_split_a_rank_never_calls() {
     if !is_child() {
         return;
     }
-    let (kind, msg, took, after) = &split_failing(Some(1))[0];
-    assert_eq!(
-        *kind,
-        Some("RankLeft"),
-        "rank 0: its split times out: {msg}"
-    );
-    assert!(
-        *took < TIMEOUT + SLACK,
-        "rank 0: the timeout took {took:?}: {msg}"
-    );
-    assert!(
-        !after.starts_with("ok"),
-        "rank 0: the parent after the failed split: {after}"
-    );
+    assert_split_timed_out(&split_failing(Some(1))[0]);
 }
 
 /// Rank 1 never calls the split: rank 0's split is still in progress at the timeout, so the

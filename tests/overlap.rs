@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_distributed::collective::{Collective, Decorator, Op};
 use candle_distributed::{DataParallel, GradHooks};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap, SGD};
-use common::overlap::{assert_twins_equal, batch, flat, net, seed, twin_steps};
+use common::overlap::{assert_twins_equal, batch, flat, net, seed, twin, twin_steps, Twin};
 use common::*;
 
 /// f32 and both 16-bit wires, each variable a bucket of its own and the default 25 MiB: the
@@ -165,16 +165,13 @@ fn a_shared_weight_gets_both_uses(dev: &Device) -> anyhow::Result<()> {
 /// sum so far: the same gradients, bit for bit, as accumulating all three and `sync_gradients`.
 fn accumulated_micro_batches_equal_synced_ones(dev: &Device) -> anyhow::Result<()> {
     let outs = run_ranks_on(2, dev, |c| {
-        let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
-        let hooks = GradHooks::new();
-        let model_o = net(hooks.var_builder(&vm_o, DType::F32, dev), c.clone(), false)?;
-        let model_p = net(
-            VarBuilder::from_varmap(&vm_p, DType::F32, dev),
-            c.clone(),
-            false,
-        )?;
-        seed(&vm_o);
-        seed(&vm_p);
+        let Twin {
+            vm_o,
+            model_o,
+            vm_p,
+            model_p,
+            hooks,
+        } = twin(c.clone(), dev, false)?;
         let dp_o = DataParallel::new(&vm_o, c.clone())?
             .with_bucket_bytes(64)
             .with_overlap(&hooks)?;
@@ -253,16 +250,13 @@ fn a_different_build_order_fails_on_every_rank(dev: &Device) -> anyhow::Result<(
 /// equals, bit for bit, that of the same model stepped with `sync_gradients` and the optimizer.
 fn step_refreshes_what_the_model_computes_with(dev: &Device) -> anyhow::Result<()> {
     let outs = run_ranks_on(2, dev, |c| {
-        let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
-        let hooks = GradHooks::new();
-        let model_o = net(hooks.var_builder(&vm_o, DType::F32, dev), c.clone(), false)?;
-        let model_p = net(
-            VarBuilder::from_varmap(&vm_p, DType::F32, dev),
-            c.clone(),
-            false,
-        )?;
-        seed(&vm_o);
-        seed(&vm_p);
+        let Twin {
+            vm_o,
+            model_o,
+            vm_p,
+            model_p,
+            hooks,
+        } = twin(c.clone(), dev, false)?;
         let dp_o = DataParallel::new(&vm_o, c.clone())?.with_overlap(&hooks)?;
         let dp_p = DataParallel::new(&vm_p, c.clone())?;
         let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;

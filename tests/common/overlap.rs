@@ -94,6 +94,40 @@ pub fn flat(vm: &VarMap, grads: &GradStore) -> Vec<(String, Option<Vec<f32>>)> {
     out
 }
 
+/// The same replica twice, seeded alike: `model_o` built through `hooks` over `vm_o` (for the
+/// overlapped path), `model_p` from its own `vm_p` (for the plain one).
+pub struct Twin {
+    pub vm_o: VarMap,
+    pub model_o: Net,
+    pub vm_p: VarMap,
+    pub model_p: Net,
+    pub hooks: GradHooks,
+}
+
+pub fn twin(comm: Arc<dyn Collective>, dev: &Device, unused: bool) -> anyhow::Result<Twin> {
+    let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
+    let hooks = GradHooks::new();
+    let model_o = net(
+        hooks.var_builder(&vm_o, DType::F32, dev),
+        comm.clone(),
+        unused,
+    )?;
+    let model_p = net(
+        VarBuilder::from_varmap(&vm_p, DType::F32, dev),
+        comm,
+        unused,
+    )?;
+    seed(&vm_o);
+    seed(&vm_p);
+    Ok(Twin {
+        vm_o,
+        model_o,
+        vm_p,
+        model_p,
+        hooks,
+    })
+}
+
 /// One rank: the same replica twice, one built through `GradHooks` and stepped with
 /// `DataParallel::step` (overlapped), one built from its `VarMap` and stepped with
 /// `loss.backward()` + `sync_gradients` + the optimizer; 3 SGD steps. Returns, per step, both
@@ -105,20 +139,13 @@ pub fn twin_steps(
     bucket_bytes: usize,
     unused: bool,
 ) -> anyhow::Result<Twins> {
-    let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
-    let hooks = GradHooks::new();
-    let model_o = net(
-        hooks.var_builder(&vm_o, DType::F32, dev),
-        comm.clone(),
-        unused,
-    )?;
-    let model_p = net(
-        VarBuilder::from_varmap(&vm_p, DType::F32, dev),
-        comm.clone(),
-        unused,
-    )?;
-    seed(&vm_o);
-    seed(&vm_p);
+    let Twin {
+        vm_o,
+        model_o,
+        vm_p,
+        model_p,
+        hooks,
+    } = twin(comm.clone(), dev, unused)?;
     let dp_o = DataParallel::new(&vm_o, comm.clone())?
         .with_bucket_bytes(bucket_bytes)
         .with_wire_dtype(wire)?

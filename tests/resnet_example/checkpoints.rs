@@ -41,6 +41,17 @@ fn tiny_run(
     precision: train::Precision,
 ) -> train::Summary {
     let cfg = train::Config {
+        stop_after_epoch: stop_after,
+        resume: resume.then(|| dir.join("checkpoint.json")),
+        ..tiny_config(dir, precision)
+    };
+    train::run(&cfg).unwrap()
+}
+
+/// 3 ranks, 50 images of 8×8 in batches of 16 (the last epoch's batch leaves rank 2 empty),
+/// 4 epochs, outputs in `dir`.
+fn tiny_config(dir: &std::path::Path, precision: train::Precision) -> train::Config {
+    train::Config {
         arch: Arch::ResNet20,
         world_size: 3,
         batch_size: 16,
@@ -49,12 +60,9 @@ fn tiny_run(
         val_size: 12,
         epochs: 4,
         precision,
-        stop_after_epoch: stop_after,
         out_dir: dir.to_path_buf(),
-        resume: resume.then(|| dir.join("checkpoint.json")),
         ..Default::default()
-    };
-    train::run(&cfg).unwrap()
+    }
 }
 
 /// A resume into another `--out-dir`: the new folder's `metrics.csv` continues the rows of
@@ -261,18 +269,10 @@ fn overlap_on_and_off_train_the_same_weights_bitwise() {
         let params = |overlap: bool| {
             let dir = fresh_dir(if overlap { "overlap-on" } else { "overlap-off" });
             let cfg = train::Config {
-                arch: Arch::ResNet20,
-                world_size: 3,
-                batch_size: 16,
-                image_size: 8,
-                train_size: 50,
-                val_size: 12,
                 epochs: 2,
                 accumulate: 2,
-                precision,
                 overlap,
-                out_dir: dir.clone(),
-                ..Default::default()
+                ..tiny_config(&dir, precision)
             };
             let s = train::run(&cfg).unwrap();
             std::fs::remove_dir_all(&dir).unwrap();
