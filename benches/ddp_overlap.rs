@@ -6,14 +6,19 @@
 //! link), and takes no CPU while it waits. Four variants per configuration, alternating step by
 //! step in one process:
 //!
-//! - compute: forward, backward and the optimizer, no gradient exchange;
+//! - compute: forward, backward and the optimizer, no gradient exchange (the forward alone is
+//!   measured too);
 //! - communication: the gradient exchange alone (`sync_gradients` of saved gradients);
 //! - plain: backward, then `sync_gradients`, then the optimizer;
 //! - overlapped: `DataParallel::step` with the hooks (each bucket starts during the backward).
 //!
-//! The link's bandwidth is set so that the exchange alone takes about as long as the compute
-//! (measured first), where overlapping matters most: the plain step is then about twice the
-//! larger of the two, and an ideal overlap equal to it.
+//! Two link bandwidths per configuration, from the compute measured first: one where the
+//! exchange alone takes about as long as the whole compute (the plain step is then about twice
+//! the larger of the two), and one where it takes about as long as the compute after the forward
+//! (backward and optimizer). No overlap can start a bucket before the backward does, so an
+//! overlapped step takes at least max(compute, forward + communication): the first setting
+//! leaves the forward exposed by construction, the second is the one where an ideal overlap
+//! equals max(compute, communication).
 //!
 //! ```text
 //! cargo bench --bench ddp_overlap
@@ -117,6 +122,7 @@ impl Decorator for Link {
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Variant {
+    Forward,
     Compute,
     Communication,
     Plain,
@@ -129,10 +135,19 @@ const VARIANTS: [Variant; 4] = [
     Variant::Overlapped,
 ];
 
-/// Median milliseconds of each variant on rank 0, the gradient bytes, the overlap statistics
-/// of the last overlapped step (buckets, and those started inside the backward), and the
-/// link's bandwidth.
-fn measure(arch: Arch, world: usize) -> Result<([f64; 4], usize, OverlapStats, f64)> {
+/// One row: the link's setting, its bandwidth, the median milliseconds of each variant of
+/// `VARIANTS` and of the forward alone on rank 0, and the overlap statistics of the last
+/// overlapped step.
+struct Row {
+    link: &'static str,
+    bytes_per_sec: f64,
+    ms: [f64; 4],
+    forward_ms: f64,
+    stats: OverlapStats,
+}
+
+/// The rows of one configuration (both link settings) and its gradient bytes.
+fn measure(arch: Arch, world: usize) -> Result<(Vec<Row>, usize)> {
     let out = ThreadGroup::run(world, |comm| {
         let link = Arc::new(Link::new(comm.clone()));
         let dev = Device::Cpu;
@@ -185,6 +200,9 @@ fn measure(arch: Arch, world: usize) -> Result<([f64; 4], usize, OverlapStats, f
             comm.barrier()?;
             let t = Instant::now();
             match v {
+                Variant::Forward => {
+                    loss()?;
+                }
                 Variant::Compute => {
                     opt.step(&loss()?.backward()?)?;
                     dp.refresh()?;
@@ -204,33 +222,54 @@ fn measure(arch: Arch, world: usize) -> Result<([f64; 4], usize, OverlapStats, f
             }
             Ok(t.elapsed().as_secs_f64() * 1e3)
         };
-        // The link's bandwidth: the gradient bytes in the median compute time.
-        let mut compute = Vec::new();
-        for _ in 0..WARMUP + 3 {
-            compute.push(run(Variant::Compute, &mut opt)?);
-        }
-        compute.sort_by(f64::total_cmp);
-        let median_compute = comm
-            .broadcast(&Tensor::new(&[compute[compute.len() / 2]], &dev)?, 0)?
-            .to_vec1::<f64>()?[0];
-        let bw = bytes as f64 / (median_compute / 1e3);
-        link.set_bandwidth(bw);
-        let mut ms: [Vec<f64>; 4] = Default::default();
-        for i in 0..WARMUP + STEPS {
-            for (k, &v) in VARIANTS.iter().enumerate() {
-                let t = run(v, &mut opt)?;
+        let median_on_root = |v: Variant, opt: &mut SGD, n: usize| -> candle_core::Result<f64> {
+            let mut t = (0..n)
+                .map(|_| run(v, opt))
+                .collect::<candle_core::Result<Vec<f64>>>()?;
+            t.sort_by(f64::total_cmp);
+            let m = Tensor::new(&[t[t.len() / 2]], &dev)?;
+            Ok(comm.broadcast(&m, 0)?.to_vec1::<f64>()?[0])
+        };
+        // The link's bandwidths: the gradient bytes in the median compute time, and in the
+        // compute time after the forward.
+        let compute = median_on_root(Variant::Compute, &mut opt, WARMUP + 3)?;
+        let forward = median_on_root(Variant::Forward, &mut opt, WARMUP + 3)?;
+        let mut rows = Vec::new();
+        for (link_name, comm_ms) in [
+            ("comm = compute", compute),
+            ("comm = compute − forward", compute - forward),
+        ] {
+            let bw = bytes as f64 / (comm_ms.max(1e-3) / 1e3);
+            link.set_bandwidth(bw);
+            let mut ms: [Vec<f64>; 4] = Default::default();
+            let mut fwd = Vec::new();
+            for i in 0..WARMUP + STEPS {
+                for (k, &v) in VARIANTS.iter().enumerate() {
+                    let t = run(v, &mut opt)?;
+                    if i >= WARMUP {
+                        ms[k].push(t);
+                    }
+                }
+                let t = run(Variant::Forward, &mut opt)?;
                 if i >= WARMUP {
-                    ms[k].push(t);
+                    fwd.push(t);
                 }
             }
+            let med = |mut m: Vec<f64>| {
+                m.sort_by(f64::total_cmp);
+                m[m.len() / 2]
+            };
+            rows.push(Row {
+                link: link_name,
+                bytes_per_sec: bw,
+                ms: ms.map(med),
+                forward_ms: med(fwd),
+                stats: dp.overlap_stats(),
+            });
         }
-        let med = ms.map(|mut m| {
-            m.sort_by(f64::total_cmp);
-            m[m.len() / 2]
-        });
-        Ok((med, bytes, dp.overlap_stats(), bw))
+        Ok((rows, bytes))
     })?;
-    Ok(out[0])
+    Ok(out.into_iter().next().expect("rank 0's rows"))
 }
 
 fn main() -> Result<()> {
@@ -240,21 +279,30 @@ fn main() -> Result<()> {
         LATENCY.as_micros()
     );
     println!();
-    println!("| model | ranks | gradients | buckets (started in the backward) | link | compute ms | communication ms | plain ms | overlapped ms | overlapped / max | plain / overlapped |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| model | ranks | link | gradients | buckets (in the backward, held back) | bandwidth | forward ms | compute ms | communication ms | plain ms | overlapped ms | overlapped / max | overlapped / bound | plain / overlapped |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for arch in [Arch::ResNet20, Arch::ResNet56] {
         for world in [2, 4] {
-            let ([compute, comm, plain, over], bytes, stats, bw) = measure(arch, world)?;
-            println!(
-                "| {} | {world} | {:.2} MB | {} ({}) | {:.1} MB/s | {compute:.0} | {comm:.0} | {plain:.0} | {over:.0} | {:.2} | {:.2}× |",
-                arch.name(),
-                bytes as f64 / 1e6,
-                stats.buckets,
-                stats.started_during_backward,
-                bw / 1e6,
-                over / compute.max(comm),
-                plain / over
-            );
+            let (rows, bytes) = measure(arch, world)?;
+            for r in rows {
+                let [compute, comm, plain, over] = r.ms;
+                // No bucket can start before the backward does.
+                let bound = compute.max(r.forward_ms + comm);
+                println!(
+                    "| {} | {world} | {} | {:.2} MB | {} ({}, {}) | {:.1} MB/s | {:.0} | {compute:.0} | {comm:.0} | {plain:.0} | {over:.0} | {:.2} | {:.2} | {:.2}× |",
+                    arch.name(),
+                    r.link,
+                    bytes as f64 / 1e6,
+                    r.stats.buckets,
+                    r.stats.started_during_backward,
+                    r.stats.held_back,
+                    r.bytes_per_sec / 1e6,
+                    r.forward_ms,
+                    over / compute.max(comm),
+                    over / bound,
+                    plain / over
+                );
+            }
         }
     }
     Ok(())

@@ -12,7 +12,10 @@
 //!   ([`collective::ThreadGroup`]: ranks as threads of one process; `Mpi` with the `mpi`
 //!   feature; `NcclCollective` with the `nccl` feature), process groups, start-up helpers.
 //! - [`DataParallel`]: replicas that train as one model (broadcast at start, bucketed gradient
-//!   averaging, gradient accumulation, 16-bit gradients on the wire, uneven inputs).
+//!   averaging, gradient accumulation, 16-bit gradients on the wire, uneven inputs), with the
+//!   gradient all-reduce overlapped with the backward through [`GradHooks`].
+//! - [`sampler`]: [`DistributedSampler`], each rank's share of a data set per epoch (PyTorch's
+//!   `DistributedSampler`), shuffled by (seed, epoch), resumable mid-epoch.
 //! - [`amp`]: [`amp::GradScaler`], dynamic loss scaling for f16 training, the same decision on
 //!   every rank.
 //! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
@@ -63,11 +66,13 @@ mod layout;
 pub use kernels::{args, launch};
 pub mod ops;
 pub mod parallel;
+pub mod sampler;
 
 pub use amp::GradScaler;
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 pub use data_parallel::{DataParallel, GradHooks, OverlapStats};
 pub use layout::Layout;
+pub use sampler::{DistributedSampler, Remainder};
 
 /// The README's Rust code blocks, compiled and run as doctests (`cargo test --doc`), so that
 /// the front page's examples cannot rot.

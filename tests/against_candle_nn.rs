@@ -41,7 +41,7 @@ fn world_size_one_matches_candle_nn_batch_norm() -> anyhow::Result<()> {
     )?;
     let vm = with_params();
     let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
-    let bn = candle_distributed::sync_batch_norm(c, BatchNormConfig::default().into(), vb, comm)?;
+    let bn = candle_distributed::sync_batch_norm(c, BatchNormConfig::default(), vb, comm)?;
     for step in 0..4u64 {
         let x = randn(step, &[4, c, 5, 3], 1.5, 2.0).to_dtype(DType::F32)?;
         assert_close(

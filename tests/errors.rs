@@ -143,7 +143,13 @@ fn bad_configurations_are_rejected() {
         let e = candle_distributed::sync_batch_norm(4, cfg, vb(), comm.clone()).unwrap_err();
         assert!(e.to_string().contains(needle), "{e}");
     }
-    let e = candle_distributed::sync_batch_norm(0, Default::default(), vb(), comm).unwrap_err();
+    let e = candle_distributed::sync_batch_norm(
+        0,
+        candle_distributed::SyncBatchNormConfig::default(),
+        vb(),
+        comm,
+    )
+    .unwrap_err();
     assert!(
         e.to_string().contains("num_features must be at least 1"),
         "{e}"

@@ -100,6 +100,70 @@ fn every_rank_starts_the_same_buckets_in_the_same_order(dev: &Device) -> anyhow:
     Ok(())
 }
 
+/// A model that takes its layers from the builder in another order than the forward uses them
+/// (the output layer first): on the first backward the buckets follow the reverse build order, so
+/// the output layer's buckets, complete first, wait for the others (held back); from the second
+/// backward on they follow the observed arrival order and none is held back, every one starting
+/// inside the backward. The gradients equal `sync_gradients`' bit for bit at every step, and both
+/// ranks issue the same collectives.
+fn buckets_follow_the_observed_order_after_the_first_step(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let rec = Arc::new(Recorded {
+            inner: c,
+            log: Mutex::new(Vec::new()),
+        });
+        let comm: Arc<dyn Collective> = rec.clone();
+        let build = |vb: VarBuilder| -> anyhow::Result<[candle_nn::Linear; 3]> {
+            let out = linear(8, 2, vb.pp("out"))?;
+            let first = linear(4, 8, vb.pp("first"))?;
+            let mid = linear(8, 8, vb.pp("mid"))?;
+            Ok([first, mid, out])
+        };
+        let loss = |m: &[candle_nn::Linear; 3], x: &Tensor| -> candle_core::Result<Tensor> {
+            let h = m[0].forward(x)?.relu()?;
+            m[2].forward(&m[1].forward(&h)?.relu()?)?.sqr()?.mean_all()
+        };
+        let (vm_o, vm_p, hooks) = (VarMap::new(), VarMap::new(), GradHooks::new());
+        let model_o = build(hooks.var_builder(&vm_o, DType::F32, dev))?;
+        let model_p = build(VarBuilder::from_varmap(&vm_p, DType::F32, dev))?;
+        seed(&vm_o);
+        seed(&vm_p);
+        let dp_o = DataParallel::new(&vm_o, comm.clone())?
+            .with_bucket_bytes(1)
+            .with_overlap(&hooks)?;
+        let dp_p = DataParallel::new(&vm_p, comm.clone())?.with_bucket_bytes(1);
+        let mut stats = Vec::new();
+        for s in 0..3u64 {
+            let seed_of = 300 + 10 * s + comm.rank() as u64;
+            let x = on(
+                dev,
+                &randn(seed_of, &[5, 4], 0.0, 1.0).to_dtype(DType::F32)?,
+            );
+            let g_o = dp_o.backward(&loss(&model_o, &x)?)?;
+            let g_p = dp_p.sync_gradients(loss(&model_p, &x)?.backward()?)?;
+            assert_eq!(flat(&vm_o, &g_o), flat(&vm_p, &g_p), "step {s}");
+            stats.push(dp_o.overlap_stats());
+        }
+        let log = rec.log.lock().unwrap().clone();
+        Ok((stats, log))
+    });
+    for (rank, (stats, log)) in outs.iter().enumerate() {
+        assert!(
+            stats[0].held_back >= 2,
+            "rank {rank}: the output layer's two buckets wait on the first step: {stats:?}"
+        );
+        for s in &stats[1..] {
+            assert_eq!(s.held_back, 0, "rank {rank}: {stats:?}");
+            assert_eq!(s.started_during_backward, 6, "rank {rank}: {stats:?}");
+        }
+        assert_eq!(
+            log, &outs[0].1,
+            "rank {rank}'s collectives against rank 0's"
+        );
+    }
+    Ok(())
+}
+
 /// A layer the forward never uses: its bucket (and every later one) is sent after the backward,
 /// with the presence flags; its variables get no gradient, as with `sync_gradients`.
 fn an_unused_layer_is_sent_after_the_backward(dev: &Device) -> anyhow::Result<()> {
@@ -319,4 +383,5 @@ device_tests!(
     a_plain_backward_through_hooks_is_unchanged,
     step_refreshes_what_the_model_computes_with,
     every_rank_starts_the_same_buckets_in_the_same_order,
+    buckets_follow_the_observed_order_after_the_first_step,
 );

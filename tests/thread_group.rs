@@ -134,8 +134,12 @@ fn a_contribution_with_a_graph_does_not_outlive_its_rank() {
             ThreadGroup::run(2, |comm| {
                 let vm = candle_nn::VarMap::new();
                 let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
-                let bn =
-                    candle_distributed::sync_batch_norm(2, Default::default(), vb, comm.clone())?;
+                let bn = candle_distributed::sync_batch_norm(
+                    2,
+                    candle_distributed::SyncBatchNormConfig::default(),
+                    vb,
+                    comm.clone(),
+                )?;
                 let x = randn(round, &[3, 2], 0.0, 1.0).to_dtype(DType::F32)?;
                 let y = candle_nn::ModuleT::forward_t(&bn, &x, true)?;
                 drop(bn);

@@ -340,7 +340,12 @@ fn the_shift_round_trips() {
     let build = || {
         let vm = VarMap::new();
         let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &candle_core::Device::Cpu);
-        let bn = candle_distributed::sync_batch_norm(3, Default::default(), vb, comm.clone());
+        let bn = candle_distributed::sync_batch_norm(
+            3,
+            candle_distributed::SyncBatchNormConfig::default(),
+            vb,
+            comm.clone(),
+        );
         (bn.unwrap(), vm)
     };
     let x1 = randn(1, &[4, 3, 2, 2], 50.0, 2.0)

@@ -38,6 +38,7 @@ struct Plan {
 impl SyncBatchNorm {
     /// Checks the input (and residual) against the layer; returns the channel count.
     fn validate(&self, x: &Tensor, z: Option<&Tensor>) -> Result<usize> {
+        crate::device::check_supported(OP, x.device())?;
         let layout = self.config.layout;
         let Some(c) = layout.channels(x.dims()) else {
             bail!(

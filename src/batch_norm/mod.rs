@@ -83,6 +83,7 @@
 //! (`tests/errors.rs::cuda::one_value_per_channel_in_the_global_batch_fails_on_every_rank` states both).
 
 mod config;
+mod convert;
 mod forward;
 
 pub use config::SyncBatchNormConfig;
@@ -101,7 +102,7 @@ pub(crate) const OP: &str = "sync-batch-norm";
 
 /// Running statistics, stored in `Var`s shared with the `VarBuilder`'s `VarMap` (when it has
 /// one), so that saving the `VarMap` saves them under PyTorch's names.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Running {
     mean: Var,
     var: Var,
@@ -141,7 +142,54 @@ struct Snapshot {
 /// local batches allowed); one all-reduce of `3·C` f64 values in the forward and one of `2·C`
 /// in the backward, whatever the world size. In eval with running statistics, nothing is
 /// communicated. Build it with [`sync_batch_norm`].
-#[derive(Debug)]
+///
+/// A clone is the same layer, as a clone of a candle-nn layer shares its tensors: it shares the
+/// variables, the running statistics, `num_batches_tracked`, the shift and the communicator, so
+/// that a model deriving `Clone` keeps one layer whichever copy trains. For a separate layer,
+/// build another with [`sync_batch_norm`]; for candle's own layer (inference, export, folding
+/// into a convolution), see [`SyncBatchNorm::to_batch_norm`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use candle_core::{DType, Device, Module, Result, Tensor};
+/// use candle_distributed::collective::{Collective, ThreadGroup};
+/// use candle_distributed::{sync_batch_norm, SyncBatchNorm};
+/// use candle_nn::{conv2d_no_bias, Conv2d, Conv2dConfig, ModuleT, VarBuilder, VarMap};
+///
+/// // A residual block as candle models write it; only the batch norm's constructor changes.
+/// #[derive(Clone, Debug)]
+/// struct Block {
+///     conv: Conv2d,
+///     bn: SyncBatchNorm,
+/// }
+///
+/// impl Block {
+///     fn new(c: usize, vb: VarBuilder, comm: Arc<dyn Collective>) -> Result<Self> {
+///         let cfg = Conv2dConfig { padding: 1, ..Default::default() };
+///         let conv = conv2d_no_bias(c, c, 3, cfg, vb.pp("conv"))?;
+///         // was: let bn = candle_nn::batch_norm(c, 1e-5, vb.pp("bn"))?;
+///         let bn = sync_batch_norm(c, 1e-5, vb.pp("bn"), comm)?;
+///         Ok(Self { conv, bn })
+///     }
+///
+///     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+///         let y = self.bn.forward_t(&self.conv.forward(x)?, train)?;
+///         (y + x)?.relu()
+///     }
+/// }
+///
+/// let outs = ThreadGroup::run(2, |comm| {
+///     let vm = VarMap::new();
+///     let block = Block::new(4, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), comm)?;
+///     let copy = block.clone();
+///     let x = Tensor::randn(0f32, 1., (2, 4, 5, 5), &Device::Cpu)?;
+///     copy.forward_t(&x, true)?; // trains the one layer both share
+///     Ok((block.bn.num_batches_tracked(), block.forward_t(&x, false)?.dims().to_vec()))
+/// })?;
+/// assert_eq!(outs[0], (1, vec![2, 4, 5, 5]));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
 pub struct SyncBatchNorm {
     num_features: usize,
     config: SyncBatchNormConfig,
@@ -149,14 +197,15 @@ pub struct SyncBatchNorm {
     weight: Option<Tensor>,
     bias: Option<Tensor>,
     running: Option<Running>,
-    state: Mutex<State>,
+    state: Arc<Mutex<State>>,
 }
 
 /// Builds a [`SyncBatchNorm`] over `num_features` channels, with variables under PyTorch's
 /// names in `vb`: `weight`, `bias` (when `affine`), `running_mean`, `running_var` and
 /// `num_batches_tracked` (when `track_running_stats`; the latter is optional in a checkpoint).
 ///
-/// The drop-in for `candle_nn::batch_norm(num_features, config, vb)`; `comm` is this rank's
+/// The drop-in for `candle_nn::batch_norm(num_features, config, vb)`: `config` is an `f64`
+/// eps, a `candle_nn::BatchNormConfig` or a [`SyncBatchNormConfig`]; `comm` is this rank's
 /// communicator (every rank of the group must build the same layers in the same order).
 ///
 /// # Errors
@@ -166,10 +215,11 @@ pub struct SyncBatchNorm {
 /// `num_batches_tracked` is not a scalar convertible to i64.
 pub fn sync_batch_norm(
     num_features: usize,
-    config: SyncBatchNormConfig,
+    config: impl Into<SyncBatchNormConfig>,
     vb: VarBuilder,
     comm: Arc<dyn Collective>,
 ) -> Result<SyncBatchNorm> {
+    let config = config.into();
     if num_features == 0 {
         bail!("{OP}: num_features must be at least 1")
     }
@@ -221,7 +271,7 @@ pub fn sync_batch_norm(
         weight,
         bias,
         running,
-        state: Mutex::new(state),
+        state: Arc::new(Mutex::new(state)),
     })
 }
 

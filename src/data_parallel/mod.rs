@@ -195,6 +195,8 @@ pub struct DataParallel {
     overlap: Option<GradHooks>,
     /// What the last overlapped backward did.
     stats: Mutex<OverlapStats>,
+    /// The order the hooked gradients arrive in, agreed after the first overlapped backward.
+    learned: Mutex<Option<Vec<usize>>>,
 }
 
 impl DataParallel {
@@ -270,6 +272,7 @@ impl DataParallel {
             device,
             overlap: None,
             stats: Mutex::new(OverlapStats::default()),
+            learned: Mutex::new(None),
         })
     }
 
@@ -471,6 +474,7 @@ impl DataParallel {
         }
         hooks.refresh()?;
         self.overlap = Some(hooks.clone());
+        *self.learned.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
         Ok(self)
     }
 
@@ -479,7 +483,9 @@ impl DataParallel {
     /// as soon as its gradients are complete (the rest after it); without, the two run one
     /// after the other. Either way the result is `sync_gradients(loss.backward()?)`'s, bit for
     /// bit on thread ranks and MPI (`tests/overlap.rs`), and every rank issues the same
-    /// collectives in the same order.
+    /// collectives in the same order. The first overlapped backward also broadcasts the order in
+    /// which rank 0's gradients arrived (one integer per hooked variable, read back on the
+    /// host once); the buckets follow it from then on.
     ///
     /// # Errors
     ///
@@ -513,11 +519,16 @@ impl DataParallel {
             return self.sync_gradients(grads);
         };
         let hooked = hooks.with_hooked(|h| h.iter().map(|x| x.var.clone()).collect::<Vec<_>>());
-        let plan = Arc::new(overlap::Plan::new(&self.params, &hooked, self.bucket_bytes));
+        let learned = self
+            .learned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let plan = overlap::Plan::new(&self.params, &hooked, self.bucket_bytes, learned.as_deref());
         let launcher = overlap::Launcher::new(
             self.comm.clone(),
             self.wire,
-            plan,
+            Arc::new(plan),
             self.params.clone(),
             earlier.as_ref(),
         );
@@ -526,18 +537,27 @@ impl DataParallel {
         let launcher = hooks.disarm().ok_or_else(|| {
             candle_core::Error::Msg("DataParallel::backward: the hooks were disarmed".into())
         })?;
-        match result {
-            Ok(mut grads) => {
-                let stats = launcher.finish(&mut grads)?;
+        let seen = launcher.seen_order();
+        let outcome = match result {
+            Ok(mut grads) => launcher.finish(&mut grads).map(|stats| {
                 *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
-                Ok(grads)
-            }
+                grads
+            }),
             Err(e) => {
                 // Every bucket still goes out, so that no rank waits for this one.
                 let _ = launcher.finish(&mut GradStore::default());
                 Err(e)
             }
+        };
+        if learned.is_some() {
+            return outcome;
         }
+        // After the first overlapped backward (on every rank, whatever its outcome, so that the
+        // ranks' collectives stay matched): rank 0's arrival order becomes every rank's.
+        let agreed = overlap::agree_order(&*self.comm, &seen, &self.device);
+        let grads = outcome?;
+        *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = Some(agreed?);
+        Ok(grads)
     }
 
     /// One training step: [`DataParallel::backward`], `opt.step`, then

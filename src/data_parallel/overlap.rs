@@ -12,12 +12,16 @@
 //! afterwards, with the presence flags of [`DataParallel::sync_gradients`], so that every rank
 //! issues the same collectives in the same order.
 //!
-//! Buckets follow the reverse of the order in which the model took its variables from the
-//! builder (the last layer's first), as PyTorch's first buckets follow the reverse of
-//! `model.parameters()`: candle's backward reaches the weights of candle-nn's layers from the
-//! last layer back (their weights are the right operands of `conv2d`, `matmul` and
-//! `broadcast_add`, visited first). The order is the same on every rank because the model code
-//! is ([`DataParallel::with_overlap`] checks it).
+//! On the first overlapped backward, buckets follow the reverse of the order in which the model
+//! took its variables from the builder (the last layer's first), as PyTorch's first buckets
+//! follow the reverse of `model.parameters()`: candle's backward reaches the weights of
+//! candle-nn's layers from the last layer back (their weights are the right operands of
+//! `conv2d`, `matmul` and `broadcast_add`, visited first). That backward records the order in
+//! which the gradients actually arrived; rank 0's record is broadcast, and from the second
+//! backward on the buckets follow it on every rank, as PyTorch rebuilds its buckets after the
+//! first iteration. A model that builds its layers in another order than it uses them (a head
+//! built before its backbone) thereby loses no overlap after the first step
+//! ([`OverlapStats::held_back`] counts what a wrong order costs).
 //!
 //! Costs: the hooked copies are a second copy of the trainable variables, refreshed from the
 //! variables after every optimizer step ([`DataParallel::step`] does it; otherwise call
@@ -38,8 +42,9 @@ use super::pack;
 use crate::collective::{Collective, Pending, ReduceOp};
 
 /// The buckets of one step, as indices into the trainable variables: first the hooked ones in
-/// the reverse of the order the model took them (the order their gradients complete in), then
-/// the trainable variables the model does not take through the hooks, in name order.
+/// the order their gradients arrive (learned on the first backward; before it, the reverse of
+/// the order the model took them), then the trainable variables the model does not take through
+/// the hooks, in name order.
 #[derive(Debug)]
 pub(super) struct Plan {
     pub buckets: Vec<Vec<usize>>,
@@ -47,12 +52,21 @@ pub(super) struct Plan {
     pub of_hook: Vec<Option<usize>>,
     /// Whether each trainable variable is hooked.
     pub hooked: Vec<bool>,
+    /// The bucket of each trainable variable.
+    pub bucket_of: Vec<usize>,
 }
 
 impl Plan {
     /// `params`: the trainable variables; `hooked`: the hooked variables in the order the model
-    /// took them. Buckets of at most `bucket_bytes` (or one variable) of one dtype and device.
-    pub fn new(params: &[(String, Var)], hooked: &[Var], bucket_bytes: usize) -> Self {
+    /// took them; `learned`: the hooked trainable indices in the order their gradients arrived
+    /// (from [`agree_order`]), if known. Buckets of at most `bucket_bytes` (or one variable) of
+    /// one dtype and device.
+    pub fn new(
+        params: &[(String, Var)],
+        hooked: &[Var],
+        bucket_bytes: usize,
+        learned: Option<&[usize]>,
+    ) -> Self {
         let index: std::collections::HashMap<candle_core::TensorId, usize> = (params.iter())
             .enumerate()
             .map(|(i, (_, v))| (v.as_tensor().id(), i))
@@ -64,9 +78,21 @@ impl Plan {
         for &p in of_hook.iter().flatten() {
             is_hooked[p] = true;
         }
-        let mut order: Vec<usize> = of_hook.iter().rev().flatten().copied().collect();
+        let mut placed = vec![false; params.len()];
+        let mut order = Vec::with_capacity(params.len());
+        let learned = learned.unwrap_or(&[]).iter().copied();
+        let built = of_hook.iter().rev().flatten().copied();
+        for p in learned
+            .filter(|&p| p < params.len() && is_hooked[p])
+            .chain(built)
+        {
+            if !std::mem::replace(&mut placed[p], true) {
+                order.push(p);
+            }
+        }
         order.extend((0..params.len()).filter(|&p| !is_hooked[p]));
         let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut bucket_of = vec![0; params.len()];
         let mut bytes = 0;
         for p in order {
             let v = &params[p].1;
@@ -85,14 +111,45 @@ impl Plan {
                 bytes = 0;
             }
             buckets.last_mut().unwrap().push(p);
+            bucket_of[p] = buckets.len() - 1;
             bytes += size;
         }
         Self {
             buckets,
             of_hook,
             hooked: is_hooked,
+            bucket_of,
         }
     }
+}
+
+/// The order of the hooked trainable variables every rank uses from now on: rank 0's `seen`
+/// (the order its gradients arrived in), broadcast. Collective. Also checks that what arrived is
+/// an order of this rank's hooked variables (the same set on every rank:
+/// [`DataParallel::with_overlap`](super::DataParallel::with_overlap) checked the build).
+pub(super) fn agree_order(
+    comm: &dyn Collective,
+    seen: &[usize],
+    device: &Device,
+) -> Result<Vec<usize>> {
+    let mine: Vec<i64> = seen.iter().map(|&p| p as i64).collect();
+    let root = comm.broadcast(&Tensor::new(mine.as_slice(), device)?, 0)?;
+    let order: Vec<usize> = (root.to_vec1::<i64>()?.into_iter())
+        .map(|p| usize::try_from(p).unwrap_or(usize::MAX))
+        .collect();
+    let mut sorted_root = order.clone();
+    let mut sorted_mine = seen.to_vec();
+    sorted_root.sort_unstable();
+    sorted_mine.sort_unstable();
+    if sorted_root != sorted_mine {
+        bail!(
+            "DataParallel::backward: rank 0's gradient order names other variables than this \
+             rank's ({} against {} hooked variables); every rank must build the same model",
+            order.len(),
+            seen.len()
+        )
+    }
+    Ok(order)
 }
 
 /// What [`DataParallel::overlap_stats`](super::DataParallel::overlap_stats) reports of the last
@@ -105,6 +162,11 @@ pub struct OverlapStats {
     /// were sent after it returned: buckets holding an unused variable or one the model does not
     /// take through the hooks, and every bucket after such a one).
     pub started_during_backward: usize,
+    /// Of the buckets, those whose gradients were all in while an earlier bucket still waited
+    /// for one, so that they started later than they could have: the buckets' order was not the
+    /// order the gradients arrived in. After the first backward the buckets follow the observed
+    /// order, and this is 0 unless the order changes from step to step.
+    pub held_back: usize,
 }
 
 /// One started bucket.
@@ -128,6 +190,10 @@ pub(super) struct Launcher {
     next: usize,
     started: Vec<Started>,
     during_backward: usize,
+    /// The trainable indices of the hooked gradients, in the order they arrived.
+    arrival: Vec<usize>,
+    /// Per bucket: whether all its gradients arrived while an earlier bucket was incomplete.
+    held: Vec<bool>,
     error: Option<candle_core::Error>,
 }
 
@@ -144,6 +210,7 @@ impl Launcher {
             .map(|(_, v)| prior.and_then(|g| g.get(v.as_tensor()).cloned()))
             .collect();
         let n = params.len();
+        let held = vec![false; plan.buckets.len()];
         Self {
             comm,
             wire,
@@ -154,8 +221,20 @@ impl Launcher {
             next: 0,
             started: Vec::new(),
             during_backward: 0,
+            arrival: Vec::new(),
+            held,
             error: None,
         }
+    }
+
+    /// The hooked trainable variables in the order their gradients arrived, then those that did
+    /// not arrive in the plan's order.
+    pub fn seen_order(&self) -> Vec<usize> {
+        let mut seen = self.arrival.clone();
+        let arrived: std::collections::HashSet<usize> = seen.iter().copied().collect();
+        let rest = self.plan.buckets.iter().flatten().copied();
+        seen.extend(rest.filter(|&p| self.plan.hooked[p] && !arrived.contains(&p)));
+        seen
     }
 
     /// Hooked variable `hook` has its complete gradient: records it (plus the earlier
@@ -180,6 +259,15 @@ impl Launcher {
                 self.error = Some(e);
                 return;
             }
+        }
+        self.arrival.push(p);
+        let b = self.plan.bucket_of[p];
+        if b > self.next
+            && self.plan.buckets[b]
+                .iter()
+                .all(|&q| self.grads[q].is_some())
+        {
+            self.held[b] = true;
         }
         while self.next < self.plan.buckets.len()
             && self.plan.buckets[self.next]
@@ -292,6 +380,7 @@ impl Launcher {
         let stats = OverlapStats {
             buckets: self.plan.buckets.len(),
             started_during_backward: self.during_backward,
+            held_back: self.held.iter().filter(|&&h| h).count(),
         };
         for s in std::mem::take(&mut self.started) {
             match s.pending.wait() {

@@ -17,10 +17,12 @@ pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod geometry;
+mod support;
 
 pub(crate) use call::List;
 pub use call::{Arg, Buffer, Call, Launch};
 pub use geometry::Geometry;
+pub(crate) use support::check_supported;
 
 /// A point in the stream of the thread that wrote a tensor, which another thread waits for
 /// before it reads the tensor: a hand-off between threads that does not wait for the GPU.

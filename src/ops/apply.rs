@@ -363,6 +363,7 @@ pub fn batch_norm_elemt(
     relu: bool,
     layout: crate::Layout,
 ) -> Result<Tensor> {
+    crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let c = geometry.c;
     let dev = x.device();

@@ -349,6 +349,7 @@ pub fn batch_norm_backward_elemt(
     want_dz: bool,
     layout: crate::Layout,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    crate::device::check_supported(OP, dy.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let c = geometry.c;
     check_same_shape("gradient", x.dims(), dy)?;

@@ -287,6 +287,7 @@ pub fn batch_norm_backward_reduce(
     relu_output: Option<&Tensor>,
     layout: crate::Layout,
 ) -> Result<Tensor> {
+    crate::device::check_supported(OP, dy.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     check_same_shape("gradient", x.dims(), dy)?;
     check_device("mean", mean, x.device())?;

@@ -285,6 +285,7 @@ pub struct BatchStats {
 /// different devices; on the CPU, when the global count is at most 1 (see above); on a GPU, when a
 /// CUDA allocation or kernel launch fails.
 pub fn batch_norm_gather_stats(sums: &Tensor, shift: &Tensor, eps: f64) -> Result<BatchStats> {
+    crate::device::check_supported(OP, sums.device())?;
     let stats = finalize(sums, shift, 0.0, eps, None)?;
     if let Some(n) = host_count(&stats)? {
         if n <= 1.0 {
@@ -422,6 +423,7 @@ pub fn batch_norm_gather_stats_update(
     momentum: f64,
     running: Option<&RunningStats>,
 ) -> Result<GatheredStats> {
+    crate::device::check_supported(OP, sums.device())?;
     if !(0.0..=1.0).contains(&momentum) {
         bail!("{OP}: momentum must be in [0, 1], got {momentum}")
     }

@@ -290,6 +290,7 @@ impl CustomOp2 for MaxPoolBackwardOp {
 /// When `x` is not 4-D, its dtype is not a float, `kernel` or `stride` is 0, `padding`
 /// exceeds `kernel / 2`, or the padded input is smaller than the window.
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
+    crate::device::check_supported(POOL, x.device())?;
     let pool = Pool::new(x.dims(), kernel, stride, padding)?;
     x.contiguous()?.apply_op1(MaxPoolOp(pool))
 }

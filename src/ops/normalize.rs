@@ -89,6 +89,7 @@ pub fn batch_norm_elemt_autograd(
     layout: crate::Layout,
     stats: StatsGrad,
 ) -> Result<Tensor> {
+    crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let (c, dev) = (geometry.c, x.device());
     for (what, t) in [("mean", mean), ("invstd", invstd), ("count", count)] {

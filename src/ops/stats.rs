@@ -237,6 +237,7 @@ fn stats_cuda(
 /// of shape `[C]` in a float dtype or not on `x`'s device; on a GPU, when a CUDA allocation or kernel launch
 /// fails.
 pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, layout: crate::Layout) -> Result<Tensor> {
+    crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let shift = per_channel_f64("shift", shift, &[geometry.c])?;
     x.contiguous()?

@@ -33,7 +33,13 @@ pub fn net(vm: &VarMap, comm: Arc<dyn Collective>, dtype: DType) -> Net {
         conv1: conv2d(3, 6, 3, pad, vb.pp("conv1")).unwrap(),
         bn1: sync_batch_norm(6, relu, vb.pp("bn1"), comm.clone()).unwrap(),
         conv2: conv2d(6, 5, 3, pad, vb.pp("conv2")).unwrap(),
-        bn2: sync_batch_norm(5, Default::default(), vb.pp("bn2"), comm).unwrap(),
+        bn2: sync_batch_norm(
+            5,
+            candle_distributed::SyncBatchNormConfig::default(),
+            vb.pp("bn2"),
+            comm,
+        )
+        .unwrap(),
         fc: linear(5, 4, vb.pp("fc")).unwrap(),
     };
     seed(vm);
