@@ -124,6 +124,7 @@ fn share_bytes_through_a_pytorch_store() {
         rank,
         world_size: 2,
         local_rank: rank,
+        local_world_size: None,
         master_addr: "127.0.0.1".into(),
         master_port: server.port,
         run_id: run.into(),

@@ -49,6 +49,7 @@ pub mod bootstrap;
 mod checked;
 mod decorator;
 mod error;
+mod groups;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "nccl")]
@@ -61,6 +62,7 @@ mod threads;
 pub use checked::Checked;
 pub use decorator::Decorator;
 pub use error::CollectiveError;
+pub use groups::groups_of;
 #[cfg(feature = "mpi")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub use mpi::Mpi;

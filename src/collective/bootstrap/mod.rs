@@ -57,6 +57,7 @@ use candle_core::{bail, Result};
 
 use store::{remaining, TcpStoreClient};
 
+mod launcher;
 pub mod secret;
 mod server;
 pub mod store;
@@ -99,6 +100,9 @@ pub struct DistEnv {
     pub world_size: usize,
     /// `LOCAL_RANK`: this process's index on its machine (its GPU), 0 when unset.
     pub local_rank: usize,
+    /// `LOCAL_WORLD_SIZE`: the processes on this machine, when the launcher says
+    /// (for node-local groups: [`crate::collective::groups_of`]).
+    pub local_world_size: Option<usize>,
     /// `MASTER_ADDR`: host name or address of rank 0 (or of torchrun's agent store).
     pub master_addr: String,
     /// `MASTER_PORT`: port rank 0 listens on (or torchrun's agent store).
@@ -118,9 +122,24 @@ pub struct DistEnv {
 }
 
 impl DistEnv {
-    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `MASTER_ADDR`, `MASTER_PORT`,
-    /// torchrun's `TORCHELASTIC_*` variables, `CANDLE_DISTRIBUTED_RUN_ID` and
-    /// `CANDLE_DISTRIBUTED_SECRET` from the process environment.
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `LOCAL_WORLD_SIZE` (optional),
+    /// `MASTER_ADDR`, `MASTER_PORT`, torchrun's `TORCHELASTIC_*` variables,
+    /// `CANDLE_DISTRIBUTED_RUN_ID` and `CANDLE_DISTRIBUTED_SECRET` from the process environment.
+    /// Without `RANK`, the rank, world size, local rank and local world size come from Slurm's
+    /// `srun` or Open MPI's `mpirun`, which also name the launch (the run id, unless one is set);
+    /// `MASTER_ADDR` and `MASTER_PORT` are the user's to export:
+    ///
+    /// | | torchrun / by hand | `srun` | Open MPI's `mpirun` |
+    /// |---|---|---|---|
+    /// | rank | `RANK` | `SLURM_PROCID` | `OMPI_COMM_WORLD_RANK` |
+    /// | world size | `WORLD_SIZE` | `SLURM_STEP_NUM_TASKS` | `OMPI_COMM_WORLD_SIZE` |
+    /// | local rank | `LOCAL_RANK` (0 when unset) | `SLURM_LOCALID` | `OMPI_COMM_WORLD_LOCAL_RANK` |
+    /// | local world size | `LOCAL_WORLD_SIZE` | `SLURM_STEP_TASKS_PER_NODE` at `SLURM_NODEID` | `OMPI_COMM_WORLD_LOCAL_SIZE` |
+    /// | run id, when none is set | — | `slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>` | `ompi-<PMIX_NAMESPACE>` |
+    ///
+    /// `RANK` wins when it is set. Slurm's step variables, not the allocation's
+    /// (`SLURM_NTASKS`), give the world size, so that a batch script's own process is not
+    /// taken for a rank of a larger job.
     ///
     /// # Errors
     /// When a required variable is missing or not a number, `RANK ≥ WORLD_SIZE`, the secret is
@@ -145,12 +164,9 @@ impl DistEnv {
                 candle_core::Error::Msg(format!("bootstrap: {name}={v:?} is not a valid number"))
             })
         }
-        let rank: usize = parse("RANK", get("RANK"))?;
-        let world_size: usize = parse("WORLD_SIZE", get("WORLD_SIZE"))?;
-        let local_rank = match get("LOCAL_RANK") {
-            Some(v) => parse("LOCAL_RANK", Some(v))?,
-            None => 0,
-        };
+        let placement = launcher::placement(&get)?;
+        let (rank, world_size, local_rank) =
+            (placement.rank, placement.world_size, placement.local_rank);
         let master_addr = match get("MASTER_ADDR") {
             Some(a) if !a.trim().is_empty() => a.trim().to_string(),
             _ => bail!("bootstrap: environment variable MASTER_ADDR is not set"),
@@ -165,6 +181,7 @@ impl DistEnv {
         };
         let run_id = get("TORCHELASTIC_RUN_ID")
             .or_else(|| get(RUN_ID_VAR))
+            .or(placement.run_id)
             .unwrap_or_default()
             .trim()
             .to_string();
@@ -181,6 +198,7 @@ impl DistEnv {
             rank,
             world_size,
             local_rank,
+            local_world_size: placement.local_world_size,
             master_addr,
             master_port,
             run_id,

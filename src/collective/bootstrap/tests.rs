@@ -13,6 +13,7 @@ fn env_at(rank: usize, world: usize, addr: &str, port: u16, job: &str) -> DistEn
         rank,
         world_size: world,
         local_rank: rank,
+        local_world_size: None,
         master_addr: addr.into(),
         master_port: port,
         run_id: job.into(),
@@ -604,4 +605,32 @@ fn a_rank_trusts_only_a_rank_0_that_proves_the_secret() {
         e.contains("timed out") && e.contains("forged verdict"),
         "{e}"
     );
+}
+
+/// Under `srun` (or Open MPI's `mpirun`) the launcher's variables place the process, and its
+/// job and step ids name the launch, so that no run id needs exporting; an explicit one wins.
+#[test]
+fn srun_places_and_names_the_launch() {
+    let mut vars: HashMap<&str, &str> = [
+        ("SLURM_PROCID", "3"),
+        ("SLURM_STEP_NUM_TASKS", "4"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_STEP_TASKS_PER_NODE", "2(x2)"),
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_STEP_ID", "0"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+    ]
+    .into_iter()
+    .collect();
+    let e = DistEnv::from_vars(|k| vars.get(k).map(|v| v.to_string())).unwrap();
+    assert_eq!(
+        (e.rank, e.world_size, e.local_rank, e.local_world_size),
+        (3, 4, 1, Some(2))
+    );
+    assert_eq!(e.run_id, "slurm-77.0");
+    vars.insert(RUN_ID_VAR, "mine");
+    let e = DistEnv::from_vars(|k| vars.get(k).map(|v| v.to_string())).unwrap();
+    assert_eq!(e.run_id, "mine");
 }
