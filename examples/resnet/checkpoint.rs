@@ -128,6 +128,20 @@ pub fn save(dir: &Path, mut meta: Meta, tensors: &[(String, Tensor)]) -> Result<
     Ok(())
 }
 
+/// What `--resume` names, `auto` resolved: with `auto`, the newest complete checkpoint of
+/// `out_dir` (its `checkpoint.json`, which a save writes last and atomically, after its tensor
+/// file) when there is one, else nothing (a fresh start). So one command serves a first start
+/// and every restart under `torchrun --max-restarts N`.
+pub fn resolve_resume(arg: Option<&Path>, out_dir: &Path) -> Option<std::path::PathBuf> {
+    match arg {
+        Some(p) if p == Path::new("auto") => {
+            let json = out_dir.join("checkpoint.json");
+            json.is_file().then_some(json)
+        }
+        other => other.map(Path::to_path_buf),
+    }
+}
+
 /// Loads the checkpoint `path` names: a `checkpoint.json` or the directory holding one.
 /// Refuses, with the file and the reason, an empty or malformed JSON, another format, a
 /// missing, truncated or corrupt tensor file, or a model other than `model`.

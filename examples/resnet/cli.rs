@@ -80,7 +80,9 @@ pub struct Cli {
     out_dir: PathBuf,
     /// The checkpoint.json of an earlier run (or its directory): the run continues as if never
     /// stopped (same --model, --seed, --batch-size and data); a truncated, corrupt or
-    /// mismatched checkpoint is refused. The metrics CSV in --out-dir is continued.
+    /// mismatched checkpoint is refused. The metrics CSV in --out-dir is continued. `auto`:
+    /// --out-dir's checkpoint when it has one, else a fresh start (the same command for a
+    /// first start and a restart).
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Leave after this epoch's checkpoint, as if killed there (the schedule stays that of
@@ -184,7 +186,7 @@ impl Cli {
             val_size: self.val_size,
             seed: self.seed,
             out_dir: self.out_dir.clone(),
-            resume: self.resume.clone(),
+            resume: crate::checkpoint::resolve_resume(self.resume.as_deref(), &self.out_dir),
             stop_after_epoch: self.stop_after_epoch,
             ..Config::default()
         })

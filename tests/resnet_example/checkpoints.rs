@@ -40,9 +40,13 @@ fn tiny_run(
     resume: bool,
     precision: train::Precision,
 ) -> train::Summary {
+    // `--resume auto`: the folder's checkpoint when there is one, else a fresh start.
+    let auto = std::path::Path::new("auto");
     let cfg = train::Config {
         stop_after_epoch: stop_after,
-        resume: resume.then(|| dir.join("checkpoint.json")),
+        resume: resume
+            .then(|| checkpoint::resolve_resume(Some(auto), dir))
+            .flatten(),
         ..tiny_config(dir, precision)
     };
     train::run(&cfg).unwrap()
@@ -196,7 +200,8 @@ fn fresh_dir(tag: &str) -> std::path::PathBuf {
     dir
 }
 
-/// 4 epochs in one run equal 2 epochs, a resume from the checkpoint, and 2 more, bit for bit:
+/// 4 epochs in one run equal 2 epochs, a resume from the checkpoint (both runs started with
+/// `--resume auto`), and 2 more, bit for bit:
 /// weights, batch-norm statistics and counters (AdamW's moments and step, the step count
 /// that drives the schedule and augmentation, SyncBatchNorm's shifts and, in f16, the loss
 /// scaler's state all come back).
@@ -210,7 +215,14 @@ fn four_epochs_equal_two_plus_resume_plus_two_bitwise() {
 fn resume_bitwise(precision: train::Precision) {
     let (a, b) = (fresh_dir("straight"), fresh_dir("resumed"));
     let straight = tiny_run(&a, None, false, precision);
-    tiny_run(&b, Some(2), false, precision);
+    // The same command (`--resume auto`) starts afresh in an empty folder, then resumes.
+    let auto = Some(std::path::Path::new("auto"));
+    assert_eq!(checkpoint::resolve_resume(auto, &b), None);
+    tiny_run(&b, Some(2), true, precision);
+    assert_eq!(
+        checkpoint::resolve_resume(auto, &b),
+        Some(b.join("checkpoint.json"))
+    );
     let resumed = tiny_run(&b, None, true, precision);
     assert_eq!(straight.params.len(), resumed.params.len());
     for ((name, x), (_, y)) in straight.params.iter().zip(&resumed.params) {
