@@ -16,6 +16,8 @@
 //!   gradient all-reduce overlapped with the backward through [`GradHooks`].
 //! - [`sampler`]: [`DistributedSampler`], each rank's share of a data set per epoch (PyTorch's
 //!   `DistributedSampler`), shuffled by (seed, epoch), resumable mid-epoch.
+//! - [`checkpoint`]: checkpoints every rank agrees on (atomic, written by rank 0, loaded by
+//!   all), and [`optim::AdamW`], whose state can be saved.
 //! - [`amp`]: [`amp::GradScaler`], dynamic loss scaling for f16 training, the same decision on
 //!   every rank.
 //! - [`ops`]: the arithmetic as functional ops, for users building their own layers.
@@ -54,6 +56,7 @@
 
 pub mod amp;
 pub mod batch_norm;
+pub mod checkpoint;
 pub mod collective;
 pub mod data_parallel;
 mod device;
@@ -65,6 +68,7 @@ mod layout;
 #[doc(hidden)]
 pub use kernels::{args, launch};
 pub mod ops;
+pub mod optim;
 pub mod parallel;
 pub mod sampler;
 

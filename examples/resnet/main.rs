@@ -19,7 +19,6 @@ mod cli;
 mod config;
 mod data;
 mod model;
-mod optim;
 mod report;
 mod state;
 mod train;

@@ -78,7 +78,10 @@ pub fn write_csv(path: &Path, rows: &[EpochMetrics]) -> Result<()> {
             r.epoch, r.train_loss, r.train_acc, r.val_loss, r.val_acc, r.images_per_sec, r.seconds
         ));
     }
-    crate::checkpoint::write_atomic(path, s.as_bytes())
+    Ok(candle_distributed::checkpoint::write_atomic(
+        path,
+        s.as_bytes(),
+    )?)
 }
 
 /// Reads a CSV written by [`write_csv`] (missing file: no rows).
@@ -162,7 +165,7 @@ pub const TRAIN_COLOUR: RGBColor = RGBColor(31, 119, 180);
 pub const VAL_COLOUR: RGBColor = RGBColor(230, 100, 0);
 
 /// Draws the loss (left) and accuracy (right) per epoch, training and validation, under `title`,
-/// and writes it as a PNG (atomically, [`crate::checkpoint::write_atomic`]).
+/// and writes it as a PNG (atomically, [`candle_distributed::checkpoint::write_atomic`]).
 pub fn write_plot(path: &Path, title: &str, rows: &[EpochMetrics]) -> Result<()> {
     font()?;
     let (w, h) = PLOT_SIZE;
@@ -189,7 +192,7 @@ pub fn write_plot(path: &Path, title: &str, rows: &[EpochMetrics]) -> Result<()>
     image::codecs::png::PngEncoder::new(&mut png)
         .write_image(&rgb, w, h, image::ColorType::Rgb8)
         .context("encoding the chart as PNG")?;
-    crate::checkpoint::write_atomic(path, &png)
+    Ok(candle_distributed::checkpoint::write_atomic(path, &png)?)
 }
 
 /// One panel: `what` of the training and validation sets (`pick`) per epoch, from 0 to `top`,

@@ -1,20 +1,20 @@
 //! One rank's model, optimizer and position (`State`): built fresh or from a checkpoint, and
 //! written back to one (with the metrics CSV and the chart) after every epoch.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use anyhow::Result;
+use candle_core::Device;
 use candle_distributed::amp::{GradScaler, GradScalerConfig, GradScalerState};
+use candle_distributed::checkpoint as lib_checkpoint;
 use candle_distributed::collective::Collective;
+use candle_distributed::optim::AdamW;
 use candle_distributed::{DataParallel, GradHooks};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 
 use crate::checkpoint;
 use crate::config::{Config, Precision};
 use crate::model::{NormKind, ResNet};
-use crate::optim::AdamW;
 use crate::report::{self, EpochMetrics};
 use crate::train::init_weights;
 
@@ -30,54 +30,6 @@ pub struct State {
     pub epoch: usize,
     /// Optimizer steps completed.
     pub step: usize,
-}
-
-/// Refuses a start where the ranks did not restore the same checkpoint (another file on
-/// another node, a stale copy, a rank launched without `--resume`): one small all-gather of
-/// every rank's (resumed, epoch, step, optimizer step, CRC-32 of the weights), compared on
-/// every rank, so that all refuse together, naming the ranks and what they hold. (Weights are
-/// broadcast from rank 0 anyway; the optimizer's moments, the position and the loss scale are
-/// not, and would diverge silently.)
-fn agree_on_resume(
-    comm: &Arc<dyn Collective>,
-    device: &Device,
-    meta: Option<&checkpoint::Meta>,
-) -> Result<()> {
-    let mine: [f64; 5] = match meta {
-        Some(m) => [
-            1.0,
-            m.epoch as f64,
-            m.step as f64,
-            m.optimizer_step as f64,
-            f64::from(m.weights_crc32),
-        ],
-        None => [0.0; 5],
-    };
-    let all = comm
-        .all_gather(&Tensor::new(&[mine], device)?)?
-        .to_vec2::<f64>()?;
-    if all.iter().all(|row| row.as_slice() == mine.as_slice()) {
-        return Ok(());
-    }
-    let describe = |row: &[f64]| {
-        if row[0] == 0.0 {
-            "no checkpoint".to_string()
-        } else {
-            format!(
-                "epoch {}, step {}, optimizer step {}, weights CRC-32 {:08x}",
-                row[1], row[2], row[3], row[4] as u32
-            )
-        }
-    };
-    let ranks: Vec<String> = all
-        .iter()
-        .enumerate()
-        .map(|(r, row)| format!("rank {r}: {}", describe(row)))
-        .collect();
-    bail!(
-        "--resume: the ranks restored different checkpoints ({}); every rank must load the same one",
-        ranks.join("; ")
-    )
 }
 
 /// Builds the model (from `cfg.resume`'s checkpoint when given; refused if it does not match)
@@ -103,19 +55,19 @@ pub fn setup(
     };
     let mut model = ResNet::new(cfg.arch, classes, &norm, vb.clone())?;
     init_weights(&vm, cfg.seed)?;
-    let resumed = match &cfg.resume {
-        Some(path) => Some(checkpoint::load(path, &cfg.arch.name())?),
-        None => None,
-    };
-    agree_on_resume(comm, device, resumed.as_ref().map(|(meta, _)| meta))?;
-    if let Some((_, tensors)) = &resumed {
-        load_vars(&vm, tensors)?;
+    // Every rank loads the same checkpoint or every rank fails (the library's agreement): the
+    // weights would be re-broadcast anyway, but the optimizer's moments, the position and the
+    // loss scale would diverge silently.
+    let resumed = lib_checkpoint::load_on(cfg.resume.as_deref(), &**comm, device)?;
+    let meta = (resumed.as_ref())
+        .map(|l| checkpoint::meta_of(l, &cfg.arch.name()))
+        .transpose()?;
+    if let Some(loaded) = &resumed {
+        loaded.set_varmap(&vm)?;
         // Built again over the loaded variables: SyncBatchNorm reads `num_batches_tracked`
         // when it is built.
         model = ResNet::new(cfg.arch, classes, &norm, vb)?;
-        for (name, bn) in model.sync_norms() {
-            bn.set_shift(tensors.get(&shift_key(name)))?;
-        }
+        loaded.restore_shifts(model.sync_norms())?;
     }
     let mut dp = DataParallel::new(&vm, comm.clone())?.with_bucket_bytes(cfg.bucket_bytes);
     if let Some(h) = &hooks {
@@ -127,13 +79,13 @@ pub fn setup(
         eps: cfg.adam_eps,
         ..Default::default()
     };
-    let mut opt = AdamW::new(dp.named_trainable(), params)?;
+    let mut opt = AdamW::new_named(dp.named_trainable(), params)?;
     let mut scaler = (cfg.precision == Precision::F16)
         .then(|| GradScaler::new(GradScalerConfig::default().with_init_scale(cfg.init_scale)))
         .transpose()?;
     let (mut epoch, mut step) = (0, 0);
-    if let Some((meta, tensors)) = &resumed {
-        opt.load_state(meta.optimizer_step, tensors)?;
+    if let (Some(meta), Some(loaded)) = (&meta, &resumed) {
+        opt.load_state(meta.optimizer_step, &loaded.tensors)?;
         (epoch, step) = (meta.epoch, meta.step);
         if let (Some(s), Some(m)) = (scaler.as_mut(), meta.scaler) {
             s.load_state(GradScalerState {
@@ -153,62 +105,27 @@ pub fn setup(
     })
 }
 
-/// Sets every variable of `vm` from `tensors`, after checking that each is there with its
-/// shape: a refused checkpoint changes nothing.
-pub fn load_vars(vm: &VarMap, tensors: &HashMap<String, Tensor>) -> Result<()> {
-    let data = vm.data().lock().expect("VarMap lock");
-    let mut found = Vec::with_capacity(data.len());
-    for (name, v) in data.iter() {
-        let t = tensors
-            .get(name)
-            .with_context(|| format!("the checkpoint has no {name}: another model?"))?;
-        if t.dims() != v.dims() {
-            bail!(
-                "{name}: {:?} in the checkpoint, {:?} in the model",
-                t.dims(),
-                v.dims()
-            )
-        }
-        found.push((v, t.to_dtype(v.dtype())?.to_device(v.device())?));
-    }
-    for (v, t) in found {
-        v.set(&t)?;
-    }
-    Ok(())
-}
-
-/// Where a SyncBatchNorm layer's shift is kept in a checkpoint.
-pub fn shift_key(layer: &str) -> String {
-    format!("syncbn_shift.{layer}")
-}
-
-/// CSV, plot and checkpoint into `cfg.out_dir`, each file written atomically
-/// ([`checkpoint::write_atomic`]).
-pub fn write_outputs(cfg: &Config, st: &State, metrics: &[EpochMetrics]) -> Result<()> {
+/// Rank 0's CSV and chart into `cfg.out_dir`, each file written atomically.
+pub fn write_reports(cfg: &Config, metrics: &[EpochMetrics]) -> Result<()> {
     std::fs::create_dir_all(&cfg.out_dir)?;
     report::write_csv(&cfg.out_dir.join("metrics.csv"), metrics)?;
     // The chart is a picture of what the CSV holds: a run does not fail for want of a font.
     if let Err(e) = report::write_plot(&cfg.out_dir.join("curves.png"), &cfg.title(), metrics) {
         log::warn!("curves.png not written: {e:#}");
     }
-    let mut tensors: Vec<(String, Tensor)> = st
-        .vm
-        .data()
-        .lock()
-        .expect("VarMap lock")
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect();
+    Ok(())
+}
+
+/// The checkpoint of the epoch just finished into `cfg.out_dir`: variables, AdamW's state,
+/// SyncBatchNorm's shifts, and the position and loss scale as metadata. Collective (rank 0
+/// writes, every rank returns its outcome: `candle_distributed::checkpoint::save`).
+pub fn save_checkpoint(cfg: &Config, st: &State, comm: &Arc<dyn Collective>) -> Result<()> {
+    let mut tensors = lib_checkpoint::varmap_tensors(&st.vm)?;
     let (optimizer_step, moments) = st.opt.state();
     tensors.extend(moments);
     // SyncBatchNorm's shifts: without them a resumed run rounds differently.
-    for (name, bn) in st.model.sync_norms() {
-        if let Some(shift) = bn.shift() {
-            tensors.push((shift_key(name), shift));
-        }
-    }
+    tensors.extend(lib_checkpoint::shift_tensors(st.model.sync_norms()));
     let meta = checkpoint::Meta {
-        format: checkpoint::FORMAT,
         epoch: st.epoch,
         step: st.step,
         optimizer_step,
@@ -217,9 +134,9 @@ pub fn write_outputs(cfg: &Config, st: &State, metrics: &[EpochMetrics]) -> Resu
             growth_tracker: s.state().growth_tracker,
         }),
         model: cfg.arch.name(),
-        weights: String::new(),
-        weights_bytes: 0,
-        weights_crc32: 0,
     };
-    checkpoint::save(&cfg.out_dir, meta, &tensors)
+    let tag = format!("e{:04}", st.epoch);
+    let metadata = serde_json::to_value(&meta)?;
+    lib_checkpoint::save(&cfg.out_dir, &tag, &tensors, &metadata, &**comm)?;
+    Ok(())
 }

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_distributed::amp::GradScaler;
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
-use candle_nn::VarMap;
+use candle_nn::{Optimizer, VarMap};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -17,7 +17,7 @@ pub use crate::config::{Config, DeviceKind, Precision, Summary};
 use crate::data::{self, Dataset};
 use crate::model::{self, ResNet};
 use crate::report::{self, EpochMetrics, Progress};
-use crate::state::{setup, write_outputs, State};
+use crate::state::{save_checkpoint, setup, write_reports, State};
 
 /// The datasets: CIFAR-10 from `data_dir`, else the synthetic set.
 pub fn datasets(cfg: &Config) -> Result<(Dataset, Dataset)> {
@@ -170,17 +170,18 @@ pub fn train_rank(
         // Nothing of the epoch was lost to an aborted collective (the evaluation's all-reduce
         // included) before rank 0 writes what it computed.
         comm.deferred_error()?;
-        let written = if comm.rank() == 0 {
+        if comm.rank() == 0 {
             print_epoch(&metrics[metrics.len() - 1]);
-            if cfg.write_outputs {
-                write_outputs(cfg, &st, &metrics)
+        }
+        if cfg.write_outputs {
+            // The checkpoint first (rank 0 writes, every rank learns the outcome), then rank
+            // 0's CSV and chart, whose outcome every rank learns too.
+            save_checkpoint(cfg, &st, &comm)?;
+            let written = if comm.rank() == 0 {
+                write_reports(cfg, &metrics)
             } else {
                 Ok(())
-            }
-        } else {
-            Ok(())
-        };
-        if cfg.write_outputs {
+            };
             agree_on_write(&comm, &device, written)?;
         }
         if st.step >= run.total_steps || cfg.stop_after_epoch == Some(st.epoch) {
@@ -418,18 +419,18 @@ fn evaluate(
     Ok((g[0] / n, g[1] / n))
 }
 
-/// After rank 0's write of the epoch's outputs: every rank learns its outcome now (one
-/// all-reduce of a flag), instead of at its next collective's timeout. Rank 0 fails with the
-/// write's error, the others with a message pointing to it.
+/// After rank 0's write of the epoch's metrics and chart: every rank learns its outcome now
+/// (one all-reduce of a flag), instead of at its next collective's timeout. Rank 0 fails with
+/// the write's error, the others with a message pointing to it.
 fn agree_on_write(comm: &Arc<dyn Collective>, device: &Device, written: Result<()>) -> Result<()> {
     let failed = f32::from(u8::from(written.is_err()));
     let any = comm
         .all_reduce(&Tensor::new(&[failed], device)?, ReduceOp::Max)?
         .to_vec1::<f32>()?[0];
-    written.context("rank 0 could not write the checkpoint and metrics")?;
+    written.context("rank 0 could not write the metrics")?;
     if any > 0.0 {
         bail!(
-            "rank {}: rank 0 could not write the checkpoint and metrics (its error says why); stopping with it",
+            "rank {}: rank 0 could not write the metrics (its error says why); stopping with it",
             comm.rank()
         )
     }

@@ -25,9 +25,6 @@ mod data;
 #[path = "../../examples/resnet/model.rs"]
 mod model;
 #[allow(dead_code)]
-#[path = "../../examples/resnet/optim.rs"]
-mod optim;
-#[allow(dead_code)]
 #[path = "../../examples/resnet/report.rs"]
 mod report;
 #[allow(dead_code)]

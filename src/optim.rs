@@ -1,16 +1,19 @@
-//! AdamW whose state can be checkpointed. The update is candle-nn's `AdamW` (decoupled weight
-//! decay, bias-corrected moments, the same operations in the same order, so the steps are bit
-//! for bit the same), but candle-nn keeps its moments private, and a run resumed without them
-//! differs from an uninterrupted one.
+//! Optimizers whose state can be checkpointed.
+//!
+//! [`AdamW`] is candle-nn's `AdamW` (decoupled weight decay, bias-corrected moments, the same
+//! operations in the same order, so its steps are bit for bit candle-nn's:
+//! `tests/checkpoint.rs::adamw_steps_equal_candle_nns_and_resume_exactly`), with its moments and step count readable
+//! ([`AdamW::state`]) and restorable ([`AdamW::load_state`]): candle-nn keeps them private, and a
+//! run resumed without them differs from an uninterrupted one.
 
 use std::collections::HashMap;
 
-use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{bail, Result, Tensor, Var};
 use candle_nn::ParamsAdamW;
 
 /// One trainable variable and its two moment estimates (same shape and dtype).
+#[derive(Debug)]
 struct Slot {
     name: String,
     var: Var,
@@ -18,7 +21,8 @@ struct Slot {
     v: Var,
 }
 
-/// AdamW over named variables.
+/// AdamW over named variables (the names key its state in a checkpoint).
+#[derive(Debug)]
 pub struct AdamW {
     slots: Vec<Slot>,
     /// Steps taken (the bias correction's `t`).
@@ -27,7 +31,13 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    pub fn new(vars: &[(String, Var)], params: ParamsAdamW) -> Result<Self> {
+    /// Over `vars` (name, variable), for example `DataParallel::named_trainable()`; moments
+    /// start at zero.
+    ///
+    /// # Errors
+    ///
+    /// When a moment cannot be allocated.
+    pub fn new_named(vars: &[(String, Var)], params: ParamsAdamW) -> Result<Self> {
         let slots = vars
             .iter()
             .map(|(name, var)| {
@@ -46,12 +56,8 @@ impl AdamW {
         })
     }
 
-    pub fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr;
-    }
-
     /// One update of every variable that has a gradient in `grads`.
-    pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+    fn update(&mut self, grads: &GradStore) -> Result<()> {
         self.step += 1;
         let p = &self.params;
         let (b1, b2) = (p.beta1, p.beta2);
@@ -75,7 +81,8 @@ impl AdamW {
         Ok(())
     }
 
-    /// Steps taken and the moments, named `adamw.m.<variable>` and `adamw.v.<variable>`.
+    /// Steps taken and the moments `[shape of the variable]`, named `adamw.m.<variable>` and
+    /// `adamw.v.<variable>`: what a checkpoint saves.
     pub fn state(&self) -> (usize, Vec<(String, Tensor)>) {
         let mut out = Vec::with_capacity(2 * self.slots.len());
         for s in &self.slots {
@@ -87,24 +94,29 @@ impl AdamW {
 
     /// Restores [`Self::state`]; every moment must be there with its variable's shape and
     /// dtype. Checked before anything is set: a refused state changes nothing.
+    ///
+    /// # Errors
+    ///
+    /// When a moment is missing or of another shape or dtype (naming it), or cannot be moved to
+    /// its variable's device.
     pub fn load_state(&mut self, step: usize, tensors: &HashMap<String, Tensor>) -> Result<()> {
         let mut found = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
             let get = |kind: &str| -> Result<Tensor> {
                 let key = format!("adamw.{kind}.{}", s.name);
-                let t = tensors
-                    .get(&key)
-                    .with_context(|| format!("the checkpoint has no optimizer moment {key}"))?;
+                let Some(t) = tensors.get(&key) else {
+                    bail!("AdamW::load_state: the checkpoint has no optimizer moment {key}")
+                };
                 if t.shape() != s.var.shape() || t.dtype() != s.var.dtype() {
                     bail!(
-                        "optimizer moment {key}: {:?} {:?} in the checkpoint, {:?} {:?} in the model",
+                        "AdamW::load_state: {key} is {:?} {:?} in the checkpoint, {:?} {:?} in the model",
                         t.dims(),
                         t.dtype(),
                         s.var.dims(),
                         s.var.dtype()
                     )
                 }
-                Ok(t.to_device(s.var.device())?)
+                t.to_device(s.var.device())
             };
             found.push((get("m")?, get("v")?));
         }
@@ -114,5 +126,30 @@ impl AdamW {
         }
         self.step = step;
         Ok(())
+    }
+}
+
+impl candle_nn::Optimizer for AdamW {
+    type Config = ParamsAdamW;
+
+    /// Over `vars` named by position (`0`, `1`, …): prefer [`AdamW::new_named`], whose state
+    /// keys do not depend on the order of the list.
+    fn new(vars: Vec<Var>, config: ParamsAdamW) -> Result<Self> {
+        let named: Vec<(String, Var)> = (vars.into_iter().enumerate())
+            .map(|(i, v)| (i.to_string(), v))
+            .collect();
+        Self::new_named(&named, config)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.update(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr;
     }
 }

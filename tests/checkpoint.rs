@@ -1,0 +1,335 @@
+//! Checkpoints every rank agrees on (`candle_distributed::checkpoint`) and an AdamW whose state
+//! they carry (`candle_distributed::optim::AdamW`): a round trip of variables, optimizer state,
+//! SyncBatchNorm shifts and metadata; damage of every kind refused naming the file; a rank
+//! that cannot load, or holds another checkpoint, or none, failing every rank; rank 0's failed
+//! write failing every rank; AdamW's steps equal to candle-nn's, and a resumed AdamW equal to an
+//! uninterrupted one, bit for bit.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_distributed::checkpoint::{self, Loaded};
+use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::optim::AdamW;
+use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNorm};
+use candle_nn::{linear, Linear, ModuleT, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use common::randn;
+
+fn fresh_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ckpt-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A linear layer and a SyncBatchNorm, with an AdamW over both, trained data-parallel (so that
+/// every rank holds what rank 0 saves).
+struct Model {
+    vm: VarMap,
+    fc: Linear,
+    bn: SyncBatchNorm,
+    dp: DataParallel,
+    opt: AdamW,
+}
+
+fn model(comm: Arc<dyn Collective>) -> anyhow::Result<Model> {
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    let fc = linear(4, 3, vb.pp("fc"))?;
+    let bn = sync_batch_norm(3, 1e-5, vb.pp("bn"), comm.clone())?;
+    let dp = DataParallel::new(&vm, comm)?;
+    let opt = AdamW::new_named(dp.named_trainable(), ParamsAdamW::default())?;
+    Ok(Model {
+        vm,
+        fc,
+        bn,
+        dp,
+        opt,
+    })
+}
+
+impl Model {
+    /// One training step on rank `rank`'s batch `s`.
+    fn step(&mut self, rank: usize, s: u64) -> anyhow::Result<()> {
+        let x = randn(10 * s + rank as u64, &[5, 4], 1.0, 2.0).to_dtype(DType::F32)?;
+        let y = self.bn.forward_t(&self.fc.forward(&x)?, true)?;
+        let grads = self.dp.sync_gradients(y.sqr()?.mean_all()?.backward()?)?;
+        self.opt.step(&grads)?;
+        Ok(())
+    }
+
+    fn tensors(&self) -> anyhow::Result<Vec<(String, Tensor)>> {
+        let mut t = checkpoint::varmap_tensors(&self.vm)?;
+        t.extend(self.opt.state().1);
+        t.extend(checkpoint::shift_tensors([("bn", &self.bn)]));
+        Ok(t)
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    let v = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+    v.to_vec1::<f64>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// Saved after two steps on 2 ranks and loaded into fresh models: every variable, the running
+/// statistics, AdamW's moments and step, the shift and the metadata come back, and a third step
+/// after the load equals a third step of the model that never stopped, bit for bit.
+#[test]
+fn a_checkpoint_round_trips_and_resumes_bitwise() -> anyhow::Result<()> {
+    let dir = fresh_dir("round-trip");
+    let outs = ThreadGroup::run(2, |comm| {
+        let run = || -> anyhow::Result<Vec<(String, Vec<u64>)>> {
+            let mut a = model(comm.clone())?;
+            a.step(comm.rank(), 0)?;
+            a.step(comm.rank(), 1)?;
+            let meta = serde_json::json!({ "epoch": 2, "note": "two steps" });
+            checkpoint::save(&dir, "s0002", &a.tensors()?, &meta, &*comm)?;
+            let mut b = model(comm.clone())?;
+            let loaded = checkpoint::load(checkpoint::latest(&dir).as_deref(), &*comm)?
+                .expect("a checkpoint");
+            assert_eq!(loaded.metadata, meta);
+            loaded.set_varmap(&b.vm)?;
+            loaded.restore_shifts([("bn", &b.bn)])?;
+            b.opt.load_state(a.opt.state().0, &loaded.tensors)?;
+            let names =
+                |t: &[(String, Tensor)]| t.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+            assert_eq!(names(&a.tensors()?), names(&b.tensors()?));
+            for ((k, x), (_, y)) in a.tensors()?.iter().zip(b.tensors()?.iter()) {
+                assert_eq!(bits(x), bits(y), "{k} after loading");
+            }
+            a.step(comm.rank(), 2)?;
+            b.step(comm.rank(), 2)?;
+            let (ta, tb) = (a.tensors()?, b.tensors()?);
+            for ((k, x), (_, y)) in ta.iter().zip(tb.iter()) {
+                assert_eq!(bits(x), bits(y), "{k} one step after the resume");
+            }
+            Ok(tb.iter().map(|(k, t)| (k.clone(), bits(t))).collect())
+        };
+        run().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    })?;
+    assert!(outs[0].iter().any(|(k, _)| k == "syncbn_shift.bn"));
+    assert!(outs[0].iter().any(|(k, _)| k == "adamw.m.fc.weight"));
+    assert_eq!(outs[0], outs[1], "both ranks hold the same state");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// One rank (every check is local; a one-rank group's agreement passes through).
+fn load_alone(path: &Path) -> candle_core::Result<Option<Loaded>> {
+    let comm = ThreadGroup::new(1)?.remove(0);
+    checkpoint::load(Some(path), &*comm)
+}
+
+fn save_alone(dir: &Path, tag: &str, v: f32) -> candle_core::Result<()> {
+    let comm = ThreadGroup::new(1)?.remove(0);
+    let t = Tensor::new(&[v, 2.0, 3.0, 4.0], &Device::Cpu)?;
+    let pad = Tensor::arange(0f32, 64., &Device::Cpu)?;
+    let tensors = [("w".to_string(), t), ("pad".to_string(), pad)];
+    checkpoint::save(dir, tag, &tensors, &serde_json::json!({ "v": v }), &*comm)
+}
+
+/// A checkpoint damaged in any way is refused with a message naming the file; a kill in the
+/// middle of writing the next one (its temporary files left behind) still loads the previous.
+#[test]
+fn a_damaged_checkpoint_is_refused_naming_the_file() -> anyhow::Result<()> {
+    let dir = fresh_dir("damaged");
+    save_alone(&dir, "e0001", 1.0)?;
+    let json = dir.join(checkpoint::MANIFEST);
+    let loaded = load_alone(&dir)?.unwrap();
+    let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(&json)?)?;
+    let weights = dir.join(manifest["tensors"].as_str().unwrap());
+    let (json_bytes, weight_bytes) = (std::fs::read(&json)?, std::fs::read(&weights)?);
+    assert_eq!(
+        bits(&loaded.tensors["w"]),
+        bits(&Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu)?)
+    );
+    let refused = |what: &str, want: &str| {
+        let err = format!("{:#}", load_alone(&json).unwrap_err());
+        assert!(err.contains(want), "{what}: {err}");
+    };
+    for cut in [0, 1, json_bytes.len() / 2, json_bytes.len() - 2] {
+        std::fs::write(&json, &json_bytes[..cut])?;
+        refused(&format!("manifest cut at {cut}"), "checkpoint.json");
+    }
+    std::fs::write(&json, &json_bytes)?;
+    let header = 8 + u64::from_le_bytes(weight_bytes[..8].try_into()?) as usize;
+    for cut in [
+        0,
+        4,
+        8,
+        header / 2,
+        header,
+        (header + weight_bytes.len()) / 2,
+        weight_bytes.len() - 1,
+    ] {
+        std::fs::write(&weights, &weight_bytes[..cut])?;
+        refused(&format!("tensors cut at {cut}"), "truncated or replaced");
+    }
+    let mut flipped = weight_bytes.clone();
+    flipped[header + 20] ^= 1;
+    std::fs::write(&weights, &flipped)?;
+    refused("a flipped bit", "corrupt");
+    std::fs::remove_file(&weights)?;
+    refused(
+        "the tensor file gone",
+        weights.file_name().unwrap().to_str().unwrap(),
+    );
+    std::fs::write(&weights, &weight_bytes)?;
+    let other = String::from_utf8(json_bytes.clone())?.replace("\"format\": 2", "\"format\": 9");
+    std::fs::write(&json, other)?;
+    refused("format 9", "format 9");
+    std::fs::write(&json, &json_bytes)?;
+    let err = format!("{:#}", load_alone(&weights).unwrap_err());
+    assert!(err.contains("checkpoint.json"), "{err}");
+    // Killed while writing the next checkpoint: half-written temporary files stay temporary.
+    std::fs::write(
+        dir.join("checkpoint-e0002.safetensors.tmp"),
+        &weight_bytes[..header],
+    )?;
+    std::fs::write(dir.join("checkpoint.json.tmp"), &json_bytes[..10])?;
+    load_alone(&dir)?.expect("the previous checkpoint, whole");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// Two saves with one tag and other contents (a run restarted into the same folder) use two
+/// tensor files: the second never overwrites the file the first manifest names. Only the
+/// newest pair stays.
+#[test]
+fn two_saves_with_one_tag_use_two_tensor_files() -> anyhow::Result<()> {
+    let dir = fresh_dir("same-tag");
+    let tensor_file = |dir: &Path| -> anyhow::Result<String> {
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(checkpoint::MANIFEST))?)?;
+        Ok(m["tensors"].as_str().unwrap().to_string())
+    };
+    save_alone(&dir, "e0001", 1.0)?;
+    let first = tensor_file(&dir)?;
+    save_alone(&dir, "e0001", 3.0)?;
+    let second = tensor_file(&dir)?;
+    assert_ne!(first, second);
+    assert!(first.starts_with("checkpoint-e0001-") && first.ends_with(".safetensors"));
+    let mut files: Vec<String> = (std::fs::read_dir(&dir)?)
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, [second, checkpoint::MANIFEST.to_string()]);
+    let e = save_alone(&dir, "../x", 1.0).unwrap_err().to_string();
+    assert!(e.contains("tag"), "{e}");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// A case: what, each rank's path, what each rank's error says.
+type Case<'a> = (&'a str, [Option<&'a Path>; 2], [&'a str; 2]);
+
+/// Every rank fails together: one rank cannot read its copy (it names the file, the other the
+/// rank), one holds none, one holds another checkpoint; and rank 0's write fails (its folder
+/// is a file), which every rank reports at once.
+#[test]
+fn ranks_fail_together() -> anyhow::Result<()> {
+    let (a, b) = (fresh_dir("agree-a"), fresh_dir("agree-b"));
+    save_alone(&a, "e0001", 1.0)?;
+    save_alone(&b, "e0001", 5.0)?;
+    let missing = a.join("nowhere").join(checkpoint::MANIFEST);
+    let cases: [Case; 3] = [
+        (
+            "rank 1 cannot read",
+            [Some(&a), Some(&missing)],
+            ["rank(s) [1] could not load", "nowhere"],
+        ),
+        (
+            "rank 1 holds none",
+            [Some(&a), None],
+            ["rank 1: none", "rank 1: none"],
+        ),
+        (
+            "different checkpoints",
+            [Some(&a), Some(&b)],
+            ["different checkpoints", "different checkpoints"],
+        ),
+    ];
+    for (what, paths, want) in cases {
+        let errs = ThreadGroup::run(2, |comm| {
+            let got = checkpoint::load(paths[comm.rank()], &*comm);
+            Ok(format!("{:#}", got.expect_err("an error on every rank")))
+        })?;
+        for r in 0..2 {
+            assert!(errs[r].contains(want[r]), "{what}: rank {r}: {}", errs[r]);
+        }
+    }
+    let file = a.join("a-file");
+    std::fs::write(&file, b"not a folder")?;
+    let errs = ThreadGroup::run(2, |comm| {
+        let t = [("w".to_string(), Tensor::new(&[1f32], &Device::Cpu)?)];
+        let got = checkpoint::save(&file, "e0001", &t, &serde_json::Value::Null, &*comm);
+        Ok(format!("{:#}", got.expect_err("an error on every rank")))
+    })?;
+    for (r, e) in errs.iter().enumerate() {
+        assert!(
+            e.contains("could not write the checkpoint"),
+            "rank {r}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(a)?;
+    std::fs::remove_dir_all(b)?;
+    Ok(())
+}
+
+/// Our AdamW's steps equal candle-nn's bit for bit (4 steps with weight decay), and an AdamW
+/// restored from `state()` after 2 steps continues as the one that never stopped. A state with
+/// a moment missing is refused naming it, and changes nothing.
+#[test]
+fn adamw_steps_equal_candle_nns_and_resume_exactly() -> anyhow::Result<()> {
+    let params = ParamsAdamW {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let var = || -> candle_core::Result<candle_core::Var> {
+        candle_core::Var::from_tensor(&randn(1, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?)
+    };
+    let (ours, theirs, resumed) = (var()?, var()?, var()?);
+    let mut a = AdamW::new_named(&[("w".into(), ours.clone())], params.clone())?;
+    let mut b = candle_nn::AdamW::new(vec![theirs.clone()], params.clone())?;
+    let mut c = AdamW::new_named(&[("w".into(), resumed.clone())], params.clone())?;
+    let input = |s: u64| randn(10 + s, &[4, 1], 0.0, 1.0).to_dtype(DType::F32);
+    let loss = |v: &candle_core::Var, x: &Tensor| v.as_tensor().matmul(x)?.sqr()?.sum_all();
+    for s in 0..4u64 {
+        let x = input(s)?;
+        a.step(&loss(&ours, &x)?.backward()?)?;
+        b.step(&loss(&theirs, &x)?.backward()?)?;
+        assert_eq!(bits(ours.as_tensor()), bits(theirs.as_tensor()), "step {s}");
+        if s == 1 {
+            // What a checkpoint after 2 steps holds (copies: the optimizer updates in place).
+            let (step, state) = a.state();
+            let state: std::collections::HashMap<String, Tensor> = (state.into_iter())
+                .map(|(k, t)| Ok((k, t.copy()?)))
+                .collect::<candle_core::Result<_>>()?;
+            resumed.set(&ours.as_tensor().copy()?)?;
+            let mut partial = state.clone();
+            partial.remove("adamw.v.w");
+            let before = bits(resumed.as_tensor());
+            let e = c.load_state(step, &partial).unwrap_err().to_string();
+            assert!(e.contains("adamw.v.w"), "{e}");
+            assert_eq!(bits(resumed.as_tensor()), before);
+            c.load_state(step, &state)?;
+        }
+        if s >= 2 {
+            c.step(&loss(&resumed, &x)?.backward()?)?;
+            assert_eq!(
+                bits(resumed.as_tensor()),
+                bits(ours.as_tensor()),
+                "resumed, step {s}"
+            );
+        }
+    }
+    Ok(())
+}
