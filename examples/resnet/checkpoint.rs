@@ -18,7 +18,7 @@ pub struct ScalerMeta {
 /// The manifest's metadata.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Meta {
-    /// Epochs completed.
+    /// Epochs completed (the epoch in progress, for a save mid-epoch).
     pub epoch: usize,
     /// Optimizer steps completed (the learning-rate schedule's and the augmentation's position).
     pub step: usize,
@@ -27,6 +27,10 @@ pub struct Meta {
     pub scaler: Option<ScalerMeta>,
     /// The architecture, as `--model` spells it.
     pub model: String,
+    /// Saved mid-epoch: the epoch's sums so far (loss, correct predictions, samples), so that
+    /// its metrics row comes out as without the interruption.
+    #[serde(default)]
+    pub partial: Option<[f64; 3]>,
 }
 
 /// The metadata of a loaded checkpoint, refused (naming the file) when it is not the example's

@@ -89,6 +89,13 @@ pub struct Cli {
     /// --epochs); --resume continues.
     #[arg(long)]
     stop_after_epoch: Option<usize>,
+    /// Also checkpoint every N optimizer steps (mid-epoch too): a resume continues from the
+    /// step, bit for bit.
+    #[arg(long)]
+    save_every: Option<usize>,
+    /// Leave after step N's checkpoint, as if killed there (N a multiple of --save-every).
+    #[arg(long)]
+    stop_after_step: Option<usize>,
     /// Train --check-steps steps with N-rank SyncBatchNorm and with 1-rank plain batch norm on
     /// the same global batches (f64 weights); exit 1 above --check-tol.
     #[arg(long)]
@@ -188,6 +195,8 @@ impl Cli {
             out_dir: self.out_dir.clone(),
             resume: crate::checkpoint::resolve_resume(self.resume.as_deref(), &self.out_dir),
             stop_after_epoch: self.stop_after_epoch,
+            save_every: self.save_every,
+            stop_after_step: self.stop_after_step,
             ..Config::default()
         })
     }

@@ -53,6 +53,11 @@ pub struct Config {
     /// Leave after this epoch's outputs, as if killed there (the schedule is still that of
     /// `epochs`): `--resume` then continues the run.
     pub stop_after_epoch: Option<usize>,
+    /// Also checkpoint every this many optimizer steps, mid-epoch included (`--save-every`).
+    pub save_every: Option<usize>,
+    /// Leave after this step's checkpoint, as if killed there (`--stop-after-step`; with
+    /// `save_every` dividing it): `--resume` then continues mid-epoch.
+    pub stop_after_step: Option<usize>,
     /// Write the CSV, plot and checkpoint (rank 0).
     pub write_outputs: bool,
 }
@@ -86,6 +91,8 @@ impl Default for Config {
             augment: true,
             max_steps: None,
             stop_after_epoch: None,
+            save_every: None,
+            stop_after_step: None,
             write_outputs: true,
         }
     }

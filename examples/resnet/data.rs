@@ -150,22 +150,28 @@ pub fn channel_stats(d: &Dataset) -> ([f32; 3], [f32; 3]) {
 
 /// Images `indices` of `d` as a normalised `(n, 3, S, S)` f32 tensor and their labels `(n)`
 /// u32; with `augment`, each image is shifted by up to `pad` pixels (zero fill, as a padded
-/// random crop) and flipped horizontally with probability 1/2, drawn from `rng`.
+/// random crop) and flipped horizontally with probability 1/2, drawn from `(seed, pad)`'s seed
+/// and the sample's index.
 pub fn batch(
     d: &Dataset,
     indices: &[usize],
     stats: &([f32; 3], [f32; 3]),
-    augment: Option<(&mut StdRng, usize)>,
+    augment: Option<(u64, usize)>,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
     let s = d.size;
     let mut out = vec![0f32; indices.len() * 3 * s * s];
-    let mut aug = augment;
     for (k, &i) in indices.iter().enumerate() {
         let img = d.image(i);
-        let (ox, oy, flip) = match aug.as_mut() {
-            Some((rng, pad)) => {
-                let p = *pad as i64;
+        let (ox, oy, flip) = match augment {
+            Some((seed, pad)) => {
+                // Each sample's own draw, from (seed, sample): the same whichever rank or
+                // micro-batch it falls in, so a run's augmentation does not depend on the world
+                // size.
+                let rng = &mut StdRng::seed_from_u64(
+                    seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                );
+                let p = pad as i64;
                 (
                     rng.gen_range(-p..=p),
                     rng.gen_range(-p..=p),

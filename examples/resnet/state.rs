@@ -30,6 +30,8 @@ pub struct State {
     pub epoch: usize,
     /// Optimizer steps completed.
     pub step: usize,
+    /// Within an epoch resumed mid-way: the sums of its steps before the save.
+    pub partial: Option<[f64; 3]>,
 }
 
 /// Builds the model (from `cfg.resume`'s checkpoint when given; refused if it does not match)
@@ -83,10 +85,10 @@ pub fn setup(
     let mut scaler = (cfg.precision == Precision::F16)
         .then(|| GradScaler::new(GradScalerConfig::default().with_init_scale(cfg.init_scale)))
         .transpose()?;
-    let (mut epoch, mut step) = (0, 0);
+    let (mut epoch, mut step, mut partial) = (0, 0, None);
     if let (Some(meta), Some(loaded)) = (&meta, &resumed) {
         opt.load_state(meta.optimizer_step, &loaded.tensors)?;
-        (epoch, step) = (meta.epoch, meta.step);
+        (epoch, step, partial) = (meta.epoch, meta.step, meta.partial);
         if let (Some(s), Some(m)) = (scaler.as_mut(), meta.scaler) {
             s.load_state(GradScalerState {
                 scale: m.scale,
@@ -102,6 +104,7 @@ pub fn setup(
         scaler,
         epoch,
         step,
+        partial,
     })
 }
 
@@ -116,10 +119,16 @@ pub fn write_reports(cfg: &Config, metrics: &[EpochMetrics]) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint of the epoch just finished into `cfg.out_dir`: variables, AdamW's state,
-/// SyncBatchNorm's shifts, and the position and loss scale as metadata. Collective (rank 0
-/// writes, every rank returns its outcome: `candle_distributed::checkpoint::save`).
-pub fn save_checkpoint(cfg: &Config, st: &State, comm: &Arc<dyn Collective>) -> Result<()> {
+/// A checkpoint into `cfg.out_dir`: variables, AdamW's state, SyncBatchNorm's shifts, and the
+/// position and loss scale as metadata; `partial`: the sums of the epoch in progress, for a save
+/// mid-epoch. Collective (rank 0 writes, every rank returns its outcome:
+/// `candle_distributed::checkpoint::save`).
+pub fn save_checkpoint(
+    cfg: &Config,
+    st: &State,
+    comm: &Arc<dyn Collective>,
+    partial: Option<[f64; 3]>,
+) -> Result<()> {
     let mut tensors = lib_checkpoint::varmap_tensors(&st.vm)?;
     let (optimizer_step, moments) = st.opt.state();
     tensors.extend(moments);
@@ -134,8 +143,12 @@ pub fn save_checkpoint(cfg: &Config, st: &State, comm: &Arc<dyn Collective>) -> 
             growth_tracker: s.state().growth_tracker,
         }),
         model: cfg.arch.name(),
+        partial,
     };
-    let tag = format!("e{:04}", st.epoch);
+    let tag = match partial {
+        None => format!("e{:04}", st.epoch),
+        Some(_) => format!("s{:08}", st.step),
+    };
     let metadata = serde_json::to_value(&meta)?;
     lib_checkpoint::save(&cfg.out_dir, &tag, &tensors, &metadata, &**comm)?;
     Ok(())

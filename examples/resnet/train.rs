@@ -155,7 +155,10 @@ pub fn train_rank(
     let mut images_seen = 0usize;
     for epoch in st.epoch..cfg.epochs {
         let epoch_start = Instant::now();
-        let [loss, correct, samples] = run_epoch(&run, &mut st, epoch, &mut images_seen)?;
+        let Some([loss, correct, samples]) = run_epoch(&run, &mut st, epoch, &mut images_seen)?
+        else {
+            break; // --stop-after-step: left after a checkpoint mid-epoch
+        };
         let (val_loss, val_acc) = evaluate(&comm, &st.model, val, &run.stats, cfg, &device)?;
         metrics.push(EpochMetrics {
             epoch: epoch + 1,
@@ -176,7 +179,7 @@ pub fn train_rank(
         if cfg.write_outputs {
             // The checkpoint first (rank 0 writes, every rank learns the outcome), then rank
             // 0's CSV and chart, whose outcome every rank learns too.
-            save_checkpoint(cfg, &st, &comm)?;
+            save_checkpoint(cfg, &st, &comm, None)?;
             let written = if comm.rank() == 0 {
                 write_reports(cfg, &metrics)
             } else {
@@ -200,8 +203,15 @@ pub fn train_rank(
 }
 
 /// The steps of `epoch` (0-based; until the run's last step), in the epoch's shuffled order,
-/// with a progress bar on rank 0. Returns the loss sum, correct predictions and samples.
-fn run_epoch(run: &Run, st: &mut State, epoch: usize, images_seen: &mut usize) -> Result<[f64; 3]> {
+/// from the step a mid-epoch checkpoint reached, with a progress bar on rank 0; with
+/// `--save-every`, a checkpoint every so many steps. Returns the loss sum, correct predictions
+/// and samples, or `None` after `--stop-after-step`'s checkpoint.
+fn run_epoch(
+    run: &Run,
+    st: &mut State,
+    epoch: usize,
+    images_seen: &mut usize,
+) -> Result<Option<[f64; 3]>> {
     let cfg = run.cfg;
     let mut order: Vec<usize> = (0..run.train.len()).collect();
     order.shuffle(&mut StdRng::seed_from_u64(
@@ -213,8 +223,10 @@ fn run_epoch(run: &Run, st: &mut State, epoch: usize, images_seen: &mut usize) -
         cfg.epochs,
         run.comm.rank() == 0,
     )?;
-    let mut sums = [0f64; 3];
-    for s in 0..run.steps_per_epoch {
+    // A resume mid-epoch starts at the step its checkpoint reached, with the sums so far.
+    let first = st.step.saturating_sub(epoch * run.steps_per_epoch);
+    let mut sums = st.partial.take().unwrap_or([0f64; 3]);
+    for s in first..run.steps_per_epoch {
         if st.step >= run.total_steps {
             break;
         }
@@ -231,9 +243,23 @@ fn run_epoch(run: &Run, st: &mut State, epoch: usize, images_seen: &mut usize) -
             sums[1] / sums[2].max(1.0),
             *images_seen,
         );
+        let last = s + 1 == run.steps_per_epoch;
+        if cfg.write_outputs
+            && !last
+            && cfg
+                .save_every
+                .is_some_and(|n| st.step.is_multiple_of(n.max(1)))
+        {
+            run.comm.deferred_error()?;
+            save_checkpoint(cfg, st, run.comm, Some(sums))?;
+            if cfg.stop_after_step == Some(st.step) {
+                progress.finish();
+                return Ok(None);
+            }
+        }
     }
     progress.finish();
-    Ok(sums)
+    Ok(Some(sums))
 }
 
 /// Rank 0's line per epoch on stdout.
@@ -295,10 +321,9 @@ fn train_step(run: &Run, st: &mut State, global: &[usize]) -> Result<[f64; 3]> {
     // all-reduce (no host read per micro-batch).
     let mut totals: Vec<Tensor> = Vec::with_capacity(2 * k);
     for (m, idx) in micro.into_iter().enumerate() {
-        let mut aug_rng = StdRng::seed_from_u64(
-            cfg.seed ^ ((((st.step * world + rank) * k + m) as u64 + 7) * 0x2545_f491),
-        );
-        let augment = cfg.augment.then_some((&mut aug_rng, 2usize));
+        // The step's augmentation seed; each sample draws from (seed, its index).
+        let aug_seed = cfg.seed ^ ((st.step as u64 + 7) * 0x2545_f491);
+        let augment = cfg.augment.then_some((aug_seed, 2usize));
         let (x, y) = data::batch(run.train, idx, &run.stats, augment, device)?;
         let logits = st
             .model
