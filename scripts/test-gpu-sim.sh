@@ -156,6 +156,29 @@ if [ -x "$torchrun" ]; then
         --epochs 1 --out-dir "$resnet_out/torchrun" | tail -1)
     echo "$summary"
     grep -q '"world_size":8' <<<"$summary" || { echo "FAIL: torchrun's run did not report 8 ranks"; exit 1; }
+    echo "-- torchrun --max-restarts 2 with --resume auto: rank 1 exits after step 3 of 4, torchrun restarts the group, which resumes from step 2's checkpoint and ends with the uninterrupted run's checkpoint, bit for bit"
+    restart=(--backend nccl "${small[@]}" --epochs 1 --save-every 2 --resume auto)
+    launch() { # out-dir, extra arguments
+        (cd "$resnet_out" && LD_LIBRARY_PATH= "$torchrun" --nproc_per_node 8 --max-restarts 2 \
+            --no-python env LD_LIBRARY_PATH="$LD_LIBRARY_PATH" GPU_SIM_DEVICES=8 "$resnet" \
+            "${restart[@]}" --out-dir "$1" "${@:2}")
+    }
+    launch "$resnet_out/restart-straight" | tail -1
+    log=$(launch "$resnet_out/restart-killed" --exit-at-step 3 2>&1)
+    echo "$log" | grep -E "exiting after step|resuming from|world_size" | tail -n 5
+    grep -q "rank 1: exiting after step 3" <<<"$log" || { echo "FAIL: rank 1 did not exit"; exit 1; }
+    grep -q "resuming from .*: epoch 0, step 2" <<<"$log" ||
+        { echo "FAIL: the restarted group did not resume from step 2's checkpoint"; exit 1; }
+    python3 - "$resnet_out/restart-straight" "$resnet_out/restart-killed" <<'PY'
+import json, sys
+a, b = (json.load(open(f"{d}/checkpoint.json")) for d in sys.argv[1:])
+for m in (a, b):
+    assert m["metadata"]["epoch"] == 1 and m["metadata"]["step"] == 4, m["metadata"]
+assert a["tensors_crc32"] == b["tensors_crc32"], (
+    f"the restarted run's final checkpoint differs: CRC-32 {b['tensors_crc32']:08x} "
+    f"against {a['tensors_crc32']:08x}")
+print(f"ok   the restarted run's final checkpoint equals the uninterrupted one (CRC-32 {a['tensors_crc32']:08x})")
+PY
 elif [ -n "${GPU_SIM_SKIP_TORCHRUN:-}" ]; then
     echo "torchrun: skipped (GPU_SIM_SKIP_TORCHRUN set)"
 else

@@ -201,7 +201,8 @@ fn a_damaged_checkpoint_is_refused_naming_the_file() -> anyhow::Result<()> {
 
 /// Two saves with one tag and other contents (a run restarted into the same folder) use two
 /// tensor files: the second never overwrites the file the first manifest names. Only the
-/// newest pair stays.
+/// newest pair stays. The same tensors saved again give the same bytes (a deterministic file:
+/// the restart test compares runs by their checkpoints' CRC-32).
 #[test]
 fn two_saves_with_one_tag_use_two_tensor_files() -> anyhow::Result<()> {
     let dir = fresh_dir("same-tag");
@@ -212,6 +213,12 @@ fn two_saves_with_one_tag_use_two_tensor_files() -> anyhow::Result<()> {
     };
     save_alone(&dir, "e0001", 1.0)?;
     let first = tensor_file(&dir)?;
+    save_alone(&dir, "e0001", 1.0)?;
+    assert_eq!(
+        tensor_file(&dir)?,
+        first,
+        "the same tensors, the same bytes"
+    );
     save_alone(&dir, "e0001", 3.0)?;
     let second = tensor_file(&dir)?;
     assert_ne!(first, second);

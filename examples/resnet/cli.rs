@@ -96,6 +96,9 @@ pub struct Cli {
     /// Leave after step N's checkpoint, as if killed there (N a multiple of --save-every).
     #[arg(long)]
     stop_after_step: Option<usize>,
+    /// Test aid: on a torchrun launch's first attempt, rank 1 exits with status 1 after step N.
+    #[arg(long, hide = true)]
+    exit_at_step: Option<usize>,
     /// Train --check-steps steps with N-rank SyncBatchNorm and with 1-rank plain batch norm on
     /// the same global batches (f64 weights); exit 1 above --check-tol.
     #[arg(long)]
@@ -197,6 +200,7 @@ impl Cli {
             stop_after_epoch: self.stop_after_epoch,
             save_every: self.save_every,
             stop_after_step: self.stop_after_step,
+            exit_at_step: self.exit_at_step,
             ..Config::default()
         })
     }

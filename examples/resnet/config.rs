@@ -58,6 +58,10 @@ pub struct Config {
     /// Leave after this step's checkpoint, as if killed there (`--stop-after-step`; with
     /// `save_every` dividing it): `--resume` then continues mid-epoch.
     pub stop_after_step: Option<usize>,
+    /// A fault for the restart test (`--exit-at-step`, hidden): on the first attempt of a
+    /// torchrun launch (`TORCHELASTIC_RESTART_COUNT` 0), rank 1 exits with status 1 after this
+    /// step, as a crashed worker; thread ranks (no such variable) never do.
+    pub exit_at_step: Option<usize>,
     /// Write the CSV, plot and checkpoint (rank 0).
     pub write_outputs: bool,
 }
@@ -93,6 +97,7 @@ impl Default for Config {
             stop_after_epoch: None,
             save_every: None,
             stop_after_step: None,
+            exit_at_step: None,
             write_outputs: true,
         }
     }

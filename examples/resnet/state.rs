@@ -64,7 +64,15 @@ pub fn setup(
     let meta = (resumed.as_ref())
         .map(|l| checkpoint::meta_of(l, &cfg.arch.name()))
         .transpose()?;
-    if let Some(loaded) = &resumed {
+    if let (Some(loaded), Some(meta)) = (&resumed, &meta) {
+        if comm.rank() == 0 {
+            eprintln!(
+                "resuming from {}: epoch {}, step {}",
+                loaded.path.display(),
+                meta.epoch,
+                meta.step
+            );
+        }
         loaded.set_varmap(&vm)?;
         // Built again over the loaded variables: SyncBatchNorm reads `num_batches_tracked`
         // when it is built.

@@ -243,6 +243,10 @@ fn run_epoch(
             sums[1] / sums[2].max(1.0),
             *images_seen,
         );
+        if cfg.exit_at_step == Some(st.step) && run.comm.rank() == 1 && first_attempt() {
+            eprintln!("rank 1: exiting after step {} (--exit-at-step)", st.step);
+            std::process::exit(1);
+        }
         let last = s + 1 == run.steps_per_epoch;
         if cfg.write_outputs
             && !last
@@ -260,6 +264,11 @@ fn run_epoch(
     }
     progress.finish();
     Ok(Some(sums))
+}
+
+/// Whether this process is a torchrun worker on the launch's first attempt.
+fn first_attempt() -> bool {
+    std::env::var("TORCHELASTIC_RESTART_COUNT").is_ok_and(|c| c.trim() == "0")
 }
 
 /// Rank 0's line per epoch on stdout.
