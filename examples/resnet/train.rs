@@ -7,9 +7,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_distributed::amp::GradScaler;
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::DistributedSampler;
 use candle_nn::{Optimizer, VarMap};
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
 use crate::checkpoint;
@@ -213,10 +213,12 @@ fn run_epoch(
     images_seen: &mut usize,
 ) -> Result<Option<[f64; 3]>> {
     let cfg = run.cfg;
-    let mut order: Vec<usize> = (0..run.train.len()).collect();
-    order.shuffle(&mut StdRng::seed_from_u64(
-        cfg.seed ^ ((epoch as u64 + 1) * 0x9e37_79b9),
-    ));
+    // The epoch's order of the whole training set: the library sampler's (a function of the
+    // seed and the epoch only, stable across platforms and dependency versions); each step
+    // takes the next global batch of it and shares it among the ranks (`micro_shares`).
+    let order = DistributedSampler::new(run.train.len(), 0, 1)?
+        .with_seed(cfg.seed)
+        .epoch_order(epoch as u64);
     let progress = Progress::new(
         run.steps_per_epoch,
         epoch + 1,
