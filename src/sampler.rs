@@ -201,10 +201,21 @@ impl DistributedSampler {
     ///
     /// # Errors
     ///
-    /// When `per_rank` is 0.
+    /// When `per_rank` is 0, the data set is empty, or [`Remainder::Drop`] leaves every rank
+    /// without a sample (fewer samples than ranks).
     pub fn steps(&self, per_rank: usize) -> Result<usize> {
         if per_rank == 0 {
             bail!("DistributedSampler: a batch needs at least one sample per rank, got 0")
+        }
+        if self.len == 0 {
+            bail!("DistributedSampler: the data set is empty: no epoch to sample")
+        }
+        if self.share_of(0) == 0 {
+            bail!(
+                "DistributedSampler: {} samples on {} ranks with Remainder::Drop leave every rank without a sample (use Remainder::Pad or Remainder::Exact, or fewer ranks)",
+                self.len,
+                self.world_size
+            )
         }
         Ok(self.share_of(0).div_ceil(per_rank))
     }
@@ -216,7 +227,7 @@ impl DistributedSampler {
     ///
     /// # Errors
     ///
-    /// When `per_rank` is 0.
+    /// As [`DistributedSampler::steps`].
     pub fn batches(
         &self,
         epoch: u64,

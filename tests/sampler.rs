@@ -88,7 +88,8 @@ fn shares_are_disjoint_and_make_up_the_epoch() {
 
 /// With `b` samples per rank and step, step `s`'s batches over the ranks are the positions
 /// `[s·b·W, (s+1)·b·W)` of the epoch's order, every rank has `steps(b)` batches, and a run
-/// resumed at any step gets the remaining batches unchanged.
+/// resumed at any step gets the remaining batches unchanged. An empty data set, and fewer
+/// samples than ranks under `Remainder::Drop` (no rank would get one), are refused.
 #[test]
 fn each_step_is_a_window_of_the_epoch_and_resumes_exactly() {
     for len in 0..=150 {
@@ -96,6 +97,20 @@ fn each_step_is_a_window_of_the_epoch_and_resumes_exactly() {
             for p in POLICIES {
                 for b in 1..=5 {
                     let what = format!("len {len}, world {world}, {p:?}, {b} per rank");
+                    if len == 0 || (p == Remainder::Drop && len < world) {
+                        // Nothing to sample on any rank: refused, naming why.
+                        let e = sampler(len, 0, world, p, true)
+                            .steps(b)
+                            .unwrap_err()
+                            .to_string();
+                        let want = if len == 0 {
+                            "empty"
+                        } else {
+                            "without a sample"
+                        };
+                        assert!(e.contains(want), "{what}: {e}");
+                        continue;
+                    }
                     let order = sampler(len, 0, world, p, true).epoch_order(1);
                     let per_rank: Vec<Vec<Vec<usize>>> = (0..world)
                         .map(|r| {
