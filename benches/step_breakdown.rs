@@ -6,9 +6,9 @@
 //! allocation) is what is left:
 //!
 //! - convolution forward: `x.conv2d(w)` for each of the 21 convolutions' shapes;
-//! - convolution backward: `loss.backward()` through that convolution alone (candle computes
-//!   the input's gradient with `conv_transpose2d` and the weight's with a `conv2d`), minus its
-//!   forward;
+//! - convolution backward: `loss.backward()` through that convolution alone, minus its forward:
+//!   the model's `ops::conv2d` (the input's gradient as a `conv2d` of the flipped kernel at
+//!   stride 1), and candle's own backward (`conv_transpose2d`) in the last column;
 //! - batch norm: `SyncBatchNorm`'s forward with the fused residual add and ReLU and its backward,
 //!   for each of the 21 layers' shapes;
 //! - optimizer: `optim::AdamW::step` over the model's variables.
@@ -29,6 +29,7 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::ThreadGroup;
+use candle_distributed::ops::conv2d;
 use candle_distributed::optim::AdamW;
 use candle_distributed::{sync_batch_norm, SyncBatchNormConfig};
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
@@ -73,9 +74,10 @@ fn randn(dims: &[usize]) -> Result<Tensor> {
     Ok(Tensor::randn(0f32, 1f32, dims, &Device::Cpu)?)
 }
 
-/// Forward and backward milliseconds of the model's convolutions at batch `n`.
-fn convolutions(n: usize) -> Result<(f64, f64)> {
-    let (mut fwd, mut bwd) = (0.0, 0.0);
+/// Forward and backward milliseconds of the model's convolutions at batch `n`: the model's op
+/// (`ops::conv2d`), and the backward of candle's own `conv2d` for comparison.
+fn convolutions(n: usize) -> Result<(f64, f64, f64)> {
+    let (mut fwd, mut bwd, mut bwd_candle) = (0.0, 0.0, 0.0);
     for (cin, cout, k, stride, side, count) in CONVS {
         let x = Var::from_tensor(&randn(&[n, cin, side, side])?)?;
         let w = Var::from_tensor(&(randn(&[cout, cin, k, k])? * 0.1)?)?;
@@ -85,14 +87,20 @@ fn convolutions(n: usize) -> Result<(f64, f64)> {
             Ok(())
         })?;
         let fb = time(|| {
+            let y = conv2d(x.as_tensor(), w.as_tensor(), pad, stride)?;
+            y.sum_all()?.backward()?;
+            Ok(())
+        })?;
+        let fb_candle = time(|| {
             let y = x.as_tensor().conv2d(w.as_tensor(), pad, stride, 1, 1)?;
             y.sum_all()?.backward()?;
             Ok(())
         })?;
         fwd += f * count as f64;
         bwd += (fb - f).max(0.0) * count as f64;
+        bwd_candle += (fb_candle - f).max(0.0) * count as f64;
     }
-    Ok((fwd, bwd))
+    Ok((fwd, bwd, bwd_candle))
 }
 
 /// Forward + backward milliseconds of the model's batch norms (fused residual add and ReLU) at
@@ -167,16 +175,16 @@ fn main() -> Result<()> {
         candle_core::utils::get_num_threads()
     );
     println!();
-    println!("| batch | step ms | images/s | forward (whole model) ms | conv forward | conv backward | batch norm fwd+bwd | optimizer | the rest |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| batch | step ms | images/s | forward (whole model) ms | conv forward | conv backward | batch norm fwd+bwd | optimizer | the rest | conv backward, candle's |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for n in [32, 128] {
         let (whole, forward, optimizer) = step(n)?;
-        let (conv_f, conv_b) = convolutions(n)?;
+        let (conv_f, conv_b, conv_b_candle) = convolutions(n)?;
         let bn = batch_norms(n)?;
         let rest = whole - conv_f - conv_b - bn - optimizer;
         let pct = |v: f64| format!("{v:.0} ms ({:.0} %)", 100.0 * v / whole);
         println!(
-            "| {n} | {whole:.0} | {:.0} | {forward:.0} | {} | {} | {} | {} | {} |",
+            "| {n} | {whole:.0} | {:.0} | {forward:.0} | {} | {} | {} | {} | {} | {conv_b_candle:.0} ms |",
             n as f64 / (whole / 1e3),
             pct(conv_f),
             pct(conv_b),

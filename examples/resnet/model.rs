@@ -70,11 +70,20 @@ impl Norm {
 /// On the CPU, candle 0.11 has no bf16 matrix product (and a slow f16 one): there the operands,
 /// rounded to the half dtype, are multiplied in f32 and the output is rounded back, which are
 /// the numbers of a GPU's half-precision convolution with f32 accumulation.
+///
+/// The convolution is `candle_distributed::ops::conv2d` (candle's forward, a faster backward for
+/// the input at stride 1) wherever it applies: no bias, dilation 1, one group.
 fn run(c: &Conv2d, x: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
     let cfg = c.config();
-    let conv =
-        |x: &Tensor, w: &Tensor| x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups);
+    let ours = c.bias().is_none() && cfg.dilation == 1 && cfg.groups == 1;
+    let conv = |x: &Tensor, w: &Tensor| {
+        if ours {
+            candle_distributed::ops::conv2d(x, w, cfg.padding, cfg.stride)
+        } else {
+            x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)
+        }
+    };
     // An empty share on a GPU: see `empty_via_cpu` (the weight's move keeps its edge too).
     if x.elem_count() == 0 && !x.device().is_cpu() {
         let w = c
@@ -84,7 +93,11 @@ fn run(c: &Conv2d, x: &Tensor) -> Result<Tensor> {
         return empty_via_cpu(x, |x| Ok(conv(x, &w)?));
     }
     if c.weight().dtype() == dtype {
-        return Ok(c.forward(x)?);
+        return Ok(if ours {
+            conv(x, c.weight())?
+        } else {
+            c.forward(x)?
+        });
     }
     let w = c.weight().to_dtype(dtype)?;
     if x.device().is_cpu() && matches!(dtype, DType::BF16 | DType::F16) {

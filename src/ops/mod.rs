@@ -60,6 +60,7 @@ mod apply;
 mod arity;
 mod backward_elemt;
 mod backward_reduce;
+mod conv;
 mod gather;
 mod max_pool;
 mod normalize;
@@ -69,6 +70,7 @@ pub use crate::Layout;
 pub use apply::batch_norm_elemt;
 pub use backward_elemt::batch_norm_backward_elemt;
 pub use backward_reduce::batch_norm_backward_reduce;
+pub use conv::conv2d;
 pub use gather::{
     batch_norm_gather_stats, batch_norm_gather_stats_update, BatchStats, GatheredStats,
     RunningStats,

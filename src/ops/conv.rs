@@ -1,0 +1,75 @@
+//! `conv2d` with a faster backward for the input: candle's own forward, and for stride 1 the
+//! input's gradient as a `conv2d` of the output gradient with the flipped, transposed kernel
+//! (candle's backward runs `conv_transpose2d`, whose CPU loops took 1.2–2.5× as long at the
+//! example's ResNet shapes: docs/benchmarks.md).
+
+use candle_core::{bail, Result, Tensor};
+
+use crate::parallel::Attach2;
+
+/// PyTorch's `conv2d` without bias, dilation or groups: `x` `(N, C_in, H, W)`, `w`
+/// `(C_out, C_in, k, k)` (a square kernel), `padding` on every side, `stride`; the output is
+/// `(N, C_out, H_out, W_out)` with `H_out = (H + 2·padding − k) / stride + 1`, candle's
+/// `x.conv2d(w, padding, stride, 1, 1)` exactly (the same call computes it).
+///
+/// The backward differs from candle's: for stride 1, the input's gradient is
+/// `conv2d(dy, flip(w)ᵀ, k − 1 − padding)` (the same sums in another order), which reuses the
+/// forward's im2col + matrix product instead of candle's `conv_transpose2d` loops; stride > 1
+/// keeps candle's. The weight's gradient is candle's. Checked against candle's gradients and
+/// central finite differences in f64 (`tests/conv.rs`). Costs one copy of the output in the
+/// forward (the value is attached to the gradient function).
+///
+/// # Errors
+///
+/// When the shapes are not as above, the kernel is not square, `padding` is not below the
+/// kernel size, `stride` is 0, or candle's convolution fails (dtype, device).
+pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    crate::device::check_supported(CONV, x.device())?;
+    let (Ok((_, c_in, _, _)), Ok((_, w_in, k_h, k_w))) = (x.dims4(), w.dims4()) else {
+        bail!(
+            "{CONV}: expected x (N, C_in, H, W) and w (C_out, C_in, k, k), got {:?} and {:?}",
+            x.dims(),
+            w.dims()
+        )
+    };
+    if c_in != w_in || k_h != k_w || padding >= k_h || stride == 0 {
+        bail!(
+            "{CONV}: x {:?}, w {:?}, padding {padding}, stride {stride}: needs the same C_in, a square kernel, padding below the kernel size and a stride of at least 1",
+            x.dims(),
+            w.dims()
+        )
+    }
+    let y = x.detach().conv2d(&w.detach(), padding, stride, 1, 1)?;
+    if !x.track_op() && !w.track_op() {
+        return Ok(y);
+    }
+    let (xd, wd) = (x.detach(), w.detach());
+    let backward = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
+        let dx = if stride == 1 {
+            let flipped = wd.flip(&[2, 3])?.transpose(0, 1)?.contiguous()?;
+            g.conv2d(&flipped, k_h - 1 - padding, 1, 1, 1)?
+        } else {
+            // candle's: conv_transpose2d with the output padding that restores H.
+            let out = (g.dim(2)? - 1) * stride + k_h - 2 * padding;
+            g.conv_transpose2d(&wd, padding, xd.dim(2)? - out, stride, 1)?
+        };
+        // candle's: the stride becomes the dilation of a convolution over the batch.
+        let dw = xd
+            .transpose(0, 1)?
+            .conv2d(&g.transpose(0, 1)?, padding, 1, stride, 1)?
+            .transpose(0, 1)?;
+        let dw = dw.narrow(2, 0, k_h)?.narrow(3, 0, k_w)?;
+        Ok((dx, dw))
+    };
+    x.apply_op3(
+        w,
+        &y,
+        Attach2 {
+            name: CONV,
+            backward: Box::new(backward),
+        },
+    )
+}
+
+/// The name the op's errors begin with.
+const CONV: &str = "conv2d";
