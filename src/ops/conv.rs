@@ -17,7 +17,8 @@ use crate::parallel::Attach2;
 /// forward's im2col + matrix product instead of candle's `conv_transpose2d` loops; stride > 1
 /// keeps candle's. The weight's gradient is candle's. Checked against candle's gradients and
 /// central finite differences in f64 (`tests/conv.rs`). Costs one copy of the output in the
-/// forward (the value is attached to the gradient function).
+/// forward, and memory: until the backward, the graph holds candle's output beside the copy
+/// returned (the ResNet example's peak memory rose by half, docs/benchmarks.md).
 ///
 /// # Errors
 ///
