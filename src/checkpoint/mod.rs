@@ -275,8 +275,8 @@ impl Loaded {
 /// (by CRC-32 of its tensors), or all start fresh, or all fail. A manifest is refused when it
 /// is empty or malformed, of another format, or names a tensor file that is missing, of another
 /// size (truncated) or another CRC-32 (corrupt), each naming the file. Collective: every rank
-/// calls it (one all-gather of 2 values per rank, on the CPU unless the communicator needs its
-/// device: pass `device` as the model's).
+/// calls it (one all-gather of 2 values per rank, on the CPU: for a communicator that takes
+/// tensors on its own device only, NCCL, use [`load_on`]).
 ///
 /// # Errors
 ///
