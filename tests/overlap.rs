@@ -50,6 +50,18 @@ struct Recorded {
     log: Mutex<Vec<(String, usize)>>,
 }
 
+impl Recorded {
+    /// `inner` wrapped: the recorder (to read its log) and the communicator to hand out.
+    fn wrap(inner: Arc<dyn Collective>) -> (Arc<Self>, Arc<dyn Collective>) {
+        let rec = Arc::new(Self {
+            inner,
+            log: Mutex::new(Vec::new()),
+        });
+        let comm: Arc<dyn Collective> = rec.clone();
+        (rec, comm)
+    }
+}
+
 impl Decorator for Recorded {
     fn inner(&self) -> &Arc<dyn Collective> {
         &self.inner
@@ -66,11 +78,7 @@ impl Decorator for Recorded {
 /// variable, an unused layer whose bucket waits for the end): recorded by a `Decorator`.
 fn every_rank_starts_the_same_buckets_in_the_same_order(dev: &Device) -> anyhow::Result<()> {
     let logs = run_ranks_on(3, dev, |c| {
-        let rec = Arc::new(Recorded {
-            inner: c,
-            log: Mutex::new(Vec::new()),
-        });
-        let comm: Arc<dyn Collective> = rec.clone();
+        let (rec, comm) = Recorded::wrap(c);
         let vm = VarMap::new();
         let hooks = GradHooks::new();
         let model = net(hooks.var_builder(&vm, DType::F32, dev), comm.clone(), true)?;
@@ -108,11 +116,7 @@ fn every_rank_starts_the_same_buckets_in_the_same_order(dev: &Device) -> anyhow:
 /// ranks issue the same collectives.
 fn buckets_follow_the_observed_order_after_the_first_step(dev: &Device) -> anyhow::Result<()> {
     let outs = run_ranks_on(2, dev, |c| {
-        let rec = Arc::new(Recorded {
-            inner: c,
-            log: Mutex::new(Vec::new()),
-        });
-        let comm: Arc<dyn Collective> = rec.clone();
+        let (rec, comm) = Recorded::wrap(c);
         let build = |vb: VarBuilder| -> anyhow::Result<[candle_nn::Linear; 3]> {
             let out = linear(8, 2, vb.pp("out"))?;
             let first = linear(4, 8, vb.pp("first"))?;

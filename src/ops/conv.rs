@@ -5,7 +5,7 @@
 
 use candle_core::{bail, Result, Tensor};
 
-use crate::parallel::Attach2;
+use crate::parallel::attach2;
 
 /// PyTorch's `conv2d` without bias, dilation or groups: `x` `(N, C_in, H, W)`, `w`
 /// `(C_out, C_in, k, k)` (a square kernel), `padding` on every side, `stride`; the output is
@@ -17,8 +17,7 @@ use crate::parallel::Attach2;
 /// forward's im2col + matrix product instead of candle's `conv_transpose2d` loops; stride > 1
 /// keeps candle's. The weight's gradient is candle's. Checked against candle's gradients and
 /// central finite differences in f64 (`tests/conv.rs`). Costs one copy of the output in the
-/// forward, and memory: until the backward, the graph holds candle's output beside the copy
-/// returned (the ResNet example's peak memory rose by half, docs/benchmarks.md).
+/// forward (candle's output is released once copied).
 ///
 /// # Errors
 ///
@@ -62,14 +61,7 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
         let dw = dw.narrow(2, 0, k_h)?.narrow(3, 0, k_w)?;
         Ok((dx, dw))
     };
-    x.apply_op3(
-        w,
-        &y,
-        Attach2 {
-            name: CONV,
-            backward: Box::new(backward),
-        },
-    )
+    attach2(x, w, y, CONV, Box::new(backward))
 }
 
 /// The name the op's errors begin with.

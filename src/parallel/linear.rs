@@ -10,7 +10,7 @@ use candle_core::{bail, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use super::{
-    copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter, Attach2,
+    attach2, copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter,
 };
 use crate::collective::{Collective, ReduceOp};
 
@@ -220,13 +220,12 @@ impl Module for ColumnParallelLinear {
             let dx = dx.reshape(x_dims.as_slice())?;
             Ok((dx, dw))
         };
-        let y = x.apply_op3(
+        let y = attach2(
+            x,
             &self.weight,
-            &y,
-            Attach2 {
-                name: "column-parallel-linear",
-                backward: Box::new(backward),
-            },
+            y,
+            "column-parallel-linear",
+            Box::new(backward),
         )?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),

@@ -62,128 +62,18 @@
 //! What the overlap buys, with an injected latency, is in the crate's `docs/benchmarks.md`
 //! (`cargo bench --bench overlap`).
 
+mod attach;
 mod linear;
 
 pub use linear::{gather_features, ColumnParallelLinear, ParallelMode, RowParallelLinear};
 
 use std::sync::Arc;
 
-use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, Result, Tensor};
 
 use crate::collective::{Collective, ReduceOp};
-
-/// A gradient function of the output gradient.
-type Backward = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
-
-/// `y`'s values in `x`'s place in the graph: the forward copies `y` (computed outside the graph),
-/// the backward hands the output gradient to `backward` and its result to `x`.
-struct Attach {
-    name: &'static str,
-    backward: Backward,
-}
-
-/// A fresh contiguous copy of a storage's elements under `l`.
-fn copy<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
-where
-    S: BackendStorage,
-    S::Device: BackendDevice<Storage = S>,
-{
-    let mut dst = s.device().zeros_impl(l.shape(), s.dtype())?;
-    s.copy_strided_src(&mut dst, 0, l)?;
-    Ok((dst, l.shape().clone()))
-}
-
-impl CustomOp2 for Attach {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        copy(s2, l2)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        copy(s2, l2)
-    }
-
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some((self.backward)(grad)?), None))
-    }
-}
-
-/// Like [`Attach`] for two differentiable inputs (`x`, `w`) and the value `y`.
-pub(crate) struct Attach2 {
-    pub name: &'static str,
-    #[allow(clippy::type_complexity)]
-    pub backward: Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Send + Sync>,
-}
-
-impl CustomOp3 for Attach2 {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        copy(s3, l3)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        copy(s3, l3)
-    }
-
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = (self.backward)(grad)?;
-        Ok((Some(dx), Some(dw), None))
-    }
-}
-
-fn attach(x: &Tensor, y: Tensor, name: &'static str, backward: Backward) -> Result<Tensor> {
-    x.apply_op2(&y, Attach { name, backward })
-}
+use attach::attach;
+pub(crate) use attach::attach2;
 
 /// `f` applied with `dim` moved to the front (collectives work along dimension 0).
 fn along(t: &Tensor, dim: usize, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {

@@ -209,20 +209,11 @@ fn resume_bitwise(precision: train::Precision) {
         Some(b.join("checkpoint.json"))
     );
     let resumed = tiny_run(&b, None, true, precision);
-    assert_eq!(straight.params.len(), resumed.params.len());
-    for ((name, x), (_, y)) in straight.params.iter().zip(&resumed.params) {
-        let (x, y) = (
-            x.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
-            y.flatten_all().unwrap().to_dtype(DType::F64).unwrap(),
-        );
-        let same = x
-            .to_vec1::<f64>()
-            .unwrap()
-            .iter()
-            .zip(y.to_vec1::<f64>().unwrap())
-            .all(|(p, q)| p.to_bits() == q.to_bits());
-        assert!(same, "{precision:?}: {name} differs after resuming");
-    }
+    assert_params_bitwise(
+        &straight.params,
+        &resumed.params,
+        &format!("{precision:?}, after resuming"),
+    );
     // The one-line summary is JSON with the run's numbers.
     let line: serde_json::Value = serde_json::from_str(&resumed.json().unwrap()).unwrap();
     assert_eq!(line["epochs"], 4);
@@ -281,17 +272,11 @@ fn a_resume_mid_epoch_continues_bitwise() {
     assert_eq!((meta.epoch, meta.step), (1, 6), "{meta:?}");
     assert!(meta.partial.is_some_and(|p| p[2] > 0.0), "{meta:?}");
     let resumed = tiny_run(&b, None, true, train::Precision::Full);
-    for ((name, x), (_, y)) in straight.params.iter().zip(&resumed.params) {
-        let bits = |t: &candle_core::Tensor| {
-            (t.flatten_all().unwrap().to_dtype(DType::F64).unwrap())
-                .to_vec1::<f64>()
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(bits(x), bits(y), "{name} differs after a resume mid-epoch");
-    }
+    assert_params_bitwise(
+        &straight.params,
+        &resumed.params,
+        "after a resume mid-epoch",
+    );
     let rows = |s: &train::Summary| {
         s.epochs
             .iter()
@@ -386,22 +371,7 @@ fn overlap_on_and_off_train_the_same_weights_bitwise() {
             s.params
         };
         let (on, off) = (params(true), params(false));
-        assert_eq!(on.len(), off.len());
-        for ((name, x), (_, y)) in on.iter().zip(&off) {
-            let bits = |t: &candle_core::Tensor| {
-                (t.flatten_all().unwrap().to_dtype(DType::F64).unwrap())
-                    .to_vec1::<f64>()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(
-                bits(x),
-                bits(y),
-                "{precision:?}: {name} differs with the overlap"
-            );
-        }
+        assert_params_bitwise(&on, &off, &format!("{precision:?}, overlap on and off"));
     }
 }
 
@@ -427,4 +397,26 @@ fn a_checkpoint_of_another_model_is_refused() {
         "{err}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Both runs' variables have the same names and the same bits, naming the first that differs.
+fn assert_params_bitwise(
+    a: &[(String, candle_core::Tensor)],
+    b: &[(String, candle_core::Tensor)],
+    what: &str,
+) {
+    let names =
+        |p: &[(String, candle_core::Tensor)]| p.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(a), names(b), "{what}: the variables");
+    let bits = |t: &candle_core::Tensor| {
+        (t.flatten_all().unwrap().to_dtype(DType::F64).unwrap())
+            .to_vec1::<f64>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    for ((name, x), (_, y)) in a.iter().zip(b) {
+        assert_eq!(bits(x), bits(y), "{what}: {name} differs");
+    }
 }
