@@ -98,6 +98,11 @@ impl Worker {
         jtx.send(boxed).map_err(|_| {
             candle_core::Error::Msg(format!("{name}: the communication thread has stopped"))
         })?;
+        // The caller keeps the input alive until it has waited for the communication thread's
+        // mark: a caller that drops its own reference early (and a communication thread that
+        // dropped its clone already) would otherwise free the input on the caller's stream,
+        // unordered with the communication thread's read of it.
+        let keep = input.clone();
         Ok(Pending::new(move || {
             let (t, back) = rx.recv().map_err(|_| {
                 candle_core::Error::Msg(
@@ -105,6 +110,7 @@ impl Worker {
                 )
             })??;
             back.wait()?;
+            drop(keep);
             Ok(t)
         }))
     }
