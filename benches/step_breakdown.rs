@@ -5,10 +5,11 @@
 //! rest (autograd bookkeeping, element-wise ops, the loss, pooling, the linear layer,
 //! allocation) is what is left:
 //!
-//! - convolution forward: `x.conv2d(w)` for each of the 21 convolutions' shapes;
+//! - convolution forward: the model's `ops::conv2d` (on the CPU its own im2col + `gemm`) for
+//!   each of the 21 convolutions' shapes, and candle's `x.conv2d(w)` in the second-last column;
 //! - convolution backward: `loss.backward()` through that convolution alone, minus its forward:
-//!   the model's `ops::conv2d` (the input's gradient as a `conv2d` of the flipped kernel at
-//!   stride 1), and candle's own backward (`conv_transpose2d`) in the last column;
+//!   the model's op, and candle's own backward (`conv_transpose2d` and a dilated `conv2d`) in
+//!   the last column;
 //! - batch norm: `SyncBatchNorm`'s forward with the fused residual add and ReLU and its backward,
 //!   for each of the 21 layers' shapes;
 //! - optimizer: `optim::AdamW::step` over the model's variables.
@@ -74,33 +75,55 @@ fn randn(dims: &[usize]) -> Result<Tensor> {
     Ok(Tensor::randn(0f32, 1f32, dims, &Device::Cpu)?)
 }
 
-/// Forward and backward milliseconds of the model's convolutions at batch `n`: the model's op
-/// (`ops::conv2d`), and the backward of candle's own `conv2d` for comparison.
-fn convolutions(n: usize) -> Result<(f64, f64, f64)> {
-    let (mut fwd, mut bwd, mut bwd_candle) = (0.0, 0.0, 0.0);
+/// The model's convolutions at batch `n`, in milliseconds: forward and backward of the model's
+/// op (`ops::conv2d`), then of candle's own `conv2d` for comparison.
+struct Convs {
+    fwd: f64,
+    bwd: f64,
+    fwd_candle: f64,
+    bwd_candle: f64,
+}
+
+fn convolutions(n: usize) -> Result<Convs> {
+    let mut c = Convs {
+        fwd: 0.0,
+        bwd: 0.0,
+        fwd_candle: 0.0,
+        bwd_candle: 0.0,
+    };
     for (cin, cout, k, stride, side, count) in CONVS {
         let x = Var::from_tensor(&randn(&[n, cin, side, side])?)?;
         let w = Var::from_tensor(&(randn(&[cout, cin, k, k])? * 0.1)?)?;
         let pad = k / 2;
-        let f = time(|| {
-            x.as_tensor().conv2d(w.as_tensor(), pad, stride, 1, 1)?;
-            Ok(())
-        })?;
-        let fb = time(|| {
-            let y = conv2d(x.as_tensor(), w.as_tensor(), pad, stride)?;
-            y.sum_all()?.backward()?;
-            Ok(())
-        })?;
-        let fb_candle = time(|| {
-            let y = x.as_tensor().conv2d(w.as_tensor(), pad, stride, 1, 1)?;
-            y.sum_all()?.backward()?;
-            Ok(())
-        })?;
-        fwd += f * count as f64;
-        bwd += (fb - f).max(0.0) * count as f64;
-        bwd_candle += (fb_candle - f).max(0.0) * count as f64;
+        let (ours, candle) = (
+            |x: &Tensor, w: &Tensor| conv2d(x, w, pad, stride),
+            |x: &Tensor, w: &Tensor| x.conv2d(w, pad, stride, 1, 1),
+        );
+        let mut f = [0.0; 2];
+        let mut fb = [0.0; 2];
+        for (i, op) in [
+            &ours as &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+            &candle,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            f[i] = time(|| {
+                op(&x.as_tensor().detach(), &w.as_tensor().detach())?;
+                Ok(())
+            })?;
+            fb[i] = time(|| {
+                op(x.as_tensor(), w.as_tensor())?.sum_all()?.backward()?;
+                Ok(())
+            })?;
+        }
+        let count = count as f64;
+        c.fwd += f[0] * count;
+        c.bwd += (fb[0] - f[0]).max(0.0) * count;
+        c.fwd_candle += f[1] * count;
+        c.bwd_candle += (fb[1] - f[1]).max(0.0) * count;
     }
-    Ok((fwd, bwd, bwd_candle))
+    Ok(c)
 }
 
 /// Forward + backward milliseconds of the model's batch norms (fused residual add and ReLU) at
@@ -175,22 +198,24 @@ fn main() -> Result<()> {
         candle_core::utils::get_num_threads()
     );
     println!();
-    println!("| batch | step ms | images/s | forward (whole model) ms | conv forward | conv backward | batch norm fwd+bwd | optimizer | the rest | conv backward, candle's |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| batch | step ms | images/s | forward (whole model) ms | conv forward | conv backward | batch norm fwd+bwd | optimizer | the rest | conv forward, candle's | conv backward, candle's |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for n in [32, 128] {
         let (whole, forward, optimizer) = step(n)?;
-        let (conv_f, conv_b, conv_b_candle) = convolutions(n)?;
+        let c = convolutions(n)?;
         let bn = batch_norms(n)?;
-        let rest = whole - conv_f - conv_b - bn - optimizer;
+        let rest = whole - c.fwd - c.bwd - bn - optimizer;
         let pct = |v: f64| format!("{v:.0} ms ({:.0} %)", 100.0 * v / whole);
         println!(
-            "| {n} | {whole:.0} | {:.0} | {forward:.0} | {} | {} | {} | {} | {} | {conv_b_candle:.0} ms |",
+            "| {n} | {whole:.0} | {:.0} | {forward:.0} | {} | {} | {} | {} | {} | {:.0} ms | {:.0} ms |",
             n as f64 / (whole / 1e3),
-            pct(conv_f),
-            pct(conv_b),
+            pct(c.fwd),
+            pct(c.bwd),
             pct(bn),
             pct(optimizer),
-            pct(rest)
+            pct(rest),
+            c.fwd_candle,
+            c.bwd_candle
         );
     }
     Ok(())

@@ -5,6 +5,7 @@
 
 use candle_core::{bail, Result, Tensor};
 
+use super::conv_cpu;
 use crate::parallel::attach2;
 
 /// PyTorch's `conv2d` without bias, dilation or groups: `x` `(N, C_in, H, W)`, `w`
@@ -32,12 +33,25 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
             w.dims()
         )
     };
+    let (h, wd) = (x.dim(2)?, x.dim(3)?);
     if c_in != w_in || k_h != k_w || padding >= k_h || stride == 0 {
         bail!(
             "{CONV}: x {:?}, w {:?}, padding {padding}, stride {stride}: needs the same C_in, a square kernel, padding below the kernel size and a stride of at least 1",
             x.dims(),
             w.dims()
         )
+    }
+    if h + 2 * padding < k_h || wd + 2 * padding < k_h {
+        bail!(
+            "{CONV}: the padded input ({}×{}) is smaller than the {k_h}×{k_h} kernel (x {:?}, padding {padding})",
+            h + 2 * padding,
+            wd + 2 * padding,
+            x.dims()
+        )
+    }
+    if conv_cpu::takes(x, w) {
+        let g = conv_cpu::Geometry::new(x.dims4()?, w.dim(0)?, k_h, padding, stride);
+        return conv_cpu::conv2d(x, w, g);
     }
     let y = x.detach().conv2d(&w.detach(), padding, stride, 1, 1)?;
     if !x.track_op() && !w.track_op() {
@@ -49,9 +63,15 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
             let flipped = wd.flip(&[2, 3])?.transpose(0, 1)?.contiguous()?;
             g.conv2d(&flipped, k_h - 1 - padding, 1, 1, 1)?
         } else {
-            // candle's: conv_transpose2d with the output padding that restores H.
-            let out = (g.dim(2)? - 1) * stride + k_h - 2 * padding;
-            g.conv_transpose2d(&wd, padding, xd.dim(2)? - out, stride, 1)?
+            // conv_transpose2d with the output padding that restores H and W: candle's takes
+            // one for both (its own backward uses H's for W too, and fails when they differ),
+            // so the larger, and the extra row or column (no input behind it) is cut off.
+            let (h, w) = (xd.dim(2)?, xd.dim(3)?);
+            let out = |d: usize| (d - 1) * stride + k_h - 2 * padding;
+            let extra = (h - out(g.dim(2)?)).max(w - out(g.dim(3)?));
+            g.conv_transpose2d(&wd, padding, extra, stride, 1)?
+                .narrow(2, 0, h)?
+                .narrow(3, 0, w)?
         };
         // candle's: the stride becomes the dilation of a convolution over the batch.
         let dw = xd

@@ -68,6 +68,7 @@ mod arity;
 mod backward_elemt;
 mod backward_reduce;
 mod conv;
+mod conv_cpu;
 mod gather;
 mod max_pool;
 mod normalize;

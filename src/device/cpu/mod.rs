@@ -11,7 +11,9 @@ use half::{bf16, f16};
 mod pool;
 mod simd;
 
-pub(crate) use pool::{chunks_on_pool, elementwise, reduce2, written};
+pub(crate) use pool::{
+    chunks_on_pool, chunks_on_pool_for, elementwise, pool_threads, reduce2, written,
+};
 pub(crate) use simd::{
     has_avx2_fma, prefetch, prefetch_l2, row_sums, segment_sums, simd_fn, Terms, LANES,
 };

@@ -229,7 +229,7 @@ pub(crate) fn on_pool(items: usize, values: usize, f: impl Fn(usize) + Sync) {
     }
     let panicked = std::sync::Mutex::new(None);
     let pool = candle_core::utils::barrier_pool();
-    let threads = pool.n_workers() + 1;
+    let threads = pool_threads();
     let next = AtomicUsize::new(0);
     let _job = JobFlag::set();
     // One "item" of `execute_chunked` per thread (it splits `threads` items into chunks of
@@ -250,6 +250,11 @@ pub(crate) fn on_pool(items: usize, values: usize, f: impl Fn(usize) + Sync) {
     if let Some(payload) = payload {
         std::panic::resume_unwind(payload);
     }
+}
+
+/// Threads a pool job runs on: candle's workers and the calling thread.
+pub(crate) fn pool_threads() -> usize {
+    candle_core::utils::barrier_pool().n_workers() + 1
 }
 
 thread_local! {
@@ -300,9 +305,21 @@ pub(crate) fn chunks_on_pool<T: Send>(
     chunk: usize,
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
+    let len = out.len();
+    chunks_on_pool_for(out, chunk, len, f)
+}
+
+/// [`chunks_on_pool`] for a job whose work is not its output's length: `work` (in values, or
+/// multiply-adds) decides whether it goes to the pool.
+pub(crate) fn chunks_on_pool_for<T: Send>(
+    out: &mut [T],
+    chunk: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
     let (len, chunk) = (out.len(), chunk.max(1));
     let out = Disjoint::new(out);
-    on_pool(len.div_ceil(chunk), len, |i| {
+    on_pool(len.div_ceil(chunk), work, |i| {
         let (lo, hi) = (i * chunk, len.min((i + 1) * chunk));
         // SAFETY: every chunk index is handed to one call only: the ranges never overlap.
         f(i, unsafe { out.range(lo, hi) })
