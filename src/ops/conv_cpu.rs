@@ -99,43 +99,48 @@ impl Geometry {
         }
     }
 
-    /// The valid output columns `lo..hi` of kernel column `j` (input column `o·stride + j −
-    /// pad` inside `0..w`); also used for rows with `oh`, `h` and kernel row `i`.
-    fn valid(&self, j: usize, out: usize, len: usize) -> Range<usize> {
-        let (s, p) = (self.stride, self.pad);
-        let lo = if p > j { (p - j).div_ceil(s) } else { 0 };
-        let hi = if len + p > j {
-            ((len + p - j - 1) / s + 1).min(out)
-        } else {
-            0
-        };
-        lo.min(hi)..hi
+    /// Length of one sample's input padded on every side: `(c, h + 2·pad, w + 2·pad)`.
+    fn padded_len(&self) -> usize {
+        self.c * (self.h + 2 * self.pad) * (self.w + 2 * self.pad)
     }
 
-    /// Writes the patch matrix of one sample `x` `(c, h, w)` into `cols` `(c·k·k, oh·ow)`:
-    /// row `(ci, i, j)`, column `(a, b)` holds `x[ci, a·s + i − p, b·s + j − p]`, 0 outside.
-    fn im2col<T: WithDType>(&self, x: &[T], cols: &mut [T]) {
-        let (k, s, p, ow) = (self.k, self.stride, self.pad, self.ow);
-        let zero = T::zero();
+    /// A zeroed buffer for [`Self::padded`] and [`Self::col2im`].
+    fn pad_buffer<T: WithDType>(&self) -> Vec<T> {
+        vec![T::zero(); if self.pad > 0 { self.padded_len() } else { 0 }]
+    }
+
+    /// One sample `x` `(c, h, w)` padded with zeros: `x` itself without padding, else `buf`
+    /// (from [`Self::pad_buffer`], whose border no call writes) with `x` copied inside.
+    fn padded<'a, T: WithDType>(&self, x: &'a [T], buf: &'a mut [T]) -> &'a [T] {
+        if self.pad == 0 {
+            return x;
+        }
+        let (p, wp) = (self.pad, self.w + 2 * self.pad);
+        let plane = (self.h + 2 * p) * wp;
+        for (r, src) in x.chunks_exact(self.w).enumerate() {
+            let (ci, row) = (r / self.h, r % self.h);
+            copy(&mut buf[ci * plane + (row + p) * wp + p..][..self.w], src);
+        }
+        buf
+    }
+
+    /// Writes the patch matrix of one padded sample `(c, h + 2·pad, w + 2·pad)` into `cols`
+    /// `(c·k·k, oh·ow)`: row `(ci, i, j)`, column `(a, b)` holds the padded input at
+    /// `[ci, a·stride + i, b·stride + j]`.
+    fn im2col<T: WithDType>(&self, padded: &[T], cols: &mut [T]) {
+        let (k, s, ow) = (self.k, self.stride, self.ow);
+        let wp = self.w + 2 * self.pad;
+        let plane = (self.h + 2 * self.pad) * wp;
         for (r, row) in cols.chunks_exact_mut(self.cols()).enumerate() {
             let (ci, i, j) = (r / (k * k), r / k % k, r % k);
-            let plane = &x[ci * self.h * self.w..(ci + 1) * self.h * self.w];
-            let rows = self.valid(i, self.oh, self.h);
-            let cols = self.valid(j, ow, self.w);
+            let src = &padded[ci * plane..(ci + 1) * plane];
             for (a, out) in row.chunks_exact_mut(ow).enumerate() {
-                if !rows.contains(&a) || cols.is_empty() {
-                    out.fill(zero);
-                    continue;
-                }
-                let src = &plane[(a * s + i - p) * self.w..][..self.w];
-                out[..cols.start].fill(zero);
-                out[cols.end..].fill(zero);
+                let from = &src[(a * s + i) * wp + j..];
                 if s == 1 {
-                    let at = cols.start + j - p;
-                    out[cols.clone()].copy_from_slice(&src[at..at + cols.len()]);
+                    copy(out, &from[..ow]);
                 } else {
-                    for b in cols.clone() {
-                        out[b] = src[b * s + j - p];
+                    for (b, o) in out.iter_mut().enumerate() {
+                        *o = from[b * s];
                     }
                 }
             }
@@ -143,23 +148,50 @@ impl Geometry {
     }
 
     /// Adds the patch matrix `cols` `(c·k·k, oh·ow)` of one sample back onto its input
-    /// positions in `dx` `(c, h, w)` (zeroed first): the transpose of [`Self::im2col`].
-    fn col2im<T: WithDType>(&self, cols: &[T], dx: &mut [T]) {
-        let (k, s, p, ow) = (self.k, self.stride, self.pad, self.ow);
-        dx.fill(T::zero());
+    /// positions, the transpose of [`Self::im2col`], and writes the sum into `dx` `(c, h, w)`;
+    /// `buf` (from [`Self::pad_buffer`]) holds the padded sum on the way.
+    fn col2im<T: WithDType>(&self, cols: &[T], buf: &mut [T], dx: &mut [T]) {
+        let (k, s, ow, p) = (self.k, self.stride, self.ow, self.pad);
+        let wp = self.w + 2 * p;
+        let plane = (self.h + 2 * p) * wp;
+        let sum = if p == 0 { &mut *dx } else { &mut *buf };
+        sum.fill(T::zero());
         for (r, row) in cols.chunks_exact(self.cols()).enumerate() {
             let (ci, i, j) = (r / (k * k), r / k % k, r % k);
-            let plane = &mut dx[ci * self.h * self.w..(ci + 1) * self.h * self.w];
-            let rows = self.valid(i, self.oh, self.h);
-            let cols = self.valid(j, ow, self.w);
-            for a in rows {
-                let dst = &mut plane[(a * s + i - p) * self.w..][..self.w];
-                let src = &row[a * ow..(a + 1) * ow];
-                for b in cols.clone() {
-                    dst[b * s + j - p] += src[b];
+            let dst = &mut sum[ci * plane..(ci + 1) * plane];
+            for (a, src) in row.chunks_exact(ow).enumerate() {
+                let to = &mut dst[(a * s + i) * wp + j..];
+                if s == 1 {
+                    for (d, v) in to[..ow].iter_mut().zip(src) {
+                        *d += *v;
+                    }
+                } else {
+                    for (b, v) in src.iter().enumerate() {
+                        to[b * s] += *v;
+                    }
                 }
             }
         }
+        if p > 0 {
+            for (r, out) in dx.chunks_exact_mut(self.w).enumerate() {
+                let (ci, row) = (r / self.h, r % self.h);
+                copy(out, &buf[ci * plane + (row + p) * wp + p..][..self.w]);
+            }
+        }
+    }
+}
+
+/// `dst = src` (equal lengths) in blocks of 8, which the compiler keeps as vector moves where
+/// `copy_from_slice` would call `memcpy` for rows of a few values.
+#[inline(always)]
+fn copy<T: Copy>(dst: &mut [T], src: &[T]) {
+    let (mut d, mut s) = (dst.chunks_exact_mut(8), src.chunks_exact(8));
+    for (a, b) in (&mut d).zip(&mut s) {
+        let a: &mut [T; 8] = a.try_into().expect("a block of 8");
+        *a = *<&[T; 8]>::try_from(b).expect("a block of 8");
+    }
+    for (a, b) in d.into_remainder().iter_mut().zip(s.remainder()) {
+        *a = *b;
     }
 }
 
@@ -210,9 +242,10 @@ fn forward<T: WithDType>(g: &Geometry, x: &[T], w: &[T]) -> Vec<T> {
     let mut y = vec![T::zero(); g.n * out];
     let par = g.parallelism();
     chunks_on_pool_for(&mut y, g.per_group() * out, g.work(), |gi, ys| {
-        let mut patches = vec![T::zero(); rows * cols];
+        let (mut patches, mut buf) = (vec![T::zero(); rows * cols], g.pad_buffer());
         for (n, yn) in g.group(gi).zip(ys.chunks_exact_mut(out)) {
-            g.im2col(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut patches);
+            let xn = g.padded(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut buf);
+            g.im2col(xn, &mut patches);
             let (r, c) = (rows as isize, cols as isize);
             // SAFETY: yn is (co, cols) contiguous, w (co, rows), patches (rows, cols).
             unsafe {
@@ -236,7 +269,7 @@ fn input_grad<T: WithDType>(g: &Geometry, w: &[T], dy: &[T]) -> Vec<T> {
     let mut dx = vec![T::zero(); g.n * g.x_len()];
     let par = g.parallelism();
     chunks_on_pool_for(&mut dx, g.per_group() * g.x_len(), g.work(), |gi, dxs| {
-        let mut patches = vec![T::zero(); rows * cols];
+        let (mut patches, mut buf) = (vec![T::zero(); rows * cols], g.pad_buffer());
         for (n, dxn) in g.group(gi).zip(dxs.chunks_exact_mut(g.x_len())) {
             let dyn_ = &dy[n * g.co * cols..(n + 1) * g.co * cols];
             let (r, c) = (rows as isize, cols as isize);
@@ -252,7 +285,7 @@ fn input_grad<T: WithDType>(g: &Geometry, w: &[T], dy: &[T]) -> Vec<T> {
                     par,
                 )
             }
-            g.col2im(&patches, dxn);
+            g.col2im(&patches, &mut buf, dxn);
         }
     });
     dx
@@ -266,9 +299,10 @@ fn weight_grad<T: WithDType>(g: &Geometry, x: &[T], dy: &[T]) -> Vec<T> {
     let mut partial = vec![T::zero(); groups.max(1) * len];
     let par = g.parallelism();
     chunks_on_pool_for(&mut partial, len, g.work(), |gi, dw| {
-        let mut patches = vec![T::zero(); rows * cols];
+        let (mut patches, mut buf) = (vec![T::zero(); rows * cols], g.pad_buffer());
         for (i, n) in g.group(gi).enumerate() {
-            g.im2col(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut patches);
+            let xn = g.padded(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut buf);
+            g.im2col(xn, &mut patches);
             let dyn_ = &dy[n * g.co * cols..(n + 1) * g.co * cols];
             let (r, c) = (rows as isize, cols as isize);
             // SAFETY: dw is (co, rows) contiguous, dy_n (co, cols), patches (rows, cols) read

@@ -121,6 +121,21 @@ pub struct DistEnv {
     pub secret: Option<Secret>,
 }
 
+/// The processes a launcher placed on this machine, when one is there and says (torchrun's
+/// `LOCAL_WORLD_SIZE`, `srun`'s tasks on this node, Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`:
+/// the table of [`DistEnv::from_env`]); needs none of the rendezvous variables. For sharing a
+/// machine's cores among its ranks before any work starts.
+pub fn local_world_size() -> Option<usize> {
+    local_world_size_from(|k| std::env::var(k).ok())
+}
+
+/// [`local_world_size`] with the variables looked up by `get`.
+pub fn local_world_size_from(get: impl Fn(&str) -> Option<String>) -> Option<usize> {
+    launcher::placement(&get)
+        .ok()
+        .and_then(|p| p.local_world_size)
+}
+
 impl DistEnv {
     /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `LOCAL_WORLD_SIZE` (optional),
     /// `MASTER_ADDR`, `MASTER_PORT`, torchrun's `TORCHELASTIC_*` variables,

@@ -634,3 +634,31 @@ fn srun_places_and_names_the_launch() {
     let e = DistEnv::from_vars(|k| vars.get(k).map(|v| v.to_string())).unwrap();
     assert_eq!(e.run_id, "mine");
 }
+
+#[test]
+fn local_world_size_needs_only_the_launchers_variables() {
+    let get = |vars: &'static [(&'static str, &'static str)]| {
+        move |k: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    let torchrun = &[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_WORLD_SIZE", "4"),
+    ];
+    assert_eq!(super::local_world_size_from(get(torchrun)), Some(4));
+    let ompi = &[
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "6"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "3"),
+    ];
+    assert_eq!(super::local_world_size_from(get(ompi)), Some(3));
+    assert_eq!(
+        super::local_world_size_from(get(&[("RANK", "0"), ("WORLD_SIZE", "2")])),
+        None
+    );
+    assert_eq!(super::local_world_size_from(get(&[])), None);
+}
