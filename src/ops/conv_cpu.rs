@@ -17,7 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 use gemm::Parallelism;
 
-use crate::device::cpu::{chunks_on_pool_for, pool_threads, slice};
+use crate::device::cpu::{chunks_on_pool_for, pool_threads, simd_fn, slice, Elem};
 
 /// The shapes of one convolution: `x` `(n, c, h, w)`, `w` `(co, c, k, k)`, `y` `(n, co, oh, ow)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,13 +104,13 @@ impl Geometry {
         self.c * (self.h + 2 * self.pad) * (self.w + 2 * self.pad)
     }
 
-    /// A zeroed buffer for [`Self::padded`] and [`Self::col2im`].
+    /// A zeroed buffer for [`Geometry::padded`] and [`Self::col2im`].
     fn pad_buffer<T: WithDType>(&self) -> Vec<T> {
         vec![T::zero(); if self.pad > 0 { self.padded_len() } else { 0 }]
     }
 
     /// One sample `x` `(c, h, w)` padded with zeros: `x` itself without padding, else `buf`
-    /// (from [`Self::pad_buffer`], whose border no call writes) with `x` copied inside.
+    /// (from [`Geometry::pad_buffer`], whose border no call writes) with `x` copied inside.
     fn padded<'a, T: WithDType>(&self, x: &'a [T], buf: &'a mut [T]) -> &'a [T] {
         if self.pad == 0 {
             return x;
@@ -123,17 +123,29 @@ impl Geometry {
         }
         buf
     }
+}
 
+simd_fn! {
     /// Writes the patch matrix of one padded sample `(c, h + 2·pad, w + 2·pad)` into `cols`
     /// `(c·k·k, oh·ow)`: row `(ci, i, j)`, column `(a, b)` holds the padded input at
     /// `[ci, a·stride + i, b·stride + j]`.
-    fn im2col<T: WithDType>(&self, padded: &[T], cols: &mut [T]) {
-        let (k, s, ow) = (self.k, self.stride, self.ow);
-        let wp = self.w + 2 * self.pad;
-        let plane = (self.h + 2 * self.pad) * wp;
-        for (r, row) in cols.chunks_exact_mut(self.cols()).enumerate() {
+    fn im2col<T: Elem>(g: &Geometry, padded: &[T], cols: &mut [T]) -> () {
+        let (k, s, ow) = (g.k, g.stride, g.ow);
+        let wp = g.w + 2 * g.pad;
+        let plane = (g.h + 2 * g.pad) * wp;
+        for (r, row) in cols.chunks_exact_mut(g.cols()).enumerate() {
             let (ci, i, j) = (r / (k * k), r / k % k, r % k);
             let src = &padded[ci * plane..(ci + 1) * plane];
+            // Rows of a length known at compile time are straight vector moves.
+            match (s, ow) {
+                (1, 4) => rows_of::<T, 4>(row, &src[i * wp + j..], wp),
+                (1, 8) => rows_of::<T, 8>(row, &src[i * wp + j..], wp),
+                (1, 16) => rows_of::<T, 16>(row, &src[i * wp + j..], wp),
+                _ => {}
+            }
+            if s == 1 && matches!(ow, 4 | 8 | 16) {
+                continue;
+            }
             for (a, out) in row.chunks_exact_mut(ow).enumerate() {
                 let from = &src[(a * s + i) * wp + j..];
                 if s == 1 {
@@ -146,17 +158,19 @@ impl Geometry {
             }
         }
     }
+}
 
+simd_fn! {
     /// Adds the patch matrix `cols` `(c·k·k, oh·ow)` of one sample back onto its input
-    /// positions, the transpose of [`Self::im2col`], and writes the sum into `dx` `(c, h, w)`;
-    /// `buf` (from [`Self::pad_buffer`]) holds the padded sum on the way.
-    fn col2im<T: WithDType>(&self, cols: &[T], buf: &mut [T], dx: &mut [T]) {
-        let (k, s, ow, p) = (self.k, self.stride, self.ow, self.pad);
-        let wp = self.w + 2 * p;
-        let plane = (self.h + 2 * p) * wp;
+    /// positions, the transpose of [`im2col`], and writes the sum into `dx` `(c, h, w)`;
+    /// `buf` (from [`Geometry::pad_buffer`]) holds the padded sum on the way.
+    fn col2im<T: Elem>(g: &Geometry, cols: &[T], buf: &mut [T], dx: &mut [T]) -> () {
+        let (k, s, ow, p) = (g.k, g.stride, g.ow, g.pad);
+        let wp = g.w + 2 * p;
+        let plane = (g.h + 2 * p) * wp;
         let sum = if p == 0 { &mut *dx } else { &mut *buf };
         sum.fill(T::zero());
-        for (r, row) in cols.chunks_exact(self.cols()).enumerate() {
+        for (r, row) in cols.chunks_exact(g.cols()).enumerate() {
             let (ci, i, j) = (r / (k * k), r / k % k, r % k);
             let dst = &mut sum[ci * plane..(ci + 1) * plane];
             for (a, src) in row.chunks_exact(ow).enumerate() {
@@ -173,25 +187,47 @@ impl Geometry {
             }
         }
         if p > 0 {
-            for (r, out) in dx.chunks_exact_mut(self.w).enumerate() {
-                let (ci, row) = (r / self.h, r % self.h);
-                copy(out, &buf[ci * plane + (row + p) * wp + p..][..self.w]);
+            for (r, out) in dx.chunks_exact_mut(g.w).enumerate() {
+                let (ci, row) = (r / g.h, r % g.h);
+                copy(out, &buf[ci * plane + (row + p) * wp + p..][..g.w]);
             }
         }
     }
 }
 
-/// `dst = src` (equal lengths) in blocks of 8, which the compiler keeps as vector moves where
-/// `copy_from_slice` would call `memcpy` for rows of a few values.
+/// `dst = src` (equal lengths) in blocks of 8 and 4, which the compiler keeps as vector moves
+/// where `copy_from_slice` would call `memcpy` for rows of a few values.
 #[inline(always)]
 fn copy<T: Copy>(dst: &mut [T], src: &[T]) {
     let (mut d, mut s) = (dst.chunks_exact_mut(8), src.chunks_exact(8));
     for (a, b) in (&mut d).zip(&mut s) {
-        let a: &mut [T; 8] = a.try_into().expect("a block of 8");
-        *a = *<&[T; 8]>::try_from(b).expect("a block of 8");
+        block::<T, 8>(a, b);
+    }
+    let (mut d, mut s) = (
+        d.into_remainder().chunks_exact_mut(4),
+        s.remainder().chunks_exact(4),
+    );
+    for (a, b) in (&mut d).zip(&mut s) {
+        block::<T, 4>(a, b);
     }
     for (a, b) in d.into_remainder().iter_mut().zip(s.remainder()) {
         *a = *b;
+    }
+}
+
+/// `dst = src`, both `N` long.
+#[inline(always)]
+fn block<T: Copy, const N: usize>(dst: &mut [T], src: &[T]) {
+    let dst: &mut [T; N] = dst.try_into().expect("a block of N");
+    *dst = *<&[T; N]>::try_from(src).expect("a block of N");
+}
+
+/// Fills `out` (`rows × N`) with the rows of `N` values that start every `stride` values of
+/// `src`.
+#[inline(always)]
+fn rows_of<T: Copy, const N: usize>(out: &mut [T], src: &[T], stride: usize) {
+    for (a, o) in out.chunks_exact_mut(N).enumerate() {
+        block::<T, N>(o, &src[a * stride..a * stride + N]);
     }
 }
 
@@ -237,7 +273,7 @@ unsafe fn product<T: WithDType>(
 }
 
 /// The forward: `y_n (co, oh·ow) = w (co, c·k·k) · im2col(x_n)` for every sample.
-fn forward<T: WithDType>(g: &Geometry, x: &[T], w: &[T]) -> Vec<T> {
+fn forward<T: Elem>(g: &Geometry, x: &[T], w: &[T]) -> Vec<T> {
     let (rows, cols, out) = (g.rows(), g.cols(), g.co * g.cols());
     let mut y = vec![T::zero(); g.n * out];
     let par = g.parallelism();
@@ -245,7 +281,7 @@ fn forward<T: WithDType>(g: &Geometry, x: &[T], w: &[T]) -> Vec<T> {
         let (mut patches, mut buf) = (vec![T::zero(); rows * cols], g.pad_buffer());
         for (n, yn) in g.group(gi).zip(ys.chunks_exact_mut(out)) {
             let xn = g.padded(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut buf);
-            g.im2col(xn, &mut patches);
+            im2col(g, xn, &mut patches);
             let (r, c) = (rows as isize, cols as isize);
             // SAFETY: yn is (co, cols) contiguous, w (co, rows), patches (rows, cols).
             unsafe {
@@ -264,7 +300,7 @@ fn forward<T: WithDType>(g: &Geometry, x: &[T], w: &[T]) -> Vec<T> {
 }
 
 /// The input's gradient: `dx_n = col2im(wᵀ (c·k·k, co) · dy_n (co, oh·ow))`.
-fn input_grad<T: WithDType>(g: &Geometry, w: &[T], dy: &[T]) -> Vec<T> {
+fn input_grad<T: Elem>(g: &Geometry, w: &[T], dy: &[T]) -> Vec<T> {
     let (rows, cols) = (g.rows(), g.cols());
     let mut dx = vec![T::zero(); g.n * g.x_len()];
     let par = g.parallelism();
@@ -285,7 +321,7 @@ fn input_grad<T: WithDType>(g: &Geometry, w: &[T], dy: &[T]) -> Vec<T> {
                     par,
                 )
             }
-            g.col2im(&patches, &mut buf, dxn);
+            col2im(g, &patches, &mut buf, dxn);
         }
     });
     dx
@@ -293,7 +329,7 @@ fn input_grad<T: WithDType>(g: &Geometry, w: &[T], dy: &[T]) -> Vec<T> {
 
 /// The weight's gradient: `Σ_n dy_n (co, oh·ow) · im2col(x_n)ᵀ`, one partial sum per group,
 /// added in group order.
-fn weight_grad<T: WithDType>(g: &Geometry, x: &[T], dy: &[T]) -> Vec<T> {
+fn weight_grad<T: Elem>(g: &Geometry, x: &[T], dy: &[T]) -> Vec<T> {
     let (rows, cols, len) = (g.rows(), g.cols(), g.co * g.rows());
     let groups = g.n.div_ceil(g.per_group());
     let mut partial = vec![T::zero(); groups.max(1) * len];
@@ -302,7 +338,7 @@ fn weight_grad<T: WithDType>(g: &Geometry, x: &[T], dy: &[T]) -> Vec<T> {
         let (mut patches, mut buf) = (vec![T::zero(); rows * cols], g.pad_buffer());
         for (i, n) in g.group(gi).enumerate() {
             let xn = g.padded(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut buf);
-            g.im2col(xn, &mut patches);
+            im2col(g, xn, &mut patches);
             let dyn_ = &dy[n * g.co * cols..(n + 1) * g.co * cols];
             let (r, c) = (rows as isize, cols as isize);
             // SAFETY: dw is (co, rows) contiguous, dy_n (co, cols), patches (rows, cols) read
@@ -372,7 +408,7 @@ impl CustomOp2 for ConvOp {
         b: &CpuStorage,
         bl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        fn run<T: WithDType>(
+        fn run<T: Elem>(
             op: &ConvOp,
             a: &CpuStorage,
             al: &Layout,
