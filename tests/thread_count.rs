@@ -12,7 +12,7 @@ use common::layout_of;
 
 const CHILD: &str = "CANDLE_DISTRIBUTED_THREAD_COUNT_CHILD";
 
-/// Every op on seeded f32 inputs large enough to run on the pool (over 2^20 values; planes of
+/// Every op on seeded f32 inputs large enough to run on the pool (over 2^16 values; planes of
 /// 3·2^15 values, rows of 96 channels), as one line of hexadecimal bits.
 fn fingerprint() -> anyhow::Result<String> {
     let mut out = String::new();

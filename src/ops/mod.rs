@@ -40,7 +40,7 @@
 //! in fixed work items combined in a fixed order: results do not depend on the thread count
 //! (`tests/thread_count.rs` runs the ops with 1 and 3 threads and compares the bits). A second
 //! pool beside candle's would compete with candle's workers, which spin for a while after each
-//! candle op before they sleep. Jobs under 2²⁰ values run on the calling thread. The kernels
+//! candle op before they sleep. Jobs under 2¹⁶ values run on the calling thread. The kernels
 //! use f64 statistics and `x − mean` evaluated as `(x − hi) − lo` from an f64 mean, so that f32
 //! arithmetic stays exact when |mean| ≫ std. Each inner loop is compiled twice, for the
 //! baseline x86-64 target and for AVX2 + FMA, and the CPU picks at run time; set

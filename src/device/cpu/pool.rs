@@ -194,8 +194,12 @@ pub(crate) fn elementwise<T, P, Q>(
 }
 
 /// Values (elements of the input) below which a kernel runs on the calling thread (see
-/// [`on_pool`]).
-const MIN_POOL_VALUES: usize = 1 << 20;
+/// [`on_pool`]): a few tens of microseconds of work, against the pool's few microseconds to
+/// start a job. 2²⁰ before: the main job's model, whose batch norms see 2¹⁷–2¹⁹ values, then
+/// ran them on one of two threads (its batch norms took 1.4–1.8× as long in
+/// `benches/step_breakdown.rs`); thread ranks that queue for the pool trained as fast with
+/// either (docs/benchmarks.md).
+const MIN_POOL_VALUES: usize = 1 << 16;
 
 /// Runs `f(i)` for every `i < items` of a job over `values` values: on candle's CPU worker pool,
 /// the threads candle's own CPU ops run on (`candle_core::utils::barrier_pool`), each thread
