@@ -307,12 +307,14 @@ fn a_resume_mid_epoch_continues_bitwise() {
 /// same at any world size (each is split among the ranks; SyncBatchNorm's statistics and the
 /// gradient average cover the whole of it), so the resumed run's last two epochs match an
 /// uninterrupted run at the first world size up to rounding: training and validation losses
-/// within a relative 1e-6 (measured: at most 6e-8, 2026-11-27; printed with --nocapture). The
-/// augmentation draws per sample, so it does not depend on the world size either: with the
-/// earlier per-rank draws this test saw 3e-2.
+/// within a relative 1e-5 (measured: at most 1.0e-6, the validation loss after the second
+/// resumed epoch, 2026-11-27, with the CPU convolution whose weight gradient sums each rank's
+/// samples in groups; 6e-8 with candle's; printed with --nocapture). The augmentation draws
+/// per sample, so it does not depend on the world size either: with the earlier per-rank draws
+/// this test saw 3e-2.
 #[test]
 fn a_run_resumes_at_another_world_size() {
-    const TOLERANCE: f64 = 1e-6;
+    const TOLERANCE: f64 = 1e-5;
     for (before, after) in [(4, 2), (2, 4)] {
         let (a, b) = (fresh_dir("ws-straight"), fresh_dir("ws-resumed"));
         let cfg = |dir: &std::path::Path, world_size: usize| train::Config {
