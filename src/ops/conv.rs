@@ -1,7 +1,11 @@
-//! `conv2d` with a faster backward for the input: candle's own forward, and for stride 1 the
-//! input's gradient as a `conv2d` of the output gradient with the flipped, transposed kernel
-//! (candle's backward runs `conv_transpose2d`, whose CPU loops took 1.2–2.5× as long at the
-//! example's ResNet shapes: docs/benchmarks.md).
+//! `conv2d` (PyTorch's, without bias, dilation or groups) with a faster CPU path and backward.
+//!
+//! - On the CPU in f32 and f64: the crate's own im2col + `gemm` forward and backward
+//!   (`conv_cpu.rs`), 4–6× faster than candle's `conv2d` and its backward at the main job's
+//!   ResNet shapes (docs/benchmarks.md).
+//! - Elsewhere (a GPU, f16, bf16): candle's forward; for stride 1 the input's gradient as a
+//!   `conv2d` of the output gradient with the flipped, transposed kernel (candle's backward runs
+//!   `conv_transpose2d`, whose CPU loops took 1.2–2.5× as long); the weight's gradient candle's.
 
 use candle_core::{bail, Result, Tensor};
 
@@ -10,20 +14,30 @@ use crate::parallel::attach2;
 
 /// PyTorch's `conv2d` without bias, dilation or groups: `x` `(N, C_in, H, W)`, `w`
 /// `(C_out, C_in, k, k)` (a square kernel), `padding` on every side, `stride`; the output is
-/// `(N, C_out, H_out, W_out)` with `H_out = (H + 2·padding − k) / stride + 1`, candle's
-/// `x.conv2d(w, padding, stride, 1, 1)` exactly (the same call computes it).
+/// `(N, C_out, H_out, W_out)` with `H_out = (H + 2·padding − k) / stride + 1` (and `W_out`
+/// alike), what candle's `x.conv2d(w, padding, stride, 1, 1)` computes.
 ///
-/// The backward differs from candle's: for stride 1, the input's gradient is
-/// `conv2d(dy, flip(w)ᵀ, k − 1 − padding)` (the same sums in another order), which reuses the
-/// forward's im2col + matrix product instead of candle's `conv_transpose2d` loops; stride > 1
-/// keeps candle's. The weight's gradient is candle's. Checked against candle's gradients and
-/// central finite differences in f64 (`tests/conv.rs`). Costs one copy of the output in the
-/// forward (candle's output is released once copied).
+/// On the CPU in f32 and f64 the op is the crate's own: per sample, im2col of the input and
+/// one matrix product with the `gemm` crate, the samples split among candle's CPU threads; the
+/// backward as two more products (the input's gradient scattered back with col2im, the weight's
+/// summed over the samples in one partial sum per thread, added in a fixed order). Its sums run
+/// in another order than candle's: within 1e-6 of candle's output and 1e-5 of its gradients
+/// in f32, 1e-12 in f64, and within 1e-7 of central finite differences in f64
+/// (`tests/conv.rs`). Memory: one patch buffer of `C_in·k²·H_out·W_out` values per thread
+/// during each pass; nothing beyond `x` and `w` is kept for the backward. An input that does not
+/// need a gradient (the images) costs no input gradient.
+///
+/// Elsewhere (a GPU, f16, bf16, empty channels): candle's forward (the op returns a copy of it);
+/// for stride 1 the input's gradient is `conv2d(dy, flip(w)ᵀ, k − 1 − padding)`, for stride > 1
+/// candle's `conv_transpose2d` with each side's own output padding (candle's backward uses the
+/// height's for both and fails on rectangular inputs whose padded sides differ in parity); the
+/// weight's gradient is candle's.
 ///
 /// # Errors
 ///
 /// When the shapes are not as above, the kernel is not square, `padding` is not below the
-/// kernel size, `stride` is 0, or candle's convolution fails (dtype, device).
+/// kernel size, `stride` is 0, the padded input is smaller than the kernel, or candle's
+/// convolution fails (dtype, device).
 pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
     crate::device::check_supported(CONV, x.device())?;
     let (Ok((_, c_in, _, _)), Ok((_, w_in, k_h, k_w))) = (x.dims4(), w.dims4()) else {
