@@ -25,16 +25,23 @@
 //! left over from an earlier run is refused instead of being served the new run's payload.
 //!
 //! **Trust model.** Without a secret, as PyTorch's TCPStore: a trusted network, where whoever
-//! reaches the port can read the payload or claim a rank. With `CANDLE_DISTRIBUTED_SECRET` set
-//! (the same on every rank, at least 16 bytes), rank 0 first sends a challenge: its nonce and an
-//! HMAC-SHA256 proof over the client's hello and that nonce; the client checks it and answers
-//! with its own proof, and acknowledges the payload with a third. Only then is it counted, and
-//! the payload travels sealed (encrypted, then authenticated, see [`secret`]); under torchrun
-//! the value in the store is sealed alike. A verdict without a proof (a refusal, an answer
-//! without the challenge) is retried until the timeout, whose message quotes it. The
-//! secret never crosses the wire; a party without it can neither join, nor read or forge the
-//! payload. What the payload then starts (NCCL's own connections) is not covered: NCCL has no
-//! authentication of its own.
+//! reaches the port can read the payload or claim a rank. With a shared key (the same on every
+//! rank: `CANDLE_DISTRIBUTED_SECRET`, or a file named by `CANDLE_DISTRIBUTED_SECRET_FILE`; a
+//! generated key of at least 128 bits, `openssl rand -hex 32`, passphrases refused, see
+//! [`secret`]), rank 0 first sends a challenge: its nonce and an HMAC-SHA256 proof over the
+//! client's hello and that nonce; the client checks it and answers with its own proof, and
+//! acknowledges the payload with a third. Only then is it counted, and the payload travels
+//! sealed with XChaCha20-Poly1305, the exchange's hello and nonces as associated data; under
+//! torchrun the value in the store is sealed alike for its key, which holds the run id, the
+//! restart and the rendezvous number: a secret there needs a run id new for each launch
+//! (`torchrun --rdzv-id`; the default `none` is refused), so that a value recorded from an
+//! earlier launch does not open. A verdict without a proof (a refusal, an answer without the
+//! challenge) is retried until the timeout, whose message quotes it. The key never crosses the
+//! wire; a party without it can neither join, nor read or forge the payload. What the key does
+//! not protect: NCCL's own connections, which the payload starts (NCCL has no authentication of
+//! its own), a party that can read the key from a rank's environment or file, and traffic
+//! recorded before a key leaks (no forward secrecy; the payloads are short-lived NCCL ids). A
+//! client of another protocol version is refused with the reason in its own framing.
 //!
 //! **Limits.** Rank 0 listens on the addresses `MASTER_ADDR` resolves to (one that is not this
 //! machine's, such as a NAT address, falls back to its family's wildcard; a port in use is an
@@ -71,7 +78,7 @@ use server::serve;
 use wire::{read_by, write_by};
 
 /// Bytes that open every message of the standalone exchange (protocol name and version).
-const MAGIC: &[u8; 8] = b"CDBOOT03";
+const MAGIC: &[u8; 8] = b"CDBOOT04";
 /// Longest payload either side accepts: rendezvous payloads are tiny (NCCL's id is 128 bytes).
 pub const MAX_PAYLOAD: usize = 1 << 16;
 /// Time one client connection may take on rank 0 before it is dropped: an idle or slow
@@ -88,8 +95,35 @@ const RETRY: u8 = 2;
 const CHALLENGE: u8 = 3;
 /// Environment variable of the run id, where torchrun's `TORCHELASTIC_RUN_ID` is not set.
 pub const RUN_ID_VAR: &str = "CANDLE_DISTRIBUTED_RUN_ID";
-/// Environment variable of the optional shared secret.
+/// Environment variable of the optional shared key (a generated key in hexadecimal or base64:
+/// see [`secret`]).
 pub const SECRET_VAR: &str = "CANDLE_DISTRIBUTED_SECRET";
+/// Environment variable naming a file that holds the shared key instead (which then stays out
+/// of the environment that child processes inherit).
+pub const SECRET_FILE_VAR: &str = "CANDLE_DISTRIBUTED_SECRET_FILE";
+
+/// The shared key from [`SECRET_VAR`] or the file [`SECRET_FILE_VAR`] names, if either is set.
+fn secret_from(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Secret>> {
+    match (get(SECRET_VAR), get(SECRET_FILE_VAR)) {
+        (None, None) => Ok(None),
+        (Some(_), Some(_)) => {
+            bail!("bootstrap: both {SECRET_VAR} and {SECRET_FILE_VAR} are set: set one")
+        }
+        (Some(text), None) => {
+            Secret::from_text(&text, &format!("environment variable {SECRET_VAR}")).map(Some)
+        }
+        (None, Some(path)) => {
+            let text =
+                zeroize::Zeroizing::new(std::fs::read_to_string(path.trim()).map_err(|e| {
+                    candle_core::Error::Msg(format!(
+                        "bootstrap: the key file {path:?} ({SECRET_FILE_VAR}) cannot be read: {e}"
+                    ))
+                })?);
+            Secret::from_text(&text, &format!("the key file {path:?} ({SECRET_FILE_VAR})"))
+                .map(Some)
+        }
+    }
+}
 
 /// Where a process sits in a multi-process job, as launchers describe it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,8 +150,9 @@ pub struct DistEnv {
     /// `TORCHELASTIC_USE_AGENT_STORE=True`: torchrun's agent serves a TCPStore at
     /// `MASTER_ADDR:MASTER_PORT`, and rank 0 must not listen there itself.
     pub agent_store: bool,
-    /// `CANDLE_DISTRIBUTED_SECRET`: the shared secret that ranks prove they hold (see the
-    /// module documentation's trust model); `None` on a trusted network.
+    /// `CANDLE_DISTRIBUTED_SECRET` or the file `CANDLE_DISTRIBUTED_SECRET_FILE` names: the
+    /// shared key that ranks prove they hold (see the module documentation's trust model);
+    /// `None` on a trusted network.
     pub secret: Option<Secret>,
 }
 
@@ -139,7 +174,8 @@ pub fn local_world_size_from(get: impl Fn(&str) -> Option<String>) -> Option<usi
 impl DistEnv {
     /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (optional), `LOCAL_WORLD_SIZE` (optional),
     /// `MASTER_ADDR`, `MASTER_PORT`, torchrun's `TORCHELASTIC_*` variables,
-    /// `CANDLE_DISTRIBUTED_RUN_ID` and `CANDLE_DISTRIBUTED_SECRET` from the process environment.
+    /// `CANDLE_DISTRIBUTED_RUN_ID` and `CANDLE_DISTRIBUTED_SECRET` (or `…_SECRET_FILE`) from the
+    /// process environment.
     /// Without `RANK`, the rank, world size, local rank and local world size come from Slurm's
     /// `srun` or Open MPI's `mpirun`, which also name the launch (the run id, unless one is set);
     /// `MASTER_ADDR` and `MASTER_PORT` are the user's to export:
@@ -157,8 +193,10 @@ impl DistEnv {
     /// taken for a rank of a larger job.
     ///
     /// # Errors
-    /// When a required variable is missing or not a number, `RANK ≥ WORLD_SIZE`, the secret is
-    /// shorter than 16 bytes, or a standalone launch (no torchrun agent store) has no run id.
+    /// When a required variable is missing or not a number, `RANK ≥ WORLD_SIZE`, the shared
+    /// key is not a generated key (see [`secret`]), both of its variables are set or its file
+    /// cannot be read, a standalone launch (no torchrun agent store) has no run id, or a key
+    /// under torchrun comes with its default run id `none`.
     pub fn from_env() -> Result<Self> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -202,13 +240,12 @@ impl DistEnv {
             .to_string();
         let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
             .is_some_and(|v| v.trim().eq_ignore_ascii_case("true") || v.trim() == "1");
-        let secret = match get(SECRET_VAR) {
-            // Surrounding whitespace (a newline from a file) is not part of the secret.
-            Some(v) => Some(Secret::new(v.trim()).map_err(|e| {
-                candle_core::Error::Msg(format!("{e} (environment variable {SECRET_VAR})"))
-            })?),
-            None => None,
-        };
+        let secret = secret_from(&get)?;
+        if agent_store && secret.is_some() && (run_id.is_empty() || run_id == "none") {
+            bail!(
+                "bootstrap: rank {rank}: a shared secret under torchrun needs a run id new for each launch (torchrun --rdzv-id=$(uuidgen) …), not {run_id:?}: the store's keys would repeat across launches, and a value recorded from an earlier launch would open"
+            )
+        }
         let env = Self {
             rank,
             world_size,

@@ -1,32 +1,61 @@
-//! The job's optional shared secret (`CANDLE_DISTRIBUTED_SECRET`): HMAC-SHA256 proofs for the
-//! challenge–response of the standalone exchange, and sealing (encrypt, then authenticate) of
-//! the payload, so that the secret itself never crosses the wire and a party without it can
-//! neither join, nor read or forge rank 0's payload.
+//! The job's optional shared key (`CANDLE_DISTRIBUTED_SECRET`, or a file named by
+//! `CANDLE_DISTRIBUTED_SECRET_FILE`): HMAC-SHA256 proofs for the challenge–response of the
+//! standalone exchange, and the payload sealed with XChaCha20-Poly1305, so that the key itself
+//! never crosses the wire and a party without it can neither join, nor read or forge rank 0's
+//! payload.
 //!
-//! Sealing uses HMAC-SHA256 as a pseudo-random function in counter mode for the key stream and
-//! HMAC-SHA256 over the ciphertext for the tag, each under a label of its own; every message
-//! gets a fresh random 16-byte nonce from the operating system.
+//! **A generated key, not a passphrase.** Rank 0 sends a proof over a client's hello to anyone
+//! who connects, and every exchange shows one to an eavesdropper: either is enough to test
+//! guesses of the key offline, at HMAC speed. So the variable (or the file) must hold at least
+//! 128 random bits written in hexadecimal (32 or more digits) or base64 (22 or more characters,
+//! standard or URL-safe, padded or not, mixing upper- and lower-case letters as random ones
+//! do); anything else is refused with the command that makes one: `openssl rand -hex 32`. A
+//! format check cannot measure randomness (32 zeros pass); it refuses passphrases and words.
+//!
+//! Two keys are derived from it with HKDF-SHA256 (salt `candle-distributed/v1`), one for the
+//! proofs (`auth`), one for sealing (`seal`); both are wiped from memory when dropped.
 
+use base64::alphabet;
+use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+use base64::Engine;
+use chacha20poly1305::aead::{Aead, KeyInit, Payload};
+use chacha20poly1305::{Key, XChaCha20Poly1305, XNonce};
+use hkdf::Hkdf;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use subtle::ConstantTimeEq;
+use zeroize::Zeroizing;
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// Shortest secret accepted, in bytes.
+/// Fewest key bytes accepted (128 bits).
 pub const MIN_SECRET: usize = 16;
-/// Bytes of a nonce.
+/// Bytes of a handshake nonce.
 pub(super) const NONCE: usize = 16;
-/// Bytes of an HMAC-SHA256 tag.
+/// Bytes of an HMAC-SHA256 proof.
 pub(super) const TAG: usize = 32;
-/// Bytes that open a sealed payload.
-const SEALED: &[u8; 8] = b"CDSEAL01";
+/// Bytes of a sealing nonce (XChaCha20's).
+const SEAL_NONCE: usize = 24;
+/// Bytes of a Poly1305 tag.
+const SEAL_TAG: usize = 16;
+/// Bytes that open a sealed payload (format 2: XChaCha20-Poly1305).
+const SEALED: &[u8; 8] = b"CDSEAL02";
+/// What opened a payload sealed by versions before the AEAD.
+const SEALED_V1: &[u8; 8] = b"CDSEAL01";
 /// Bytes a sealed payload adds to the plain one.
-pub(super) const SEAL_OVERHEAD: usize = SEALED.len() + NONCE + TAG;
+pub(super) const SEAL_OVERHEAD: usize = SEALED.len() + SEAL_NONCE + SEAL_TAG;
+/// The command the errors suggest for making a key.
+pub const MAKE_A_KEY: &str = "openssl rand -hex 32";
 
-/// A shared secret. Its `Debug` form hides it, so that a logged [`super::DistEnv`] does not
-/// give it away.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(Vec<u8>);
+/// A shared key, held as its two derived subkeys. Its `Debug` form hides it, so that a logged
+/// [`super::DistEnv`] does not give it away; `==` compares in constant time.
+#[derive(Clone)]
+pub struct Secret {
+    /// HKDF-SHA256 `auth` subkey: the HMAC proofs.
+    auth: Zeroizing<[u8; 32]>,
+    /// HKDF-SHA256 `seal` subkey: XChaCha20-Poly1305.
+    seal: Zeroizing<[u8; 32]>,
+}
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -34,25 +63,62 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+impl PartialEq for Secret {
+    fn eq(&self, other: &Self) -> bool {
+        (self.auth[..].ct_eq(&other.auth[..]) & self.seal[..].ct_eq(&other.seal[..])).into()
+    }
+}
+
+impl Eq for Secret {}
+
 impl Secret {
-    /// A secret of at least [`MIN_SECRET`] bytes (for example 32 random bytes in hexadecimal,
-    /// `openssl rand -hex 32`).
+    /// A secret from the bytes of a key of at least [`MIN_SECRET`] random bytes (the raw bytes,
+    /// not text: [`Secret::from_text`] reads the forms the environment variable takes).
     ///
     /// # Errors
-    /// When `bytes` is shorter than [`MIN_SECRET`].
-    pub fn new(bytes: impl Into<Vec<u8>>) -> candle_core::Result<Self> {
-        let bytes = bytes.into();
-        if bytes.len() < MIN_SECRET {
+    /// When `key` is shorter than [`MIN_SECRET`].
+    pub fn new(key: impl Into<Vec<u8>>) -> candle_core::Result<Self> {
+        let key = Zeroizing::new(key.into());
+        if key.len() < MIN_SECRET {
             candle_core::bail!(
-                "bootstrap: the shared secret has {} bytes, at least {MIN_SECRET} are needed",
-                bytes.len()
+                "bootstrap: the shared key has {} bytes, at least {MIN_SECRET} are needed (make one with `{MAKE_A_KEY}`)",
+                key.len()
             )
         }
-        Ok(Self(bytes))
+        let kdf = Hkdf::<Sha256>::new(Some(b"candle-distributed/v1"), &key);
+        let derive = |info: &[u8]| {
+            let mut k = Zeroizing::new([0u8; 32]);
+            kdf.expand(info, &mut *k)
+                .expect("32 bytes is within HKDF-SHA256's output limit");
+            k
+        };
+        Ok(Self {
+            auth: derive(b"auth"),
+            seal: derive(b"seal"),
+        })
+    }
+
+    /// A secret from a generated key written as text: at least 128 bits in hexadecimal (32 or
+    /// more digits) or in base64 (standard or URL-safe alphabet, padding optional, mixing
+    /// upper- and lower-case letters); surrounding whitespace is ignored. `source` names where
+    /// the text came from, for the error.
+    ///
+    /// # Errors
+    /// When the text is none of these (a passphrase, a word, a short key): the error names
+    /// `source` and the command that makes a key, never the text.
+    pub fn from_text(text: &str, source: &str) -> candle_core::Result<Self> {
+        let text = text.trim();
+        match decode_key(text) {
+            Some(key) => Self::new(key.to_vec()),
+            None => candle_core::bail!(
+                "bootstrap: {source} is not a generated key: it needs at least 128 random bits in hexadecimal (32 or more digits) or base64 (22 or more characters); make one with `{MAKE_A_KEY}`. Passphrases are refused: anyone who reaches rank 0's port, or sees one exchange, could test guesses of one offline"
+            ),
+        }
     }
 
     fn hmac(&self, parts: &[&[u8]]) -> HmacSha256 {
-        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes a key of any length");
+        let mut m = <HmacSha256 as Mac>::new_from_slice(&*self.auth)
+            .expect("HMAC takes a key of any length");
         // Each part length-prefixed: no two different lists of parts hash alike.
         for p in parts {
             m.update(&(p.len() as u64).to_le_bytes());
@@ -71,58 +137,62 @@ impl Secret {
         self.hmac(parts).verify_slice(tag).is_ok()
     }
 
-    /// XORs `data` with the key stream of `nonce` under `context`.
-    fn stream(&self, context: &[u8], nonce: &[u8], data: &mut [u8]) {
-        for (i, chunk) in data.chunks_mut(TAG).enumerate() {
-            let block = self.prove(&[b"stream", context, nonce, &(i as u64).to_le_bytes()]);
-            for (d, k) in chunk.iter_mut().zip(block) {
-                *d ^= k;
-            }
-        }
-    }
-
-    /// `payload` encrypted and authenticated for `context` (what the receiver also knows: the
-    /// store key, or the exchange's hello and challenge): `SEALED`, nonce, tag, ciphertext.
+    /// `payload` sealed for `context` (what the receiver also knows: the store key, or the
+    /// exchange's hello and challenge) with XChaCha20-Poly1305, `context` as associated data:
+    /// `SEALED`, a random 24-byte nonce, the ciphertext and its 16-byte tag.
     ///
     /// # Errors
     /// When the operating system gives no random bytes.
     pub(super) fn seal(&self, context: &[u8], payload: &[u8]) -> candle_core::Result<Vec<u8>> {
-        let nonce = nonce()?;
-        let mut body = payload.to_vec();
-        self.stream(context, &nonce, &mut body);
-        let tag = self.prove(&[b"seal", context, &nonce, &body]);
+        let mut nonce = [0u8; SEAL_NONCE];
+        getrandom::fill(&mut nonce).map_err(|e| {
+            candle_core::Error::Msg(format!("bootstrap: no random bytes for a nonce: {e}"))
+        })?;
+        let body = self
+            .cipher()
+            .encrypt(
+                XNonce::from_slice(&nonce),
+                Payload {
+                    msg: payload,
+                    aad: context,
+                },
+            )
+            .map_err(|_| candle_core::Error::Msg("bootstrap: sealing failed".into()))?;
         let mut out = SEALED.to_vec();
         out.extend_from_slice(&nonce);
-        out.extend_from_slice(&tag);
         out.extend_from_slice(&body);
         Ok(out)
     }
 
-    /// The payload of [`Secret::seal`]`(context, ..)`, or why not: not sealed, or sealed with
-    /// another secret or for another context, or altered on the way.
+    /// The payload of [`Secret::seal`]`(context, ..)`, or why not: not sealed, sealed by an
+    /// older version, sealed with another key or for another context, or altered on the way.
     pub(super) fn open(&self, context: &[u8], sealed: &[u8]) -> Result<Vec<u8>, String> {
+        if sealed.starts_with(SEALED_V1) {
+            return Err("the payload is sealed by an older candle-distributed (before XChaCha20-Poly1305): run the same version on every rank".into());
+        }
         if !is_sealed(sealed) {
             return Err("the payload is not sealed with a shared secret".into());
         }
-        let (nonce, rest) = sealed[SEALED.len()..].split_at(NONCE);
-        let (tag, body) = rest.split_at(TAG);
-        if !self.check(&[b"seal", context, nonce, body], tag) {
-            return Err(
-                "the payload fails authentication (another secret, or altered on the way)".into(),
-            );
-        }
-        let mut out = body.to_vec();
-        self.stream(context, nonce, &mut out);
-        Ok(out)
+        let (nonce, body) = sealed[SEALED.len()..].split_at(SEAL_NONCE);
+        self.cipher()
+            .decrypt(
+                XNonce::from_slice(nonce),
+                Payload {
+                    msg: body,
+                    aad: context,
+                },
+            )
+            .map_err(|_| {
+                "the payload fails authentication (another secret, another launch or rendezvous, or altered on the way)".into()
+            })
+    }
+
+    fn cipher(&self) -> XChaCha20Poly1305 {
+        XChaCha20Poly1305::new(Key::from_slice(&*self.seal))
     }
 }
 
-/// Whether `bytes` looks like a sealed payload.
-pub(super) fn is_sealed(bytes: &[u8]) -> bool {
-    bytes.len() >= SEAL_OVERHEAD && bytes.starts_with(SEALED)
-}
-
-/// A fresh random nonce from the operating system.
+/// A fresh random handshake nonce from the operating system.
 ///
 /// # Errors
 /// When the operating system gives no random bytes.
@@ -132,6 +202,38 @@ pub(super) fn nonce() -> candle_core::Result<[u8; NONCE]> {
         candle_core::Error::Msg(format!("bootstrap: no random bytes for a nonce: {e}"))
     })?;
     Ok(n)
+}
+
+/// Whether `bytes` looks like a sealed payload (of this version or an older one).
+pub(super) fn is_sealed(bytes: &[u8]) -> bool {
+    (bytes.len() >= SEAL_OVERHEAD && bytes.starts_with(SEALED)) || bytes.starts_with(SEALED_V1)
+}
+
+/// The key bytes of `text` in one of the forms [`Secret::from_text`] accepts, at least
+/// [`MIN_SECRET`] of them.
+fn decode_key(text: &str) -> Option<Zeroizing<Vec<u8>>> {
+    let hex = text.len().is_multiple_of(2) && text.bytes().all(|b| b.is_ascii_hexdigit());
+    let key = if hex {
+        let digit = |b: u8| (b as char).to_digit(16).expect("checked hex digit") as u8;
+        let bytes = text.as_bytes().chunks_exact(2);
+        Zeroizing::new(bytes.map(|p| digit(p[0]) << 4 | digit(p[1])).collect())
+    } else {
+        // Random base64 of 16 or more bytes mixes cases (all of one case: under 1e-5 for 22
+        // characters); words and lower-case passphrases do not.
+        let mixed = text.bytes().any(|b| b.is_ascii_uppercase())
+            && text.bytes().any(|b| b.is_ascii_lowercase());
+        if !mixed {
+            return None;
+        }
+        let config = GeneralPurposeConfig::new()
+            .with_decode_padding_mode(DecodePaddingMode::Indifferent)
+            .with_decode_allow_trailing_bits(false);
+        [alphabet::STANDARD, alphabet::URL_SAFE]
+            .iter()
+            .find_map(|a| GeneralPurpose::new(a, config).decode(text).ok())
+            .map(Zeroizing::new)?
+    };
+    (key.len() >= MIN_SECRET).then_some(key)
 }
 
 #[cfg(test)]
@@ -146,7 +248,7 @@ mod tests {
     /// length prefixes, which `prove` adds).
     #[test]
     fn hmac_sha256_matches_rfc_4231() {
-        let mut m = HmacSha256::new_from_slice(b"Jefe").unwrap();
+        let mut m = <HmacSha256 as Mac>::new_from_slice(b"Jefe").unwrap();
         m.update(b"what do ya want for nothing?");
         let hex: String = m
             .finalize()
@@ -160,11 +262,33 @@ mod tests {
         );
     }
 
+    /// The derivation is RFC 5869's HKDF-SHA256 (its test case 1 through the same crate call),
+    /// and the two subkeys differ from each other and from the key.
+    #[test]
+    fn subkeys_are_hkdf_sha256() {
+        let ikm = [0x0bu8; 22];
+        let salt: Vec<u8> = (0x00..=0x0c).collect();
+        let info: Vec<u8> = (0xf0..=0xf9).collect();
+        let mut okm = [0u8; 42];
+        Hkdf::<Sha256>::new(Some(&salt), &ikm)
+            .expand(&info, &mut okm)
+            .unwrap();
+        let hex: String = okm.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865"
+        );
+        let k = key(7);
+        assert_ne!(*k.auth, *k.seal);
+        assert_ne!(&k.auth[..20], &[7u8; 20][..]);
+    }
+
     #[test]
     fn a_sealed_payload_opens_only_with_its_secret_and_context() {
         let payload: Vec<u8> = (0..200u32).map(|i| (i * 31 + 7) as u8).collect();
         let sealed = key(1).seal(b"ctx", &payload).unwrap();
         assert_eq!(sealed.len(), payload.len() + SEAL_OVERHEAD);
+        assert!(sealed.starts_with(SEALED));
         // The ciphertext does not show the payload.
         assert!(!sealed.windows(16).any(|w| w == &payload[..16]));
         assert_eq!(key(1).open(b"ctx", &sealed).unwrap(), payload);
@@ -173,13 +297,19 @@ mod tests {
             .unwrap_err()
             .contains("authentication"));
         assert!(key(1).open(b"other", &sealed).is_err());
-        let mut flipped = sealed.clone();
-        *flipped.last_mut().unwrap() ^= 1;
-        assert!(key(1).open(b"ctx", &flipped).is_err());
+        for at in [SEALED.len(), SEALED.len() + SEAL_NONCE, sealed.len() - 1] {
+            let mut flipped = sealed.clone();
+            flipped[at] ^= 1;
+            assert!(key(1).open(b"ctx", &flipped).is_err(), "byte {at} altered");
+        }
         assert!(key(1)
             .open(b"ctx", &payload)
             .unwrap_err()
             .contains("not sealed"));
+        let mut old = b"CDSEAL01".to_vec();
+        old.extend_from_slice(&[0u8; 80]);
+        assert!(is_sealed(&old));
+        assert!(key(1).open(b"ctx", &old).unwrap_err().contains("older"));
         // Two seals of one payload differ (fresh nonces).
         assert_ne!(sealed, key(1).seal(b"ctx", &payload).unwrap());
     }
@@ -201,5 +331,54 @@ mod tests {
             .contains("at least 16"));
         let s = Secret::new("a-secret-of-enough-bytes").unwrap();
         assert_eq!(format!("{s:?}"), "Secret(hidden)");
+        assert_eq!(s, Secret::new("a-secret-of-enough-bytes").unwrap());
+        assert_ne!(s, Secret::new("a-secret-of-enough-bytez").unwrap());
+    }
+
+    /// Generated keys in hexadecimal and base64 (both alphabets, padded or not) are read as the
+    /// bytes they encode; passphrases, words, short keys and other text are refused with the
+    /// command that makes a key, without echoing the text.
+    #[test]
+    fn only_generated_keys_are_accepted_as_text() {
+        let bytes: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(37) ^ 0xa5).collect();
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
+        let b64_url = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&bytes);
+        let want = Secret::new(bytes.clone()).unwrap();
+        for text in [
+            hex.clone(),
+            hex.to_uppercase(),
+            format!("  {hex}\n"),
+            b64.clone(),
+            b64_url,
+        ] {
+            assert_eq!(Secret::from_text(&text, "the key").unwrap(), want, "{text}");
+        }
+        // 16 bytes is enough: 32 hex digits, 22 base64 characters.
+        assert!(Secret::from_text(&hex[..32], "k").is_ok());
+        let b64_16 = base64::engine::general_purpose::STANDARD_NO_PAD.encode(&bytes[..16]);
+        assert_eq!(b64_16.len(), 22);
+        assert!(Secret::from_text(&b64_16, "k").is_ok());
+        for bad in [
+            "correct horse battery staple",
+            "correcthorsebatterystaplecorrecthorse",
+            "CORRECTHORSEBATTERYSTAPLECORRECT",
+            "a-secret-of-enough-bytes",
+            &hex[..30],
+            &b64[..20],
+            "",
+            "zz0123456789abcdef0123456789abcdef",
+        ] {
+            let e = Secret::from_text(bad, "CANDLE_DISTRIBUTED_SECRET")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("CANDLE_DISTRIBUTED_SECRET") && e.contains(MAKE_A_KEY),
+                "{bad:?}: {e}"
+            );
+            if bad.len() > 8 {
+                assert!(!e.contains(bad), "the error echoes the text: {e}");
+            }
+        }
     }
 }

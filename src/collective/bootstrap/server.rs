@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
 
-use super::wire::{frame, read_by, write_by, HELLO};
+use super::wire::{frame, frame_as, read_by, write_by, HELLO};
 use super::*;
 
 /// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT`. An address that is not
@@ -248,6 +248,19 @@ pub(super) fn answer(
     let mut hello = [0u8; HELLO];
     read_by(&mut stream, &mut hello[..MAGIC.len()], deadline)?;
     if &hello[..MAGIC.len()] != MAGIC {
+        // Another version of this protocol: refused in its own framing (its magic, the
+        // refusal status, a length and the reason), which every version reads, so that it
+        // fails with the reason instead of a timeout.
+        if hello.starts_with(&MAGIC[..6]) {
+            let why = format!(
+                "rank 0 speaks bootstrap protocol {} and this rank {}: run the same candle-distributed on every rank",
+                String::from_utf8_lossy(&MAGIC[6..]),
+                String::from_utf8_lossy(&hello[6..8]).escape_default()
+            );
+            let reply = frame_as(&hello[..MAGIC.len()], REFUSED, why.as_bytes());
+            write_by(&mut stream, &reply, deadline)?;
+            return Ok(Client::Dropped(why));
+        }
         return Ok(Client::Dropped(
             "not a candle-distributed bootstrap client of this version".into(),
         ));

@@ -80,7 +80,10 @@ fn job(
 #[test]
 fn reads_torchrun_variables() {
     let vars: HashMap<&str, &str> = [
-        ("CANDLE_DISTRIBUTED_SECRET", "0123456789abcdef0123"),
+        (
+            "CANDLE_DISTRIBUTED_SECRET",
+            "000102030405060708090a0b0c0d0e0f",
+        ),
         ("RANK", "3"),
         ("WORLD_SIZE", "8"),
         ("LOCAL_RANK", "1"),
@@ -103,7 +106,10 @@ fn reads_torchrun_variables() {
         ("abc", 2, true)
     );
     assert_eq!(store_key(&e, 4), "candle-distributed/abc/2/4");
-    assert_eq!(e.secret, Some(Secret::new("0123456789abcdef0123").unwrap()));
+    assert_eq!(
+        e.secret,
+        Some(Secret::new((0..16u8).collect::<Vec<_>>()).unwrap())
+    );
 }
 
 #[test]
@@ -411,7 +417,10 @@ fn a_standalone_launch_needs_a_run_id() {
     let e = read(vars(&[(RUN_ID_VAR, "r7"), (SECRET_VAR, "short")]))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("at least 16") && e.contains(SECRET_VAR), "{e}");
+    assert!(
+        e.contains("not a generated key") && e.contains(SECRET_VAR),
+        "{e}"
+    );
     // Built by hand: refused by the exchange itself.
     let e = share_bytes_round(&env_at(1, 2, "127.0.0.1", free_port(), ""), 0, None, LONG)
         .unwrap_err()
@@ -661,4 +670,151 @@ fn local_world_size_needs_only_the_launchers_variables() {
         None
     );
     assert_eq!(super::local_world_size_from(get(&[])), None);
+}
+
+/// The variables of a standalone launch of rank 1 of 2, with `extra`.
+fn launch_vars(extra: &[(&'static str, String)]) -> HashMap<&'static str, String> {
+    [
+        ("RANK", "1".to_string()),
+        ("WORLD_SIZE", "2".into()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", "29500".into()),
+        (RUN_ID_VAR, "r1".into()),
+    ]
+    .into_iter()
+    .chain(extra.iter().cloned())
+    .collect()
+}
+
+fn read_env(vars: &HashMap<&str, String>) -> Result<DistEnv> {
+    DistEnv::from_vars(|k| vars.get(k).cloned())
+}
+
+/// A passphrase in the variable is refused with the command that makes a key; a key file is
+/// read (its key never in the environment); both at once, or an unreadable file, are errors
+/// naming them.
+#[test]
+fn a_passphrase_is_refused_and_a_key_file_is_read() {
+    let e = read_env(&launch_vars(&[(
+        SECRET_VAR,
+        "correct horse battery staple".into(),
+    )]))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(SECRET_VAR) && e.contains("openssl rand -hex 32") && !e.contains("horse"),
+        "{e}"
+    );
+    let hex = "8f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    let dir = std::env::temp_dir().join(format!("cd-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("key");
+    std::fs::write(&file, format!("{hex}\n")).unwrap();
+    let path = file.to_string_lossy().to_string();
+    let from_file = read_env(&launch_vars(&[(SECRET_FILE_VAR, path.clone())])).unwrap();
+    let from_var = read_env(&launch_vars(&[(SECRET_VAR, hex.into())])).unwrap();
+    assert!(from_file.secret.is_some());
+    assert_eq!(from_file.secret, from_var.secret);
+    let both = read_env(&launch_vars(&[
+        (SECRET_VAR, hex.into()),
+        (SECRET_FILE_VAR, path.clone()),
+    ]))
+    .unwrap_err()
+    .to_string();
+    assert!(both.contains("set one"), "{both}");
+    std::fs::write(&file, "my favourite passphrase").unwrap();
+    let weak = read_env(&launch_vars(&[(SECRET_FILE_VAR, path.clone())]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        weak.contains(&path) && weak.contains("not a generated key"),
+        "{weak}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    let gone = read_env(&launch_vars(&[(SECRET_FILE_VAR, path.clone())]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        gone.contains(&path) && gone.contains("cannot be read"),
+        "{gone}"
+    );
+}
+
+/// Under torchrun a shared secret needs a run id that changes between launches: torchrun's
+/// default `none` (or none at all) is refused, since the store keys would repeat.
+#[test]
+fn a_secret_under_torchrun_needs_a_fresh_run_id() {
+    let key = (
+        "CANDLE_DISTRIBUTED_SECRET",
+        "00112233445566778899aabbccddeeff".to_string(),
+    );
+    let store = ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string());
+    for id in ["none", ""] {
+        let mut vars = launch_vars(&[key.clone(), store.clone()]);
+        vars.remove(RUN_ID_VAR);
+        if !id.is_empty() {
+            vars.insert("TORCHELASTIC_RUN_ID", id.into());
+        }
+        let e = read_env(&vars).unwrap_err().to_string();
+        assert!(
+            e.contains("--rdzv-id") && e.contains("earlier launch"),
+            "{id:?}: {e}"
+        );
+        vars.remove(key.0);
+        assert!(read_env(&vars).is_ok(), "without a secret, {id:?} is fine");
+    }
+    let ok = launch_vars(&[key, store, ("TORCHELASTIC_RUN_ID", "7f3a".into())]);
+    assert!(read_env(&ok).is_ok());
+}
+
+/// A value rank 0 sealed into torchrun's store in one launch does not open in another (the
+/// run id, in the store key, is the sealing's associated data), nor under another restart
+/// or rendezvous number; it opens where it was sealed.
+#[test]
+fn a_store_value_from_another_launch_is_refused() {
+    let with = |run: &str, restart: u64| DistEnv {
+        run_id: run.into(),
+        restart,
+        agent_store: true,
+        ..env_secret(1, 2, 29500, Some(SECRET))
+    };
+    let (then, now) = (with("launch-a", 0), with("launch-b", 0));
+    let payload = b"nccl unique id bytes".to_vec();
+    let recorded = then
+        .secret
+        .as_ref()
+        .unwrap()
+        .seal(store_key(&then, 0).as_bytes(), &payload)
+        .unwrap();
+    assert_eq!(
+        unseal_stored(&then, &store_key(&then, 0), recorded.clone()).unwrap(),
+        payload
+    );
+    for (env, seq) in [(&now, 0), (&with("launch-a", 1), 0), (&then, 1)] {
+        let e = unseal_stored(env, &store_key(env, seq), recorded.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fails authentication"), "{e}");
+    }
+}
+
+/// A client of an earlier protocol version is refused with the reason, in its own framing,
+/// so that it fails at once instead of at its timeout; the job goes on.
+#[test]
+fn a_client_of_another_protocol_version_gets_the_reason() {
+    let port = free_port();
+    job(2, "127.0.0.1", port, || {
+        let (mut old, _) =
+            connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
+        old.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut hello = super::hello(&env(1, 2, port), 0).unwrap();
+        hello[..8].copy_from_slice(b"CDBOOT03");
+        old.write_all(&hello).unwrap();
+        let mut reply = Vec::new();
+        let _ = old.read_to_end(&mut reply);
+        assert!(reply.starts_with(b"CDBOOT03"), "{reply:?}");
+        assert_eq!(reply[8], REFUSED);
+        let why = String::from_utf8_lossy(&reply[13..]);
+        assert!(why.contains("protocol 04 and this rank 03"), "{why}");
+    });
 }

@@ -58,7 +58,12 @@ pub(super) fn write_by(
 
 /// The answer frame: `MAGIC`, a status, a u32 length and the body.
 pub(super) fn frame(status: u8, body: &[u8]) -> Vec<u8> {
-    let mut reply = MAGIC.to_vec();
+    frame_as(MAGIC, status, body)
+}
+
+/// [`frame`] opened by another protocol version's `magic`.
+pub(super) fn frame_as(magic: &[u8], status: u8, body: &[u8]) -> Vec<u8> {
+    let mut reply = magic.to_vec();
     reply.push(status);
     reply.extend_from_slice(&(body.len() as u32).to_le_bytes());
     reply.extend_from_slice(body);
