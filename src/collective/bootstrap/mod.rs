@@ -455,9 +455,14 @@ fn fetch_from(
     let deadline = deadline.min(Instant::now() + CLIENT_DEADLINE);
     let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline))?;
     write_by(&mut stream, &hello, deadline)?;
+    // With a secret, nothing unproven ends the attempt for good: an oversized frame is retried.
+    let unproven = |why: String| match env.secret {
+        Some(_) => Err(std::io::Error::other(why)),
+        None => Ok(Err(why)),
+    };
     let (mut status, mut body) = match read_answer(&mut stream, addr, deadline)? {
         Ok(answer) => answer,
-        Err(why) => return Ok(Err(why)),
+        Err(why) => return unproven(why),
     };
     let mut context = hello.clone();
     match (&env.secret, status) {
@@ -480,7 +485,7 @@ fn fetch_from(
             context.extend_from_slice(ns);
             (status, body) = match read_answer(&mut stream, addr, deadline)? {
                 Ok(answer) => answer,
-                Err(why) => return Ok(Err(why)),
+                Err(why) => return unproven(why),
             };
         }
         (Some(_), OK) => {
@@ -511,20 +516,38 @@ fn fetch_from(
             write_by(&mut stream, &ack, deadline)?;
             Ok(Ok(payload))
         }
-        RETRY => Err(std::io::Error::other(
-            String::from_utf8_lossy(&body).into_owned(),
-        )),
+        RETRY => Err(std::io::Error::other(format!(
+            "asked to retry: {}",
+            peer_text(&body)
+        ))),
         // With a secret, a refusal carries no proof (anyone on the way could send it): retried
         // until the timeout, whose message quotes it. Without one, it ends this rank at once.
         _ if env.secret.is_some() => Err(std::io::Error::other(format!(
-            "refused by rank 0: {}",
-            String::from_utf8_lossy(&body)
+            "an unproven refusal (anyone on the way could have sent it): {}",
+            peer_text(&body)
         ))),
-        _ => Ok(Err(format!(
-            "refused by rank 0: {}",
-            String::from_utf8_lossy(&body)
-        ))),
+        _ => Ok(Err(format!("refused by rank 0: {}", peer_text(&body)))),
     }
+}
+
+/// Text a peer sent, as an error may quote it: its first 200 bytes in quotes, control
+/// characters and quotes escaped (no terminal escape sequence or line break reaches the
+/// user's log), and the full length when longer.
+fn peer_text(body: &[u8]) -> String {
+    const MOST: usize = 200;
+    let shown = String::from_utf8_lossy(&body[..body.len().min(MOST)]);
+    let more = match body.len() > MOST {
+        true => format!(" … ({} bytes in all)", body.len()),
+        false => String::new(),
+    };
+    let escaped: String = shown
+        .chars()
+        .map(|c| match c.is_control() || c == '"' || c == '\\' {
+            true => c.escape_default().collect(),
+            false => c.to_string(),
+        })
+        .collect();
+    format!("\"{escaped}\"{more}")
 }
 
 fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Result<Vec<u8>> {

@@ -611,9 +611,67 @@ fn a_rank_trusts_only_a_rank_0_that_proves_the_secret() {
         "retried until the timeout"
     );
     assert!(
-        e.contains("timed out") && e.contains("forged verdict"),
+        e.contains("timed out") && e.contains("unproven refusal") && e.contains("forged verdict"),
         "{e}"
     );
+}
+
+/// A stranger on rank 0's address answering with terminal escapes, line breaks and kilobytes
+/// of text: the error quotes at most 200 bytes of it, escaped. With a secret, not even an
+/// oversized frame ends the start-up before the timeout; without one (a trusted network) the
+/// refusal is final at once.
+#[test]
+fn peer_text_is_escaped_and_bounded_and_never_final_with_a_secret() {
+    let fake = |answer: Vec<u8>| {
+        let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = l.local_addr().unwrap().port();
+        // Detached: it answers every connection of the retrying client until the test ends.
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(mut c) = c else { return };
+                let mut hello = [0u8; HELLO];
+                let _ = c.read_exact(&mut hello);
+                let _ = c.write_all(&answer);
+            }
+        });
+        port
+    };
+    let mut text = b"\x1b]0;owned\x07\nset CANDLE_DISTRIBUTED_SECRET=x ".to_vec();
+    text.extend(std::iter::repeat_n(b'A', 5000));
+    let port = fake(wire::frame(REFUSED, &text));
+    let t = Instant::now();
+    let e = share_bytes_round(&env(1, 2, port), 0, None, LONG)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "final at once without a secret"
+    );
+    assert!(
+        !e.contains('\x1b') && !e.contains('\x07') && !e.contains("\nset"),
+        "{e:?}"
+    );
+    assert!(
+        e.contains("\\u{1b}") && e.contains("(5043 bytes in all)"),
+        "{e}"
+    );
+    let message = e.lines().next().unwrap();
+    assert!(message.len() < 400, "{} bytes: {message}", message.len());
+    let mut oversized = MAGIC.to_vec();
+    oversized.push(OK);
+    oversized.extend_from_slice(&u32::MAX.to_le_bytes());
+    let port = fake(oversized);
+    let t = Instant::now();
+    let e = share_bytes_round(
+        &env_secret(1, 2, port, Some(SECRET)),
+        0,
+        None,
+        Duration::from_millis(1500),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(t.elapsed() >= Duration::from_millis(1500), "retried: {e}");
+    assert!(e.contains("timed out") && e.contains("announces"), "{e}");
 }
 
 /// Under `srun` (or Open MPI's `mpirun`) the launcher's variables place the process, and its
