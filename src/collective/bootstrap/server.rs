@@ -12,9 +12,7 @@ use candle_core::{bail, Result};
 use super::wire::{frame, frame_as, read_by, write_by, HELLO};
 use super::*;
 
-/// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT`. An address that is not
-/// this machine's (a NAT or service address, `EADDRNOTAVAIL`) is replaced by the wildcard of its
-/// family; an address in use is an error (another rank 0 holds the port).
+/// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT` ([`listen_on`]).
 pub(super) fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
     let addrs: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
         .to_socket_addrs()
@@ -25,29 +23,60 @@ pub(super) fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
             ))
         })?
         .collect();
+    listen_on(&addrs, env.agent_store).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "{e} (MASTER_ADDR={}:{})",
+            env.master_addr, env.master_port
+        ))
+    })
+}
+
+/// Listeners on `addrs`. An address that is not this machine's (a NAT or service address,
+/// `EADDRNOTAVAIL`) is replaced by the wildcard of its family. Linux's IPv6 wildcard is dual-stack
+/// by default (`net.ipv6.bindv6only = 0`) and then holds the port for IPv4 too: an IPv4 address
+/// in use while that listener of ours is bound is covered by it, and an IPv6 wildcard in use
+/// while only IPv4 listeners of ours hold the port replaces them (it takes their clients too).
+/// Any other address in use is an error: another process holds the port.
+pub(super) fn listen_on(addrs: &[SocketAddr], agent_store: bool) -> Result<Vec<TcpListener>> {
+    let port = addrs.first().map_or(0, SocketAddr::port);
+    let v6_any = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
     let mut out: Vec<TcpListener> = Vec::new();
     let mut bound: Vec<SocketAddr> = Vec::new();
     let mut errors = Vec::new();
-    for a in addrs {
-        let err = bind(a, &mut out, &mut bound)?;
-        let err = match err {
-            Some(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
-                let any: SocketAddr = match a {
-                    SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, a.port()).into(),
-                    SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, a.port()).into(),
-                };
-                if bound.contains(&any) {
-                    None
-                } else {
-                    bind(any, &mut out, &mut bound)?
+    for &a in addrs {
+        let mut target = a;
+        let mut err = bind(a, &mut out, &mut bound)?;
+        if matches!(&err, Some(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable) {
+            target = match a {
+                SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, port).into(),
+                SocketAddr::V6(_) => v6_any,
+            };
+            err = match bound.contains(&target) {
+                true => None,
+                false => bind(target, &mut out, &mut bound)?,
+            };
+        }
+        if matches!(&err, Some(e) if e.kind() == std::io::ErrorKind::AddrInUse) {
+            if target.is_ipv4() && bound.contains(&v6_any) {
+                err = None;
+            } else if target == v6_any && !bound.is_empty() && bound.iter().all(|b| b.is_ipv4()) {
+                let (held_out, held) = (std::mem::take(&mut out), std::mem::take(&mut bound));
+                drop(held_out);
+                err = bind(v6_any, &mut out, &mut bound)?;
+                if err.is_some() {
+                    // Not dual-stack after all: keep what was bound, report the conflict.
+                    out.clear();
+                    bound.clear();
+                    for b in held {
+                        bind(b, &mut out, &mut bound)?;
+                    }
                 }
             }
-            e => e,
-        };
+        }
         match err {
             Some(e) if e.kind() == std::io::ErrorKind::AddrInUse => bail!(
-                "bootstrap: rank 0 cannot listen on {a}: {e}{}",
-                if env.agent_store {
+                "bootstrap: rank 0 cannot listen on {target}: {e}{}",
+                if agent_store {
                     String::new()
                 } else {
                     " (another process holds the port; under torchrun, whose agent serves a store there, TORCHELASTIC_USE_AGENT_STORE=True must be set, as torchrun does)".to_string()
@@ -58,12 +87,7 @@ pub(super) fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
         }
     }
     if out.is_empty() {
-        bail!(
-            "bootstrap: rank 0 cannot listen on MASTER_ADDR={}:{} ({})",
-            env.master_addr,
-            env.master_port,
-            errors.join("; ")
-        )
+        bail!("bootstrap: rank 0 cannot listen ({})", errors.join("; "))
     }
     Ok(out)
 }

@@ -876,3 +876,42 @@ fn a_client_of_another_protocol_version_gets_the_reason() {
         assert!(why.contains("protocol 04 and this rank 03"), "{why}");
     });
 }
+
+/// A `MASTER_ADDR` that resolves to addresses of both families that are not this machine's
+/// (a NAT name with AAAA and A records; documentation ranges here), in either order, or to a
+/// local IPv4 and a foreign IPv6 address: rank 0 listens (Linux's dual-stack IPv6 wildcard holds
+/// the port for both families) and a client reaches it over IPv4; a port another process
+/// holds is still an error naming it.
+#[test]
+fn rank_0_listens_when_master_addr_is_dual_stack() {
+    if TcpListener::bind("[::]:0").is_err() {
+        eprintln!("no IPv6 on this machine: the dual-stack cases cannot run here");
+        return;
+    }
+    let v6: std::net::Ipv6Addr = "2001:db8::1".parse().unwrap();
+    let v4 = std::net::Ipv4Addr::new(192, 0, 2, 1);
+    let local = std::net::Ipv4Addr::LOCALHOST;
+    for order in 0..3 {
+        let port = free_port();
+        let (a6, a4, l4) = (
+            SocketAddr::from((v6, port)),
+            SocketAddr::from((v4, port)),
+            SocketAddr::from((local, port)),
+        );
+        let addrs = match order {
+            0 => vec![a6, a4],
+            1 => vec![a4, a6],
+            _ => vec![l4, a6],
+        };
+        let ls = server::listen_on(&addrs, false).unwrap_or_else(|e| panic!("{addrs:?}: {e}"));
+        let reached = TcpStream::connect_timeout(&l4, Duration::from_secs(2));
+        assert!(reached.is_ok(), "{addrs:?}: no listener for IPv4 clients");
+        drop(ls);
+    }
+    let other = TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = other.local_addr().unwrap().port();
+    let e = server::listen_on(&[SocketAddr::from((v6, port))], false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("another process holds the port"), "{e}");
+}
