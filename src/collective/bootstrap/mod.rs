@@ -47,10 +47,15 @@
 //! machine's, such as a NAT address, falls back to its family's wildcard; a port in use is an
 //! error); set `MASTER_ADDR` to an address the other machines reach (Debian-style `/etc/hosts`
 //! maps a machine's own name to 127.0.1.1). It serves each client for at most 5 s (per read, and
-//! cut when the exchange is over), bounds every length it reads (64 KiB), answers at most 4 ×
-//! world size connections at once (16 to 256), closes any beyond and releases each when done; a
-//! thread it cannot start closes that connection instead of panicking
-//! (`bootstrap::tests::a_connection_flood_under_a_low_descriptor_limit`). Clients try every
+//! cut when the exchange is over), gives each client 500 ms for its hello, bounds every length
+//! it reads (64 KiB), answers at most 4 × world size connections at once (16 to 256) and
+//! releases each when done; when they are all taken, the oldest connection that has not yet
+//! sent a hello in time (or with a secret, proven it) is closed to make room, and only when
+//! every one has is the newcomer closed; a thread it cannot start closes that connection
+//! instead of panicking. A stranger that keeps the table full and reconnects the moment a
+//! connection closes does not keep the ranks out
+//! (`bootstrap::tests::a_sustained_flood_does_not_keep_the_ranks_out`,
+//! `a_connection_flood_under_a_low_descriptor_limit`). Clients try every
 //! address in turn, each attempt bounded by 5 s, so a silent listener costs one attempt
 //! (`bootstrap::tests::a_silent_listener_costs_one_attempt`), and back off from 50 ms to 1 s.
 //! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and

@@ -4,7 +4,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::mpsc;
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
@@ -111,8 +112,42 @@ pub(super) fn bind(
 /// Connections answered at once, at most: each holds a thread and two descriptors until its
 /// client is done (at most [`CLIENT_DEADLINE`]). One beyond is closed at once, and its client
 /// retries: a flood of connections cannot exhaust rank 0's threads or descriptors.
-fn max_handlers(world: usize) -> usize {
+pub(super) fn max_handlers(world: usize) -> usize {
     (4 * world).clamp(16, 256)
+}
+
+/// Time a client has from its connection to the end of its hello (49 bytes): a connection that
+/// says nothing frees its slot within this, not [`CLIENT_DEADLINE`].
+const HELLO_DEADLINE: Duration = Duration::from_millis(500);
+
+/// A connection being answered.
+struct Open {
+    /// A handle to shut it down.
+    handle: TcpStream,
+    /// When it was accepted.
+    since: Instant,
+    /// Set by its thread once its hello (and with a secret, its proof) came in time.
+    proven: Arc<AtomicBool>,
+}
+
+/// Shuts down and forgets the oldest connection that has not proven anything yet (no hello in
+/// time, or no proof of the secret), to make room for a new one; false when every connection
+/// is proven. A flood of silent connections that reconnect the moment they are closed then
+/// keeps evicting itself, while a real rank, which sends its hello at once, is proven before
+/// its turn comes.
+fn evict_unproven(open: &mut HashMap<u64, Open>) -> bool {
+    let oldest = open
+        .iter()
+        .filter(|(_, c)| !c.proven.load(Ordering::Relaxed))
+        .min_by_key(|(_, c)| c.since)
+        .map(|(&conn, _)| conn);
+    match oldest.and_then(|conn| open.remove(&conn)) {
+        Some(c) => {
+            let _ = c.handle.shutdown(std::net::Shutdown::Both);
+            true
+        }
+        None => false,
+    }
 }
 
 /// What one client connection turned out to be.
@@ -140,7 +175,7 @@ pub(super) fn serve(
     // A handle on every connection being answered, by number: shut down on the way out so that
     // no answering thread (an idle or slow client) keeps rank 0 waiting once the exchange is
     // over, and released as soon as its thread is done.
-    let mut open: HashMap<u64, TcpStream> = HashMap::new();
+    let mut open: HashMap<u64, Open> = HashMap::new();
     let mut next_conn = 0u64;
     let (id, cap) = (identity(env), max_handlers(env.world_size));
     std::thread::scope(|s| -> Result<()> {
@@ -149,8 +184,9 @@ pub(super) fn serve(
                 let mut idle = true;
                 for l in &listeners {
                     match l.accept() {
-                        Ok((stream, _)) if open.len() >= cap => {
-                            // Over the bound: closed now (dropped), the client retries.
+                        Ok((stream, _)) if open.len() >= cap && !evict_unproven(&mut open) => {
+                            // Over the bound, every connection proven: closed now (dropped),
+                            // the client retries.
                             idle = false;
                             drop(stream);
                             if dropped.len() < 64 {
@@ -165,12 +201,18 @@ pub(super) fn serve(
                             let conn = next_conn;
                             next_conn += 1;
                             let tx = tx.clone();
-                            let client_deadline = (Instant::now() + CLIENT_DEADLINE).min(deadline);
+                            let now = Instant::now();
+                            let deadlines = (
+                                (now + HELLO_DEADLINE).min(deadline),
+                                (now + CLIENT_DEADLINE).min(deadline),
+                            );
+                            let proven = Arc::new(AtomicBool::new(false));
+                            let mark = proven.clone();
                             let spawned = std::thread::Builder::new()
                                 .name("bootstrap-answer".into())
                                 .spawn_scoped(s, move || {
                                     let outcome =
-                                        answer(stream, env, (id, seq), payload, client_deadline)
+                                        answer(stream, env, (id, seq), payload, deadlines, &mark)
                                             .unwrap_or_else(|e| {
                                                 Client::Dropped(format!("{peer}: {e}"))
                                             });
@@ -178,7 +220,14 @@ pub(super) fn serve(
                                 });
                             match spawned {
                                 Ok(_) => {
-                                    open.insert(conn, handle);
+                                    open.insert(
+                                        conn,
+                                        Open {
+                                            handle,
+                                            since: now,
+                                            proven,
+                                        },
+                                    );
                                 }
                                 Err(e) => {
                                     // No thread to be had: the connection is closed (with the
@@ -227,7 +276,7 @@ pub(super) fn serve(
             Ok(())
         })();
         for c in open.values() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
+            let _ = c.handle.shutdown(std::net::Shutdown::Both);
         }
         result
     })
@@ -264,13 +313,14 @@ pub(super) fn answer(
     env: &DistEnv,
     (id, seq): (u64, u64),
     payload: &[u8],
-    deadline: Instant,
+    (hello_deadline, deadline): (Instant, Instant),
+    proven: &AtomicBool,
 ) -> std::io::Result<Client> {
     stream.set_nonblocking(false)?;
     // The magic first: a client of another protocol version (a shorter hello) is dropped at
     // once instead of holding this thread until the deadline.
     let mut hello = [0u8; HELLO];
-    read_by(&mut stream, &mut hello[..MAGIC.len()], deadline)?;
+    read_by(&mut stream, &mut hello[..MAGIC.len()], hello_deadline)?;
     if &hello[..MAGIC.len()] != MAGIC {
         // Another version of this protocol: refused in its own framing (its magic, the
         // refusal status, a length and the reason), which every version reads, so that it
@@ -289,13 +339,16 @@ pub(super) fn answer(
             "not a candle-distributed bootstrap client of this version".into(),
         ));
     }
-    read_by(&mut stream, &mut hello[MAGIC.len()..], deadline)?;
+    read_by(&mut stream, &mut hello[MAGIC.len()..], hello_deadline)?;
     // With a shared secret, the client proves it holds it before anything else is said.
     let mut context = hello.to_vec();
     if let Some(why) = authenticate(&mut stream, env, &hello, &mut context, deadline)? {
         write_by(&mut stream, &frame(REFUSED, why.as_bytes()), deadline)?;
         return Ok(Client::Dropped(why));
     }
+    // A hello of ours in time (and with a secret, its proof): no longer a candidate for
+    // eviction when the connection table is full.
+    proven.store(true, Ordering::Relaxed);
     let word = |at: usize| u64::from_le_bytes(hello[at..at + 8].try_into().expect("8 bytes"));
     let (their_id, their_seq) = (word(8), word(16));
     let rank = u32::from_le_bytes(hello[24..28].try_into().expect("4 bytes")) as usize;

@@ -915,3 +915,78 @@ fn rank_0_listens_when_master_addr_is_dual_stack() {
         .to_string();
     assert!(e.contains("another process holds the port"), "{e}");
 }
+
+/// A sustained flood: a stranger keeps rank 0's whole connection table full of silent
+/// connections and opens a new one the moment any is closed, for the whole start-up, with and
+/// without a secret. The real ranks 1 to 3 are still served within seconds (silent connections
+/// lose their slot after the hello's 500 ms, and the oldest unproven one makes room for a
+/// newcomer), and rank 0 returns.
+#[test]
+fn a_sustained_flood_does_not_keep_the_ranks_out() {
+    use std::sync::atomic::AtomicBool;
+    for key in [None, Some(SECRET)] {
+        let port = free_port();
+        let world = 4;
+        let cap = server::max_handlers(world);
+        let stop = AtomicBool::new(false);
+        let t = Instant::now();
+        let got: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let root = s.spawn(|| {
+                share_bytes_round(&env_secret(0, world, port, key), 0, Some(b"payload"), LONG)
+            });
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            let stop = &stop;
+            s.spawn(move || {
+                let mut held: Vec<TcpStream> = Vec::new();
+                let mut opened = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    // Reconnect at once for every connection rank 0 closed.
+                    held.retain(|c| {
+                        let mut b = [0u8; 1];
+                        match (&*c).read(&mut b) {
+                            Ok(0) => false,
+                            Ok(_) => true,
+                            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+                        }
+                    });
+                    while held.len() < 2 * cap && !stop.load(Ordering::Relaxed) {
+                        match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                            Ok(c) => {
+                                c.set_nonblocking(true).unwrap();
+                                held.push(c);
+                                opened += 1;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                eprintln!("flooder opened {opened} connections");
+            });
+            // The flood first, then the real ranks.
+            std::thread::sleep(Duration::from_millis(300));
+            let ranks: Vec<_> = (1..world)
+                .map(|r| {
+                    s.spawn(move || {
+                        share_bytes_round(&env_secret(r, world, port, key), 0, None, LONG)
+                    })
+                })
+                .collect();
+            let got = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            let root = root.join().unwrap();
+            stop.store(true, Ordering::Relaxed);
+            assert!(root.is_ok(), "rank 0: {root:?}");
+            got
+        });
+        let took = t.elapsed();
+        for (r, g) in got.iter().enumerate() {
+            assert_eq!(
+                g.as_ref().unwrap(),
+                b"payload",
+                "rank {} (key {key:?})",
+                r + 1
+            );
+        }
+        assert!(took < Duration::from_secs(8), "took {took:?} (key {key:?})");
+    }
+}
