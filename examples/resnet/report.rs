@@ -11,8 +11,8 @@ use image::ImageEncoder;
 use indicatif::{ProgressBar, ProgressStyle};
 use plotters::prelude::*;
 
-/// One epoch's metrics.
-#[derive(Debug, Clone, Copy)]
+/// One epoch's metrics (a row of `metrics.csv`, its columns named after the fields).
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct EpochMetrics {
     pub epoch: usize,
     pub train_loss: f64,
@@ -68,48 +68,42 @@ impl Progress {
     }
 }
 
-/// Writes the metrics as CSV (one header line, one line per epoch).
+/// Writes the metrics as CSV (`csv`: one header line of the field names, one line per epoch),
+/// the values rounded for reading (losses and accuracies to 6 decimals, images/s to 1, seconds
+/// to 2).
 pub fn write_csv(path: &Path, rows: &[EpochMetrics]) -> Result<()> {
-    let mut s =
-        String::from("epoch,train_loss,train_acc,val_loss,val_acc,images_per_sec,seconds\n");
+    let round = |x: f64, digits: i32| (x * 10f64.powi(digits)).round() / 10f64.powi(digits);
+    let mut w = csv::Writer::from_writer(Vec::new());
     for r in rows {
-        s.push_str(&format!(
-            "{},{:.6},{:.6},{:.6},{:.6},{:.1},{:.2}\n",
-            r.epoch, r.train_loss, r.train_acc, r.val_loss, r.val_acc, r.images_per_sec, r.seconds
-        ));
+        w.serialize(EpochMetrics {
+            train_loss: round(r.train_loss, 6),
+            train_acc: round(r.train_acc, 6),
+            val_loss: round(r.val_loss, 6),
+            val_acc: round(r.val_acc, 6),
+            images_per_sec: round(r.images_per_sec, 1),
+            seconds: round(r.seconds, 2),
+            ..*r
+        })?;
     }
-    Ok(candle_distributed::checkpoint::write_atomic(
-        path,
-        s.as_bytes(),
-    )?)
+    let bytes = w
+        .into_inner()
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    Ok(candle_distributed::checkpoint::write_atomic(path, &bytes)?)
 }
 
-/// Reads a CSV written by [`write_csv`] (missing file: no rows).
+/// Reads a CSV written by [`write_csv`] (missing file: no rows); a malformed one is an error
+/// naming the file and the record.
 pub fn read_csv(path: &Path) -> Result<Vec<EpochMetrics>> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(Vec::new());
-    };
-    let mut rows = Vec::new();
-    for line in text.lines().skip(1).filter(|l| !l.trim().is_empty()) {
-        let v: Vec<f64> = line
-            .split(',')
-            .map(|f| f.trim().parse::<f64>())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| anyhow::anyhow!("{}: bad line {line:?}: {e}", path.display()))?;
-        if v.len() != 7 {
-            anyhow::bail!("{}: expected 7 columns in {line:?}", path.display());
+    let mut r = match csv::Reader::from_path(path) {
+        Ok(r) => r,
+        Err(e) if matches!(e.kind(), csv::ErrorKind::Io(io) if io.kind() == std::io::ErrorKind::NotFound) => {
+            return Ok(Vec::new())
         }
-        rows.push(EpochMetrics {
-            epoch: v[0] as usize,
-            train_loss: v[1],
-            train_acc: v[2],
-            val_loss: v[3],
-            val_acc: v[4],
-            images_per_sec: v[5],
-            seconds: v[6],
-        });
-    }
-    Ok(rows)
+        Err(e) => return Err(anyhow!("{}: {e}", path.display())),
+    };
+    r.deserialize()
+        .collect::<std::result::Result<Vec<EpochMetrics>, _>>()
+        .with_context(|| format!("{}: a malformed metrics file", path.display()))
 }
 
 /// Where [`write_plot`] looks for a TrueType font for its text, after `$RESNET_FONT`: DejaVu Sans

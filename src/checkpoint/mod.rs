@@ -50,7 +50,7 @@ use serde::{Deserialize, Serialize};
 use crate::collective::Collective;
 use crate::SyncBatchNorm;
 pub use files::write_atomic;
-use files::{io_err, publish, sync_file};
+use files::{io_err, publish, sync_file, temp_beside};
 
 /// The version of the manifest's layout; a manifest of another is refused.
 pub const FORMAT: u32 = 2;
@@ -172,17 +172,19 @@ fn write(
     metadata: &serde_json::Value,
 ) -> Result<u32> {
     std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
-    let tmp = dir.join(format!("checkpoint-{tag}.safetensors.tmp"));
+    // A temporary file of a unique name: two writers to one folder never share one.
+    let tmp = temp_beside(&dir.join(format!("checkpoint-{tag}.safetensors")))?;
     let map: HashMap<String, Tensor> = tensors
         .iter()
         .map(|(k, t)| Ok((k.clone(), t.to_device(&Device::Cpu)?)))
         .collect::<Result<_>>()?;
-    candle_core::safetensors::save(&map, &tmp).map_err(|e| io_err("writing", &tmp, e))?;
-    sync_file(&tmp)?;
-    let bytes = std::fs::read(&tmp).map_err(|e| io_err("reading back", &tmp, e))?;
+    candle_core::safetensors::save(&map, tmp.path())
+        .map_err(|e| io_err("writing", tmp.path(), e))?;
+    sync_file(tmp.path())?;
+    let bytes = std::fs::read(tmp.path()).map_err(|e| io_err("reading back", tmp.path(), e))?;
     let crc = crc32fast::hash(&bytes);
     let name = format!("checkpoint-{tag}-{crc:08x}.safetensors");
-    publish(&tmp, &dir.join(&name))?;
+    publish(tmp, &dir.join(&name))?;
     let manifest = Manifest {
         format: FORMAT,
         tensors: name.clone(),

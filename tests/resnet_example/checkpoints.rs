@@ -422,3 +422,42 @@ fn assert_params_bitwise(
         assert_eq!(bits(x), bits(y), "{what}: {name} differs");
     }
 }
+
+/// `metrics.csv` (the `csv` crate): rows come back as written, rounded as documented; a
+/// missing file is no rows; a malformed one is an error naming the file.
+#[test]
+fn the_metrics_file_round_trips_and_a_malformed_one_is_named() {
+    let dir = fresh_dir("csv");
+    let path = dir.join("metrics.csv");
+    let rows: Vec<report::EpochMetrics> = (1..=3)
+        .map(|e| report::EpochMetrics {
+            epoch: e,
+            train_loss: 1.0 / e as f64 + 1e-9,
+            train_acc: 0.5 + 0.1 * e as f64,
+            val_loss: 0.25 * e as f64,
+            val_acc: 0.9,
+            images_per_sec: 863.94,
+            seconds: 27.777,
+        })
+        .collect();
+    report::write_csv(&path, &rows).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        text.starts_with("epoch,train_loss,train_acc,val_loss,val_acc,images_per_sec,seconds\n"),
+        "{text}"
+    );
+    let back = report::read_csv(&path).unwrap();
+    assert_eq!(back.len(), 3);
+    for (a, b) in rows.iter().zip(&back) {
+        assert_eq!(a.epoch, b.epoch);
+        assert!((a.train_loss - b.train_loss).abs() <= 5e-7);
+        assert_eq!((b.images_per_sec, b.seconds), (863.9, 27.78));
+    }
+    assert!(report::read_csv(&dir.join("absent.csv"))
+        .unwrap()
+        .is_empty());
+    std::fs::write(&path, "epoch,train_loss\n1,not-a-number\n").unwrap();
+    let e = format!("{:#}", report::read_csv(&path).unwrap_err());
+    assert!(e.contains("metrics.csv") && e.contains("malformed"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

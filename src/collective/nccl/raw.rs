@@ -11,6 +11,7 @@
 //! before the first call and detected after the start-up ([`RawComm::init_group`]).
 
 use std::ffi::{c_int, c_void, CStr};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use candle_core::cuda_backend::cudarc::driver::CudaContext;
@@ -368,16 +369,26 @@ impl RawComm {
     /// [`Split::child`]. `color` -1 is NCCL_SPLIT_NOCOLOR.
     pub fn split(&self, color: i32, key: i32) -> Result<Split, NcclFail> {
         let lib = lib()?;
-        let slot = Box::new(AtomicPtr::new(std::ptr::null_mut()));
-        // SAFETY: a valid, ready parent. The slot is an atomic on the heap, whose address
-        // (`as_ptr`, derived once here and never from a moved `Box`) stays fixed while NCCL's
-        // background job may write it: the `Split` keeps the box until the parent's state is
-        // done (NCCL stores the child before it publishes the parent's result) or the parent is
-        // aborted (which ends the job). A null config asks for the parent's.
-        let r =
-            unsafe { (lib.comm_split)(self.0, color, key, slot.as_ptr(), std::ptr::null_mut()) };
+        // The slot lives on the heap behind a raw pointer from here until `Split` is dropped:
+        // no `Box` is moved (and re-tagged) while NCCL's background job may write it.
+        let slot = Split {
+            slot: NonNull::from(Box::leak(Box::new(AtomicPtr::new(std::ptr::null_mut())))),
+        };
+        // SAFETY: a valid, ready parent. The slot's address stays fixed while NCCL may write
+        // it: the `Split` frees it only when dropped, which its owner does once the parent's
+        // state is done (NCCL stores the child before it publishes the parent's result) or the
+        // parent is aborted (which ends the job). A null config asks for the parent's.
+        let r = unsafe {
+            (lib.comm_split)(
+                self.0,
+                color,
+                key,
+                slot.slot.as_ref().as_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
         check(lib, r, Some(self))?;
-        Ok(Split { slot })
+        Ok(slot)
     }
 
     /// Starts `ncclCommFinalize` (flushes the queued collectives); poll the state, then
@@ -408,15 +419,29 @@ impl RawComm {
     }
 }
 
-/// A split in progress: the slot NCCL writes the child's handle into, from its own thread.
+/// A split in progress: the slot NCCL writes the child's handle into, from its own thread,
+/// allocated by `Box::leak` in [`RawComm::split`] and freed by `Box::from_raw` on drop.
 pub(super) struct Split {
-    slot: Box<AtomicPtr<c_void>>,
+    slot: NonNull<AtomicPtr<c_void>>,
 }
+
+// SAFETY: the slot is an atomic owned by this value alone (NCCL only stores into it); moving
+// the owner between threads moves nothing that is shared without synchronisation.
+unsafe impl Send for Split {}
 
 impl Split {
     /// The child, once the parent's state is done: `None` for a rank that passed no color.
     pub fn child(self) -> Option<RawComm> {
-        let h = self.slot.load(Ordering::Acquire);
+        // SAFETY: the slot is alive until `self` drops, after this read.
+        let h = unsafe { self.slot.as_ref() }.load(Ordering::Acquire);
         (!h.is_null()).then_some(RawComm(h))
+    }
+}
+
+impl Drop for Split {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from `Box::leak` in `RawComm::split` and is freed once,
+        // here; NCCL writes it no more (the owner's contract, see `RawComm::split`).
+        drop(unsafe { Box::from_raw(self.slot.as_ptr()) });
     }
 }
