@@ -166,7 +166,8 @@ fn collective_values(comm: &Arc<dyn Collective>) -> Result<()> {
 /// all-reduce of their concatenation, bit for bit, for a sum, an average and a maximum. The
 /// parts hold whole numbers, so that every order of MPI's additions gives the same bits (a
 /// 25-value run and a 65536-value part may take different algorithms). Parts that differ
-/// between ranks are a mismatch on every rank.
+/// between ranks are a mismatch on every rank; parts that differ only in layout reduce as the
+/// same parts; parts refused on one rank are an error on every rank.
 fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     let r = comm.rank() as u64;
     // Whole numbers in [-64, 64), seeded per rank and part; `+ 0` turns the rounding's negative
@@ -228,6 +229,55 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     ensure!(
         err.contains("every rank must call the same collective"),
         "parts that differ between ranks: {err:?}"
+    );
+    // Parts that differ only in layout (rank 1's large part a strided view of the same
+    // values): the same MPI calls on every rank, and the concatenation's sum.
+    let g = comm
+        .split(Some(0), comm.rank() as u32)?
+        .expect("every rank joins");
+    let big = whole(9, &[256, 256])?;
+    let big = if comm.rank() == 1 {
+        big.t()?.contiguous()?.t()?
+    } else {
+        big
+    };
+    ensure!(big.is_contiguous() == (comm.rank() != 1));
+    let parts = [whole(10, &[7])?, big, whole(11, &[3])?];
+    let flat = Tensor::cat(
+        &parts
+            .iter()
+            .map(Tensor::flatten_all)
+            .collect::<candle_core::Result<Vec<_>>>()?,
+        0,
+    )?;
+    let got = g.all_reduce_parts(&parts, ReduceOp::Sum, None)?;
+    let want = g.all_reduce(&flat, ReduceOp::Sum)?;
+    ensure!(
+        got.to_vec1::<f64>()? == want.to_vec1::<f64>()?,
+        "parts in another layout on rank 1: another sum"
+    );
+    // Parts refused on one rank (none at all on rank 2): an error on every rank naming it,
+    // no abort, and the group still usable.
+    let parts: Vec<Tensor> = if comm.rank() == 2 {
+        Vec::new()
+    } else {
+        vec![whole(12, &[5])?]
+    };
+    let err = g
+        .all_reduce_parts(&parts, ReduceOp::Sum, None)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("invalid arguments on rank(s) [2]"),
+        "bad parts on rank 2: {err:?}"
+    );
+    if comm.rank() == 2 {
+        ensure!(err.contains("at least one part"), "{err}");
+    }
+    ensure!(
+        g.all_reduce(&whole(13, &[2])?, ReduceOp::Max).is_ok(),
+        "the group stays usable"
     );
     Ok(())
 }
@@ -328,10 +378,11 @@ fn mismatches_fail_everywhere(comm: &Arc<dyn Collective>) -> Result<()> {
         "{err}"
     );
 
-    // Different shapes (reduce_scatter rows 5 on rank 0, 4 elsewhere): a mismatch everywhere,
-    // then the group is broken.
+    // Different shapes, each valid on its rank (reduce_scatter rows 8 on rank 0, 4 elsewhere):
+    // a mismatch everywhere, then the group is broken. (A shape also invalid on its rank is an
+    // invalid argument everywhere instead: no rank makes a data call, the group stays usable.)
     let g = fresh()?;
-    let rows = if one(0) { 5 } else { 4 };
+    let rows = if one(0) { 8 } else { 4 };
     let odd = Tensor::ones((rows, 2), DType::F32, &Device::Cpu)?;
     let err = g
         .reduce_scatter(&odd, ReduceOp::Sum)

@@ -375,6 +375,20 @@ impl MpiCollective {
             });
             self.wait(op, req);
         });
+        // A rank that refused its own arguments first: its descriptor may not describe a call
+        // at all (an empty list of parts), and every rank has made this one agreement, so the
+        // call fails everywhere and the group stays usable.
+        let failed: Vec<usize> = (0..self.world).filter(|r| all[5 * r + 4] == 0).collect();
+        if !failed.is_empty() {
+            let here = match local {
+                Err(why) => format!("; here: {why}"),
+                Ok(()) => String::new(),
+            };
+            return Err(invalid(
+                op,
+                format!("invalid arguments on rank(s) {failed:?}, so the call fails on every rank{here}"),
+            ));
+        }
         let first = &all[..4];
         if all.chunks(5).any(|d| &d[..4] != first) {
             let detail = all
@@ -394,17 +408,6 @@ impl MpiCollective {
                 detail,
             }
             .into());
-        }
-        let failed: Vec<usize> = (0..self.world).filter(|r| all[5 * r + 4] == 0).collect();
-        if !failed.is_empty() {
-            let here = match local {
-                Err(why) => format!("; here: {why}"),
-                Ok(()) => String::new(),
-            };
-            return Err(invalid(
-                op,
-                format!("invalid arguments on rank(s) {failed:?}, so the call fails on every rank{here}"),
-            ));
         }
         Ok(())
     }

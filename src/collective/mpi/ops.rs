@@ -42,14 +42,23 @@ impl Collective for MpiCollective {
     /// # Errors
     ///
     /// As [`Collective::all_reduce_parts`]; ranks whose parts differ in number or element counts
-    /// make a mismatch on every rank. A timeout aborts the MPI job instead of returning.
+    /// make a mismatch on every rank, parts refused on one rank (none, mixed dtypes or devices)
+    /// an invalid argument on every rank, and parts that differ only in layout (contiguous on
+    /// one rank, strided on another) the same MPI calls. A timeout aborts the MPI job instead
+    /// of returning.
     fn all_reduce_parts(
         &self,
         parts: &[Tensor],
         op: ReduceOp,
         wire: Option<DType>,
     ) -> Result<Tensor> {
-        check_parts(parts)?;
+        if let Err(e) = check_parts(parts) {
+            // This rank's refusal is its verdict in the agreement the other ranks make for
+            // their call: the call fails on every rank, with the reason, and no rank waits.
+            let desc = [Op::AllReduce(op).code(), -1, -1, -1];
+            self.agree("all_reduce_parts", desc, Err(e.to_string()))?;
+            return Err(e);
+        }
         self.all_reduce_parts_in_place(parts, op, wire)
     }
 

@@ -17,20 +17,27 @@ const IN_PLACE_PART: usize = 1 << 16;
 enum Run<T> {
     /// A contiguous host part of at least [`IN_PLACE_PART`] elements.
     InPlace(Tensor),
-    /// Consecutive smaller (or strided) parts, copied end to end.
+    /// A strided part of at least [`IN_PLACE_PART`] elements, copied; or consecutive smaller
+    /// parts, copied end to end.
     Copied(Vec<T>),
 }
 
-/// `parts` cut into runs, in order.
+/// `parts` cut into runs, in order. Where a run ends depends on the element counts alone
+/// (which the ranks agree on): a part of at least [`IN_PLACE_PART`] elements is a run of its
+/// own, read in place when contiguous and copied when not, so that ranks whose parts differ
+/// only in layout make the same MPI calls.
 fn runs<T: WithDType>(parts: &[Tensor]) -> Result<Vec<Run<T>>> {
     let mut runs = Vec::new();
     let mut copied: Vec<T> = Vec::new();
     for p in parts {
-        if p.is_contiguous() && p.elem_count() >= IN_PLACE_PART {
+        if p.elem_count() >= IN_PLACE_PART {
             if !copied.is_empty() {
                 runs.push(Run::Copied(std::mem::take(&mut copied)));
             }
-            runs.push(Run::InPlace(p.clone()));
+            runs.push(match p.is_contiguous() {
+                true => Run::InPlace(p.clone()),
+                false => Run::Copied(p.flatten_all()?.to_vec1::<T>()?),
+            });
         } else {
             copied.extend(p.flatten_all()?.to_vec1::<T>()?);
         }
