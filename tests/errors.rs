@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::{Collective, ThreadGroup};
+use candle_distributed::collective::recorder::CallState;
+use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::{SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::ModuleT;
 use common::*;
@@ -474,4 +475,111 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
         &["expected mean of shape [3] in a float dtype, got shape [3] U32"],
     );
     Ok(())
+}
+
+/// A rank that stops after its second collective: the ranks that time out at the third name
+/// it and where it stopped ("rank 2 never reached all_reduce #2; its last collective:
+/// all_reduce #1 F32×4, completed ..."), from the flight recorders, and each rank's recorder
+/// holds its own calls in order with their states.
+#[test]
+fn a_timeout_names_where_the_laggard_stopped() {
+    let comms = ThreadGroup::with_timeout(3, SHORT).unwrap();
+    let t = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
+    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (comm, t) = (comm.clone(), t.clone());
+                s.spawn(move || -> Result<(), String> {
+                    let calls = if rank == 2 { 2 } else { 3 };
+                    for _ in 0..calls {
+                        comm.all_reduce(&t, ReduceOp::Sum)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[2].is_ok());
+    for (r, result) in results.iter().enumerate().take(2) {
+        let msg = result.as_ref().expect_err("ranks 0 and 1 time out");
+        assert!(
+            msg.contains("waiting for ranks [2]")
+                && msg.contains("rank 2 never reached all_reduce #2; its last collective: all_reduce #1 F32×4, completed"),
+            "rank {r}: {msg}"
+        );
+    }
+    let states = |rank: usize| -> Vec<(u64, CallState)> {
+        let rec = comms[rank].recorder().expect("thread ranks record");
+        rec.records().iter().map(|c| (c.call, c.state)).collect()
+    };
+    assert_eq!(
+        states(0),
+        [
+            (0, CallState::Completed),
+            (1, CallState::Completed),
+            (2, CallState::Failed)
+        ]
+    );
+    assert_eq!(
+        states(2),
+        [(0, CallState::Completed), (1, CallState::Completed)]
+    );
+}
+
+/// `CANDLE_DISTRIBUTED_TIMEOUT` sets the timeout of a group made without one (seconds,
+/// fractions allowed): a missing rank fails the others after it; a value that is not a
+/// positive number is refused naming the variable. In a child process, so that the variable
+/// reaches no other test.
+#[test]
+fn one_variable_sets_the_default_timeout() {
+    const CHILD: &str = "CANDLE_DISTRIBUTED_TIMEOUT_TEST_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let bad = std::env::var(candle_distributed::collective::TIMEOUT_VAR).unwrap() == "soon";
+        match ThreadGroup::new(2) {
+            Err(e) if bad => {
+                assert!(
+                    e.to_string()
+                        .contains("CANDLE_DISTRIBUTED_TIMEOUT=\"soon\""),
+                    "{e}"
+                );
+            }
+            Ok(comms) if !bad => {
+                let start = Instant::now();
+                let t = Tensor::ones(2, DType::F32, &Device::Cpu).unwrap();
+                let e = comms[0]
+                    .all_reduce(&t, ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("timed out after 300ms"), "{e}");
+                assert!(
+                    start.elapsed() < Duration::from_secs(3),
+                    "{:?}",
+                    start.elapsed()
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        return;
+    }
+    for value in ["0.3", "soon"] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "one_variable_sets_the_default_timeout",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .env(candle_distributed::collective::TIMEOUT_VAR, value)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{value}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

@@ -121,6 +121,10 @@ impl<D: Decorator> Collective for D {
         self.inner().world_size()
     }
 
+    fn recorder(&self) -> Option<&super::recorder::FlightRecorder> {
+        self.inner().recorder()
+    }
+
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let call = Op::AllReduce(op);
         self.before(call, Some(t))?;

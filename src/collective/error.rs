@@ -23,7 +23,7 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum CollectiveError {
     /// Some ranks did not reach the collective before the timeout.
-    #[error("{backend} {op} (call #{call}) on rank {rank}: timed out after {timeout:?} waiting for ranks {missing:?}")]
+    #[error("{backend} {op} (call #{call}) on rank {rank}: timed out after {timeout:?} waiting for ranks {missing:?}{}", report_suffix(.behind))]
     Timeout {
         /// Backend name.
         backend: &'static str,
@@ -37,6 +37,9 @@ pub enum CollectiveError {
         timeout: Duration,
         /// Ranks that had not arrived.
         missing: Vec<usize>,
+        /// Where each missing rank stood, from its flight recorder ("rank 2 never reached
+        /// all_reduce #1207; its last collective: ..."), where the backend can see it.
+        behind: Vec<String>,
     },
     /// A rank dropped its communicator (or panicked) while others still needed it.
     #[error("{backend} {op} (call #{call}) on rank {rank}: {reason}")]
@@ -148,5 +151,13 @@ impl CollectiveError {
             | E::WithBacktrace { inner, .. } => Self::find(inner),
             _ => None,
         }
+    }
+}
+
+/// The flight recorder's lines of a timeout, after its message.
+fn report_suffix(behind: &[String]) -> String {
+    match behind.is_empty() {
+        true => String::new(),
+        false => format!(": {}", behind.join("; ")),
     }
 }

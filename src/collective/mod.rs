@@ -26,8 +26,26 @@
 //!
 //! # Timeouts and launching
 //!
-//! All timeouts default to `collective::DEFAULT_TIMEOUT` (5 minutes) and have a `*_with_timeout`
-//! constructor. Rules for every backend: every rank issues the same collectives in the same order.
+//! All timeouts default to `collective::DEFAULT_TIMEOUT` (5 minutes), or to
+//! `CANDLE_DISTRIBUTED_TIMEOUT` seconds where that variable is set (one setting for every
+//! backend; PyTorch's is `init_process_group`'s `timeout` argument), and have a
+//! `*_with_timeout` constructor.
+//!
+//! **Hang reports.** Every `ThreadGroup` rank keeps a flight recorder of its last collectives
+//! ([`recorder`]: call number, op, dtype, element count, state, times; `CANDLE_DISTRIBUTED_RECORDER`
+//! records, 64 by default); on a timeout the rank that sees it logs every rank's (`log::error!`)
+//! and its error names the ranks behind and where they stopped:
+//!
+//! ```text
+//! threads all_reduce (call #2) on rank 0: timed out after 2s waiting for ranks [2]: rank 2 never
+//! reached all_reduce #2; its last collective: all_reduce #1 F32×4, completed, enqueued at
+//! 0.001 s, started at 0.001 s, ended at 0.001 s
+//! ```
+//!
+//! (`tests/errors.rs::a_timeout_names_where_the_laggard_stopped`). MPI and NCCL ranks have no
+//! recorder yet: their timeout names the call, not where the other ranks are.
+//!
+//! Rules for every backend: every rank issues the same collectives in the same order.
 //! ThreadGroup reduces once, in rank order, so every rank gets bitwise the same result; MPI and
 //! NCCL choose their own reduction order (both return the same result on every rank of one
 //! communicator in practice, which the standards recommend but do not promise).
@@ -56,6 +74,7 @@ mod mpi;
 mod nccl;
 mod op;
 mod pending;
+pub mod recorder;
 mod round;
 mod threads;
 
@@ -79,8 +98,33 @@ use std::time::Duration;
 
 use candle_core::{DType, Result, Tensor};
 
-/// Default time a collective may take before it fails (every backend; 5 minutes).
+/// Default time a collective may take before it fails (every backend; 5 minutes), unless
+/// [`TIMEOUT_VAR`] says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Environment variable with the timeout, in seconds, of every communicator made without an
+/// explicit one (`ThreadGroup::new`, `Mpi::world`, `NcclGroup::new`,
+/// `NcclCollective::from_env`, `NcclCollective::from_collective`): one setting for every
+/// backend, the start-up included. PyTorch's counterpart is `init_process_group`'s `timeout`
+/// argument (10 minutes for NCCL, 30 for the others), which no variable sets.
+pub const TIMEOUT_VAR: &str = "CANDLE_DISTRIBUTED_TIMEOUT";
+
+/// The timeout of communicators made without an explicit one: [`TIMEOUT_VAR`] in seconds (a
+/// positive number, fractions allowed), else [`DEFAULT_TIMEOUT`].
+///
+/// # Errors
+/// When the variable is set to anything else, naming it and its value.
+pub fn default_timeout() -> Result<Duration> {
+    match std::env::var(TIMEOUT_VAR) {
+        Err(_) => Ok(DEFAULT_TIMEOUT),
+        Ok(v) => match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+            _ => candle_core::bail!(
+                "{TIMEOUT_VAR}={v:?}: expected the timeout of every collective in seconds, a positive number"
+            ),
+        },
+    }
+}
 
 /// Reduction applied element-wise by [`Collective::all_reduce`] (new reductions may be added in
 /// a minor release).
@@ -107,6 +151,13 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
 
     /// Number of ranks in the group.
     fn world_size(&self) -> usize;
+
+    /// This rank's flight recorder: its last collectives on this communicator, which a timeout
+    /// logs and names the ranks behind from ([`recorder`]); `None` for a backend without one
+    /// (the default; `ThreadGroup` has one).
+    fn recorder(&self) -> Option<&recorder::FlightRecorder> {
+        None
+    }
 
     /// Element-wise reduction of `t` over all ranks.
     ///

@@ -26,7 +26,7 @@ use mpi::Threading;
 use super::round::Wire;
 use super::{
     all_reduce_cast, all_reduce_concatenated, check_parts, check_wire, scatter_rows, Collective,
-    CollectiveError, Op, Pending, ReduceOp, Worker, DEFAULT_TIMEOUT,
+    CollectiveError, Op, Pending, ReduceOp, Worker,
 };
 
 mod host;
@@ -212,7 +212,8 @@ impl Mpi {
         })
     }
 
-    /// `MPI_COMM_WORLD` as a communicator, with the default timeout ([`DEFAULT_TIMEOUT`]).
+    /// `MPI_COMM_WORLD` as a communicator, with the default timeout ([`super::default_timeout`]:
+    /// `CANDLE_DISTRIBUTED_TIMEOUT`, else [`DEFAULT_TIMEOUT`](super::DEFAULT_TIMEOUT)).
     ///
     /// # Errors
     ///
@@ -220,7 +221,7 @@ impl Mpi {
     /// collective polled against the timeout: a rank that does not arrive aborts the job, and an
     /// MPI failure aborts it under MPI's default error handler, rather than returning.
     pub fn world(&self) -> Result<Arc<dyn Collective>> {
-        self.world_with_timeout(DEFAULT_TIMEOUT)
+        self.world_with_timeout(super::default_timeout()?)
     }
 
     /// `MPI_COMM_WORLD` with the time a rank waits for the others in one collective.

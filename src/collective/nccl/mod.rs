@@ -49,7 +49,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Device, Result, Tensor};
 
 use super::bootstrap::{share_bytes, DistEnv};
-use super::{Collective, CollectiveError, Op, Pending, ReduceOp, DEFAULT_TIMEOUT};
+use super::{Collective, CollectiveError, Op, Pending, ReduceOp};
 use enqueue::{unpad, Enqueue};
 use raw::{Progress, RawComm};
 use watchdog::{finish_close, CallError, Watch};
@@ -128,9 +128,11 @@ impl NcclGroup {
     ///
     /// # Errors
     /// Ordinals repeated or empty, a GPU that cannot be opened, NCCL's error, or a start-up
-    /// that does not finish within [`DEFAULT_TIMEOUT`].
+    /// that does not finish within the default timeout
+    /// ([`super::default_timeout`]: `CANDLE_DISTRIBUTED_TIMEOUT`, else
+    /// [`DEFAULT_TIMEOUT`](super::DEFAULT_TIMEOUT)).
     pub fn new(ordinals: &[usize]) -> Result<Vec<Arc<NcclCollective>>> {
-        Self::with_timeout(ordinals, DEFAULT_TIMEOUT)
+        Self::with_timeout(ordinals, super::default_timeout()?)
     }
 
     /// Like [`NcclGroup::new`], with the time the start-up and each collective may take
@@ -223,7 +225,7 @@ impl NcclCollective {
     /// unique id and hands it to the others with [`super::bootstrap::share_bytes`] (through
     /// torchrun's own TCPStore under torchrun, else over TCP from rank 0, where every rank also
     /// needs `CANDLE_DISTRIBUTED_RUN_ID`; see [`super::bootstrap`] for the run identity and the
-    /// optional shared secret). Default timeout ([`DEFAULT_TIMEOUT`]) for the start-up and for
+    /// optional shared secret). Default timeout ([`super::default_timeout`]) for the start-up and for
     /// every collective.
     ///
     /// # Errors
@@ -231,7 +233,7 @@ impl NcclCollective {
     /// bootstrap's error, NCCL's, or a start-up that does not finish within the timeout (a rank
     /// that never arrives).
     pub fn from_env() -> Result<Arc<Self>> {
-        Self::from_env_with_timeout(DEFAULT_TIMEOUT)
+        Self::from_env_with_timeout(super::default_timeout()?)
     }
 
     /// Like [`NcclCollective::from_env`], with the timeout.
@@ -252,12 +254,12 @@ impl NcclCollective {
 
     /// A communicator with the same ranks as `bootstrap` (any backend working on CPU tensors,
     /// e.g. MPI under `mpirun`), on GPU `ordinal`: rank 0 creates NCCL's unique id and broadcasts
-    /// it over `bootstrap`. Default timeout ([`DEFAULT_TIMEOUT`]) for every collective.
+    /// it over `bootstrap`. Default timeout ([`super::default_timeout`]) for every collective.
     ///
     /// # Errors
     /// `bootstrap`'s error, NCCL's, or a start-up that does not finish within the timeout.
     pub fn from_collective(bootstrap: &dyn Collective, ordinal: usize) -> Result<Arc<Self>> {
-        Self::from_collective_with_timeout(bootstrap, ordinal, DEFAULT_TIMEOUT)
+        Self::from_collective_with_timeout(bootstrap, ordinal, super::default_timeout()?)
     }
 
     /// Like [`NcclCollective::from_collective`], with the timeout.

@@ -33,9 +33,10 @@ use candle_core::{DType, Device, Result, Tensor};
 use combine::Plan;
 use reduce::Work;
 
+use super::recorder::{self, CallState, FlightRecorder};
 use super::{
     check_wire, scatter_rows, split_members, Collective, CollectiveError, Op, Pending, ReduceOp,
-    Worker, DEFAULT_TIMEOUT,
+    Worker,
 };
 
 const BACKEND: &str = "ThreadGroup";
@@ -61,13 +62,16 @@ pub struct ThreadGroup;
 #[allow(clippy::new_ret_no_self)]
 impl ThreadGroup {
     /// One communicator per rank (`result[r]` has rank `r`), with the default timeout
-    /// ([`DEFAULT_TIMEOUT`]). Hand each to its own thread.
+    /// ([`super::default_timeout`]: `CANDLE_DISTRIBUTED_TIMEOUT`, else
+    /// [`DEFAULT_TIMEOUT`](super::DEFAULT_TIMEOUT)).
+    /// Hand each to its own thread.
     ///
     /// # Errors
     ///
-    /// [`CollectiveError::InvalidArgument`] when `world_size` is 0.
+    /// [`CollectiveError::InvalidArgument`] when `world_size` is 0; an invalid
+    /// `CANDLE_DISTRIBUTED_TIMEOUT`.
     pub fn new(world_size: usize) -> Result<Vec<Arc<dyn Collective>>> {
-        Self::with_timeout(world_size, DEFAULT_TIMEOUT)
+        Self::with_timeout(world_size, super::default_timeout()?)
     }
 
     /// Like [`ThreadGroup::new`], with the time a rank waits for the others in one collective.
@@ -174,6 +178,9 @@ fn adopt_rank_context(ctx: &RankContext) -> Result<()> {
 struct Shared {
     world: usize,
     timeout: Duration,
+    /// Each rank's flight recorder: in one process, the rank that sees a timeout reads where
+    /// the missing ranks stand.
+    recorders: Vec<FlightRecorder>,
     state: Mutex<State>,
     cv: Condvar,
     /// Subgroups being handed out by a split: `(split call, color)` → the subgroup and how
@@ -189,6 +196,7 @@ impl Shared {
         Arc::new(Self {
             world,
             timeout,
+            recorders: (0..world).map(|_| FlightRecorder::from_env()).collect(),
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
             subgroups: Mutex::new(HashMap::new()),
@@ -406,7 +414,7 @@ fn complete(
     what: (Op, Option<DType>),
     t: std::result::Result<&Input, String>,
 ) -> Result<Tensor> {
-    let (kind, wire) = what;
+    let kind = what.0;
     let device = match t.as_ref().map(|t| t.tensors().first()) {
         Ok(Some(first)) => first.device().clone(),
         _ => Device::Cpu,
@@ -417,7 +425,34 @@ fn complete(
     // contributions: a rank that finished first would deadlock the last one.
     // A failed copy (or an input refused on this rank) still takes part: the call number is
     // taken, and the others are waiting for this rank in that slot.
+    let (dtype, elems) = match &t {
+        Ok(t) => (
+            t.tensors().first().map(Tensor::dtype),
+            t.tensors().iter().map(Tensor::elem_count).sum(),
+        ),
+        Err(_) => (None, 0),
+    };
+    let recorder = &sh.recorders[rank];
+    recorder.enqueue(call, kind.name(), dtype, elems);
     let input = t.and_then(|t| t.to_host().map_err(|e| e.to_string()));
+    let result = deposit_and_wait(sh, rank, call, what, input, &device);
+    let state = match result {
+        Ok(_) => CallState::Completed,
+        Err(_) => CallState::Failed,
+    };
+    recorder.mark(call, state);
+    result
+}
+
+/// [`complete`]'s deposit of this rank's `input` in slot `call`, and its wait for the result.
+fn deposit_and_wait(
+    sh: &Shared,
+    rank: usize,
+    call: u64,
+    (kind, wire): (Op, Option<DType>),
+    input: std::result::Result<Input, String>,
+    device: &Device,
+) -> Result<Tensor> {
     let mut st = lock(&sh.state);
     if let Some(reason) = st.doomed(call) {
         return Err(left(rank, kind, call, reason.to_string()).into());
@@ -428,6 +463,9 @@ fn complete(
         .or_insert_with(|| (0..sh.world).map(|_| None).collect());
     slots[rank] = Some(Contribution { kind, wire, input });
     if slots.iter().all(Option::is_some) {
+        for r in &sh.recorders {
+            r.mark(call, CallState::Started);
+        }
         let slots = st.pending.remove(&call).unwrap_or_default();
         let contributions: Vec<Contribution> = slots.into_iter().flatten().collect();
         match combine::plan(call, &contributions) {
@@ -445,7 +483,7 @@ fn complete(
         }
         sh.cv.notify_all();
     }
-    wait_for_result(sh, st, rank, call, kind, &device)
+    wait_for_result(sh, st, rank, call, kind, device)
 }
 
 /// Waits (holding `st` between wake-ups) until call `call`'s result is there, the group breaks
@@ -505,10 +543,21 @@ fn wait_for_result<'a>(
                 .get(&call)
                 .map(|s| (0..sh.world).filter(|&r| s[r].is_none()).collect())
                 .unwrap_or_default();
+            let behind: Vec<String> = missing
+                .iter()
+                .map(|&r| recorder::behind(r, kind.name(), call, sh.recorders[r].last().as_ref()))
+                .collect();
+            for (r, rec) in sh.recorders.iter().enumerate() {
+                log::error!(
+                    "{}",
+                    rec.dump(&format!("{BACKEND} rank {r} (timeout seen by rank {rank})"))
+                );
+            }
             st.broken = Some(format!(
-                "rank {rank} timed out after {:?} in {} call #{call} waiting for ranks {missing:?}",
+                "rank {rank} timed out after {:?} in {} call #{call} waiting for ranks {missing:?}: {}",
                 sh.timeout,
-                kind.name()
+                kind.name(),
+                behind.join("; ")
             ));
             sh.cv.notify_all();
             return Err(CollectiveError::Timeout {
@@ -518,6 +567,7 @@ fn wait_for_result<'a>(
                 rank,
                 timeout: sh.timeout,
                 missing,
+                behind,
             }
             .into());
         }
@@ -576,6 +626,10 @@ impl Collective for ThreadRank {
 
     fn world_size(&self) -> usize {
         self.shared.world
+    }
+
+    fn recorder(&self) -> Option<&FlightRecorder> {
+        Some(&self.shared.recorders[self.rank])
     }
 
     /// All-reduce in rank order, computed once by the last rank to arrive.

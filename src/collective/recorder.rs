@@ -1,0 +1,236 @@
+//! A flight recorder: the last collectives of one rank's communicator, kept in a ring, for the
+//! report of a hang or an abort ("rank 2 never reached all_reduce #1207; its last collective:
+//! all_reduce #1206, completed 0.4 s before").
+//!
+//! Every record holds the call's number in its group, the op, the dtype and element count of
+//! its input, its state, and when it was enqueued, started and ended (seconds since the
+//! communicator was created). The ring keeps [`RECORDER_VAR`] records per communicator
+//! (default [`DEFAULT_RECORDS`]; 0 turns recording off); recording costs one short lock per
+//! collective and no allocation once the ring is full.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use candle_core::DType;
+
+/// Environment variable with the number of records each communicator keeps.
+pub const RECORDER_VAR: &str = "CANDLE_DISTRIBUTED_RECORDER";
+/// Records kept per communicator when [`RECORDER_VAR`] is unset.
+pub const DEFAULT_RECORDS: usize = 64;
+
+/// Where a recorded collective stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CallState {
+    /// Handed to the backend, not known started.
+    Enqueued,
+    /// Running (the backend saw every rank arrive, or its kernel started).
+    Started,
+    /// Finished with a result.
+    Completed,
+    /// Finished with an error.
+    Failed,
+}
+
+/// One collective as the recorder saw it.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct CallRecord {
+    /// The call's number in its group (every rank numbers its calls alike).
+    pub call: u64,
+    /// The collective's name (`all_reduce`, `broadcast`, ...).
+    pub op: &'static str,
+    /// Its input's dtype, when it has an input.
+    pub dtype: Option<DType>,
+    /// Its input's element count (all parts together).
+    pub elems: usize,
+    /// Where it stands.
+    pub state: CallState,
+    /// When it was enqueued, started and ended, in seconds since the recorder was created.
+    pub enqueued: f64,
+    /// See `enqueued`.
+    pub started: Option<f64>,
+    /// See `enqueued`.
+    pub ended: Option<f64>,
+}
+
+impl std::fmt::Display for CallRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} #{}", self.op, self.call)?;
+        if let Some(d) = self.dtype {
+            write!(f, " {d:?}×{}", self.elems)?;
+        }
+        let state = match self.state {
+            CallState::Enqueued => "enqueued",
+            CallState::Started => "started",
+            CallState::Completed => "completed",
+            CallState::Failed => "failed",
+        };
+        write!(f, ", {state}, enqueued at {:.3} s", self.enqueued)?;
+        if let Some(t) = self.started {
+            write!(f, ", started at {t:.3} s")?;
+        }
+        if let Some(t) = self.ended {
+            write!(f, ", ended at {t:.3} s")?;
+        }
+        Ok(())
+    }
+}
+
+/// The ring of one communicator's last collectives.
+#[derive(Debug)]
+pub struct FlightRecorder {
+    start: Instant,
+    capacity: usize,
+    ring: Mutex<VecDeque<CallRecord>>,
+}
+
+impl FlightRecorder {
+    /// A recorder of [`RECORDER_VAR`] records (default [`DEFAULT_RECORDS`]; an unreadable value
+    /// is the default, with a warning).
+    pub fn from_env() -> Self {
+        let capacity = match std::env::var(RECORDER_VAR) {
+            Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+                log::warn!(
+                    "{RECORDER_VAR}={v:?} is not a number: keeping {DEFAULT_RECORDS} records"
+                );
+                DEFAULT_RECORDS
+            }),
+            Err(_) => DEFAULT_RECORDS,
+        };
+        Self::new(capacity)
+    }
+
+    /// A recorder keeping the last `capacity` collectives (0: none).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            start: Instant::now(),
+            capacity,
+            ring: Mutex::new(VecDeque::with_capacity(capacity)),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<CallRecord>> {
+        self.ring.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Records call `call` as enqueued.
+    pub fn enqueue(&self, call: u64, op: &'static str, dtype: Option<DType>, elems: usize) {
+        if self.capacity == 0 {
+            return;
+        }
+        let enqueued = self.now();
+        let mut ring = self.lock();
+        if ring.len() == self.capacity {
+            ring.pop_front();
+        }
+        ring.push_back(CallRecord {
+            call,
+            op,
+            dtype,
+            elems,
+            state: CallState::Enqueued,
+            enqueued,
+            started: None,
+            ended: None,
+        });
+    }
+
+    /// Moves call `call` to `state` (`Started`, `Completed` or `Failed`), stamping the time.
+    pub fn mark(&self, call: u64, state: CallState) {
+        let t = self.now();
+        let mut ring = self.lock();
+        if let Some(r) = ring.iter_mut().rev().find(|r| r.call == call) {
+            r.state = state;
+            match state {
+                CallState::Started => r.started = Some(t),
+                CallState::Completed | CallState::Failed => r.ended = Some(t),
+                CallState::Enqueued => {}
+            }
+        }
+    }
+
+    /// The records, oldest first.
+    pub fn records(&self) -> Vec<CallRecord> {
+        self.lock().iter().cloned().collect()
+    }
+
+    /// The newest record, if any.
+    pub fn last(&self) -> Option<CallRecord> {
+        self.lock().back().cloned()
+    }
+
+    /// Seconds since the recorder was created (the records' clock).
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// The records as lines of text, oldest first, headed by `title`.
+    pub fn dump(&self, title: &str) -> String {
+        let records = self.records();
+        let mut s = format!(
+            "{title}: the last {} collectives (of at most {}), at {:.3} s:",
+            records.len(),
+            self.capacity,
+            self.now()
+        );
+        for r in &records {
+            let _ = write!(s, "\n  {r}");
+        }
+        s
+    }
+}
+
+/// Where rank `rank` stands, for a report naming the ranks that are behind call `call` (`op`):
+/// "rank 2 never reached all_reduce #1207; its last collective: all_reduce #1206, completed ...".
+pub fn behind(rank: usize, op: &str, call: u64, last: Option<&CallRecord>) -> String {
+    match last {
+        Some(r) => format!("rank {rank} never reached {op} #{call}; its last collective: {r}"),
+        None => format!("rank {rank} never reached {op} #{call}; it recorded no collective"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ring keeps the newest records, stamps the states in order, and its text names
+    /// every kept call; a recorder of 0 records keeps none.
+    #[test]
+    fn the_ring_keeps_the_newest_calls() {
+        let r = FlightRecorder::new(3);
+        for call in 0..5u64 {
+            r.enqueue(call, "all_reduce", Some(DType::F32), 10 * call as usize);
+            r.mark(call, CallState::Started);
+            if call < 4 {
+                r.mark(call, CallState::Completed);
+            }
+        }
+        let recs = r.records();
+        assert_eq!(recs.iter().map(|c| c.call).collect::<Vec<_>>(), [2, 3, 4]);
+        assert_eq!(recs[2].state, CallState::Started);
+        assert!(recs[1].ended.unwrap() >= recs[1].started.unwrap());
+        assert!(recs[1].started.unwrap() >= recs[1].enqueued);
+        let text = r.dump("rank 0");
+        assert!(
+            text.contains("all_reduce #4 F32×40, started") && !text.contains("#1 "),
+            "{text}"
+        );
+        let line = behind(1, "broadcast", 9, r.last().as_ref());
+        assert!(
+            line.starts_with(
+                "rank 1 never reached broadcast #9; its last collective: all_reduce #4"
+            ),
+            "{line}"
+        );
+        let none = FlightRecorder::new(0);
+        none.enqueue(0, "barrier", None, 0);
+        assert!(none.records().is_empty());
+    }
+}
