@@ -49,6 +49,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Device, Result, Tensor};
 
 use super::bootstrap::{share_bytes, DistEnv};
+use super::recorder::FlightRecorder;
 use super::{Collective, CollectiveError, Op, Pending, ReduceOp};
 use enqueue::{unpad, Enqueue};
 use raw::{Progress, RawComm};
@@ -169,11 +170,22 @@ impl NcclGroup {
             .map_err(|(rank, e)| call_error(rank, "new", e))?;
         let mut comms = Vec::with_capacity(world);
         let mut raws = raws.into_iter();
+        // One process: each rank's watchdog reads the others' recorders to name the ranks
+        // behind a timeout.
+        let recorders: Arc<[FlightRecorder]> =
+            (0..world).map(|_| FlightRecorder::from_env()).collect();
         for (rank, device) in devices.into_iter().enumerate() {
             let comm = raws.next().expect("one communicator per device");
             // On an error here the communicators not yet wrapped are dropped (aborted), and
             // those already wrapped are closed by their own drop (no teardown set yet).
-            comms.push(NcclCollective::start(comm, device, rank, world, timeout)?);
+            let mine = Some((recorders.clone(), rank));
+            comms.push(NcclCollective::start(
+                comm,
+                device,
+                (rank, world),
+                timeout,
+                mine,
+            )?);
         }
         let teardown = Arc::new(Teardown {
             comms: comms.iter().map(|c| c.watch.clone()).collect(),
@@ -193,12 +205,13 @@ impl NcclCollective {
     fn start(
         comm: RawComm,
         device: CudaDevice,
-        rank: usize,
-        world: usize,
+        (rank, world): (usize, usize),
         timeout: Duration,
+        recorders: Option<(Arc<[FlightRecorder]>, usize)>,
     ) -> Result<Self> {
         let ctx = device.cuda_stream().context().clone();
-        let watch = Watch::start(comm, rank, timeout, ctx);
+        let recorders = recorders.unwrap_or_else(|| (Arc::from([FlightRecorder::from_env()]), 0));
+        let watch = Watch::start(comm, rank, timeout, ctx, recorders);
         let side = match device.cuda_stream().fork() {
             Ok(s) => s,
             Err(e) => {
@@ -306,7 +319,13 @@ impl NcclCollective {
         // Polled to completion before the watchdog exists; dropped (aborted) on failure.
         watchdog::wait_ready(std::slice::from_ref(&comm), &[rank], "init", timeout)
             .map_err(|(rank, e)| call_error(rank, "init", e))?;
-        Ok(Arc::new(Self::start(comm, device, rank, world, timeout)?))
+        Ok(Arc::new(Self::start(
+            comm,
+            device,
+            (rank, world),
+            timeout,
+            None,
+        )?))
     }
 
     /// The GPU this rank's tensors must live on.
@@ -369,12 +388,18 @@ impl NcclCollective {
 
     fn enqueue_on(&self, what: Op, t: &Tensor, stream: Option<Arc<CudaStream>>) -> Result<Tensor> {
         self.check_call(what, t)?;
-        let out = t.contiguous()?.apply_op1_no_bwd(&Enqueue {
-            c: self,
-            what,
-            stream: stream.clone(),
-        })?;
-        self.track(what, stream)?;
+        let call = self.watch.begin(what.name(), t.dtype(), t.elem_count());
+        let out = t
+            .contiguous()
+            .and_then(|t| {
+                t.apply_op1_no_bwd(&Enqueue {
+                    c: self,
+                    what,
+                    stream: stream.clone(),
+                })
+            })
+            .inspect_err(|_| self.watch.failed(call))?;
+        self.track(what, stream, call)?;
         Ok(out)
     }
 
@@ -382,12 +407,14 @@ impl NcclCollective {
     /// form). `t` must be contiguous.
     fn enqueue_in_place(&self, what: Op, t: &Tensor) -> Result<()> {
         self.check_call(what, t)?;
+        let call = self.watch.begin(what.name(), t.dtype(), t.elem_count());
         t.inplace_op1(&Enqueue {
             c: self,
             what,
             stream: None,
-        })?;
-        self.track(what, None)
+        })
+        .inspect_err(|_| self.watch.failed(call))?;
+        self.track(what, None, call)
     }
 
     /// The checks every enqueued collective makes first: a usable communicator, a float dtype
@@ -421,11 +448,14 @@ impl NcclCollective {
 
     /// Hands the watchdog the completion event of the collective just enqueued on `stream`
     /// (the device's stream when `None`).
-    fn track(&self, what: Op, stream: Option<Arc<CudaStream>>) -> Result<()> {
+    fn track(&self, what: Op, stream: Option<Arc<CudaStream>>, call: u64) -> Result<()> {
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         let on = stream.unwrap_or_else(|| self.device.cuda_stream());
-        self.watch
-            .track(on.record_event(Some(flags)).w()?, what.name());
+        let event = on
+            .record_event(Some(flags))
+            .w()
+            .inspect_err(|_| self.watch.failed(call))?;
+        self.watch.track(event, what.name(), call);
         Ok(())
     }
 }

@@ -16,6 +16,10 @@ impl Collective for NcclCollective {
         self.world
     }
 
+    fn recorder(&self) -> Option<&crate::collective::recorder::FlightRecorder> {
+        Some(self.watch.recorder())
+    }
+
     /// Fails once the communicator was aborted (a collective that did not complete in time, a
     /// CUDA error, an asynchronous NCCL error, a failed call) while collectives enqueued before
     /// were not known complete: conservatively, one that completed in the last 10 ms before the
@@ -228,7 +232,13 @@ impl Collective for NcclCollective {
                 return Err(f.error("split", self.rank));
             }
         };
-        let sub = Self::start(child, self.device.clone(), rank, world, self.watch.timeout)?;
+        let sub = Self::start(
+            child,
+            self.device.clone(),
+            (rank, world),
+            self.watch.timeout,
+            None,
+        )?;
         Ok(Some(Arc::new(sub) as Arc<dyn Collective>))
     }
 }

@@ -5,12 +5,14 @@
 //! it marks the communicator broken (every later call fails with the reason) and aborts it.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaContext, CudaEvent};
 
 use super::raw::{NcclFail, Progress, RawComm};
+use crate::collective::recorder::{self, CallState, FlightRecorder};
 
 /// Why a call on the communicator failed.
 #[derive(Debug)]
@@ -21,8 +23,8 @@ pub(super) enum CallError {
     Nccl(NcclFail),
 }
 
-/// A collective on the stream, not yet known complete.
-type Enqueued = (CudaEvent, Instant, &'static str);
+/// A collective on the stream, not yet known complete, with its call number.
+type Enqueued = (CudaEvent, Instant, &'static str, u64);
 
 /// One communicator and what is known about it.
 pub(super) struct Watch {
@@ -35,6 +37,13 @@ pub(super) struct Watch {
     /// Set with `broken` when collectives enqueued before were not known complete then: their
     /// outputs may never have been written.
     lost: Mutex<bool>,
+    /// The flight recorders this communicator can read: its own at `slot`, and for the ranks
+    /// of an [`super::NcclGroup`] (one process) every rank's, which name the ranks behind a
+    /// timeout.
+    recorders: Arc<[FlightRecorder]>,
+    slot: usize,
+    /// The number of the next collective enqueued (every rank numbers its calls alike).
+    next_call: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -49,6 +58,7 @@ impl Watch {
         rank: usize,
         timeout: Duration,
         ctx: Arc<CudaContext>,
+        (recorders, slot): (Arc<[FlightRecorder]>, usize),
     ) -> Arc<Self> {
         let watch = Arc::new(Self {
             comm: Mutex::new(Some(comm)),
@@ -57,6 +67,9 @@ impl Watch {
             pending: Mutex::new(VecDeque::new()),
             broken: Mutex::new(None),
             lost: Mutex::new(false),
+            recorders,
+            slot,
+            next_call: AtomicU64::new(0),
         });
         let weak: Weak<Watch> = Arc::downgrade(&watch);
         let spawned = std::thread::Builder::new()
@@ -99,9 +112,47 @@ impl Watch {
             let mut pending = lock(&self.pending);
             *lock(&self.lost) = !pending.is_empty();
             // Their events belong to a communicator that is being aborted: nothing to watch.
+            for &(_, _, _, call) in pending.iter() {
+                self.failed(call);
+            }
             pending.clear();
+            log::error!(
+                "{}",
+                self.recorder()
+                    .dump(&format!("nccl rank {} ({why})", self.rank))
+            );
             *broken = Some(why);
         }
+    }
+
+    /// This communicator's flight recorder.
+    pub fn recorder(&self) -> &FlightRecorder {
+        &self.recorders[self.slot]
+    }
+
+    /// Numbers and records a collective about to be enqueued; its number.
+    pub fn begin(&self, op: &'static str, dtype: candle_core::DType, elems: usize) -> u64 {
+        let call = self.next_call.fetch_add(1, Ordering::Relaxed);
+        self.recorder().enqueue(call, op, Some(dtype), elems);
+        call
+    }
+
+    /// Records call `call` as failed (NCCL refused it, or the communicator was broken).
+    pub fn failed(&self, call: u64) {
+        self.recorder().mark(call, CallState::Failed);
+    }
+
+    /// The ranks of this process's group that never enqueued call `call` (`op`), and where
+    /// each stopped: empty for a communicator that sees no other rank's recorder.
+    fn behind(&self, op: &str, call: u64) -> Vec<String> {
+        (0..self.recorders.len())
+            .filter(|&q| q != self.slot)
+            .filter_map(|q| {
+                let last = self.recorders[q].last();
+                let reached = last.as_ref().is_some_and(|r| r.call >= call);
+                (!reached).then(|| recorder::behind(q, op, call, last.as_ref()))
+            })
+            .collect()
     }
 
     /// Marks the communicator broken and aborts it (at once if no call holds it, else as soon
@@ -211,13 +262,15 @@ impl Watch {
     /// asynchronous error the watchdog saw meanwhile), `mark` could not count the collective
     /// among the unconfirmed ones: it is counted lost here. `broken` is taken first, as in
     /// `mark`, so that one of the two always sees the other.
-    pub fn track(&self, event: CudaEvent, op: &'static str) {
+    pub fn track(&self, event: CudaEvent, op: &'static str, call: u64) {
         let broken = lock(&self.broken);
         if broken.is_some() {
             *lock(&self.lost) = true;
+            self.failed(call);
             return;
         }
-        lock(&self.pending).push_back((event, Instant::now(), op));
+        self.recorder().mark(call, CallState::Started);
+        lock(&self.pending).push_back((event, Instant::now(), op, call));
     }
 
     /// One pass of the watchdog: NCCL's asynchronous error (when no call holds the
@@ -244,7 +297,7 @@ impl Watch {
             return;
         }
         let mut pending = lock(&self.pending);
-        while let Some((event, started, op)) = pending.front() {
+        while let Some(&(ref event, started, op, call)) = pending.front() {
             // A context that cannot be bound (a sticky error, such as a kernel's illegal
             // address, recorded by cudarc) is that error, not the query's "no context".
             let status = match ctx.bind_to_thread() {
@@ -254,14 +307,23 @@ impl Watch {
             };
             let why = match status {
                 cu::CUresult::CUDA_SUCCESS => {
+                    self.recorder().mark(call, CallState::Completed);
                     pending.pop_front();
                     continue;
                 }
                 cu::CUresult::CUDA_ERROR_NOT_READY if started.elapsed() <= self.timeout => break,
-                cu::CUresult::CUDA_ERROR_NOT_READY => format!(
-                    "rank {}: {op} did not complete within {:?}; the communicator was aborted",
-                    self.rank, self.timeout
-                ),
+                cu::CUresult::CUDA_ERROR_NOT_READY => {
+                    let behind = self.behind(op, call);
+                    format!(
+                        "rank {}: {op} #{call} did not complete within {:?}{}; the communicator was aborted",
+                        self.rank,
+                        self.timeout,
+                        match behind.is_empty() {
+                            true => String::new(),
+                            false => format!(" ({})", behind.join("; ")),
+                        }
+                    )
+                }
                 e => format!(
                     "rank {}: CUDA error {e:?} while waiting for {op}; the communicator was aborted",
                     self.rank
