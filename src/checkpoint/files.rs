@@ -12,7 +12,7 @@ pub(super) fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> cand
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file of a unique name in the same
-/// directory ([`temp_beside`]), `fsync`, rename, `fsync` of the directory. A kill at any point
+/// directory (`.<file name>.<random>.tmp`), `fsync`, rename, `fsync` of the directory. A kill at any point
 /// leaves the old file or the new one, whole; two writers to one folder never share a
 /// temporary file. For a run's other outputs (metrics, charts) beside its checkpoints.
 ///

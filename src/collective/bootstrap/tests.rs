@@ -908,6 +908,14 @@ fn rank_0_listens_when_master_addr_is_dual_stack() {
         assert!(reached.is_ok(), "{addrs:?}: no listener for IPv4 clients");
         drop(ls);
     }
+    // A port another process holds for IPv4: the dual-stack wildcard conflicts with it (where
+    // IPv6 sockets are not IPv6-only by default, as on Linux unless `bindv6only` is set).
+    let v6_only =
+        std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|v| v.trim() == "1");
+    if v6_only {
+        eprintln!("net.ipv6.bindv6only = 1: IPv6 wildcards do not hold IPv4 ports here");
+        return;
+    }
     let other = TcpListener::bind(("0.0.0.0", 0)).unwrap();
     let port = other.local_addr().unwrap().port();
     let e = server::listen_on(&[SocketAddr::from((v6, port))], false)
