@@ -33,6 +33,12 @@ for hang in all_reduce dup; do
     fi
     echo "$out" | grep -q "timed out after 2s in $hang; aborting the MPI job" ||
         { echo "FAIL: no timeout message"; exit 1; }
+    # The flight recorder's lines follow the message: the stuck all-reduce, never agreed on.
+    if [ "$hang" = all_reduce ]; then
+        echo "$out" | grep -q "mpi rank 0: the last 1 collectives" &&
+            echo "$out" | grep -q "all_reduce #0, enqueued, enqueued at" ||
+            { echo "FAIL: no flight record of the stuck call"; exit 1; }
+    fi
     [ "$took" -lt 45 ] || { echo "FAIL: the job took ${took} s"; exit 1; }
     echo "ok   a rank that never reaches the $hang aborts the job (status $rc after ${took} s)"
 done

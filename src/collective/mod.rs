@@ -31,12 +31,13 @@
 //! backend; PyTorch's is `init_process_group`'s `timeout` argument), and have a
 //! `*_with_timeout` constructor.
 //!
-//! **Hang reports.** Every `ThreadGroup` and NCCL rank keeps a flight recorder of its last
+//! **Hang reports.** Every rank of every backend keeps a flight recorder of its last
 //! collectives ([`recorder`]: call number, op, dtype, element count, state, times;
 //! `CANDLE_DISTRIBUTED_RECORDER` records, 64 by default; `Collective::recorder`). On a timeout
 //! a thread rank logs every rank's recorder (`log::error!`), an NCCL rank its own when its
-//! communicator is aborted; where the ranks share a process (`ThreadGroup`, `NcclGroup`) the
-//! error names the ranks behind and where they stopped:
+//! communicator is aborted, an MPI rank prints its own before it aborts the job; where the
+//! ranks share a process (`ThreadGroup`, `NcclGroup`) the error names the ranks behind and
+//! where they stopped:
 //!
 //! ```text
 //! threads all_reduce (call #2) on rank 0: timed out after 2s waiting for ranks [2]: rank 2 never
@@ -47,8 +48,8 @@
 //! (`tests/errors.rs::a_timeout_names_where_the_laggard_stopped`; on the simulated NCCL,
 //! `tests/nccl_faults.rs::a_hang_report_names_the_rank_behind`: "all_reduce #1 did not complete
 //! within 2s (rank 1 never reached all_reduce #1; its last collective: all_reduce #0 …)").
-//! Not yet: NCCL ranks in separate processes name only their own stuck call (publishing each
-//! rank's progress through torchrun's store is not built), and MPI ranks keep no recorder.
+//! Not yet: ranks in separate processes (NCCL under a launcher, MPI) report only their own
+//! calls: publishing each rank's progress (through torchrun's store) is not built.
 //!
 //! Rules for every backend: every rank issues the same collectives in the same order.
 //! ThreadGroup reduces once, in rank order, so every rank gets bitwise the same result; MPI and
@@ -159,7 +160,7 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
 
     /// This rank's flight recorder: its last collectives on this communicator, which a timeout
     /// logs and names the ranks behind from ([`recorder`]); `None` for a backend without one
-    /// (the default; `ThreadGroup` and NCCL ranks have one, MPI ranks not yet).
+    /// (the default; every backend of this crate has one).
     fn recorder(&self) -> Option<&recorder::FlightRecorder> {
         None
     }

@@ -156,6 +156,19 @@ impl FlightRecorder {
         }
     }
 
+    /// Moves call `call` from `Started` to `Completed` (a backend that learns of a call's end
+    /// only when the next one begins); any other state stays.
+    pub fn settle(&self, call: u64) {
+        let t = self.now();
+        let mut ring = self.lock();
+        if let Some(r) = ring.iter_mut().rev().find(|r| r.call == call) {
+            if r.state == CallState::Started {
+                r.state = CallState::Completed;
+                r.ended = Some(t);
+            }
+        }
+    }
+
     /// The records, oldest first.
     pub fn records(&self) -> Vec<CallRecord> {
         self.lock().iter().cloned().collect()
@@ -228,6 +241,19 @@ mod tests {
                 "rank 1 never reached broadcast #9; its last collective: all_reduce #4"
             ),
             "{line}"
+        );
+        // `settle` completes a started call only.
+        r.settle(4);
+        r.mark(3, CallState::Failed);
+        r.settle(3);
+        let states: Vec<_> = r.records().iter().map(|c| c.state).collect();
+        assert_eq!(
+            states,
+            [
+                CallState::Completed,
+                CallState::Failed,
+                CallState::Completed
+            ]
         );
         let none = FlightRecorder::new(0);
         none.enqueue(0, "barrier", None, 0);

@@ -23,6 +23,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
+use super::recorder::{CallState, FlightRecorder};
 use super::round::Wire;
 use super::{
     all_reduce_cast, all_reduce_concatenated, check_parts, check_wire, scatter_rows, Collective,
@@ -103,7 +104,7 @@ fn abort_job(comm: &SimpleCommunicator) -> ! {
 /// `comm`.
 fn poll(
     comm: &SimpleCommunicator,
-    rank: usize,
+    (rank, recorder): (usize, Option<&FlightRecorder>),
     timeout: Duration,
     op: &str,
     mut done: impl FnMut() -> bool,
@@ -112,9 +113,12 @@ fn poll(
     let mut spins = 0u32;
     while !done() {
         if Instant::now() >= deadline {
-            let why = format!(
+            let mut why = format!(
                 "mpi: rank {rank} timed out after {timeout:?} in {op}; aborting the MPI job (a collective cannot be cancelled)"
             );
+            if let Some(r) = recorder {
+                why = format!("{why}\n{}", r.dump(&format!("mpi rank {rank}")));
+            }
             // On stderr as well as through `log`: the process ends next, whatever logger the
             // application installed.
             log::error!("{why}");
@@ -152,7 +156,7 @@ fn duplicate(comm: &SimpleCommunicator, rank: usize, timeout: Duration) -> Simpl
     }
     // SAFETY: MPI_Comm_idup succeeded, so it wrote the request handle.
     let mut req = unsafe { req.assume_init() };
-    poll(comm, rank, timeout, "dup", || {
+    poll(comm, (rank, None), timeout, "dup", || {
         let mut flag: std::os::raw::c_int = 0;
         // SAFETY: `req` is the live request of the idup (MPI sets it to MPI_REQUEST_NULL once
         // complete, after which the loop stops); the call is made under `MPI_CALLS`.
@@ -256,6 +260,11 @@ struct MpiCollective {
     worker: Worker,
     /// Set on every rank alike when the ranks disagreed on a call: later calls fail with it.
     broken: Mutex<Option<String>>,
+    /// The last collectives, printed with a timeout before the job is aborted. A call is
+    /// recorded when its ranks agree on it, and completed when the next one begins.
+    recorder: FlightRecorder,
+    /// The number of the next agreement (every rank numbers its calls alike).
+    next_call: std::sync::atomic::AtomicU64,
     _env: Arc<Env>,
 }
 
@@ -302,6 +311,8 @@ impl MpiCollective {
             async_comm,
             worker: Worker::default(),
             broken: Mutex::new(None),
+            recorder: FlightRecorder::from_env(),
+            next_call: std::sync::atomic::AtomicU64::new(0),
             _env: env,
         }
     }
@@ -324,15 +335,19 @@ impl MpiCollective {
     /// Polls `req` until it completes; on timeout prints why and aborts the MPI job.
     fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, op: &str, req: Request<'a, D, S>) {
         let mut req = Some(req);
-        poll(&self.comm, self.rank, self.timeout, op, || {
-            match locked(|| req.take().expect("polled until done").test()) {
+        poll(
+            &self.comm,
+            (self.rank, Some(&self.recorder)),
+            self.timeout,
+            op,
+            || match locked(|| req.take().expect("polled until done").test()) {
                 Ok(_) => true,
                 Err(r) => {
                     req = Some(r);
                     false
                 }
-            }
-        });
+            },
+        );
     }
 
     /// The error of a call on a group a mismatch has broken.
@@ -367,6 +382,30 @@ impl MpiCollective {
         local: std::result::Result<(), String>,
     ) -> Result<()> {
         self.check_broken(op)?;
+        // Calls on one communicator run one after another: this one's start ends the last.
+        let call = self
+            .next_call
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Some(last) = call.checked_sub(1) {
+            self.recorder.settle(last);
+        }
+        self.recorder.enqueue(call, op, None, 0);
+        let agreed = self.agree_on(op, desc, local);
+        let state = match agreed {
+            Ok(()) => CallState::Started,
+            Err(_) => CallState::Failed,
+        };
+        self.recorder.mark(call, state);
+        agreed
+    }
+
+    /// [`Self::agree`]'s all-gather of every rank's descriptor and verdict, and their judgement.
+    fn agree_on(
+        &self,
+        op: &'static str,
+        desc: [i64; 4],
+        local: std::result::Result<(), String>,
+    ) -> Result<()> {
         let mine = [desc[0], desc[1], desc[2], desc[3], i64::from(local.is_ok())];
         let mut all = vec![0i64; 5 * self.world];
         mpi::request::scope(|scope| {

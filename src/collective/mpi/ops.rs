@@ -18,6 +18,10 @@ impl Collective for MpiCollective {
         self.world
     }
 
+    fn recorder(&self) -> Option<&super::super::recorder::FlightRecorder> {
+        Some(&self.recorder)
+    }
+
     /// All-reduce on the host, after the ranks agree on the call.
     ///
     /// # Errors
