@@ -371,10 +371,10 @@ impl MpiCollective {
 
     /// The ranks agree on a call before anything else happens: every rank's descriptor
     /// `[op, dtype, shape, extra]` and the verdict of its own argument checks (`local`) travel
-    /// in one all-gather. Descriptors that differ make the call a mismatch on every rank and
-    /// mark the group broken, so that later calls fail too; otherwise a rank whose check failed
-    /// makes the call an error on every rank (the group stays usable: every rank skipped the
-    /// same call).
+    /// in one all-gather. A rank whose check failed makes the call an error on every rank (the
+    /// group stays usable: every rank skips the same call); otherwise descriptors that differ
+    /// make the call a mismatch on every rank and mark the group broken, so that later calls
+    /// fail too.
     fn agree(
         &self,
         op: &'static str,
@@ -390,7 +390,8 @@ impl MpiCollective {
             self.recorder.settle(last);
         }
         self.recorder.enqueue(call, op, None, 0);
-        let agreed = self.agree_on(op, desc, local);
+        let mine = [desc[0], desc[1], desc[2], desc[3], i64::from(local.is_ok())];
+        let agreed = self.agree_on(op, mine, local.err());
         let state = match agreed {
             Ok(()) => CallState::Started,
             Err(_) => CallState::Failed,
@@ -399,14 +400,9 @@ impl MpiCollective {
         agreed
     }
 
-    /// [`Self::agree`]'s all-gather of every rank's descriptor and verdict, and their judgement.
-    fn agree_on(
-        &self,
-        op: &'static str,
-        desc: [i64; 4],
-        local: std::result::Result<(), String>,
-    ) -> Result<()> {
-        let mine = [desc[0], desc[1], desc[2], desc[3], i64::from(local.is_ok())];
+    /// [`Self::agree`]'s all-gather of every rank's descriptor and verdict (`mine`; `refused`:
+    /// why this rank's own check failed), and their judgement.
+    fn agree_on(&self, op: &'static str, mine: [i64; 5], refused: Option<String>) -> Result<()> {
         let mut all = vec![0i64; 5 * self.world];
         mpi::request::scope(|scope| {
             let req = locked(|| {
@@ -420,9 +416,9 @@ impl MpiCollective {
         // call fails everywhere and the group stays usable.
         let failed: Vec<usize> = (0..self.world).filter(|r| all[5 * r + 4] == 0).collect();
         if !failed.is_empty() {
-            let here = match local {
-                Err(why) => format!("; here: {why}"),
-                Ok(()) => String::new(),
+            let here = match refused {
+                Some(why) => format!("; here: {why}"),
+                None => String::new(),
             };
             return Err(invalid(
                 op,
