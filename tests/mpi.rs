@@ -178,6 +178,22 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
             .clamp(-64.0, 63.0)?
             .affine(1.0, 0.0)?)
     };
+    // The parts laid end to end; a fresh subgroup of every rank (a mismatch breaks one); a
+    // call's error text, empty when it succeeded.
+    let concat = |parts: &[Tensor]| -> Result<Tensor> {
+        let flat = parts
+            .iter()
+            .map(Tensor::flatten_all)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&flat, 0)?)
+    };
+    let fresh = || -> Result<Arc<dyn Collective>> {
+        Ok(comm
+            .split(Some(0), comm.rank() as u32)?
+            .expect("every rank joins"))
+    };
+    let error_of =
+        |r: candle_core::Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
     for dtype in [DType::F32, DType::F64] {
         let parts = vec![
             whole(1, &[70_000])?.to_dtype(dtype)?,        // in place
@@ -187,11 +203,7 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
             whole(5, &[1 << 16])?.to_dtype(dtype)?, // in place, at the threshold
             whole(6, &[3, 5])?.to_dtype(dtype)?,    // copied, last
         ];
-        let flat = parts
-            .iter()
-            .map(Tensor::flatten_all)
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let flat = Tensor::cat(&flat, 0)?;
+        let flat = concat(&parts)?;
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
             let got = comm.all_reduce_parts(&parts, op, None)?;
             let want = comm.all_reduce(&flat, op)?;
@@ -212,29 +224,21 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
         }
     }
     // Rank 1 passes the same parts in another order: the same total, other MPI calls.
-    let g = comm
-        .split(Some(0), comm.rank() as u32)?
-        .expect("every rank joins");
+    let g = fresh()?;
     let (big, small) = (whole(7, &[1 << 16])?, whole(8, &[5])?);
     let parts = if comm.rank() == 1 {
         [small, big]
     } else {
         [big, small]
     };
-    let err = g
-        .all_reduce_parts(&parts, ReduceOp::Sum, None)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = error_of(g.all_reduce_parts(&parts, ReduceOp::Sum, None));
     ensure!(
         err.contains("every rank must call the same collective"),
         "parts that differ between ranks: {err:?}"
     );
     // Parts that differ only in layout (rank 1's large part a strided view of the same
     // values): the same MPI calls on every rank, and the concatenation's sum.
-    let g = comm
-        .split(Some(0), comm.rank() as u32)?
-        .expect("every rank joins");
+    let g = fresh()?;
     let big = whole(9, &[256, 256])?;
     let big = if comm.rank() == 1 {
         big.t()?.contiguous()?.t()?
@@ -243,13 +247,7 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     };
     ensure!(big.is_contiguous() == (comm.rank() != 1));
     let parts = [whole(10, &[7])?, big, whole(11, &[3])?];
-    let flat = Tensor::cat(
-        &parts
-            .iter()
-            .map(Tensor::flatten_all)
-            .collect::<candle_core::Result<Vec<_>>>()?,
-        0,
-    )?;
+    let flat = concat(&parts)?;
     let got = g.all_reduce_parts(&parts, ReduceOp::Sum, None)?;
     let want = g.all_reduce(&flat, ReduceOp::Sum)?;
     ensure!(
@@ -263,11 +261,7 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     } else {
         vec![whole(12, &[5])?]
     };
-    let err = g
-        .all_reduce_parts(&parts, ReduceOp::Sum, None)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = error_of(g.all_reduce_parts(&parts, ReduceOp::Sum, None));
     ensure!(
         err.contains("invalid arguments on rank(s) [2]"),
         "bad parts on rank 2: {err:?}"

@@ -2,7 +2,8 @@
 //! torchrun sets `OMP_NUM_THREADS=1` for PyTorch when it starts several processes per machine.
 //! Otherwise every thread rank (or every process) would start a pool of one thread per core,
 //! and with 4 ranks on 2 cores the pools' threads spin waiting for each other: the main job
-//! trained at 443 images/s that way against 673 with one thread per rank (docs/benchmarks.md).
+//! trained at 561–563 images/s that way against 823–837 with one thread per rank
+//! (docs/benchmarks.md).
 
 use std::env;
 

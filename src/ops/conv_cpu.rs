@@ -17,7 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 use gemm::Parallelism;
 
-use crate::device::cpu::{chunks_on_pool_for, pool_threads, simd_fn, slice, Elem};
+use crate::device::cpu::{chunks_on_pool_for, pool_threads, simd_fn, slice, written, Elem};
 
 /// The shapes of one convolution: `x` `(n, c, h, w)`, `w` `(co, c, k, k)`, `y` `(n, co, oh, ow)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -275,28 +275,32 @@ unsafe fn product<T: WithDType>(
 /// The forward: `y_n (co, oh·ow) = w (co, c·k·k) · im2col(x_n)` for every sample.
 fn forward<T: Elem>(g: &Geometry, x: &[T], w: &[T]) -> Vec<T> {
     let (rows, cols, out) = (g.rows(), g.cols(), g.co * g.cols());
-    let mut y = vec![T::zero(); g.n * out];
     let par = g.parallelism();
-    chunks_on_pool_for(&mut y, g.per_group() * out, g.work(), |gi, ys| {
-        let (mut patches, mut buf) = (vec![T::zero(); rows * cols], g.pad_buffer());
-        for (n, yn) in g.group(gi).zip(ys.chunks_exact_mut(out)) {
-            let xn = g.padded(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut buf);
-            im2col(g, xn, &mut patches);
-            let (r, c) = (rows as isize, cols as isize);
-            // SAFETY: yn is (co, cols) contiguous, w (co, rows), patches (rows, cols).
-            unsafe {
-                product(
-                    (g.co, cols, rows),
-                    (yn.as_mut_ptr(), c, 1),
-                    (w.as_ptr(), r, 1),
-                    (patches.as_ptr(), c, 1),
-                    false,
-                    par,
-                )
+    // Written by the products alone (no zero-fill first): every sample's `(co, cols)` block,
+    // and the blocks cover the output.
+    written(g.n * out, |y| {
+        chunks_on_pool_for(y, g.per_group() * out, g.work(), |gi, ys| {
+            let (mut patches, mut buf) = (vec![T::zero(); rows * cols], g.pad_buffer());
+            for (n, yn) in g.group(gi).zip(ys.chunks_exact_mut(out)) {
+                let xn = g.padded(&x[n * g.x_len()..(n + 1) * g.x_len()], &mut buf);
+                im2col(g, xn, &mut patches);
+                let (r, c) = (rows as isize, cols as isize);
+                // SAFETY: yn is (co, cols) contiguous, w (co, rows), patches (rows, cols); a
+                // product that does not accumulate writes every element of its destination
+                // without reading it, so uninitialised memory is fine there.
+                unsafe {
+                    product(
+                        (g.co, cols, rows),
+                        (yn.as_mut_ptr().cast::<T>(), c, 1),
+                        (w.as_ptr(), r, 1),
+                        (patches.as_ptr(), c, 1),
+                        false,
+                        par,
+                    )
+                }
             }
-        }
-    });
-    y
+        })
+    })
 }
 
 /// The input's gradient: `dx_n = col2im(wᵀ (c·k·k, co) · dy_n (co, oh·ow))`.

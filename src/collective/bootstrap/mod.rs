@@ -115,6 +115,7 @@ fn secret_from(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Secret>> 
             bail!("bootstrap: both {SECRET_VAR} and {SECRET_FILE_VAR} are set: set one")
         }
         (Some(text), None) => {
+            let text = zeroize::Zeroizing::new(text);
             Secret::from_text(&text, &format!("environment variable {SECRET_VAR}")).map(Some)
         }
         (None, Some(path)) => {

@@ -256,20 +256,7 @@ fn a_client_one_rendezvous_ahead_waits_for_it() {
 /// A server that announces a huge payload is refused by the client before any allocation.
 #[test]
 fn an_oversized_length_is_refused() {
-    let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
-    let port = l.local_addr().unwrap().port();
-    // Detached: it answers every connection of the retrying client until the test ends.
-    std::thread::spawn(move || {
-        for c in l.incoming() {
-            let Ok(mut c) = c else { return };
-            let mut hello = [0u8; HELLO];
-            let _ = c.read_exact(&mut hello);
-            let mut reply = MAGIC.to_vec();
-            reply.push(OK);
-            reply.extend(u32::MAX.to_le_bytes());
-            let _ = c.write_all(&reply);
-        }
-    });
+    let port = fake_rank_0(oversized_answer());
     let err = share_bytes_round(&env(1, 2, port), 0, None, Duration::from_millis(400))
         .unwrap_err()
         .to_string();
@@ -586,17 +573,7 @@ fn a_rank_trusts_only_a_rank_0_that_proves_the_secret() {
             assert!(root.join().unwrap().is_err(), "rank 0 served nobody");
         });
     }
-    let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
-    let port = l.local_addr().unwrap().port();
-    // Detached: it refuses every connection of the retrying client until the test ends.
-    std::thread::spawn(move || {
-        for c in l.incoming() {
-            let Ok(mut c) = c else { return };
-            let mut hello = [0u8; HELLO];
-            let _ = c.read_exact(&mut hello);
-            let _ = c.write_all(&wire::frame(REFUSED, b"forged verdict"));
-        }
-    });
+    let port = fake_rank_0(wire::frame(REFUSED, b"forged verdict"));
     let t = Instant::now();
     let e = share_bytes_round(
         &env_secret(1, 2, port, Some(SECRET)),
@@ -616,29 +593,40 @@ fn a_rank_trusts_only_a_rank_0_that_proves_the_secret() {
     );
 }
 
+/// A stranger listening on a free local port that reads each client's hello and sends
+/// `answer`; detached: it answers every connection of a retrying client until the test ends.
+/// Its port.
+fn fake_rank_0(answer: Vec<u8>) -> u16 {
+    let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let mut hello = [0u8; HELLO];
+            let _ = c.read_exact(&mut hello);
+            let _ = c.write_all(&answer);
+        }
+    });
+    port
+}
+
+/// An answer that announces a payload of `u32::MAX` bytes.
+fn oversized_answer() -> Vec<u8> {
+    let mut reply = MAGIC.to_vec();
+    reply.push(OK);
+    reply.extend(u32::MAX.to_le_bytes());
+    reply
+}
+
 /// A stranger on rank 0's address answering with terminal escapes, line breaks and kilobytes
 /// of text: the error quotes at most 200 bytes of it, escaped. With a secret, not even an
 /// oversized frame ends the start-up before the timeout; without one (a trusted network) the
 /// refusal is final at once.
 #[test]
 fn peer_text_is_escaped_and_bounded_and_never_final_with_a_secret() {
-    let fake = |answer: Vec<u8>| {
-        let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
-        let port = l.local_addr().unwrap().port();
-        // Detached: it answers every connection of the retrying client until the test ends.
-        std::thread::spawn(move || {
-            for c in l.incoming() {
-                let Ok(mut c) = c else { return };
-                let mut hello = [0u8; HELLO];
-                let _ = c.read_exact(&mut hello);
-                let _ = c.write_all(&answer);
-            }
-        });
-        port
-    };
     let mut text = b"\x1b]0;owned\x07\nset CANDLE_DISTRIBUTED_SECRET=x ".to_vec();
     text.extend(std::iter::repeat_n(b'A', 5000));
-    let port = fake(wire::frame(REFUSED, &text));
+    let port = fake_rank_0(wire::frame(REFUSED, &text));
     let t = Instant::now();
     let e = share_bytes_round(&env(1, 2, port), 0, None, LONG)
         .unwrap_err()
@@ -657,10 +645,7 @@ fn peer_text_is_escaped_and_bounded_and_never_final_with_a_secret() {
     );
     let message = e.lines().next().unwrap();
     assert!(message.len() < 400, "{} bytes: {message}", message.len());
-    let mut oversized = MAGIC.to_vec();
-    oversized.push(OK);
-    oversized.extend_from_slice(&u32::MAX.to_le_bytes());
-    let port = fake(oversized);
+    let port = fake_rank_0(oversized_answer());
     let t = Instant::now();
     let e = share_bytes_round(
         &env_secret(1, 2, port, Some(SECRET)),
