@@ -15,7 +15,6 @@
 mod common;
 
 use std::io::Read;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -643,23 +642,21 @@ fn blocking_mode_from_the_environment_is_refused() {
 /// The same setting in the file `NCCL_CONF_FILE` names.
 #[test]
 fn blocking_mode_from_a_conf_file_is_refused() {
-    let conf = std::env::temp_dir().join(format!("nccl-blocking-{}.conf", std::process::id()));
-    std::fs::write(&conf, "# set by a test\nNCCL_COMM_BLOCKING=1\n").unwrap();
-    let path: PathBuf = conf.clone();
+    let conf = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(conf.path(), "# set by a test\nNCCL_COMM_BLOCKING=1\n").unwrap();
     in_child(
         "child_blocking_mode_is_refused",
         &[
-            ("NCCL_CONF_FILE", path.to_str().unwrap()),
+            ("NCCL_CONF_FILE", conf.path().to_str().unwrap()),
             ("GPU_SIM_NCCL_FAULTS", "init-never:rank=1"),
         ],
         LIMIT,
     );
-    let _ = std::fs::remove_file(conf);
 }
 
-/// Blocking mode from a source the crate cannot read ahead (the simulation forces it): every
-/// rank arrives, NCCL's start-up completes synchronously, and the crate still refuses, since
-/// no timeout or abort could hold later.
+/// Blocking mode from a source the crate cannot read (the simulation forces it, as an NCCL
+/// environment plugin could): every rank arrives, and the crate still refuses, since no
+/// timeout or abort could hold later.
 #[test]
 fn blocking_mode_seen_only_at_start_up_is_refused() {
     in_child(
@@ -667,6 +664,57 @@ fn blocking_mode_seen_only_at_start_up_is_refused() {
         &[("GPU_SIM_NCCL_FAULTS", "blocking")],
         LIMIT,
     );
+}
+
+/// (Fault review N5.) The same unseen source with a rank that never arrives: a start-up in
+/// blocking mode would wait inside NCCL forever; NCCL's answer to the crate's one-rank probe
+/// refuses it before any peer is needed.
+#[test]
+fn blocking_mode_from_an_unseen_source_with_a_rank_missing_is_refused() {
+    in_child(
+        "child_blocking_mode_is_refused",
+        &[("GPU_SIM_NCCL_FAULTS", "blocking;init-never:rank=1")],
+        LIMIT,
+    );
+}
+
+#[test]
+#[ignore = "run by the process tests, as one rank of several processes"]
+fn child_process_rank_refusing_blocking_mode() {
+    if !is_child() {
+        return;
+    }
+    let t0 = Instant::now();
+    let err = NcclCollective::from_env_with_timeout(TIMEOUT)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blocking mode"), "{err}");
+    assert!(t0.elapsed() < SLACK, "took {:?}", t0.elapsed());
+    println!("refused at once: {err}");
+}
+
+/// (Fault review N5.) A configuration file whose first line asks for blocking mode and whose
+/// second line does not: NCCL takes the first. Every rank, not only rank 0 (whose
+/// `ncclGetUniqueId` made NCCL read the file), is refused at once with the same error; none
+/// waits for the refused rank 0.
+#[test]
+fn blocking_mode_from_a_conf_file_is_refused_on_every_rank() {
+    let conf = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(conf.path(), "NCCL_COMM_BLOCKING=1\nNCCL_COMM_BLOCKING=0\n").unwrap();
+    let Some(out) = as_processes(
+        "child_process_rank_refusing_blocking_mode",
+        2,
+        &[("NCCL_CONF_FILE", conf.path().to_str().unwrap())],
+        LIMIT,
+    ) else {
+        return;
+    };
+    for (rank, (st, text)) in out.iter().enumerate() {
+        assert!(
+            st.success() && text.contains("refused at once"),
+            "rank {rank}: {st}\n{text}"
+        );
+    }
 }
 
 #[test]

@@ -98,6 +98,7 @@ ncclResult_t ncclGetVersion(int* version) {
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
     if (!id) return nccl::fail(ncclInvalidArgument, "ncclGetUniqueId: null pointer");
+    nccl::init_env();
     std::memset(id->internal, 0, sizeof id->internal);
     std::memcpy(id->internal, kIdMagic, 8);
     std::random_device rd;

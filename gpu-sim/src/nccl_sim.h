@@ -145,8 +145,14 @@ inline uint64_t mix64(uint64_t x) {
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
 }
-// NCCL_COMM_BLOCKING as NCCL finds it: the environment, then NCCL_CONF_FILE or
-// ~/.nccl.conf, then /etc/nccl.conf; or the injected `blocking`. -1 when unset.
+// NCCL's start-up reading of its configuration files, once per process, at the first call
+// that initialises NCCL (ncclGetUniqueId, a communicator's init): the lines of NCCL_CONF_FILE
+// (when set and not empty; else $HOME/.nccl.conf), then of /etc/nccl.conf, go into the
+// environment without overwriting what is there.
+void init_env();
+// NCCL_COMM_BLOCKING as NCCL finds it after init_env(), read once per process and parsed as
+// NCCL parses an integer parameter (strtoll, base 0; empty or out of range: unset); or the
+// injected `blocking`. -1 when unset, else 0 or 1.
 int blocking_override();
 
 // GPU_SIM_NCCL_PROGRESS, read once (nccl_progress.cpp): `shared` (default) lets every

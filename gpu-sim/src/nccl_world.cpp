@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -73,18 +74,20 @@ const std::vector<Fault>& faults() {
     return *f;
 }
 
-// NCCL_COMM_BLOCKING=value in a conf file (KEY=VALUE lines, '#' comments); -1 when absent.
-int from_conf(const std::string& path) {
+// One configuration file as NCCL reads it at start-up: each line NAME=VALUE (split at the
+// first '=', the name not trimmed, a trailing CR dropped) is put into the environment without
+// overwriting, so the environment wins over the files and, within a file, the first line over
+// later ones; '#' makes a comment only in the first column.
+void apply_conf(const std::string& path) {
     std::ifstream in(path);
     std::string line;
-    int v = -1;
     while (std::getline(in, line)) {
+        if (!line.empty() && line.back() == '\r') line.pop_back();
         if (line.empty() || line[0] == '#') continue;
         auto eq = line.find('=');
-        if (eq != std::string::npos && line.substr(0, eq) == "NCCL_COMM_BLOCKING")
-            v = std::atoi(line.c_str() + eq + 1);
+        if (eq == std::string::npos || eq == 0) continue;
+        setenv(line.substr(0, eq).c_str(), line.c_str() + eq + 1, 0);
     }
-    return v;
 }
 
 }  // namespace
@@ -192,14 +195,27 @@ const InProgress& in_progress_setting() {
 unsigned in_progress_rate() { return in_progress_setting().rate; }
 uint64_t in_progress_seed() { return in_progress_setting().seed; }
 
+void init_env() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        const char* f = std::getenv("NCCL_CONF_FILE");
+        if (f && *f) apply_conf(f);
+        else if (const char* h = std::getenv("HOME")) apply_conf(std::string(h) + "/.nccl.conf");
+        apply_conf("/etc/nccl.conf");
+    });
+}
+
 int blocking_override() {
     if (find_fault("blocking", -1, -1)) return 1;
-    if (const char* e = std::getenv("NCCL_COMM_BLOCKING")) return std::atoi(e);
-    std::string user;
-    if (const char* f = std::getenv("NCCL_CONF_FILE")) user = f;
-    else if (const char* h = std::getenv("HOME")) user = std::string(h) + "/.nccl.conf";
-    int v = user.empty() ? -1 : from_conf(user);
-    return v >= 0 ? v : from_conf("/etc/nccl.conf");
+    static const int v = [] {
+        init_env();
+        const char* e = std::getenv("NCCL_COMM_BLOCKING");
+        if (!e || !*e) return -1;
+        errno = 0;
+        long long x = std::strtoll(e, nullptr, 0);
+        return errno ? -1 : int(x != 0);
+    }();
+    return v;
 }
 
 bool live(const Comm* c) {

@@ -566,6 +566,85 @@ bool split_orders_by_key_and_nocolor_gets_none() {
     return true;
 }
 
+// In a child process that has made no NCCL call yet: writes `conf` to `dir`/`file`, sets
+// NCCL_CONF_FILE to `conf_var` (unset when null), HOME to `dir` and NCCL_COMM_BLOCKING to
+// `env` (unset when null), then asks NCCL for a one-rank non-blocking communicator in a group.
+// Exit status: bit 0 when ncclGroupEnd returned success (blocking), bit 1 when the environment
+// then lacks NCCL_COMM_BLOCKING=`visible` (null: not set).
+int mode_in_child(const std::string& dir, const char* file, const char* conf, const char* conf_var,
+                  const char* env, const char* visible) {
+    std::string path = dir + "/" + file;
+    if (FILE* f = std::fopen(path.c_str(), "w")) {
+        std::fputs(conf, f);
+        std::fclose(f);
+    }
+    pid_t kid = fork();
+    if (kid == 0) {
+        if (conf_var) setenv("NCCL_CONF_FILE", conf_var, 1);
+        else unsetenv("NCCL_CONF_FILE");
+        setenv("HOME", dir.c_str(), 1);
+        if (env) setenv("NCCL_COMM_BLOCKING", env, 1);
+        else unsetenv("NCCL_COMM_BLOCKING");
+        bind(0);
+        ncclUniqueId id;
+        ncclGetUniqueId(&id);
+        ncclComm_t c = nullptr;
+        ncclConfig cfg = nonblocking();
+        ncclGroupStart();
+        ncclCommInitRankConfig(&c, 1, id, 0, &cfg);
+        int end = ncclGroupEnd();
+        settle(c);
+        ncclCommAbort(c);
+        const char* seen = std::getenv("NCCL_COMM_BLOCKING");
+        bool as_expected = visible ? (seen && std::strcmp(seen, visible) == 0) : !seen;
+        _exit((end == kSuccess ? 1 : 0) | (as_expected ? 0 : 2));
+    }
+    int status = 0;
+    waitpid(kid, &status, 0);
+    std::remove(path.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 100;
+}
+
+// NCCL's configuration files, as NCCL reads them (each case in a fresh process, since NCCL
+// reads them once): the first line of a file wins, a name is not trimmed, '#' comments only
+// in the first column, the environment wins over the files, an empty NCCL_CONF_FILE means
+// ~/.nccl.conf, and the file's values are in the environment afterwards.
+bool conf_files_are_read_as_nccl_reads_them() {
+    char tmpl[] = "/tmp/gpusim-conf-XXXXXX";
+    std::string dir = mkdtemp(tmpl);
+    std::string named = dir + "/named.conf";
+    struct Case {
+        const char* what;
+        const char* file;
+        const char* conf;
+        const char* conf_var;  // "" or the named file
+        const char* env;
+        const char* visible;
+        int want;
+    } cases[] = {
+        {"the first line of a file wins", "named.conf", "NCCL_COMM_BLOCKING=1\nNCCL_COMM_BLOCKING=0\n",
+         named.c_str(), nullptr, "1", 1},
+        {"a name with a space is another variable", "named.conf", "NCCL_COMM_BLOCKING =1\n", named.c_str(),
+         nullptr, nullptr, 0},
+        {"'#' in the first column is a comment", "named.conf", "#NCCL_COMM_BLOCKING=1\n", named.c_str(),
+         nullptr, nullptr, 0},
+        {"the environment wins over a file", "named.conf", "NCCL_COMM_BLOCKING=1\n", named.c_str(), "0", "0", 0},
+        {"an empty NCCL_CONF_FILE means ~/.nccl.conf (CRLF line ends too)", ".nccl.conf",
+         "NCCL_COMM_BLOCKING=1\r\n", "", nullptr, "1", 1},
+        {"a named file replaces ~/.nccl.conf", ".nccl.conf", "NCCL_COMM_BLOCKING=1\n", named.c_str(),
+         nullptr, nullptr, 0},
+        {"values are parsed as integers in any base", "named.conf", "NCCL_COMM_BLOCKING=0x0\n", named.c_str(),
+         nullptr, "0x0", 0},
+    };
+    for (const Case& c : cases) {
+        int got = mode_in_child(dir, c.file, c.conf, c.conf_var, c.env, c.visible);
+        EXPECT(got == c.want, "%s: child status %d, wanted %d (bit 0: blocking, bit 1: environment)", c.what,
+               got, c.want);
+    }
+    rmdir(dir.c_str());
+    return true;
+}
+
 bool a_killed_peer_process_is_a_remote_error() {
     ncclUniqueId id;
     ncclGetUniqueId(&id);
@@ -605,8 +684,10 @@ bool a_killed_peer_process_is_a_remote_error() {
 
 int main() {
     cuInit(0);
-    // The fork first, before other tests leave threads behind.
+    // The forks first, before other tests leave threads behind; the configuration files' first,
+    // before any NCCL call of this process.
     const std::pair<const char*, std::function<bool()>> tests[] = {
+        {"conf_files_are_read_as_nccl_reads_them", conf_files_are_read_as_nccl_reads_them},
         {"a_killed_peer_process_is_a_remote_error", a_killed_peer_process_is_a_remote_error},
         {"a_nonblocking_group_init_is_in_progress_then_ready", a_nonblocking_group_init_is_in_progress_then_ready},
         {"collectives_compute_across_ranks", collectives_compute_across_ranks},

@@ -1,67 +1,83 @@
-//! Where NCCL would find `NCCL_COMM_BLOCKING`, read before the first NCCL call: NCCL applies it
-//! over a communicator's config, and blocking mode voids every timeout and abort of this
-//! backend (a call then waits inside NCCL, holding the communicator, out of the watchdog's
-//! reach). NCCL takes the environment first, then the lines `KEY=VALUE` of the file
-//! `NCCL_CONF_FILE` names (else `~/.nccl.conf`), then `/etc/nccl.conf`, each one not
-//! overriding what an earlier one set.
+//! Blocking mode, asked of NCCL itself. NCCL applies `NCCL_COMM_BLOCKING` over a
+//! communicator's config, from wherever NCCL finds it: the environment, its configuration files
+//! (with NCCL's own precedence and line syntax), or, in newer versions, an environment plugin.
+//! Blocking mode voids every timeout and abort of this backend (a call then waits inside NCCL,
+//! holding the communicator, out of the watchdog's reach; a missing rank hangs the job), so it
+//! is refused before any peer is contacted.
+//!
+//! The probe: a one-rank communicator with a fresh unique id, created with the non-blocking
+//! config inside a group. `ncclGroupEnd` returns "in progress" for a non-blocking group and
+//! success when NCCL has made the communicator blocking; it needs no peer, so it cannot hang on
+//! one. The verdict is taken once per process (NCCL reads the setting once per process too).
 
-use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use candle_core::cuda_backend::cudarc::driver::CudaContext;
+
+use super::raw::{unique_id, NcclFail, Progress, RawComm};
 
 const VAR: &str = "NCCL_COMM_BLOCKING";
 
-/// The value of `NCCL_COMM_BLOCKING` in a configuration file of `KEY=VALUE` lines (`#` starts
-/// a comment line); the last setting wins, as NCCL reads them in order.
-fn in_file(path: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
-    text.lines()
-        .filter(|l| !l.trim_start().starts_with('#'))
-        .filter_map(|l| l.split_once('='))
-        .filter(|(k, _)| k.trim() == VAR)
-        .map(|(_, v)| v.trim().to_string())
-        .next_back()
-}
+/// The probe's verdict: `Some(source)` when NCCL makes communicators blocking.
+static VERDICT: OnceLock<Option<String>> = OnceLock::new();
 
-fn blocking(value: &str) -> bool {
-    value.parse::<i64>().map_or(!value.is_empty(), |v| v != 0)
-}
-
-/// Where blocking mode is asked for (`"NCCL_COMM_BLOCKING=1 in the environment"`, or in a
-/// named file), or `None` when NCCL will honour the non-blocking config.
-pub(super) fn blocking_setting() -> Option<String> {
-    if let Ok(v) = std::env::var(VAR) {
-        return blocking(&v).then(|| format!("{VAR}={v} in the environment"));
+/// Refuses blocking mode, on NCCL's word (see the module docs): probes once per process on the
+/// GPU of `ctx`, within `timeout`; the same error on every rank where NCCL is set up alike.
+///
+/// # Errors
+/// `blocking` when NCCL makes communicators blocking; NCCL's or CUDA's error when the probe
+/// itself fails, or `probe` when it does not complete within `timeout`.
+pub(super) fn refuse_blocking_mode(ctx: &CudaContext, timeout: Duration) -> Result<(), NcclFail> {
+    let verdict = match VERDICT.get() {
+        Some(v) => v,
+        None => {
+            let v = probe(ctx, timeout)?;
+            VERDICT.get_or_init(|| v)
+        }
+    };
+    match verdict {
+        None => Ok(()),
+        Some(source) => Err(NcclFail::new(
+            "blocking",
+            format!("NCCL puts its communicators in blocking mode ({source}), under which a call waits inside NCCL where no timeout or abort can reach it (a missing rank would hang the job forever); this backend refuses it: unset {VAR} or set it to 0 where NCCL reads it (the environment, NCCL_CONF_FILE or ~/.nccl.conf, /etc/nccl.conf)"),
+        )),
     }
-    let user = std::env::var_os("NCCL_CONF_FILE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".nccl.conf")));
-    let files = user.into_iter().chain([PathBuf::from("/etc/nccl.conf")]);
-    for file in files {
-        if let Some(v) = in_file(&file) {
-            return blocking(&v).then(|| format!("{VAR}={v} in {}", file.display()));
+}
+
+/// One probe: `Some(where the setting was seen)` when NCCL made the one-rank communicator
+/// blocking, `None` when it honoured the non-blocking config.
+fn probe(ctx: &CudaContext, timeout: Duration) -> Result<Option<String>, NcclFail> {
+    let id = unique_id()?;
+    let (comms, end) = RawComm::start_group(&[ctx], 1, &id, &[0])?;
+    if end == Progress::Done {
+        drop(comms); // aborted
+        return Ok(Some(source()));
+    }
+    let deadline = Instant::now() + timeout;
+    for comm in &comms {
+        while comm.state()? == Progress::InProgress {
+            if Instant::now() >= deadline {
+                return Err(NcclFail::new(
+                    "probe",
+                    format!("a one-rank NCCL communicator, made to ask NCCL whether it runs in blocking mode, did not start within {timeout:?}"),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
-    None
+    drop(comms); // a one-rank communicator: aborted without waiting on anyone
+    Ok(None)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_conf_file_is_read_line_by_line() {
-        let dir = std::env::temp_dir().join(format!("nccl-conf-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let f = dir.join("nccl.conf");
-        std::fs::write(
-            &f,
-            "# NCCL_COMM_BLOCKING=1\nNCCL_DEBUG=WARN\nNCCL_COMM_BLOCKING = 0\n",
-        )
-        .unwrap();
-        assert_eq!(in_file(&f).as_deref(), Some("0"));
-        std::fs::write(&f, "NCCL_COMM_BLOCKING=1\n").unwrap();
-        assert_eq!(in_file(&f).as_deref(), Some("1"));
-        assert_eq!(in_file(&dir.join("absent")), None);
-        assert!(blocking("1") && blocking("yes") && !blocking("0") && !blocking(""));
-        std::fs::remove_dir_all(dir).unwrap();
+/// Where the setting came from, as far as this process can tell: NCCL copies the lines of its
+/// configuration files into the environment when it starts, so a value seen now came from the
+/// environment or one of those files; none seen means another source (an environment plugin).
+fn source() -> String {
+    match std::env::var(VAR) {
+        Ok(v) => format!("{VAR}={v}, from the environment or an NCCL configuration file"),
+        Err(_) => format!(
+            "{VAR} from a source this process cannot see, such as an NCCL environment plugin"
+        ),
     }
 }

@@ -2,16 +2,17 @@
 //! collective is enqueued on the candle device's stream with no host synchronisation (except
 //! `all_gather`, which reads the per-rank row counts, and `barrier`, which waits by definition).
 //!
-//! Layers: [`ffi`] loads NCCL's functions with C return codes; [`blocking`] finds a
-//! `NCCL_COMM_BLOCKING` setting; [`raw`] owns the NCCL handle and every `unsafe` NCCL call;
+//! Layers: [`ffi`] loads NCCL's functions with C return codes; [`blocking`] asks NCCL whether
+//! it runs in blocking mode; [`raw`] owns the NCCL handle and every `unsafe` NCCL call;
 //! [`watchdog`] serialises the calls, polls them and aborts on failure; [`enqueue`] turns a
 //! collective into a candle op; this file has the constructors and the `Collective` impl.
 //!
 //! Communicators are non-blocking (`config.blocking = 0`), so no thread ever waits inside
 //! NCCL and an abort is legal between any two calls. Blocking mode, which
-//! `NCCL_COMM_BLOCKING` (environment, `NCCL_CONF_FILE`, `~/.nccl.conf`, `/etc/nccl.conf`) would
-//! impose over the config, is refused with an error before the first NCCL call, and again if
-//! the start-up completes synchronously (blocking mode from elsewhere). NCCL 2.27 or newer is required (checked
+//! `NCCL_COMM_BLOCKING` (environment, `NCCL_CONF_FILE`, `~/.nccl.conf`, `/etc/nccl.conf`, an
+//! environment plugin) would impose over the config, is refused on every rank before any peer
+//! is contacted, on NCCL's own answer (a one-rank probe communicator), and again if a start-up
+//! completes synchronously. NCCL 2.27 or newer is required (checked
 //! at creation): older versions keep a non-blocking call's background job in the calling
 //! thread's state, which the watchdog's calls from its own thread would disturb. Failure
 //! handling:
@@ -156,6 +157,8 @@ impl NcclGroup {
             .map(|&o| CudaDevice::new_with_stream(o))
             .collect::<Result<_>>()?;
         let world = ordinals.len();
+        blocking::refuse_blocking_mode(devices[0].cuda_stream().context(), timeout)
+            .map_err(|f| f.error("new", 0))?;
         let id = raw::unique_id().map_err(|f| f.error("new", 0))?;
         let ctxs: Vec<_> = devices
             .iter()
@@ -256,6 +259,8 @@ impl NcclCollective {
     pub fn from_env_with_timeout(timeout: Duration) -> Result<Arc<Self>> {
         let env = DistEnv::from_env()?;
         let device = CudaDevice::new_with_stream(env.local_rank)?;
+        blocking::refuse_blocking_mode(device.cuda_stream().context(), timeout)
+            .map_err(|f| f.error("init", env.rank))?;
         let id = if env.rank == 0 {
             Some(raw::unique_id().map_err(|f| f.error("init", 0))?)
         } else {
@@ -285,6 +290,8 @@ impl NcclCollective {
         timeout: Duration,
     ) -> Result<Arc<Self>> {
         let device = CudaDevice::new_with_stream(ordinal)?;
+        blocking::refuse_blocking_mode(device.cuda_stream().context(), timeout)
+            .map_err(|f| f.error("init", bootstrap.rank()))?;
         let id = if bootstrap.rank() == 0 {
             raw::unique_id().map_err(|f| f.error("init", 0))?
         } else {

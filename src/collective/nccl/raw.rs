@@ -8,7 +8,8 @@
 //! once, possibly with "in progress", after which [`RawComm::state`] is polled before the next
 //! call; so no host thread ever sits inside NCCL, and an abort is always possible between
 //! calls. Blocking mode (`NCCL_COMM_BLOCKING`, which NCCL applies over the config) is refused
-//! before the first call and detected after the start-up ([`RawComm::init_group`]).
+//! before any peer is contacted, by asking NCCL ([`super::blocking`]), and again if a start-up
+//! completes synchronously ([`RawComm::init_group`]).
 
 use std::ffi::{c_int, c_void, CStr};
 use std::ptr::NonNull;
@@ -42,7 +43,7 @@ impl NcclFail {
     }
 
     /// A failure of the crate's own (not a code NCCL returned).
-    fn new(code: &str, detail: impl Into<String>) -> Self {
+    pub fn new(code: &str, detail: impl Into<String>) -> Self {
         Self {
             code: code.into(),
             detail: detail.into(),
@@ -109,7 +110,7 @@ fn check(lib: &Nccl, code: c_int, comm: Option<&RawComm>) -> Result<Progress, Nc
     }
 }
 
-fn lib() -> Result<&'static Nccl, NcclFail> {
+pub(super) fn lib() -> Result<&'static Nccl, NcclFail> {
     nccl().map_err(|e| NcclFail::new("load", e))
 }
 
@@ -177,16 +178,9 @@ pub(super) struct Buffers {
 /// included, could join or reset each other's jobs).
 pub(super) const MIN_NCCL: c_int = 22700;
 
-/// Loads NCCL and refuses a version older than [`MIN_NCCL`], and blocking mode (see
-/// [`super::blocking::blocking_setting`]).
-fn check_usable() -> Result<&'static Nccl, NcclFail> {
+/// Loads NCCL and refuses a version older than [`MIN_NCCL`].
+pub(super) fn check_version() -> Result<&'static Nccl, NcclFail> {
     let lib = lib()?;
-    if let Some(source) = super::blocking::blocking_setting() {
-        return Err(NcclFail::new(
-            "blocking",
-            format!("{source} puts NCCL communicators in blocking mode, under which a call waits inside NCCL with no timeout and no abort can reach it (a missing rank would hang the job forever); this backend refuses it: unset it or set it to 0"),
-        ));
-    }
     let mut v: c_int = 0;
     // SAFETY: `v` receives the version.
     check(lib, unsafe { (lib.get_version)(&mut v) }, None)?;
@@ -244,16 +238,36 @@ impl RawComm {
     /// thread initialises several ranks; poll each one's [`RawComm::state`].
     ///
     /// A non-blocking initialisation inside a group always makes `ncclGroupEnd` return "in
-    /// progress"; a synchronous success therefore means that blocking mode is in force (from a
-    /// source [`super::blocking::blocking_setting`] could not read): the communicators are
-    /// aborted and the start refused.
+    /// progress"; a synchronous success therefore means that blocking mode is in force (which
+    /// [`super::blocking::refuse_blocking_mode`] had not seen): the communicators are aborted
+    /// and the start refused.
     pub fn init_group(
         ctxs: &[&CudaContext],
         world: usize,
         id: &[u8; 128],
         ranks: &[usize],
     ) -> Result<Vec<Self>, NcclFail> {
-        let lib = check_usable()?;
+        let (comms, end) = Self::start_group(ctxs, world, id, ranks)?;
+        if end == Progress::Done {
+            drop(comms); // aborts each
+            return Err(NcclFail::new(
+                "blocking",
+                "NCCL completed the start-up synchronously, so its communicators are in blocking mode, under which no timeout or abort can hold; this backend refuses it",
+            ));
+        }
+        Ok(comms)
+    }
+
+    /// The group of [`RawComm::init_group`] without the verdict on its mode: the handles and
+    /// what `ncclGroupEnd` returned (done: blocking mode; in progress: non-blocking). Every
+    /// handle is aborted on an error.
+    pub(super) fn start_group(
+        ctxs: &[&CudaContext],
+        world: usize,
+        id: &[u8; 128],
+        ranks: &[usize],
+    ) -> Result<(Vec<Self>, Progress), NcclFail> {
+        let lib = check_version()?;
         let id = ffi::UniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
@@ -289,19 +303,13 @@ impl RawComm {
             .filter(|h| !h.is_null())
             .map(Self)
             .collect();
-        let err = first_err.or(end.as_ref().err().cloned()).or_else(|| {
-            (end.ok() == Some(Progress::Done)).then(|| {
-                NcclFail::new(
-                    "blocking",
-                    "NCCL completed the start-up synchronously, so its communicators are in blocking mode (NCCL_COMM_BLOCKING set where this crate does not look?), under which no timeout or abort can hold; this backend refuses it",
-                )
-            })
-        });
-        match err {
-            None if comms.len() == ctxs.len() => Ok(comms),
-            err => {
+        match (first_err, end) {
+            (None, Ok(end)) if comms.len() == ctxs.len() => Ok((comms, end)),
+            (err, end) => {
                 drop(comms); // aborts each
-                Err(err.unwrap_or(NcclFail::new("init", "NCCL returned no communicator")))
+                Err(err
+                    .or(end.err())
+                    .unwrap_or(NcclFail::new("init", "NCCL returned no communicator")))
             }
         }
     }
