@@ -36,7 +36,7 @@ for hang in all_reduce dup; do
     # The flight recorder's lines follow the message: the stuck all-reduce, never agreed on.
     if [ "$hang" = all_reduce ]; then
         echo "$out" | grep -q "mpi rank 0: the last 1 collectives" &&
-            echo "$out" | grep -q "all_reduce #0, enqueued, enqueued at" ||
+            echo "$out" | grep -q "all_reduce #0 F32×2, enqueued, enqueued at" ||
             { echo "FAIL: no flight record of the stuck call"; exit 1; }
     fi
     [ "$took" -lt 45 ] || { echo "FAIL: the job took ${took} s"; exit 1; }

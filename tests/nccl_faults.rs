@@ -1061,3 +1061,121 @@ fn child_a_hang_report_names_the_rank_behind() {
 fn a_hang_report_names_the_rank_behind() {
     in_child("child_a_hang_report_names_the_rank_behind", &[], LIMIT);
 }
+
+// ------------------------------------------------------------------ hang reports under torchrun
+
+/// A PyTorch TCPStore server (as torchrun's agent serves one) in a child process, until its
+/// stdin closes; its port. Needs `TORCH_PYTHON` (a Python with torch).
+struct TorchStore {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl TorchStore {
+    fn start() -> Self {
+        let python = std::env::var("TORCH_PYTHON")
+            .expect("TORCH_PYTHON must name a Python with torch (scripts/test-gpu-sim.sh sets it)");
+        let script = "import sys, datetime\n\
+                      import torch.distributed as d\n\
+                      s = d.TCPStore('127.0.0.1', 0, None, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)\n\
+                      print(s.port, flush=True)\n\
+                      sys.stdin.read()\n";
+        // PyTorch's own CUDA build must not load the simulated libraries.
+        let mut child = Command::new(python)
+            .args(["-c", script])
+            .env_remove("LD_LIBRARY_PATH")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting python");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let port = line.trim().parse().expect("the store prints its port");
+        Self { child, port }
+    }
+}
+
+impl Drop for TorchStore {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+#[ignore = "run by a_hang_report_across_processes_names_the_rank_behind, as one rank"]
+fn child_process_rank_that_stops_after_one_collective() {
+    if !is_child() {
+        return;
+    }
+    let c = NcclCollective::from_env_with_timeout(TIMEOUT).unwrap();
+    let t = Tensor::ones(6, DType::F32, &c.device()).unwrap();
+    c.all_reduce(&t, ReduceOp::Sum)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    if c.rank() == 1 {
+        std::thread::sleep(TIMEOUT + SLACK);
+        println!("rank 1: stopped after all_reduce #0");
+        return;
+    }
+    if let Ok(y) = c.all_reduce(&t, ReduceOp::Sum) {
+        // Waits for the stream, which the watchdog's abort frees.
+        let _ = y.to_device(&Device::Cpu);
+    }
+    let err = match c.all_reduce(&t, ReduceOp::Sum) {
+        Err(e) => format!("{e:#}"),
+        Ok(_) => "no error".into(),
+    };
+    println!("rank 0: {err}");
+}
+
+/// Two processes launched as torchrun launches them, with PyTorch's TCPStore as the agent's
+/// store: rank 1 stops after its first all-reduce; rank 0's second one times out, and its
+/// error names rank 1 and where it stopped, from the progress rank 1 published in the store
+/// ("rank 1 never reached all_reduce #1; its last collective: "all_reduce #0 F32×6,
+/// completed ..." (reported ... s before)").
+#[test]
+#[ignore = "needs PyTorch's TCPStore (TORCH_PYTHON): run by scripts/test-gpu-sim.sh"]
+fn a_hang_report_across_processes_names_the_rank_behind() {
+    let store = TorchStore::start();
+    let port = store.port.to_string();
+    let run = format!("hang-report-{}", std::process::id());
+    let Some(out) = as_processes(
+        "child_process_rank_that_stops_after_one_collective",
+        2,
+        &[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", &run),
+            ("MASTER_PORT", &port),
+        ],
+        LIMIT,
+    ) else {
+        return;
+    };
+    let (st, text) = &out[0];
+    if let Some(line) = text
+        .lines()
+        .find_map(|l| l.find("rank 0: ").map(|i| &l[i..]))
+    {
+        println!("{line}");
+    }
+    assert!(
+        st.success()
+            && text.contains("all_reduce #1 did not complete within")
+            && text.contains(
+                "rank 1 never reached all_reduce #1; its last collective: \"all_reduce #0 F32×6, completed"
+            ),
+        "rank 0: {st}\n{text}"
+    );
+    assert!(
+        out[1].0.success() && out[1].1.contains("rank 1: stopped"),
+        "rank 1: {}\n{}",
+        out[1].0,
+        out[1].1
+    );
+}

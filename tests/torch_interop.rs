@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use candle_distributed::collective::bootstrap::progress::ProgressBoard;
 use candle_distributed::collective::bootstrap::store::TcpStoreClient;
 use candle_distributed::collective::bootstrap::{share_bytes_round, DistEnv, Secret};
 
@@ -192,6 +193,110 @@ fn share_bytes_through_a_pytorch_store() {
         Instant::now() + Duration::from_secs(5),
     )
     .unwrap();
+}
+
+/// Progress reports through a PyTorch TCPStore, as the NCCL ranks of a torchrun job publish
+/// them: rank 1 publishes its newest collective (#4), rank 2 one still before the call in
+/// question (#3), rank 3 nothing at all; rank 0, whose call #4 timed out, names rank 2 with
+/// its line and rank 3 as unread, not rank 1. With a shared secret the reports are sealed: a
+/// rank with another key cannot read them, and a report planted in the clear is refused.
+#[test]
+#[ignore = "needs PyTorch: scripts/test-torch.sh"]
+fn progress_reports_through_a_pytorch_store() {
+    let server = Server::start("libuv");
+    let env = |rank, run: &str, secret: Option<&str>| DistEnv {
+        rank,
+        world_size: 4,
+        local_rank: rank,
+        local_world_size: None,
+        master_addr: "127.0.0.1".into(),
+        master_port: server.port,
+        run_id: run.into(),
+        restart: 0,
+        agent_store: true,
+        secret: secret.map(|s| Secret::new(s).unwrap()),
+    };
+    let soon = || Instant::now() + Duration::from_secs(5);
+    for (run, secret) in [
+        ("progress-run", None),
+        (
+            "sealed-progress-run",
+            Some("a shared secret of 32 bytes....."),
+        ),
+    ] {
+        let board = |rank| ProgressBoard::new(&env(rank, run, secret), 7).unwrap();
+        board(1)
+            .publish(Some(3), "all_reduce #3 F32×6, completed", soon())
+            .unwrap();
+        board(1)
+            .publish(Some(4), "all_reduce #4 F32×6, enqueued", soon())
+            .unwrap();
+        board(2)
+            .publish(Some(3), "all_reduce #3 F32×6, completed\u{1b}[2J", soon())
+            .unwrap();
+        let t = Instant::now();
+        let behind = board(0).behind("all_reduce", 4, Instant::now() + Duration::from_secs(1));
+        assert_eq!(behind.len(), 2, "{run}: {behind:?}");
+        assert!(
+            behind[0].starts_with(
+                "rank 2 never reached all_reduce #4; its last collective: \"all_reduce #3 F32×6, completed\\u{1b}[2J\" (reported "
+            ),
+            "{run}: the newest report, its text escaped: {behind:?}"
+        );
+        assert!(
+            behind[1].starts_with("rank 3: no progress report read (")
+                && behind[1].contains("timed out"),
+            "{run}: {behind:?}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+        let r = board(3).read(1, soon()).unwrap();
+        assert_eq!(r.call, Some(4));
+        assert!(r.age < Duration::from_secs(60), "{r:?}");
+    }
+    let key = "candle-distributed/sealed-progress-run/0/7/progress/1";
+    let mut c = TcpStoreClient::connect("127.0.0.1", server.port, soon()).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&c.get(key, soon()).unwrap()).contains("all_reduce"),
+        "sealed"
+    );
+    let other = ProgressBoard::new(
+        &env(
+            0,
+            "sealed-progress-run",
+            Some("another secret, also long enough"),
+        ),
+        7,
+    )
+    .unwrap();
+    let e = other.read(1, soon()).unwrap_err().to_string();
+    assert!(e.contains("does not open with this rank's key"), "{e}");
+    c.set(key, b"9\n0\nforged", soon()).unwrap();
+    let keyed = ProgressBoard::new(
+        &env(
+            0,
+            "sealed-progress-run",
+            Some("a shared secret of 32 bytes....."),
+        ),
+        7,
+    )
+    .unwrap();
+    assert!(
+        keyed.read(1, soon()).is_err(),
+        "a report in the clear is refused"
+    );
+    assert!(
+        ProgressBoard::new(
+            &DistEnv {
+                agent_store: false,
+                ..env(0, "standalone", None)
+            },
+            0
+        )
+        .is_none(),
+        "no board without torchrun's store"
+    );
+    // Unblock the server script (it waits for `from-rust`).
+    c.set("candle-test/from-rust", b"done", soon()).unwrap();
 }
 
 /// Against a PyTorch older than the oldest supported (`scripts/test-torch-versions.sh` runs it

@@ -2,6 +2,7 @@
 //! the call runs, for backends that do not check them (NCCL reduces whatever bytes it is given
 //! and hangs when the element counts differ).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -37,6 +38,8 @@ pub struct Checked {
     /// `inner` takes tensors on.
     device: Device,
     broken: Mutex<Option<String>>,
+    /// The number of the next call checked (every rank numbers its calls alike).
+    next_call: AtomicU64,
 }
 
 impl Checked {
@@ -47,12 +50,14 @@ impl Checked {
             inner,
             device: device.clone(),
             broken: Mutex::new(None),
+            next_call: AtomicU64::new(0),
         })
     }
 
     /// Exchanges `[op code, root, dtype, rank of the tensor, count]` and fails on every rank
     /// when they differ.
     fn agree(&self, op: Op, t: Option<&Tensor>) -> Result<()> {
+        let call = self.next_call.load(Ordering::Relaxed);
         if let Some(reason) = self
             .broken
             .lock()
@@ -62,11 +67,13 @@ impl Checked {
             return Err(CollectiveError::broken(
                 BACKEND,
                 op.name(),
+                call,
                 self.inner.rank(),
                 format!("an earlier call broke the group: {reason}"),
             )
             .into());
         }
+        self.next_call.fetch_add(1, Ordering::Relaxed);
         let mine = descriptor(op, t);
         let device = t.map(|t| t.device()).unwrap_or(&self.device);
         let all = self
@@ -86,7 +93,7 @@ impl Checked {
         *self.broken.lock().unwrap_or_else(|e| e.into_inner()) = Some(detail.clone());
         Err(CollectiveError::Mismatch {
             backend: BACKEND,
-            call: 0,
+            call,
             detail,
         }
         .into())

@@ -128,13 +128,14 @@ impl CollectiveError {
     pub(crate) fn broken(
         backend: &'static str,
         op: &'static str,
+        call: u64,
         rank: usize,
         reason: String,
     ) -> Self {
         Self::RankLeft {
             backend,
             op,
-            call: 0,
+            call,
             rank,
             reason,
         }

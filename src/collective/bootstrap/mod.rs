@@ -70,6 +70,7 @@ use candle_core::{bail, Result};
 use store::{remaining, TcpStoreClient};
 
 mod launcher;
+pub mod progress;
 pub mod secret;
 mod server;
 pub mod store;
@@ -284,6 +285,13 @@ impl DistEnv {
 /// Rendezvous of this process so far: numbers the store keys (see the module documentation).
 static RENDEZVOUS: AtomicU64 = AtomicU64::new(0);
 
+/// The number of this process's next rendezvous, taken: what [`share_bytes`] uses, for a
+/// caller that calls [`share_bytes_round`] itself and keys more by the same number (such as a
+/// [`progress::ProgressBoard`]).
+pub fn next_rendezvous() -> u64 {
+    RENDEZVOUS.fetch_add(1, Ordering::SeqCst)
+}
+
 /// Hands rank 0's `payload` to every rank of `env`'s job and returns it on every rank: through
 /// torchrun's agent store when `env.agent_store`, else over the standalone TCP exchange.
 ///
@@ -301,12 +309,7 @@ static RENDEZVOUS: AtomicU64 = AtomicU64::new(0);
 /// [`MAX_PAYLOAD`] bytes (not a rank 0 of ours), and, through torchrun's store, when the store
 /// cannot be reached or answers outside its protocol.
 pub fn share_bytes(env: &DistEnv, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
-    share_bytes_round(
-        env,
-        RENDEZVOUS.fetch_add(1, Ordering::SeqCst),
-        payload,
-        timeout,
-    )
+    share_bytes_round(env, next_rendezvous(), payload, timeout)
 }
 
 /// [`share_bytes`] as rendezvous number `seq` of the job, for callers that number their

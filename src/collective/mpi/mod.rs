@@ -361,6 +361,7 @@ impl MpiCollective {
             Some(reason) => Err(CollectiveError::broken(
                 BACKEND,
                 op,
+                self.next_call.load(std::sync::atomic::Ordering::Relaxed),
                 self.rank,
                 format!("the group is broken: {reason}"),
             )
@@ -375,10 +376,13 @@ impl MpiCollective {
     /// group stays usable: every rank skips the same call); otherwise descriptors that differ
     /// make the call a mismatch on every rank and mark the group broken, so that later calls
     /// fail too.
+    ///
+    /// `input` (its dtype and element count, when the call has one) goes into the recorder.
     fn agree(
         &self,
         op: &'static str,
         desc: [i64; 4],
+        input: Option<(DType, usize)>,
         local: std::result::Result<(), String>,
     ) -> Result<()> {
         self.check_broken(op)?;
@@ -389,9 +393,10 @@ impl MpiCollective {
         if let Some(last) = call.checked_sub(1) {
             self.recorder.settle(last);
         }
-        self.recorder.enqueue(call, op, None, 0);
+        self.recorder
+            .enqueue(call, op, input.map(|i| i.0), input.map_or(0, |i| i.1));
         let mine = [desc[0], desc[1], desc[2], desc[3], i64::from(local.is_ok())];
-        let agreed = self.agree_on(op, mine, local.err());
+        let agreed = self.agree_on(op, call, mine, local.err());
         let state = match agreed {
             Ok(()) => CallState::Started,
             Err(_) => CallState::Failed,
@@ -401,8 +406,14 @@ impl MpiCollective {
     }
 
     /// [`Self::agree`]'s all-gather of every rank's descriptor and verdict (`mine`; `refused`:
-    /// why this rank's own check failed), and their judgement.
-    fn agree_on(&self, op: &'static str, mine: [i64; 5], refused: Option<String>) -> Result<()> {
+    /// why this rank's own check failed) for agreement number `call`, and their judgement.
+    fn agree_on(
+        &self,
+        op: &'static str,
+        call: u64,
+        mine: [i64; 5],
+        refused: Option<String>,
+    ) -> Result<()> {
         let mut all = vec![0i64; 5 * self.world];
         mpi::request::scope(|scope| {
             let req = locked(|| {
@@ -440,7 +451,7 @@ impl MpiCollective {
                 Some(format!("{op}: {detail}"));
             return Err(CollectiveError::Mismatch {
                 backend: BACKEND,
-                call: 0,
+                call,
                 detail,
             }
             .into());

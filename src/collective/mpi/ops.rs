@@ -32,7 +32,12 @@ impl Collective for MpiCollective {
         const OP: &str = "all_reduce";
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
         let send = HostBuf::staged_source(t);
-        self.agree(OP, desc, send.verdict(avg_dtype(t, op)))?;
+        self.agree(
+            OP,
+            desc,
+            Some((t.dtype(), t.elem_count())),
+            send.verdict(avg_dtype(t, op)),
+        )?;
         self.reduce(OP, send.take(OP)?, t, op, None)
     }
 
@@ -60,7 +65,7 @@ impl Collective for MpiCollective {
             // This rank's refusal is its verdict in the agreement the other ranks make for
             // their call: the call fails on every rank, with the reason, and no rank waits.
             let desc = [Op::AllReduce(op).code(), -1, -1, -1];
-            self.agree("all_reduce_parts", desc, Err(e.to_string()))?;
+            self.agree("all_reduce_parts", desc, None, Err(e.to_string()))?;
             return Err(e);
         }
         self.all_reduce_parts_in_place(parts, op, wire)
@@ -84,7 +89,12 @@ impl Collective for MpiCollective {
         // The wire rides in the descriptor: a rank calling `all_reduce` meanwhile is a mismatch.
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 1 + dtype_code(wire));
         let send = HostBuf::staged_source(t);
-        self.agree(OP, desc, send.verdict(avg_dtype(t, op)))?;
+        self.agree(
+            OP,
+            desc,
+            Some((t.dtype(), t.elem_count())),
+            send.verdict(avg_dtype(t, op)),
+        )?;
         let rounded = send.take(OP)?.with_slice(|s| match s {
             HostSlice::F32(v) => {
                 let mut out = vec![0f32; v.len()];
@@ -117,7 +127,12 @@ impl Collective for MpiCollective {
                 .map_err(|e| e.to_string())
         });
         let send = HostBuf::staged_source(t);
-        self.agree(OP, desc, send.verdict(local))?;
+        self.agree(
+            OP,
+            desc,
+            Some((t.dtype(), t.elem_count())),
+            send.verdict(local),
+        )?;
         let full = self.reduce(OP, send.take(OP)?, t, op, None)?;
         scatter_rows(&full, self.rank, self.world)
     }
@@ -139,7 +154,12 @@ impl Collective for MpiCollective {
         };
         let desc = Self::descriptor(Op::AllGather, t, rest, t.rank() as i64);
         let send = HostBuf::staged(t);
-        self.agree(OP, desc, send.verdict(local))?;
+        self.agree(
+            OP,
+            desc,
+            Some((t.dtype(), t.elem_count())),
+            send.verdict(local),
+        )?;
         let send = send.take(OP)?;
         let row: usize = rest.iter().product();
         let mut rows = vec![0i64; self.world];
@@ -219,6 +239,7 @@ impl Collective for MpiCollective {
         self.agree(
             OP,
             Self::descriptor(Op::Broadcast(root), t, t.dims(), root as i64),
+            Some((t.dtype(), t.elem_count())),
             send.verdict(local),
         )?;
         let mut buf = send.take(OP)?;
@@ -240,6 +261,7 @@ impl Collective for MpiCollective {
         self.agree(
             "barrier",
             Self::descriptor(Op::Barrier, &token, token.dims(), 0),
+            None,
             Ok(()),
         )?;
         let req = locked(|| self.comm.immediate_barrier());
@@ -269,6 +291,7 @@ impl Collective for MpiCollective {
         self.agree(
             OP,
             Self::descriptor(Op::Split, &token, token.dims(), 0),
+            None,
             checked.as_ref().map(|_| ()).map_err(Clone::clone),
         )?;
         let (color, key) = checked.expect("agreed above: every rank's arguments are valid");

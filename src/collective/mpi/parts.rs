@@ -118,7 +118,7 @@ impl MpiCollective {
         });
         let local = avg_dtype(&parts[0], rop)
             .and_then(|()| slices.as_ref().map(|_| ()).map_err(Clone::clone));
-        self.agree(OP, desc, local)?;
+        self.agree(OP, desc, Some((parts[0].dtype(), n)), local)?;
         let slices = slices.map_err(|e| invalid(OP, e))?;
         let mpi_op = mpi_op(rop);
         Ok(received(n, |r| {

@@ -21,6 +21,8 @@ use crate::device::cuda::view;
 pub(super) struct Enqueue<'a> {
     pub c: &'a NcclCollective,
     pub what: Op,
+    /// The collective's number in its communicator.
+    pub call: u64,
     pub stream: Option<Arc<CudaStream>>,
 }
 
@@ -114,7 +116,7 @@ impl Enqueue<'_> {
         });
         match res {
             Ok(()) => Ok(()),
-            Err(CallError::Broken(why)) => Err(c.left(op, why)),
+            Err(CallError::Broken(why)) => Err(super::rank_left(c.rank, op, self.call, why)),
             Err(CallError::Nccl(f)) => Err(f.error(op, c.rank)),
         }
     }

@@ -49,7 +49,8 @@ use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaStream};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Device, Result, Tensor};
 
-use super::bootstrap::{share_bytes, DistEnv};
+use super::bootstrap::progress::ProgressBoard;
+use super::bootstrap::{next_rendezvous, share_bytes_round, DistEnv};
 use super::recorder::FlightRecorder;
 use super::{Collective, CollectiveError, Op, Pending, ReduceOp};
 use enqueue::{unpad, Enqueue};
@@ -63,14 +64,14 @@ fn invalid(op: &'static str, detail: String) -> candle_core::Error {
 }
 
 /// The error of a call of `rank` on an aborted or dropped communicator.
-fn rank_left(rank: usize, op: &'static str, why: String) -> candle_core::Error {
-    CollectiveError::broken(BACKEND, op, rank, why).into()
+fn rank_left(rank: usize, op: &'static str, call: u64, why: String) -> candle_core::Error {
+    CollectiveError::broken(BACKEND, op, call, rank, why).into()
 }
 
-/// The error of a failed call of `rank`.
-fn call_error(rank: usize, op: &'static str, e: CallError) -> candle_core::Error {
+/// The error of failed call number `call` of `rank`.
+fn call_error(rank: usize, op: &'static str, call: u64, e: CallError) -> candle_core::Error {
     match e {
-        CallError::Broken(why) => rank_left(rank, op, why),
+        CallError::Broken(why) => rank_left(rank, op, call, why),
         CallError::Nccl(f) => f.error(op, rank),
     }
 }
@@ -170,7 +171,7 @@ impl NcclGroup {
         // Every rank's start-up is polled to completion (under one deadline) before any
         // watchdog exists; on failure the handles are dropped, which aborts them.
         watchdog::wait_ready(&raws, &ranks, "new", timeout)
-            .map_err(|(rank, e)| call_error(rank, "new", e))?;
+            .map_err(|(rank, e)| call_error(rank, "new", 0, e))?;
         let mut comms = Vec::with_capacity(world);
         let mut raws = raws.into_iter();
         // One process: each rank's watchdog reads the others' recorders to name the ranks
@@ -188,6 +189,7 @@ impl NcclGroup {
                 (rank, world),
                 timeout,
                 mine,
+                None,
             )?);
         }
         let teardown = Arc::new(Teardown {
@@ -211,10 +213,11 @@ impl NcclCollective {
         (rank, world): (usize, usize),
         timeout: Duration,
         recorders: Option<(Arc<[FlightRecorder]>, usize)>,
+        board: Option<Arc<ProgressBoard>>,
     ) -> Result<Self> {
         let ctx = device.cuda_stream().context().clone();
         let recorders = recorders.unwrap_or_else(|| (Arc::from([FlightRecorder::from_env()]), 0));
-        let watch = Watch::start(comm, rank, timeout, ctx, recorders);
+        let watch = Watch::start(comm, rank, timeout, ctx, recorders, board);
         let side = match device.cuda_stream().fork() {
             Ok(s) => s,
             Err(e) => {
@@ -232,8 +235,10 @@ impl NcclCollective {
         })
     }
 
+    /// The error of a call that is not a numbered collective (a split), numbered as the next
+    /// collective would be.
     fn call_error(&self, op: &'static str, e: CallError) -> candle_core::Error {
-        call_error(self.rank, op, e)
+        call_error(self.rank, op, self.watch.next_call(), e)
     }
 
     /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
@@ -243,6 +248,11 @@ impl NcclCollective {
     /// needs `CANDLE_DISTRIBUTED_RUN_ID`; see [`super::bootstrap`] for the run identity and the
     /// optional shared secret). Default timeout ([`super::default_timeout`]) for the start-up and for
     /// every collective.
+    ///
+    /// Under torchrun every rank also publishes its newest collective in the store
+    /// ([`super::bootstrap::progress`], checked every 200 ms), and a rank whose collective times
+    /// out reads the others' to name the ranks behind: "rank 1 never reached all_reduce #1207;
+    /// its last collective: all_reduce #1206 ...".
     ///
     /// # Errors
     /// A missing or invalid variable (a launch without torchrun and without a run id), the
@@ -266,8 +276,10 @@ impl NcclCollective {
         } else {
             None
         };
-        let bytes = share_bytes(&env, id.as_ref().map(|b| &b[..]), timeout)?;
-        Self::init_rank(device, env.rank, env.world_size, &bytes, timeout)
+        let seq = next_rendezvous();
+        let bytes = share_bytes_round(&env, seq, id.as_ref().map(|b| &b[..]), timeout)?;
+        let board = ProgressBoard::new(&env, seq).map(Arc::new);
+        Self::init_rank(device, env.rank, env.world_size, &bytes, timeout, board)
     }
 
     /// A communicator with the same ranks as `bootstrap` (any backend working on CPU tensors,
@@ -305,6 +317,7 @@ impl NcclCollective {
             bootstrap.world_size(),
             &bytes,
             timeout,
+            None,
         )
     }
 
@@ -314,6 +327,7 @@ impl NcclCollective {
         world: usize,
         id: &[u8],
         timeout: Duration,
+        board: Option<Arc<ProgressBoard>>,
     ) -> Result<Arc<Self>> {
         let Ok(id) = <[u8; 128]>::try_from(id) else {
             return Err(invalid(
@@ -325,13 +339,14 @@ impl NcclCollective {
         let comm = RawComm::init_rank(&ctx, world, &id, rank).map_err(|f| f.error("init", rank))?;
         // Polled to completion before the watchdog exists; dropped (aborted) on failure.
         watchdog::wait_ready(std::slice::from_ref(&comm), &[rank], "init", timeout)
-            .map_err(|(rank, e)| call_error(rank, "init", e))?;
+            .map_err(|(rank, e)| call_error(rank, "init", 0, e))?;
         Ok(Arc::new(Self::start(
             comm,
             device,
             (rank, world),
             timeout,
             None,
+            board,
         )?))
     }
 
@@ -347,15 +362,16 @@ impl NcclCollective {
         }
     }
 
-    /// The error of a call on an aborted or dropped communicator.
+    /// The error of a call on an aborted or dropped communicator, numbered as the next
+    /// collective would be (the call refused before it was numbered).
     fn left(&self, op: &'static str, why: String) -> candle_core::Error {
-        rank_left(self.rank, op, why)
+        rank_left(self.rank, op, self.watch.next_call(), why)
     }
 
     /// Enqueues one collective on `t` (on this rank's GPU) on the device's stream and returns
     /// its output tensor.
     fn enqueue(&self, what: Op, t: &Tensor) -> Result<Tensor> {
-        self.enqueue_on(what, t, None)
+        self.enqueue_on(what, t, None).map(|(out, _)| out)
     }
 
     /// Enqueues one collective on the side stream, after the work already on the device's
@@ -368,7 +384,7 @@ impl NcclCollective {
     ) -> Result<Pending> {
         let main = self.device.cuda_stream();
         let input = t.contiguous()?;
-        let out = self.enqueue_on(what, &input, Some(self.side.clone()))?;
+        let (out, call) = self.enqueue_on(what, &input, Some(self.side.clone()))?;
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING;
         let done = self.side.record_event(Some(flags)).w()?;
         // The input stays alive until the device's stream has waited for the side stream, on
@@ -387,13 +403,19 @@ impl NcclCollective {
             // hand it on.
             // (An abort after this point shows in `deferred_error` and the next call.)
             if let Some(why) = watch.lost() {
-                return Err(rank_left(rank, op, why));
+                return Err(rank_left(rank, op, call, why));
             }
             finish(out)
         }))
     }
 
-    fn enqueue_on(&self, what: Op, t: &Tensor, stream: Option<Arc<CudaStream>>) -> Result<Tensor> {
+    /// Enqueues one collective on `stream` (`None`: the device's); its output and its number.
+    fn enqueue_on(
+        &self,
+        what: Op,
+        t: &Tensor,
+        stream: Option<Arc<CudaStream>>,
+    ) -> Result<(Tensor, u64)> {
         self.check_call(what, t)?;
         let call = self.watch.begin(what.name(), t.dtype(), t.elem_count());
         let out = t
@@ -402,12 +424,13 @@ impl NcclCollective {
                 t.apply_op1_no_bwd(&Enqueue {
                     c: self,
                     what,
+                    call,
                     stream: stream.clone(),
                 })
             })
             .inspect_err(|_| self.watch.failed(call))?;
         self.track(what, stream, call)?;
-        Ok(out)
+        Ok((out, call))
     }
 
     /// Enqueues an all-reduce of `t` into `t` itself on the device's stream (NCCL's in-place
@@ -418,6 +441,7 @@ impl NcclCollective {
         t.inplace_op1(&Enqueue {
             c: self,
             what,
+            call,
             stream: None,
         })
         .inspect_err(|_| self.watch.failed(call))?;

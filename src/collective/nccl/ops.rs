@@ -238,6 +238,7 @@ impl Collective for NcclCollective {
             (rank, world),
             self.watch.timeout,
             None,
+            None,
         )?;
         Ok(Some(Arc::new(sub) as Arc<dyn Collective>))
     }

@@ -12,7 +12,11 @@ use std::time::{Duration, Instant};
 use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaContext, CudaEvent};
 
 use super::raw::{NcclFail, Progress, RawComm};
+use crate::collective::bootstrap::progress::ProgressBoard;
 use crate::collective::recorder::{self, CallState, FlightRecorder};
+
+/// Time a timed-out rank spends reading the other processes' progress reports.
+const REPORT_DEADLINE: Duration = Duration::from_secs(3);
 
 /// Why a call on the communicator failed.
 #[derive(Debug)]
@@ -42,6 +46,9 @@ pub(super) struct Watch {
     /// timeout.
     recorders: Arc<[FlightRecorder]>,
     slot: usize,
+    /// For a rank of a multi-process job under torchrun: where every rank publishes its newest
+    /// collective, read to name the ranks behind a timeout.
+    board: Option<Arc<ProgressBoard>>,
     /// The number of the next collective enqueued (every rank numbers its calls alike).
     next_call: AtomicU64,
 }
@@ -52,13 +59,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Watch {
     /// Watches `comm` (possibly still initialising) and starts the watchdog thread, which
-    /// stops when the `Watch` is dropped.
+    /// stops when the `Watch` is dropped, and with a `board` the thread that publishes this
+    /// rank's progress there.
     pub fn start(
         comm: RawComm,
         rank: usize,
         timeout: Duration,
         ctx: Arc<CudaContext>,
         (recorders, slot): (Arc<[FlightRecorder]>, usize),
+        board: Option<Arc<ProgressBoard>>,
     ) -> Arc<Self> {
         let watch = Arc::new(Self {
             comm: Mutex::new(Some(comm)),
@@ -69,9 +78,25 @@ impl Watch {
             lost: Mutex::new(false),
             recorders,
             slot,
+            board: board.clone(),
             next_call: AtomicU64::new(0),
         });
         let weak: Weak<Watch> = Arc::downgrade(&watch);
+        if let Some(board) = board {
+            let weak = weak.clone();
+            let newest = move || {
+                let w = weak.upgrade()?;
+                let call = w.next_call.load(Ordering::Relaxed).checked_sub(1);
+                let line = w
+                    .recorder()
+                    .last()
+                    .map_or_else(|| "not recorded".to_string(), |r| r.to_string());
+                Some((call, line))
+            };
+            if let Err(e) = board.spawn_publisher(newest) {
+                log::warn!("rank {rank}: cannot start the progress publisher thread ({e}): a hang report will not name the ranks behind");
+            }
+        }
         let spawned = std::thread::Builder::new()
             .name(format!("nccl-watchdog-{rank}"))
             .spawn(move || loop {
@@ -130,6 +155,11 @@ impl Watch {
         &self.recorders[self.slot]
     }
 
+    /// The number the next collective will get.
+    pub fn next_call(&self) -> u64 {
+        self.next_call.load(Ordering::Relaxed)
+    }
+
     /// Numbers and records a collective about to be enqueued; its number.
     pub fn begin(&self, op: &'static str, dtype: candle_core::DType, elems: usize) -> u64 {
         let call = self.next_call.fetch_add(1, Ordering::Relaxed);
@@ -142,17 +172,26 @@ impl Watch {
         self.recorder().mark(call, CallState::Failed);
     }
 
-    /// The ranks of this process's group that never enqueued call `call` (`op`), and where
-    /// each stopped: empty for a communicator that sees no other rank's recorder.
-    fn behind(&self, op: &str, call: u64) -> Vec<String> {
-        (0..self.recorders.len())
-            .filter(|&q| q != self.slot)
-            .filter_map(|q| {
-                let last = self.recorders[q].last();
-                let reached = last.as_ref().is_some_and(|r| r.call >= call);
-                (!reached).then(|| recorder::behind(q, op, call, last.as_ref()))
-            })
-            .collect()
+    /// The ranks that never enqueued call `call` (`op`), and where each stopped: from the
+    /// recorders of this process's group, or for a rank of a multi-process job from the
+    /// progress reports in torchrun's store; `None` when neither is at hand.
+    fn behind(&self, op: &str, call: u64) -> Option<Vec<String>> {
+        if let Some(board) = &self.board {
+            return Some(board.behind(op, call, Instant::now() + REPORT_DEADLINE));
+        }
+        if self.recorders.len() == 1 {
+            return None;
+        }
+        Some(
+            (0..self.recorders.len())
+                .filter(|&q| q != self.slot)
+                .filter_map(|q| {
+                    let last = self.recorders[q].last();
+                    let reached = last.as_ref().is_some_and(|r| r.call >= call);
+                    (!reached).then(|| recorder::behind(q, op, call, last.as_ref()))
+                })
+                .collect(),
+        )
     }
 
     /// Marks the communicator broken and aborts it (at once if no call holds it, else as soon
@@ -313,16 +352,18 @@ impl Watch {
                 }
                 cu::CUresult::CUDA_ERROR_NOT_READY if started.elapsed() <= self.timeout => break,
                 cu::CUresult::CUDA_ERROR_NOT_READY => {
-                    let behind = self.behind(op, call);
-                    format!(
-                        "rank {}: {op} #{call} did not complete within {:?}{}; the communicator was aborted",
-                        self.rank,
-                        self.timeout,
-                        match behind.is_empty() {
-                            true => String::new(),
-                            false => format!(" ({})", behind.join("; ")),
-                        }
-                    )
+                    // The other ranks' reports may take a network read: not under the lock.
+                    drop(pending);
+                    let behind = match self.behind(op, call) {
+                        None => " (the other ranks' progress is not known here: it is reported for the ranks of an NcclGroup and, under torchrun, of NcclCollective::from_env)".to_string(),
+                        Some(b) if b.is_empty() => String::new(),
+                        Some(b) => format!(" ({})", b.join("; ")),
+                    };
+                    self.abort(format!(
+                        "rank {}: {op} #{call} did not complete within {:?}{behind}; the communicator was aborted",
+                        self.rank, self.timeout,
+                    ));
+                    return;
                 }
                 e => format!(
                     "rank {}: CUDA error {e:?} while waiting for {op}; the communicator was aborted",

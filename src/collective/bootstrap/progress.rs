@@ -1,0 +1,193 @@
+//! Progress reports through torchrun's store: each rank of a multi-process communicator
+//! publishes its newest collective (its number, and the flight recorder's line for it), so that
+//! a rank whose collective times out can name the ranks of other processes that never reached
+//! it ("rank 5 never reached all_reduce #1207; its last collective: all_reduce #1206 ...").
+//!
+//! Keys: `candle-distributed/<run id>/<restart>/<rendezvous>/progress/<rank>`, next to the
+//! rendezvous key of the communicator's start-up. A value is `<call>\n<unix ms>\n<line>`
+//! (`call` -1 before the first collective), sealed with the shared secret when the ranks have
+//! one, so that a party without the key cannot plant a false report. Only under torchrun: the
+//! standalone rendezvous has no store once the start-up is over.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use candle_core::Result;
+
+use super::store::TcpStoreClient;
+use super::{peer_text, store_key, DistEnv};
+
+/// How often a publisher looks for a newer collective to report.
+pub const PUBLISH_EVERY: Duration = Duration::from_millis(200);
+/// Time one publication may take.
+const PUBLISH_DEADLINE: Duration = Duration::from_secs(2);
+
+/// One communicator's reports in torchrun's store.
+#[derive(Debug)]
+pub struct ProgressBoard {
+    env: DistEnv,
+    prefix: String,
+    /// One connection, made on first use and again after a failure.
+    store: Mutex<Option<TcpStoreClient>>,
+}
+
+/// A rank's newest report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    /// The newest collective it had reached, `None` before its first.
+    pub call: Option<u64>,
+    /// How long before the reading the report was written (clocks of two machines: approximate).
+    pub age: Duration,
+    /// The flight recorder's line for that collective.
+    pub line: String,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl ProgressBoard {
+    /// The board of the communicator started by rendezvous `seq` of `env`'s job: `None`
+    /// unless the job runs under torchrun (its agent's store outlives the start-up).
+    pub fn new(env: &DistEnv, seq: u64) -> Option<Self> {
+        env.agent_store.then(|| Self {
+            env: env.clone(),
+            prefix: format!("{}/progress", store_key(env, seq)),
+            store: Mutex::new(None),
+        })
+    }
+
+    fn key(&self, rank: usize) -> String {
+        format!("{}/{rank}", self.prefix)
+    }
+
+    /// Runs `f` on the connection, connecting first if needed; a failed request drops the
+    /// connection (the next use connects again).
+    fn with_store<R>(
+        &self,
+        deadline: Instant,
+        f: impl FnOnce(&mut TcpStoreClient) -> Result<R>,
+    ) -> Result<R> {
+        let mut guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            *guard = Some(TcpStoreClient::connect(
+                &self.env.master_addr,
+                self.env.master_port,
+                deadline,
+            )?);
+        }
+        let out = f(guard.as_mut().expect("connected above"));
+        if out.is_err() {
+            *guard = None;
+        }
+        out
+    }
+
+    /// Publishes this rank's newest collective, `call` (`None`: none yet), described by
+    /// `line` (its flight recorder's record), by `deadline`.
+    ///
+    /// # Errors
+    /// The store cannot be reached or the value not sent by `deadline`, or sealing fails.
+    pub fn publish(&self, call: Option<u64>, line: &str, deadline: Instant) -> Result<()> {
+        let call = call.map_or(-1, |c| c as i64);
+        let key = self.key(self.env.rank);
+        let text = format!("{call}\n{}\n{line}", unix_ms());
+        let value = match &self.env.secret {
+            Some(k) => k.seal(key.as_bytes(), text.as_bytes())?,
+            None => text.into_bytes(),
+        };
+        self.with_store(deadline, |s| s.set(&key, &value, deadline))
+    }
+
+    /// Rank `rank`'s newest report, waiting for it until `deadline`.
+    ///
+    /// # Errors
+    /// No report by `deadline` (the rank never published one, or the store is unreachable), or
+    /// a value this rank cannot open (another key) or read.
+    pub fn read(&self, rank: usize, deadline: Instant) -> Result<Report> {
+        let key = self.key(rank);
+        let value = self.with_store(deadline, |s| s.get(&key, deadline))?;
+        let value = match &self.env.secret {
+            Some(k) => k.open(key.as_bytes(), &value).map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "the report under {key} does not open with this rank's key: {e}"
+                ))
+            })?,
+            None => value,
+        };
+        let mut parts = value.splitn(3, |&b| b == b'\n');
+        let bad = || candle_core::Error::Msg(format!("the report under {key} is garbled"));
+        let mut number = || {
+            let field = parts.next().ok_or_else(bad)?;
+            std::str::from_utf8(field)
+                .ok()
+                .and_then(|f| f.parse::<i64>().ok())
+                .ok_or_else(bad)
+        };
+        let call = number()?;
+        let at = number()?;
+        let line = parts.next().ok_or_else(bad)?;
+        Ok(Report {
+            call: u64::try_from(call).ok(),
+            age: Duration::from_millis(unix_ms().saturating_sub(at.max(0) as u64)),
+            line: peer_text(line),
+        })
+    }
+
+    /// Starts a thread that publishes what `newest` returns (this rank's newest collective
+    /// and its line) whenever it changes, checking every [`PUBLISH_EVERY`]; it stops when
+    /// `newest` returns `None` (its communicator is gone). A failure to publish is logged once
+    /// and retried at the next change.
+    ///
+    /// # Errors
+    /// The thread cannot be started.
+    pub fn spawn_publisher(
+        self: Arc<Self>,
+        mut newest: impl FnMut() -> Option<(Option<u64>, String)> + Send + 'static,
+    ) -> std::io::Result<()> {
+        std::thread::Builder::new()
+            .name(format!("progress-{}", self.env.rank))
+            .spawn(move || {
+                let mut published: Option<(Option<u64>, String)> = None;
+                let mut warned = false;
+                while let Some(now) = newest() {
+                    if published.as_ref() != Some(&now) {
+                        let deadline = Instant::now() + PUBLISH_DEADLINE;
+                        match self.publish(now.0, &now.1, deadline) {
+                            Ok(()) => published = Some(now),
+                            Err(e) if !warned => {
+                                warned = true;
+                                log::warn!(
+                                    "rank {}: cannot publish progress to torchrun's store (a hang report will lack it): {e}",
+                                    self.env.rank
+                                );
+                            }
+                            Err(_) => {}
+                        }
+                    }
+                    std::thread::sleep(PUBLISH_EVERY);
+                }
+            })
+            .map(drop)
+    }
+
+    /// The ranks other than this one whose newest report is before call `call` (`op`), each
+    /// as "rank q never reached op #call; its last collective: ... (reported 1.2 s before)";
+    /// a rank whose report cannot be read by `deadline` is named with the reason. In rank order.
+    pub fn behind(&self, op: &str, call: u64, deadline: Instant) -> Vec<String> {
+        (0..self.env.world_size)
+            .filter(|&q| q != self.env.rank)
+            .filter_map(|q| match self.read(q, deadline) {
+                Ok(r) if r.call.is_some_and(|c| c >= call) => None,
+                Ok(r) => Some(format!(
+                    "rank {q} never reached {op} #{call}; its last collective: {} (reported {:.1} s before)",
+                    r.line,
+                    r.age.as_secs_f64()
+                )),
+                Err(e) => Some(format!("rank {q}: no progress report read ({e})")),
+            })
+            .collect()
+    }
+}
