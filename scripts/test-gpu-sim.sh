@@ -157,7 +157,8 @@ if [ -x "$torchrun" ]; then
     echo "$summary"
     grep -q '"world_size":8' <<<"$summary" || { echo "FAIL: torchrun's run did not report 8 ranks"; exit 1; }
     echo "-- a hang across processes under PyTorch's TCPStore: the timed-out rank names the rank behind from its progress reports"
-    TORCH_PYTHON=$(realpath "${TORCH_VENV:-.venv-torch}/bin/python") GPU_SIM_DEVICES=4 cargo test \
+    # The venv's python by its own path (resolving its link would leave the venv).
+    TORCH_PYTHON="$(cd "${TORCH_VENV:-.venv-torch}" && pwd)/bin/python" GPU_SIM_DEVICES=4 cargo test \
         --features $features --test nccl_faults -q -- --ignored --exact \
         a_hang_report_across_processes_names_the_rank_behind
     echo "-- torchrun --max-restarts 2 with --resume auto: rank 1 exits after step 3 of 4, torchrun restarts the group, which resumes from step 2's checkpoint and ends with the uninterrupted run's checkpoint, bit for bit"
