@@ -67,7 +67,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
 
-use store::{remaining, TcpStoreClient};
+use store::{remaining, resolve, TcpStoreClient};
 
 mod launcher;
 pub mod progress;
@@ -567,9 +567,8 @@ fn fetch(env: &DistEnv, seq: u64, deadline: Instant, timeout: Duration) -> Resul
     // before, which says more (a refused connection, an answer that does not prove the secret).
     let mut last_err = String::new();
     loop {
-        let this_err = match (env.master_addr.as_str(), env.master_port).to_socket_addrs() {
+        let this_err = match resolve(&env.master_addr, env.master_port, deadline) {
             Ok(addrs) => {
-                let addrs: Vec<SocketAddr> = addrs.collect();
                 if addrs.is_empty() {
                     "the address resolves to nothing".to_string()
                 } else {

@@ -13,17 +13,15 @@ use candle_core::{bail, Result};
 use super::wire::{frame, frame_as, read_by, write_by, HELLO};
 use super::*;
 
-/// Every address `MASTER_ADDR` resolves to, bound on `MASTER_PORT` ([`listen_on`]).
-pub(super) fn listeners(env: &DistEnv) -> Result<Vec<TcpListener>> {
-    let addrs: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
-        .to_socket_addrs()
-        .map_err(|e| {
-            candle_core::Error::Msg(format!(
-                "bootstrap: rank 0 cannot resolve MASTER_ADDR={}: {e}",
-                env.master_addr
-            ))
-        })?
-        .collect();
+/// Every address `MASTER_ADDR` resolves to (by `deadline`), bound on `MASTER_PORT`
+/// ([`listen_on`]).
+pub(super) fn listeners(env: &DistEnv, deadline: Instant) -> Result<Vec<TcpListener>> {
+    let addrs = super::store::resolve(&env.master_addr, env.master_port, deadline).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "bootstrap: rank 0 cannot resolve MASTER_ADDR={}: {e}",
+            env.master_addr
+        ))
+    })?;
     listen_on(&addrs, env.agent_store).map_err(|e| {
         candle_core::Error::Msg(format!(
             "{e} (MASTER_ADDR={}:{})",
@@ -120,6 +118,41 @@ pub(super) fn max_handlers(world: usize) -> usize {
 /// says nothing frees its slot within this, not [`CLIENT_DEADLINE`].
 const HELLO_DEADLINE: Duration = Duration::from_millis(500);
 
+/// Time past a client's deadline that rank 0 still waits for its acknowledgement: the client
+/// takes the payload once its acknowledgement is written, by its own deadline, which began
+/// when it connected (before rank 0 accepted); an acknowledgement on its way at rank 0's
+/// deadline is still counted, instead of a rank that went on being waited for until the
+/// timeout.
+const ACK_GRACE: Duration = Duration::from_secs(2);
+
+/// A warning repeated on every pass of a loop (an `accept` failing while descriptors are
+/// exhausted) is logged at most once per [`WARN_EVERY`], with the number left out since.
+#[derive(Debug, Default)]
+pub(super) struct Throttle {
+    last: Option<Instant>,
+    held: u64,
+}
+
+/// See [`Throttle`].
+pub(super) const WARN_EVERY: Duration = Duration::from_secs(1);
+
+impl Throttle {
+    /// Whether a warning at `now` is logged: `Some(n)` with the `n` warnings left out since the
+    /// last one logged, or `None` when this one is left out.
+    pub fn admit(&mut self, now: Instant) -> Option<u64> {
+        match self.last {
+            Some(t) if now.saturating_duration_since(t) < WARN_EVERY => {
+                self.held += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.held))
+            }
+        }
+    }
+}
+
 /// A connection being answered.
 struct Open {
     /// A handle to shut it down.
@@ -168,7 +201,7 @@ pub(super) fn serve(
     if env.world_size == 1 {
         return Ok(());
     }
-    let listeners = listeners(env)?;
+    let listeners = listeners(env, deadline)?;
     let (tx, rx) = mpsc::channel::<(u64, Client)>();
     let mut served: HashSet<usize> = HashSet::new();
     let mut dropped: Vec<String> = Vec::new();
@@ -177,6 +210,7 @@ pub(super) fn serve(
     // over, and released as soon as its thread is done.
     let mut open: HashMap<u64, Open> = HashMap::new();
     let mut next_conn = 0u64;
+    let mut accept_warnings = Throttle::default();
     let (id, cap) = (identity(env), max_handlers(env.world_size));
     std::thread::scope(|s| -> Result<()> {
         let result = (|| -> Result<()> {
@@ -243,7 +277,13 @@ pub(super) fn serve(
                         Err(e) => {
                             // Out of descriptors (EMFILE) or the like: the connection stays in
                             // the backlog until one is free.
-                            log::warn!("bootstrap: rank 0: accept failed: {e}");
+                            match accept_warnings.admit(Instant::now()) {
+                                Some(0) => log::warn!("bootstrap: rank 0: accept failed: {e}"),
+                                Some(n) => log::warn!(
+                                    "bootstrap: rank 0: accept failed: {e} ({n} more since the last warning)"
+                                ),
+                                None => {}
+                            }
                             if dropped.len() < 64 {
                                 dropped.push(format!("accept: {e}"));
                             }
@@ -387,7 +427,7 @@ pub(super) fn answer(
     match &env.secret {
         Some(k) => {
             let mut ack = [0u8; secret::TAG];
-            read_by(&mut stream, &mut ack, deadline)?;
+            read_by(&mut stream, &mut ack, deadline + ACK_GRACE)?;
             if !k.check(&[b"ack", &context], &ack) {
                 return Ok(Client::Dropped(
                     "an acknowledgement without the proof of the shared secret".into(),
@@ -396,7 +436,7 @@ pub(super) fn answer(
         }
         None => {
             let mut ack = [0u8; 1];
-            read_by(&mut stream, &mut ack, deadline)?;
+            read_by(&mut stream, &mut ack, deadline + ACK_GRACE)?;
         }
     }
     Ok(Client::Served(rank))

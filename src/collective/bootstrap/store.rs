@@ -14,7 +14,7 @@
 //! key; so does this one.
 
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use candle_core::{bail, Result};
@@ -65,12 +65,51 @@ pub(crate) fn remaining(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
+/// The addresses `host:port` resolves to, by `deadline`: the system's resolver (`getaddrinfo`,
+/// which has timeouts of its own, tens of seconds with an unreachable DNS server) runs on a
+/// thread of its own, and a lookup still running at the deadline is left to finish there, its
+/// answer unused. An address literal is parsed at once.
+///
+/// # Errors
+/// The resolver's error, or `TimedOut` at the deadline.
+pub(crate) fn resolve(host: &str, port: u16, deadline: Instant) -> std::io::Result<Vec<SocketAddr>> {
+    if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let host = host.to_string();
+    resolve_with(
+        move || (host.as_str(), port).to_socket_addrs().map(Iterator::collect),
+        deadline,
+    )
+}
+
+/// [`resolve`] with the lookup given: `lookup` runs on a thread of its own, awaited until
+/// `deadline`.
+pub(crate) fn resolve_with(
+    lookup: impl FnOnce() -> std::io::Result<Vec<SocketAddr>> + Send + 'static,
+    deadline: Instant,
+) -> std::io::Result<Vec<SocketAddr>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("resolve".into())
+        .spawn(move || {
+            let _ = tx.send(lookup());
+        })?;
+    match rx.recv_timeout(remaining(deadline)) {
+        Ok(found) => found,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "name resolution did not finish by the deadline",
+        )),
+    }
+}
+
 /// Connects to `host:port`, trying every address it resolves to (IPv4 and IPv6), retrying
 /// until `deadline` while nothing listens yet. Returns the connected stream and its address.
 pub(crate) fn connect_any(host: &str, port: u16, deadline: Instant) -> Result<(TcpStream, String)> {
     let mut last = String::from("nothing tried");
     loop {
-        match (host, port).to_socket_addrs() {
+        match resolve(host, port, deadline) {
             Ok(addrs) => {
                 for a in addrs {
                     match TcpStream::connect_timeout(

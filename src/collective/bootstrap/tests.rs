@@ -983,3 +983,71 @@ fn a_sustained_flood_does_not_keep_the_ranks_out() {
         assert!(took < Duration::from_secs(8), "took {took:?} (key {key:?})");
     }
 }
+
+/// A client whose acknowledgement reaches rank 0 after rank 0's own deadline for that client
+/// (the client's deadline began when it connected, before rank 0 accepted; a loaded machine):
+/// rank 0 still counts it within the grace and completes, instead of waiting for a rank that has
+/// moved on until the timeout.
+#[test]
+fn a_late_acknowledgement_is_still_counted() {
+    let port = free_port();
+    let e = env(1, 2, port);
+    std::thread::scope(|s| {
+        let root = s.spawn(|| {
+            let t = Instant::now();
+            share_bytes_round(&env(0, 2, port), 0, Some(b"id"), LONG).map(|p| (p, t.elapsed()))
+        });
+        let (mut stream, addr) = connect_any("127.0.0.1", port, Instant::now() + LONG).unwrap();
+        let deadline = Instant::now() + LONG;
+        write_by(&mut stream, &hello(&e, 0).unwrap(), deadline).unwrap();
+        let addr: SocketAddr = addr.parse().unwrap();
+        let (status, body) = read_answer(&mut stream, addr, deadline).unwrap().unwrap();
+        assert_eq!((status, body.as_slice()), (OK, &b"id"[..]));
+        std::thread::sleep(CLIENT_DEADLINE + Duration::from_millis(500));
+        write_by(&mut stream, &[1], deadline).unwrap();
+        let (payload, took) = root.join().unwrap().unwrap();
+        assert_eq!(payload, b"id");
+        assert!(took < LONG / 2, "rank 0 took {took:?}");
+    });
+}
+
+/// A resolver that does not answer (an unreachable DNS server) costs the caller its deadline,
+/// not the resolver's own timeouts; an address literal needs no lookup.
+#[test]
+fn a_slow_resolver_costs_only_the_deadline() {
+    let t = Instant::now();
+    let e = store::resolve_with(
+        || {
+            std::thread::sleep(Duration::from_secs(30));
+            Ok(Vec::new())
+        },
+        Instant::now() + Duration::from_millis(200),
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    let past = Instant::now() - Duration::from_secs(1);
+    assert_eq!(
+        store::resolve("::1", 7, past).unwrap(),
+        vec!["[::1]:7".parse::<SocketAddr>().unwrap()]
+    );
+    assert_eq!(
+        store::resolve("[::1]", 7, past).unwrap(),
+        vec!["[::1]:7".parse::<SocketAddr>().unwrap()]
+    );
+}
+
+/// A failure repeated on every pass of the accept loop (descriptors exhausted) is logged once
+/// per second, with the number left out since.
+#[test]
+fn a_repeated_accept_failure_is_logged_once_a_second() {
+    let mut w = server::Throttle::default();
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    assert_eq!(w.admit(at(0)), Some(0));
+    let held: Vec<_> = (1..500).step_by(2).map(|ms| w.admit(at(ms))).collect();
+    assert!(held.iter().all(Option::is_none), "{held:?}");
+    assert_eq!(w.admit(at(999)), None);
+    assert_eq!(w.admit(at(1000)), Some(251));
+    assert_eq!(w.admit(at(2500)), Some(0));
+}
