@@ -55,9 +55,14 @@
 //! instead of panicking. A stranger that keeps the table full and reconnects the moment a
 //! connection closes does not keep the ranks out
 //! (`bootstrap::tests::a_sustained_flood_does_not_keep_the_ranks_out`,
-//! `a_connection_flood_under_a_low_descriptor_limit`). Clients try every
+//! `a_connection_flood_under_a_low_descriptor_limit`); while descriptors are exhausted its
+//! warning is logged once a second (`a_repeated_accept_failure_is_logged_once_a_second`).
+//! Rank 0 counts a client's acknowledgement that arrives up to 2 s after that client's 5 s
+//! (`a_late_acknowledgement_is_still_counted`). Clients try every
 //! address in turn, each attempt bounded by 5 s, so a silent listener costs one attempt
 //! (`bootstrap::tests::a_silent_listener_costs_one_attempt`), and back off from 50 ms to 1 s.
+//! Name resolution (`getaddrinfo`, with timeouts of its own) is bounded by the caller's
+//! deadline (`a_slow_resolver_costs_only_the_deadline`).
 //! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and
 //! 2.15.0 tested by `tests/torch_interop.rs`; an older server is refused with an error naming
 //! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).
