@@ -66,7 +66,7 @@
 //! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and
 //! 2.15.0 tested by `tests/torch_interop.rs`; an older server is refused with an error naming
 //! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 

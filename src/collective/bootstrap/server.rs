@@ -3,7 +3,7 @@
 //! acknowledged the payload.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -16,12 +16,13 @@ use super::*;
 /// Every address `MASTER_ADDR` resolves to (by `deadline`), bound on `MASTER_PORT`
 /// ([`listen_on`]).
 pub(super) fn listeners(env: &DistEnv, deadline: Instant) -> Result<Vec<TcpListener>> {
-    let addrs = super::store::resolve(&env.master_addr, env.master_port, deadline).map_err(|e| {
-        candle_core::Error::Msg(format!(
-            "bootstrap: rank 0 cannot resolve MASTER_ADDR={}: {e}",
-            env.master_addr
-        ))
-    })?;
+    let addrs =
+        super::store::resolve(&env.master_addr, env.master_port, deadline).map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "bootstrap: rank 0 cannot resolve MASTER_ADDR={}: {e}",
+                env.master_addr
+            ))
+        })?;
     listen_on(&addrs, env.agent_store).map_err(|e| {
         candle_core::Error::Msg(format!(
             "{e} (MASTER_ADDR={}:{})",

@@ -72,13 +72,25 @@ pub(crate) fn remaining(deadline: Instant) -> Duration {
 ///
 /// # Errors
 /// The resolver's error, or `TimedOut` at the deadline.
-pub(crate) fn resolve(host: &str, port: u16, deadline: Instant) -> std::io::Result<Vec<SocketAddr>> {
-    if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+pub(crate) fn resolve(
+    host: &str,
+    port: u16,
+    deadline: Instant,
+) -> std::io::Result<Vec<SocketAddr>> {
+    if let Ok(ip) = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
     let host = host.to_string();
     resolve_with(
-        move || (host.as_str(), port).to_socket_addrs().map(Iterator::collect),
+        move || {
+            (host.as_str(), port)
+                .to_socket_addrs()
+                .map(Iterator::collect)
+        },
         deadline,
     )
 }
