@@ -114,6 +114,23 @@ fn our_client_speaks_pytorchs_tcpstore() {
     }
 }
 
+/// Rank `rank` of `world` as torchrun's agent launches it, with the store at `port` on this
+/// machine, run id `run` and an optional shared secret.
+fn store_env(port: u16, world: usize, rank: usize, run: &str, secret: Option<&str>) -> DistEnv {
+    DistEnv {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: None,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        run_id: run.into(),
+        restart: 0,
+        agent_store: true,
+        secret: secret.map(|s| Secret::new(s).unwrap()),
+    }
+}
+
 /// Two ranks rendezvous through a PyTorch TCPStore as they would under torchrun's agent: in the
 /// clear, then with a shared secret, where the value in the store is sealed (its bytes do not
 /// show the payload) and a rank without the secret is refused with the reason.
@@ -121,18 +138,7 @@ fn our_client_speaks_pytorchs_tcpstore() {
 #[ignore = "needs PyTorch: scripts/test-torch.sh"]
 fn share_bytes_through_a_pytorch_store() {
     let server = Server::start("libuv");
-    let env = |rank, run: &str, secret: Option<&str>| DistEnv {
-        rank,
-        world_size: 2,
-        local_rank: rank,
-        local_world_size: None,
-        master_addr: "127.0.0.1".into(),
-        master_port: server.port,
-        run_id: run.into(),
-        restart: 0,
-        agent_store: true,
-        secret: secret.map(|s| Secret::new(s).unwrap()),
-    };
+    let env = |rank, run: &str, secret: Option<&str>| store_env(server.port, 2, rank, run, secret);
     let payload = b"nccl-id: 0123456789abcdef";
     for (run, secret) in [
         ("test-run", None),
@@ -204,18 +210,7 @@ fn share_bytes_through_a_pytorch_store() {
 #[ignore = "needs PyTorch: scripts/test-torch.sh"]
 fn progress_reports_through_a_pytorch_store() {
     let server = Server::start("libuv");
-    let env = |rank, run: &str, secret: Option<&str>| DistEnv {
-        rank,
-        world_size: 4,
-        local_rank: rank,
-        local_world_size: None,
-        master_addr: "127.0.0.1".into(),
-        master_port: server.port,
-        run_id: run.into(),
-        restart: 0,
-        agent_store: true,
-        secret: secret.map(|s| Secret::new(s).unwrap()),
-    };
+    let env = |rank, run: &str, secret: Option<&str>| store_env(server.port, 4, rank, run, secret);
     let soon = || Instant::now() + Duration::from_secs(5);
     for (run, secret) in [
         ("progress-run", None),

@@ -203,6 +203,11 @@ impl FlightRecorder {
 /// Where rank `rank` stands, for a report naming the ranks that are behind call `call` (`op`):
 /// "rank 2 never reached all_reduce #1207; its last collective: all_reduce #1206, completed ...".
 pub fn behind(rank: usize, op: &str, call: u64, last: Option<&CallRecord>) -> String {
+    behind_as(rank, op, call, last)
+}
+
+/// [`behind`] with the last collective as any text (another process's report of it).
+pub fn behind_as(rank: usize, op: &str, call: u64, last: Option<impl std::fmt::Display>) -> String {
     match last {
         Some(r) => format!("rank {rank} never reached {op} #{call}; its last collective: {r}"),
         None => format!("rank {rank} never reached {op} #{call}; it recorded no collective"),

@@ -16,6 +16,7 @@ use candle_core::Result;
 
 use super::store::TcpStoreClient;
 use super::{peer_text, store_key, DistEnv};
+use crate::collective::recorder::behind_as;
 
 /// How often a publisher looks for a newer collective to report.
 pub const PUBLISH_EVERY: Duration = Duration::from_millis(200);
@@ -181,11 +182,10 @@ impl ProgressBoard {
             .filter(|&q| q != self.env.rank)
             .filter_map(|q| match self.read(q, deadline) {
                 Ok(r) if r.call.is_some_and(|c| c >= call) => None,
-                Ok(r) => Some(format!(
-                    "rank {q} never reached {op} #{call}; its last collective: {} (reported {:.1} s before)",
-                    r.line,
-                    r.age.as_secs_f64()
-                )),
+                Ok(r) => {
+                    let line = format!("{} (reported {:.1} s before)", r.line, r.age.as_secs_f64());
+                    Some(behind_as(q, op, call, r.call.map(|_| line)))
+                }
                 Err(e) => Some(format!("rank {q}: no progress report read ({e})")),
             })
             .collect()

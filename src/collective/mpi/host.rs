@@ -165,6 +165,11 @@ pub(super) fn avg_dtype(t: &Tensor, op: ReduceOp) -> std::result::Result<(), Str
     Ok(())
 }
 
+/// What the flight recorder keeps of a call's input `t`: its dtype and element count.
+pub(super) fn input_of(t: &Tensor) -> Option<(DType, usize)> {
+    Some((t.dtype(), t.elem_count()))
+}
+
 pub(super) fn dtype_code(d: DType) -> i64 {
     d as i64
 }

@@ -34,7 +34,9 @@ mod host;
 mod ops;
 mod parts;
 
-use host::{avg_dtype, dtype_code, invalid, shape_code, with_buf, HostBuf, HostSlice, Source};
+use host::{
+    avg_dtype, dtype_code, input_of, invalid, shape_code, with_buf, HostBuf, HostSlice, Source,
+};
 
 const BACKEND: &str = "MPI";
 

@@ -32,12 +32,7 @@ impl Collective for MpiCollective {
         const OP: &str = "all_reduce";
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
         let send = HostBuf::staged_source(t);
-        self.agree(
-            OP,
-            desc,
-            Some((t.dtype(), t.elem_count())),
-            send.verdict(avg_dtype(t, op)),
-        )?;
+        self.agree(OP, desc, input_of(t), send.verdict(avg_dtype(t, op)))?;
         self.reduce(OP, send.take(OP)?, t, op, None)
     }
 
@@ -89,12 +84,7 @@ impl Collective for MpiCollective {
         // The wire rides in the descriptor: a rank calling `all_reduce` meanwhile is a mismatch.
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 1 + dtype_code(wire));
         let send = HostBuf::staged_source(t);
-        self.agree(
-            OP,
-            desc,
-            Some((t.dtype(), t.elem_count())),
-            send.verdict(avg_dtype(t, op)),
-        )?;
+        self.agree(OP, desc, input_of(t), send.verdict(avg_dtype(t, op)))?;
         let rounded = send.take(OP)?.with_slice(|s| match s {
             HostSlice::F32(v) => {
                 let mut out = vec![0f32; v.len()];
@@ -127,12 +117,7 @@ impl Collective for MpiCollective {
                 .map_err(|e| e.to_string())
         });
         let send = HostBuf::staged_source(t);
-        self.agree(
-            OP,
-            desc,
-            Some((t.dtype(), t.elem_count())),
-            send.verdict(local),
-        )?;
+        self.agree(OP, desc, input_of(t), send.verdict(local))?;
         let full = self.reduce(OP, send.take(OP)?, t, op, None)?;
         scatter_rows(&full, self.rank, self.world)
     }
@@ -154,12 +139,7 @@ impl Collective for MpiCollective {
         };
         let desc = Self::descriptor(Op::AllGather, t, rest, t.rank() as i64);
         let send = HostBuf::staged(t);
-        self.agree(
-            OP,
-            desc,
-            Some((t.dtype(), t.elem_count())),
-            send.verdict(local),
-        )?;
+        self.agree(OP, desc, input_of(t), send.verdict(local))?;
         let send = send.take(OP)?;
         let row: usize = rest.iter().product();
         let mut rows = vec![0i64; self.world];
@@ -239,7 +219,7 @@ impl Collective for MpiCollective {
         self.agree(
             OP,
             Self::descriptor(Op::Broadcast(root), t, t.dims(), root as i64),
-            Some((t.dtype(), t.elem_count())),
+            input_of(t),
             send.verdict(local),
         )?;
         let mut buf = send.take(OP)?;

@@ -11,11 +11,12 @@
 //! one. The verdict is taken once per process (NCCL reads the setting once per process too).
 
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::cuda_backend::cudarc::driver::CudaContext;
 
 use super::raw::{unique_id, NcclFail, Progress, RawComm};
+use super::watchdog::{wait_ready, CallError};
 
 const VAR: &str = "NCCL_COMM_BLOCKING";
 
@@ -54,18 +55,11 @@ fn probe(ctx: &CudaContext, timeout: Duration) -> Result<Option<String>, NcclFai
         drop(comms); // aborted
         return Ok(Some(source()));
     }
-    let deadline = Instant::now() + timeout;
-    for comm in &comms {
-        while comm.state()? == Progress::InProgress {
-            if Instant::now() >= deadline {
-                return Err(NcclFail::new(
-                    "probe",
-                    format!("a one-rank NCCL communicator, made to ask NCCL whether it runs in blocking mode, did not start within {timeout:?}"),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
+    // Polled as every start-up is (dropped, so aborted, on failure).
+    wait_ready(&comms, &[0], "the blocking-mode probe", timeout).map_err(|(_, e)| match e {
+        CallError::Nccl(f) => f,
+        CallError::Broken(why) => NcclFail::new("probe", why),
+    })?;
     drop(comms); // a one-rank communicator: aborted without waiting on anyone
     Ok(None)
 }

@@ -110,7 +110,7 @@ fn check(lib: &Nccl, code: c_int, comm: Option<&RawComm>) -> Result<Progress, Nc
     }
 }
 
-pub(super) fn lib() -> Result<&'static Nccl, NcclFail> {
+fn lib() -> Result<&'static Nccl, NcclFail> {
     nccl().map_err(|e| NcclFail::new("load", e))
 }
 
@@ -179,7 +179,7 @@ pub(super) struct Buffers {
 pub(super) const MIN_NCCL: c_int = 22700;
 
 /// Loads NCCL and refuses a version older than [`MIN_NCCL`].
-pub(super) fn check_version() -> Result<&'static Nccl, NcclFail> {
+fn check_version() -> Result<&'static Nccl, NcclFail> {
     let lib = lib()?;
     let mut v: c_int = 0;
     // SAFETY: `v` receives the version.
