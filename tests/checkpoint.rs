@@ -227,7 +227,15 @@ fn two_saves_with_one_tag_use_two_tensor_files() -> anyhow::Result<()> {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     files.sort();
-    assert_eq!(files, [second, checkpoint::MANIFEST.to_string()]);
+    assert_eq!(
+        files,
+        [
+            ".checkpoint.lock".to_string(),
+            second,
+            checkpoint::MANIFEST.to_string()
+        ],
+        "the newest pair, and the lock a save takes"
+    );
     let e = save_alone(&dir, "../x", 1.0).unwrap_err().to_string();
     assert!(e.contains("tag"), "{e}");
     std::fs::remove_dir_all(dir)?;
@@ -338,5 +346,278 @@ fn adamw_steps_equal_candle_nns_and_resume_exactly() -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// Two writers into one folder (two runs with the same output folder, a sweep, a lingering
+/// rank 0), 20 rounds of two saves released together: every round leaves a loadable
+/// checkpoint. A save either completes or is refused naming the folder's lock, and no save
+/// deletes a tensor file that a manifest it did not replace names. The folder ends with the
+/// lock, one manifest and the one tensor file it names.
+#[test]
+fn two_writers_to_one_folder_never_lose_the_checkpoint() -> anyhow::Result<()> {
+    let dir = fresh_dir("two-writers");
+    let big = |v: f32| -> candle_core::Result<Vec<(String, Tensor)>> {
+        Ok(vec![(
+            "w".to_string(),
+            Tensor::full(v, 1 << 20, &Device::Cpu)?, // 4 MiB: a save takes a while
+        )])
+    };
+    let (mut done, mut refused) = (0, 0);
+    for round in 0..20 {
+        let gate = std::sync::Barrier::new(2);
+        let outcomes: Vec<candle_core::Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|w| {
+                    let (gate, dir) = (&gate, &dir);
+                    s.spawn(move || {
+                        let comm = ThreadGroup::new(1)?.remove(0);
+                        let tensors = big((round * 2 + w) as f32)?;
+                        gate.wait();
+                        let meta = serde_json::json!({ "writer": w, "round": round });
+                        checkpoint::save(dir, &format!("r{round}w{w}"), &tensors, &meta, &*comm)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for o in outcomes {
+            match o {
+                Ok(()) => done += 1,
+                Err(e) => {
+                    let e = format!("{e:#}");
+                    assert!(e.contains("another save holds"), "round {round}: {e}");
+                    refused += 1;
+                }
+            }
+        }
+        let loaded = load_alone(&dir)
+            .map_err(|e| anyhow::anyhow!("round {round}: {e:#}"))?
+            .expect("a checkpoint");
+        let w = loaded.metadata["writer"].as_u64().unwrap() as f32;
+        let v = loaded.tensors["w"].get(0)?.to_scalar::<f32>()?;
+        assert_eq!(
+            v,
+            (round * 2) as f32 + w,
+            "round {round}: its writer's tensors"
+        );
+    }
+    assert_eq!(done + refused, 40);
+    assert!(done >= 20, "at least one save per round completes: {done}");
+    let mut files: Vec<String> = (std::fs::read_dir(&dir)?)
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files.len(), 3, "{files:?}");
+    assert_eq!(files[0], ".checkpoint.lock");
+    assert_eq!(files[2], checkpoint::MANIFEST);
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// A communicator that reports a lost collective on one rank (as NCCL's after an abort).
+#[derive(Debug)]
+struct LostOn {
+    inner: Arc<dyn Collective>,
+    rank: usize,
+}
+
+impl candle_distributed::collective::Decorator for LostOn {
+    fn inner(&self) -> &Arc<dyn Collective> {
+        &self.inner
+    }
+    fn check_deferred(&self) -> candle_core::Result<()> {
+        if self.inner.rank() == self.rank {
+            candle_core::bail!("a collective enqueued earlier was lost")
+        }
+        Ok(())
+    }
+}
+
+/// A save after a lost collective (the model may hold garbage) writes nothing, on every rank:
+/// the folder keeps its last good checkpoint byte for byte, and each rank's error says why.
+#[test]
+fn a_save_after_a_lost_collective_writes_nothing() -> anyhow::Result<()> {
+    let dir = fresh_dir("lost");
+    save_alone(&dir, "e0001", 1.0)?;
+    let before: Vec<(String, Vec<u8>)> = {
+        let mut v: Vec<_> = (std::fs::read_dir(&dir)?)
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    for lost_on in [0, 1] {
+        let errs = ThreadGroup::run(2, |comm| {
+            let comm = LostOn {
+                inner: comm,
+                rank: lost_on,
+            };
+            let t = [(
+                "w".to_string(),
+                Tensor::new(&[f32::NAN, 0.0], &Device::Cpu)?,
+            )];
+            let got = checkpoint::save(&dir, "garbage", &t, &serde_json::Value::Null, &comm);
+            Ok(format!("{:#}", got.expect_err("an error on every rank")))
+        })?;
+        for (r, e) in errs.iter().enumerate() {
+            let want = if r == lost_on {
+                "was lost"
+            } else {
+                "lost a collective"
+            };
+            assert!(
+                e.contains(want) && e.contains("nothing was written"),
+                "rank {r}: {e}"
+            );
+        }
+        let mut after: Vec<(String, Vec<u8>)> = (std::fs::read_dir(&dir)?)
+            .map(|e| {
+                let e = e.unwrap();
+                (
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        after.sort();
+        assert_eq!(
+            after, before,
+            "lost on rank {lost_on}: the folder is untouched"
+        );
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// Two manifests naming the same tensor file with other metadata (a position, a loss scale)
+/// are two checkpoints: ranks holding one each refuse to start, naming both manifests' CRCs.
+#[test]
+fn the_ranks_agree_on_the_metadata_too() -> anyhow::Result<()> {
+    let (a, b) = (fresh_dir("meta-a"), fresh_dir("meta-b"));
+    save_alone(&a, "e0001", 1.0)?;
+    for e in std::fs::read_dir(&a)? {
+        let e = e?;
+        std::fs::copy(e.path(), b.join(e.file_name()))?;
+    }
+    let json = std::fs::read_to_string(b.join(checkpoint::MANIFEST))?;
+    assert!(json.contains("\"v\": 1.0"), "{json}");
+    std::fs::write(
+        b.join(checkpoint::MANIFEST),
+        json.replace("\"v\": 1.0", "\"v\": 99.0"),
+    )?;
+    let errs = ThreadGroup::run(2, |comm| {
+        let path = if comm.rank() == 0 { &a } else { &b };
+        let got = checkpoint::load(Some(path), &*comm);
+        Ok(format!("{:#}", got.expect_err("an error on every rank")))
+    })?;
+    for (r, e) in errs.iter().enumerate() {
+        assert!(
+            e.contains("different checkpoints") && e.contains("manifest CRC-32"),
+            "rank {r}: {e}"
+        );
+    }
+    // The same manifest with other spacing is the same checkpoint.
+    std::fs::write(b.join(checkpoint::MANIFEST), json.replace("  ", "    "))?;
+    ThreadGroup::run(2, |comm| {
+        let path = if comm.rank() == 0 { &a } else { &b };
+        checkpoint::load(Some(path), &*comm).map(|l| l.is_some())
+    })?;
+    std::fs::remove_dir_all(a)?;
+    std::fs::remove_dir_all(b)?;
+    Ok(())
+}
+
+/// A manifest names its tensor file by a plain name beside it: a path out of the folder (an
+/// absolute one, `..`) is refused without being opened; a file that is not a regular one, or
+/// of another size than the manifest says, is refused before anything is read (a link to
+/// `/dev/zero` would otherwise be read until memory runs out).
+#[test]
+fn a_manifest_cannot_name_a_file_outside_its_folder() -> anyhow::Result<()> {
+    let dir = fresh_dir("hostile");
+    save_alone(&dir, "e0001", 1.0)?;
+    let json_path = dir.join(checkpoint::MANIFEST);
+    let json = std::fs::read_to_string(&json_path)?;
+    let m: serde_json::Value = serde_json::from_str(&json)?;
+    let named = m["tensors"].as_str().unwrap().to_string();
+    for hostile in [
+        "/etc/hostname",
+        "../outside.safetensors",
+        "sub/x.safetensors",
+        "..",
+    ] {
+        std::fs::write(&json_path, json.replace(&named, hostile))?;
+        let e = format!("{:#}", load_alone(&dir).unwrap_err());
+        assert!(e.contains("not a plain file name"), "{hostile}: {e}");
+    }
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink("/dev/zero", dir.join("zero.safetensors"))?;
+        std::fs::write(&json_path, json.replace(&named, "zero.safetensors"))?;
+        let e = format!("{:#}", load_alone(&dir).unwrap_err());
+        assert!(e.contains("not a regular file"), "{e}");
+    }
+    let bytes = m["tensors_bytes"].as_u64().unwrap();
+    let huge = json.replace(
+        &format!("\"tensors_bytes\": {bytes}"),
+        "\"tensors_bytes\": 1000000000000",
+    );
+    std::fs::write(&json_path, huge)?;
+    let e = format!("{:#}", load_alone(&dir).unwrap_err());
+    assert!(e.contains("1000000000000 expected"), "{e}");
+    std::fs::write(&json_path, &json)?;
+    load_alone(&dir)?.expect("the checkpoint, restored");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// A save removes the temporary files of saves that were killed midway (a model-sized file
+/// each), and leaves other temporary files (a run's metrics being written) alone; its outputs
+/// get the permissions a new file of the process gets (the umask's), not 0o600.
+#[test]
+fn a_save_cleans_up_after_killed_saves() -> anyhow::Result<()> {
+    let dir = fresh_dir("killed");
+    save_alone(&dir, "e0001", 1.0)?;
+    let stale = [
+        ".checkpoint-e0002.safetensors.Ab3xYz.tmp",
+        ".checkpoint.json.Qw7e.tmp",
+    ];
+    for f in stale {
+        std::fs::write(dir.join(f), vec![7u8; 4096])?;
+    }
+    std::fs::write(dir.join(".metrics.csv.Zz9.tmp"), b"epoch")?;
+    // A staging folder with the safetensors writer's own temporary file in it.
+    let staged = dir.join(".checkpoint-e0002.Kx81.tmp");
+    std::fs::create_dir(&staged)?;
+    std::fs::write(staged.join(".tmpAb12Cd"), vec![7u8; 4096])?;
+    load_alone(&dir)?.expect("the previous checkpoint, whole");
+    save_alone(&dir, "e0002", 2.0)?;
+    for f in stale {
+        assert!(!dir.join(f).exists(), "{f} removed");
+    }
+    assert!(!staged.exists(), "the staging folder removed");
+    assert!(
+        dir.join(".metrics.csv.Zz9.tmp").exists(),
+        "not a checkpoint's"
+    );
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(dir.join("plain"), b"x")?;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let want = mode(&dir.join("plain"));
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(checkpoint::MANIFEST))?)?;
+        for f in [checkpoint::MANIFEST, m["tensors"].as_str().unwrap()] {
+            assert_eq!(mode(&dir.join(f)), want, "{f}: the umask's permissions");
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
     Ok(())
 }

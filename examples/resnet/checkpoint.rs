@@ -31,23 +31,62 @@ pub struct Meta {
     /// its metrics row comes out as without the interruption.
     #[serde(default)]
     pub partial: Option<[f64; 3]>,
+    /// What decides each epoch's order and each step's place in it (checkpoints written before
+    /// these were recorded have none, and are not checked for them).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// The global batch size.
+    #[serde(default)]
+    pub batch_size: Option<usize>,
+    /// The training set's size.
+    #[serde(default)]
+    pub train_samples: Option<usize>,
 }
 
-/// The metadata of a loaded checkpoint, refused (naming the file) when it is not the example's
-/// or is of another model than `model`.
-pub fn meta_of(loaded: &Loaded, model: &str) -> Result<Meta> {
+/// What a run must share with the run whose checkpoint it resumes: the model, and what decides
+/// where in which epoch order a step falls (the seed, the global batch size, the training
+/// set). The world size may differ (the position is counted in global batches).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Identity {
+    pub model: String,
+    pub seed: u64,
+    pub batch_size: usize,
+    pub train_samples: usize,
+}
+
+/// The metadata of a loaded checkpoint, refused (naming the file and the setting) when it is
+/// not the example's, is of another model, or was saved by a run with another seed, global
+/// batch size or training set: the resumed epoch would skip or repeat samples under another
+/// schedule, silently.
+pub fn meta_of(loaded: &Loaded, run: &Identity) -> Result<Meta> {
     let meta: Meta = serde_json::from_value(loaded.metadata.clone()).with_context(|| {
         format!(
             "{}: not a checkpoint of this example",
             loaded.path.display()
         )
     })?;
-    if meta.model != model {
+    if meta.model != run.model {
         bail!(
-            "{}: a checkpoint of {}, not of the --model {model} of this run",
+            "{}: a checkpoint of {}, not of the --model {} of this run",
             loaded.path.display(),
-            meta.model
+            meta.model,
+            run.model
         )
+    }
+    let differs = [
+        ("--seed", meta.seed.map(|s| s as usize), run.seed as usize),
+        ("--batch-size", meta.batch_size, run.batch_size),
+        ("training-set size", meta.train_samples, run.train_samples),
+    ];
+    for (what, saved, here) in differs {
+        if let Some(saved) = saved.filter(|&s| s != here) {
+            bail!(
+                "{}: saved by a run with {what} {saved}, this run has {here}: resuming would put \
+                 its steps at other places of other epochs; resume with the settings and data of \
+                 the run that saved it, or start afresh in another --out-dir",
+                loaded.path.display()
+            )
+        }
     }
     Ok(meta)
 }

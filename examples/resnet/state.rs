@@ -41,6 +41,7 @@ pub fn setup(
     device: &Device,
     cfg: &Config,
     classes: usize,
+    train_samples: usize,
 ) -> Result<State> {
     let vm = VarMap::new();
     // With --overlap, the model computes with hooked copies of its trainable variables, whose
@@ -62,7 +63,7 @@ pub fn setup(
     // loss scale would diverge silently.
     let resumed = lib_checkpoint::load_on(cfg.resume.as_deref(), &**comm, device)?;
     let meta = (resumed.as_ref())
-        .map(|l| checkpoint::meta_of(l, &cfg.arch.name()))
+        .map(|l| checkpoint::meta_of(l, &identity(cfg, train_samples)))
         .transpose()?;
     if let (Some(loaded), Some(meta)) = (&resumed, &meta) {
         if comm.rank() == 0 {
@@ -127,6 +128,16 @@ pub fn write_reports(cfg: &Config, metrics: &[EpochMetrics]) -> Result<()> {
     Ok(())
 }
 
+/// What a checkpoint of this run records, and a resume of it must match.
+pub fn identity(cfg: &Config, train_samples: usize) -> checkpoint::Identity {
+    checkpoint::Identity {
+        model: cfg.arch.name(),
+        seed: cfg.seed,
+        batch_size: cfg.batch_size,
+        train_samples,
+    }
+}
+
 /// A checkpoint into `cfg.out_dir`: variables, AdamW's state, SyncBatchNorm's shifts, and the
 /// position and loss scale as metadata; `partial`: the sums of the epoch in progress, for a save
 /// mid-epoch. Collective (rank 0 writes, every rank returns its outcome:
@@ -136,6 +147,7 @@ pub fn save_checkpoint(
     st: &State,
     comm: &Arc<dyn Collective>,
     partial: Option<[f64; 3]>,
+    train_samples: usize,
 ) -> Result<()> {
     let mut tensors = lib_checkpoint::varmap_tensors(&st.vm)?;
     let (optimizer_step, moments) = st.opt.state();
@@ -152,6 +164,9 @@ pub fn save_checkpoint(
         }),
         model: cfg.arch.name(),
         partial,
+        seed: Some(cfg.seed),
+        batch_size: Some(cfg.batch_size),
+        train_samples: Some(train_samples),
     };
     let tag = match partial {
         None => format!("e{:04}", st.epoch),

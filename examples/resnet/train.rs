@@ -127,7 +127,18 @@ pub fn train_rank(
     if cfg.batch_size == 0 || cfg.accumulate == 0 {
         bail!("--batch-size and --accumulate must be at least 1");
     }
-    let mut st = setup(&comm, &device, cfg, train.classes)?;
+    // One live run per output folder: a second one (a sweep, a second launch with the default
+    // --out-dir) is refused at its start instead of overwriting this one's files.
+    let _run_lock = if cfg.write_outputs {
+        let held = match comm.rank() {
+            0 => lock_out_dir(&cfg.out_dir).map(Some),
+            _ => Ok(None),
+        };
+        agree_on(&comm, &device, "take the output folder", held)?
+    } else {
+        None
+    };
+    let mut st = setup(&comm, &device, cfg, train.classes, train.len())?;
     let steps_per_epoch = train.len().div_ceil(cfg.batch_size);
     if steps_per_epoch == 0 {
         bail!("the training set is empty");
@@ -143,15 +154,17 @@ pub fn train_rank(
     };
     let start = Instant::now();
     // On resume, the earlier epochs' rows: the CSV beside the checkpoint, written by the run
-    // that wrote it (the new run's --out-dir may be another folder).
-    let mut metrics: Vec<EpochMetrics> = if let Some(resume) = &cfg.resume {
-        report::read_csv(&checkpoint::dir_of(resume).join("metrics.csv"))?
-            .into_iter()
-            .filter(|m| m.epoch <= st.epoch)
-            .collect()
-    } else {
-        Vec::new()
+    // that wrote it (the new run's --out-dir may be another folder). Only rank 0 uses them, so
+    // only rank 0 reads them, and every rank learns whether it could (a malformed copy must
+    // not stop rank 0 alone while the others wait in their next collective).
+    let earlier = match (&cfg.resume, comm.rank()) {
+        (Some(resume), 0) => report::read_csv(&checkpoint::dir_of(resume).join("metrics.csv")),
+        _ => Ok(Vec::new()),
     };
+    let mut metrics: Vec<EpochMetrics> = agree_on(&comm, &device, "read the metrics", earlier)?
+        .into_iter()
+        .filter(|m| m.epoch <= st.epoch)
+        .collect();
     let mut images_seen = 0usize;
     for epoch in st.epoch..cfg.epochs {
         let epoch_start = Instant::now();
@@ -179,7 +192,7 @@ pub fn train_rank(
         if cfg.write_outputs {
             // The checkpoint first (rank 0 writes, every rank learns the outcome), then rank
             // 0's CSV and chart, whose outcome every rank learns too.
-            save_checkpoint(cfg, &st, &comm, None)?;
+            save_checkpoint(cfg, &st, &comm, None, run.train.len())?;
             let written = if comm.rank() == 0 {
                 write_reports(cfg, &metrics)
             } else {
@@ -257,7 +270,7 @@ fn run_epoch(
                 .is_some_and(|n| st.step.is_multiple_of(n.max(1)))
         {
             run.comm.deferred_error()?;
-            save_checkpoint(cfg, st, run.comm, Some(sums))?;
+            save_checkpoint(cfg, st, run.comm, Some(sums), run.train.len())?;
             if cfg.stop_after_step == Some(st.step) {
                 progress.finish();
                 return Ok(None);
@@ -459,18 +472,54 @@ fn evaluate(
 /// (one all-reduce of a flag), instead of at its next collective's timeout. Rank 0 fails with
 /// the write's error, the others with a message pointing to it.
 fn agree_on_write(comm: &Arc<dyn Collective>, device: &Device, written: Result<()>) -> Result<()> {
-    let failed = f32::from(u8::from(written.is_err()));
+    agree_on(comm, device, "write the metrics", written)
+}
+
+/// The lock of a run's output folder (`.run.lock`), held while the run lives and released by
+/// the operating system when its process ends, however it ends.
+fn lock_out_dir(dir: &std::path::Path) -> Result<std::fs::File> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(".run.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "{}: another run is writing into {} (it holds this lock); give this run another \
+             --out-dir",
+            path.display(),
+            dir.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(anyhow::Error::from(e).context(format!("locking {}", path.display())))
+        }
+    }
+}
+
+/// Rank 0's outcome of `what` (the others pass `Ok`), learned by every rank: one all-reduce of
+/// one value, after which every rank returns an error when rank 0 failed.
+fn agree_on<T>(
+    comm: &Arc<dyn Collective>,
+    device: &Device,
+    what: &str,
+    outcome: Result<T>,
+) -> Result<T> {
+    let failed = f32::from(u8::from(outcome.is_err()));
     let any = comm
         .all_reduce(&Tensor::new(&[failed], device)?, ReduceOp::Max)?
         .to_vec1::<f32>()?[0];
-    written.context("rank 0 could not write the metrics")?;
+    let value = outcome.with_context(|| format!("rank 0 could not {what}"))?;
     if any > 0.0 {
         bail!(
-            "rank {}: rank 0 could not write the metrics (its error says why); stopping with it",
+            "rank {}: rank 0 could not {what} (its error says why); stopping with it",
             comm.rank()
         )
     }
-    Ok(())
+    Ok(value)
 }
 
 /// Trains on every rank of `cfg.backend` and returns rank 0's summary.

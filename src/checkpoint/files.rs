@@ -1,10 +1,15 @@
 //! Files that survive a kill at any moment: written to a temporary name, flushed to disk
-//! (`fsync`), renamed into place, and the directory entry flushed too.
+//! (`fsync`), renamed into place, and the directory entry flushed too; the folder lock that
+//! keeps a second writer out; the clean-up of what killed saves left behind.
 
-use std::io::Write;
+use std::fs::{File, TryLockError};
+use std::io::{Read, Write};
 use std::path::Path;
 
 use candle_core::Result;
+
+/// The lock file a save holds in its folder.
+pub(super) const LOCK: &str = ".checkpoint.lock";
 
 /// An I/O error as a candle error naming what was done to which file.
 pub(super) fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> candle_core::Error {
@@ -14,7 +19,9 @@ pub(super) fn io_err(what: &str, path: &Path, e: impl std::fmt::Display) -> cand
 /// Writes `bytes` to `path` atomically: a temporary file of a unique name in the same
 /// directory (`.<file name>.<random>.tmp`), `fsync`, rename, `fsync` of the directory. A kill at any point
 /// leaves the old file or the new one, whole; two writers to one folder never share a
-/// temporary file. For a run's other outputs (metrics, charts) beside its checkpoints.
+/// temporary file. The file gets the permissions of a file the program creates itself
+/// (`0o666` less the process's umask, as `std::fs::write` gives). For a run's other outputs
+/// (metrics, charts) beside its checkpoints.
 ///
 /// # Errors
 ///
@@ -28,21 +35,89 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// A new, empty temporary file in `path`'s directory, named `.<file name>.<random>.tmp`
-/// (`tempfile`: created exclusively, removed when dropped unless published). A save killed
-/// midway leaves one such file behind, which can be deleted.
-pub(super) fn temp_beside(path: &Path) -> Result<tempfile::NamedTempFile> {
+/// (`tempfile`: created exclusively, removed when dropped unless published), created with
+/// mode `0o666` so that the umask alone decides who may read it (`tempfile`'s own default,
+/// `0o600`, would make every output private whatever the user's umask). A save killed midway
+/// leaves one such file behind, which the next save removes ([`remove_stale_temps`]).
+fn temp_beside(path: &Path) -> Result<tempfile::NamedTempFile> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
     let dir = dir.unwrap_or(Path::new("."));
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".tmp")
+    let prefix = format!(".{name}.");
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(".tmp");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    builder
         .tempfile_in(dir)
         .map_err(|e| io_err("creating a temporary file for", path, e))
 }
 
+/// A private folder beside a checkpoint for writing its tensor file
+/// (`.checkpoint-<tag>.<random>.tmp/`): the safetensors writer makes temporary files of its own
+/// next to its target, so they land in here, and a kill leaves one folder for the next save's
+/// clean-up ([`remove_stale_temps`]). Removed when dropped.
+pub(super) struct Staging {
+    dir: tempfile::TempDir,
+    file: std::path::PathBuf,
+}
+
+impl Staging {
+    /// A new staging folder in `dir` for a tensor file tagged `tag`.
+    pub fn new(dir: &Path, tag: &str) -> Result<Self> {
+        let prefix = format!(".checkpoint-{tag}.");
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(&prefix).suffix(".tmp");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // Created as 0o777 less the umask: the tensor file gets the same less execution.
+            builder.permissions(std::fs::Permissions::from_mode(0o777));
+        }
+        let dir = builder
+            .tempdir_in(dir)
+            .map_err(|e| io_err("creating a staging folder in", dir, e))?;
+        let file = dir.path().join("tensors.safetensors");
+        Ok(Self { dir, file })
+    }
+
+    /// Where the tensor file is written.
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    /// Gives the written file the permissions of a new file of the process (the writer's own
+    /// temporary file is private), renames it to `path` and flushes the directory entry.
+    pub fn publish(self, path: &Path) -> Result<()> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let umasked = std::fs::metadata(self.dir.path())
+                .map_err(|e| io_err("reading", self.dir.path(), e))?
+                .permissions()
+                .mode()
+                & 0o666;
+            std::fs::set_permissions(&self.file, std::fs::Permissions::from_mode(umasked))
+                .map_err(|e| io_err("setting the permissions of", &self.file, e))?;
+        }
+        std::fs::rename(&self.file, path).map_err(|e| {
+            io_err(
+                "renaming",
+                &self.file,
+                format!("to {}: {e}", path.display()),
+            )
+        })?;
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        let dir = dir.unwrap_or(Path::new("."));
+        sync_dir(dir).map_err(|e| io_err("syncing the directory", dir, e))
+    }
+}
+
 /// Renames the temporary file `tmp` to `path` and flushes the directory entry.
-pub(super) fn publish(tmp: tempfile::NamedTempFile, path: &Path) -> Result<()> {
+fn publish(tmp: tempfile::NamedTempFile, path: &Path) -> Result<()> {
     let from = tmp.path().to_path_buf();
     tmp.persist(path).map_err(|e| {
         io_err(
@@ -64,6 +139,91 @@ pub(super) fn sync_file(path: &Path) -> Result<()> {
         .open(path)
         .and_then(|f| f.sync_all())
         .map_err(|e| io_err("syncing", path, e))
+}
+
+/// The CRC-32 and length of a file, read in 1 MiB pieces (never the whole file in memory).
+pub(super) fn crc32_of(path: &Path) -> Result<(u32, u64)> {
+    let mut f = File::open(path).map_err(|e| io_err("reading back", path, e))?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        let n = f
+            .read(&mut buf)
+            .map_err(|e| io_err("reading back", path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        len += n as u64;
+    }
+    Ok((hasher.finalize(), len))
+}
+
+/// An exclusive lock on a checkpoint folder for one save: an advisory lock (`flock` on Unix,
+/// `LockFileEx` on Windows) on [`LOCK`] in the folder, released when dropped, and by the
+/// operating system when the writer dies, so a crashed writer leaves no stale lock behind.
+#[derive(Debug)]
+pub(super) struct FolderLock {
+    _file: File,
+}
+
+impl FolderLock {
+    /// Takes the lock of `dir` without waiting.
+    ///
+    /// # Errors
+    ///
+    /// When another writer (this process or another) holds it, naming the lock file; when the
+    /// lock file cannot be opened. A file system without locks is logged and not refused.
+    pub fn take(dir: &Path) -> Result<Self> {
+        let path = dir.join(LOCK);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err("opening the lock", &path, e))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => candle_core::bail!(
+                "checkpoint::save: another save holds {} (a second run writing checkpoints into \
+                 the same folder?); nothing was written: give each run a folder of its own",
+                path.display()
+            ),
+            Err(TryLockError::Error(e)) if e.kind() == std::io::ErrorKind::Unsupported => {
+                log::warn!(
+                    "checkpoint: {} cannot be locked on this file system ({e}): a second writer \
+                     into the folder is not kept out",
+                    path.display()
+                );
+            }
+            Err(TryLockError::Error(e)) => return Err(io_err("locking", &path, e)),
+        }
+        Ok(Self { _file: file })
+    }
+}
+
+/// Removes what killed saves left in `dir`: staging folders and temporary files
+/// (`.checkpoint-*.tmp`, `.checkpoint.json.*.tmp`). Called with the folder's [`FolderLock`]
+/// held, so no live save owns them; other temporary files (a run's metrics) are left alone,
+/// and a link is removed as a link, never followed. Returns how many went.
+pub(super) fn remove_stale_temps(dir: &Path) -> usize {
+    let mut removed = 0;
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = name.starts_with(".checkpoint-") || name.starts_with(".checkpoint.json.");
+        if !ours || !name.ends_with(".tmp") {
+            continue;
+        }
+        let gone = match entry.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(entry.path()),
+            Ok(_) => std::fs::remove_file(entry.path()),
+            Err(e) => Err(e),
+        };
+        removed += usize::from(gone.is_ok());
+    }
+    removed
 }
 
 /// Flushes a directory's entries (a rename into it) to disk: `fsync` of the directory on Unix.
@@ -126,6 +286,35 @@ mod tests {
         sync_dir(&dir).unwrap();
         let e = sync_file(&dir.join("absent.bin")).unwrap_err().to_string();
         assert!(e.contains("absent.bin"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// An atomic write gets the permissions `std::fs::write` gives a new file in the same
+    /// folder (0o666 less the umask), not the temporary file's private 0o600.
+    #[cfg(unix)]
+    #[test]
+    fn written_files_get_the_umask() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("ckpt-umask-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("plain"), b"x").unwrap();
+        write_atomic(&dir.join("atomic"), b"x").unwrap();
+        let mode = |n: &str| (std::fs::metadata(dir.join(n)).unwrap().permissions().mode()) & 0o777;
+        assert_eq!(mode("atomic"), mode("plain"), "as std::fs::write's");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// One writer at a time: a second lock on the folder (this process or another) is refused
+    /// naming the lock file, and the lock is free again once the first is dropped.
+    #[test]
+    fn the_folder_lock_keeps_a_second_writer_out() {
+        let dir = std::env::temp_dir().join(format!("ckpt-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = FolderLock::take(&dir).unwrap();
+        let e = FolderLock::take(&dir).unwrap_err().to_string();
+        assert!(e.contains(LOCK) && e.contains("another save"), "{e}");
+        drop(first);
+        FolderLock::take(&dir).expect("free after the first writer");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -7,7 +7,10 @@
 //! and `checkpoint.json`, the manifest, which names that file with its size and CRC-32 and
 //! carries the caller's metadata (epoch, step, loss scaler, …, as JSON). Every file is
 //! written to a temporary name, flushed to disk, renamed into place; the manifest goes last, so
-//! it always names a complete tensor file, and older tensor files are removed only after.
+//! it always names a complete tensor file, and the tensor file the replaced manifest named is
+//! removed only after (that one file: nothing else in the folder). One writer at a time: a save
+//! holds the folder's lock, and a second writer is refused rather than let the two delete each
+//! other's files. Nothing is written after a collective was lost.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -39,36 +42,25 @@
 //! uninterrupted one bit for bit.
 
 mod files;
+mod manifest;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::VarMap;
-use serde::{Deserialize, Serialize};
 
 use crate::collective::Collective;
 use crate::SyncBatchNorm;
 pub use files::write_atomic;
-use files::{io_err, publish, sync_file, temp_beside};
+use files::{io_err, sync_file, FolderLock};
+use manifest::Manifest;
 
 /// The version of the manifest's layout; a manifest of another is refused.
 pub const FORMAT: u32 = 2;
 
 /// The manifest's name in a checkpoint folder.
 pub const MANIFEST: &str = "checkpoint.json";
-
-/// `checkpoint.json`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Manifest {
-    format: u32,
-    /// The tensor file, next to the manifest.
-    tensors: String,
-    tensors_bytes: u64,
-    tensors_crc32: u32,
-    /// The caller's.
-    metadata: serde_json::Value,
-}
 
 /// The manifest of `dir` when there is one (a complete checkpoint: the manifest is written
 /// last): what a run that may be a restart passes to [`load`] (`--resume auto`).
@@ -116,11 +108,33 @@ pub fn shift_tensors<'a>(
 /// (copied to the host on rank 0); the first one's device carries the agreement, so it must be
 /// the communicator's (as the model's variables are). Collective: every rank calls it.
 ///
+/// In order:
+/// 1. every rank asks its communicator whether a collective enqueued earlier was lost
+///    ([`Collective::deferred_error`]: an NCCL abort, say, after which the gradients and so the
+///    tensors may be garbage) and the ranks agree on the answers (one all-gather of one value
+///    per rank): if any rank lost one, nothing is written and every rank fails;
+/// 2. rank 0 takes the folder's lock (`.checkpoint.lock`, an advisory lock that the operating
+///    system releases when its holder dies): a second writer into the same folder (another run,
+///    a sweep, a lingering rank 0 of an earlier attempt) is refused with an error naming the lock,
+///    and neither run's checkpoint is touched;
+/// 3. it removes the temporary files of saves that were killed midway, writes the tensor file
+///    to a temporary name, flushes it, computes its CRC-32 by reading it back in 1 MiB pieces,
+///    renames it into place, then writes the manifest the same way;
+/// 4. it removes the one tensor file the replaced manifest named (nothing else);
+/// 5. every rank receives the outcome.
+///
+/// Host memory on rank 0: one host copy of the tensors that are not on the CPU (CPU tensors
+/// are not copied) plus one tensor's bytes at a time while the file is written; the other
+/// ranks hold nothing extra. A kill between the tensor file's rename and the manifest's leaves
+/// that tensor file unnamed, and no later save removes it (a few milliseconds of the save).
+///
 /// # Errors
 ///
-/// On every rank when rank 0 could not write (rank 0 with its reason, the others naming rank 0
-/// and `dir`), and when the agreement's broadcast fails; on every rank when `tensors` is empty
-/// or `tag` has other characters (checked before anything is written).
+/// On every rank when some rank lost a collective before the save (naming the ranks; nothing
+/// written), when rank 0 could not write (rank 0 with its reason, among them another writer
+/// holding the folder's lock, the others naming rank 0 and `dir`), and when the agreement's
+/// collectives fail; on every rank when `tensors` is empty or `tag` has other characters
+/// (checked before anything is written).
 pub fn save(
     dir: &Path,
     tag: &str,
@@ -137,6 +151,29 @@ pub fn save(
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
     {
         bail!("checkpoint::save: tag {tag:?} must be letters, digits, '-' or '_'")
+    }
+    // Every rank's word on its communicator before rank 0 writes: after a lost collective the
+    // tensors may be garbage, and the last good checkpoint must stay.
+    let lost = comm.deferred_error().err();
+    let flag = Tensor::new(&[[f64::from(u8::from(lost.is_some()))]], first.device())?;
+    let flags = comm.all_gather(&flag)?.to_vec2::<f64>()?;
+    let lost_on: Vec<usize> = (0..flags.len()).filter(|&r| flags[r][0] != 0.0).collect();
+    if let Some(e) = lost {
+        return Err(e.context(format!(
+            "checkpoint::save: rank {}: a collective enqueued before the save was lost, so the \
+             tensors may be garbage; nothing was written into {} (its last checkpoint stays)",
+            comm.rank(),
+            dir.display()
+        )));
+    }
+    if !lost_on.is_empty() {
+        bail!(
+            "checkpoint::save: rank {}: rank(s) {lost_on:?} lost a collective enqueued before the \
+             save (their errors say which), so the tensors may be garbage; nothing was written \
+             into {} (its last checkpoint stays)",
+            comm.rank(),
+            dir.display()
+        )
     }
     let written = if comm.rank() == 0 {
         write(dir, tag, tensors, metadata)
@@ -163,8 +200,9 @@ pub fn save(
     }
 }
 
-/// Rank 0's write: the tensor file, then the manifest, then the removal of older tensor files.
-/// Returns the tensor file's CRC-32.
+/// Rank 0's write, under the folder's lock: stale temporary files removed, the tensor file,
+/// then the manifest, then the removal of the tensor file the replaced manifest named. Returns
+/// the tensor file's CRC-32.
 fn write(
     dir: &Path,
     tag: &str,
@@ -172,35 +210,47 @@ fn write(
     metadata: &serde_json::Value,
 ) -> Result<u32> {
     std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
-    // A temporary file of a unique name: two writers to one folder never share one.
-    let tmp = temp_beside(&dir.join(format!("checkpoint-{tag}.safetensors")))?;
-    let map: HashMap<String, Tensor> = tensors
-        .iter()
-        .map(|(k, t)| Ok((k.clone(), t.to_device(&Device::Cpu)?)))
-        .collect::<Result<_>>()?;
-    candle_core::safetensors::save(&map, tmp.path())
-        .map_err(|e| io_err("writing", tmp.path(), e))?;
-    sync_file(tmp.path())?;
-    let bytes = std::fs::read(tmp.path()).map_err(|e| io_err("reading back", tmp.path(), e))?;
-    let crc = crc32fast::hash(&bytes);
+    let _lock = FolderLock::take(dir)?;
+    let stale = files::remove_stale_temps(dir);
+    if stale > 0 {
+        log::info!(
+            "checkpoint: removed {stale} temporary file(s) of killed saves from {}",
+            dir.display()
+        );
+    }
+    // The file the current manifest names, removed once the new manifest replaced it (a
+    // manifest that cannot be read names nothing; a name that is not a plain file name is
+    // never followed).
+    let replaced = manifest::read_manifest(&dir.join(MANIFEST))
+        .ok()
+        .map(|m| m.tensors);
+    // A staging folder of a unique name: a kill leaves it to the next save's clean-up.
+    let stage = files::Staging::new(dir, tag)?;
+    {
+        let map: HashMap<String, Tensor> = tensors
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), t.to_device(&Device::Cpu)?)))
+            .collect::<Result<_>>()?;
+        candle_core::safetensors::save(&map, stage.file())
+            .map_err(|e| io_err("writing", stage.file(), e))?;
+    }
+    sync_file(stage.file())?;
+    let (crc, bytes) = files::crc32_of(stage.file())?;
     let name = format!("checkpoint-{tag}-{crc:08x}.safetensors");
-    publish(tmp, &dir.join(&name))?;
+    stage.publish(&dir.join(&name))?;
     let manifest = Manifest {
         format: FORMAT,
         tensors: name.clone(),
-        tensors_bytes: bytes.len() as u64,
+        tensors_bytes: bytes,
         tensors_crc32: crc,
         metadata: metadata.clone(),
     };
     let json = serde_json::to_vec_pretty(&manifest)
         .map_err(|e| candle_core::Error::Msg(format!("checkpoint: the manifest: {e}")))?;
     write_atomic(&dir.join(MANIFEST), &json)?;
-    // The new pair is in place: older tensor files are garbage now.
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let file = entry.file_name().to_string_lossy().into_owned();
-        if file.starts_with("checkpoint-") && file.ends_with(".safetensors") && file != name {
-            let _ = std::fs::remove_file(entry.path());
-        }
+    // The new pair is in place: the replaced manifest's tensor file is garbage now.
+    if let Some(old) = replaced.filter(|old| *old != name) {
+        let _ = std::fs::remove_file(dir.join(old));
     }
     Ok(crc)
 }
@@ -274,11 +324,16 @@ impl Loaded {
 
 /// Loads the checkpoint `path` names (a manifest, or the folder holding one) on every rank, or
 /// nothing (`None`: a fresh start), and makes every rank agree: all load the same checkpoint
-/// (by CRC-32 of its tensors), or all start fresh, or all fail. A manifest is refused when it
-/// is empty or malformed, of another format, or names a tensor file that is missing, of another
-/// size (truncated) or another CRC-32 (corrupt), each naming the file. Collective: every rank
-/// calls it (one all-gather of 2 values per rank, on the CPU: for a communicator that takes
-/// tensors on its own device only, NCCL, use [`load_on`]).
+/// (the same tensor file, by CRC-32, and the same manifest: metadata included), or all start
+/// fresh, or all fail. A manifest is refused when it is empty, larger than 16 MiB or malformed,
+/// of another format, names its tensor file by anything but a plain file name beside it (a
+/// path, `..`), or names a tensor file that is missing, not a regular file, of another size
+/// (truncated: checked before anything is read) or another CRC-32 (corrupt), each naming the
+/// file. Collective: every rank calls it (one all-gather of 3 values per rank, on the CPU:
+/// for a communicator that takes tensors on its own device only, NCCL, use [`load_on`]).
+///
+/// Host memory per rank: one copy of the checkpoint's tensors (the tensor file is mapped, not
+/// read into memory; the ranks of one machine share its pages in the page cache).
 ///
 /// # Errors
 ///
@@ -299,11 +354,11 @@ pub fn load_on(
     comm: &dyn Collective,
     device: &Device,
 ) -> Result<Option<Loaded>> {
-    let mine = path.map(read);
-    let row: [f64; 2] = match &mine {
-        None => [0.0, 0.0],
-        Some(Ok(l)) => [1.0, f64::from(l.crc32)],
-        Some(Err(_)) => [2.0, 0.0],
+    let mine = path.map(manifest::read);
+    let row: [f64; 3] = match &mine {
+        None => [0.0, 0.0, 0.0],
+        Some(Ok((l, manifest_crc))) => [1.0, f64::from(l.crc32), f64::from(*manifest_crc)],
+        Some(Err(_)) => [2.0, 0.0, 0.0],
     };
     let all = comm
         .all_gather(&Tensor::new(&[row], device)?)?
@@ -325,7 +380,10 @@ pub fn load_on(
         let each: Vec<String> = (all.iter().enumerate())
             .map(|(r, row)| match row[0] {
                 0.0 => format!("rank {r}: none"),
-                _ => format!("rank {r}: tensors CRC-32 {:08x}", row[1] as u32),
+                _ => format!(
+                    "rank {r}: tensors CRC-32 {:08x}, manifest CRC-32 {:08x}",
+                    row[1] as u32, row[2] as u32
+                ),
             })
             .collect();
         bail!(
@@ -333,69 +391,5 @@ pub fn load_on(
             each.join("; ")
         )
     }
-    mine.transpose()
-}
-
-/// One rank's read of the checkpoint `path` names, with every check.
-fn read(path: &Path) -> Result<Loaded> {
-    let manifest_path = if path.is_dir() {
-        path.join(MANIFEST)
-    } else if path.extension().is_some_and(|e| e == "safetensors") {
-        bail!(
-            "checkpoint {}: pass the {MANIFEST} next to it (or its folder): the tensor file alone is not a checkpoint",
-            path.display()
-        )
-    } else {
-        path.to_path_buf()
-    };
-    let text = std::fs::read(&manifest_path).map_err(|e| io_err("reading", &manifest_path, e))?;
-    if text.is_empty() {
-        bail!("checkpoint {} is empty", manifest_path.display())
-    }
-    let m: Manifest = serde_json::from_slice(&text).map_err(|e| {
-        candle_core::Error::Msg(format!(
-            "checkpoint {} is not a valid manifest: {e}",
-            manifest_path.display()
-        ))
-    })?;
-    if m.format != FORMAT {
-        bail!(
-            "checkpoint {}: format {} (this build reads {FORMAT})",
-            manifest_path.display(),
-            m.format
-        )
-    }
-    let file = manifest_path.with_file_name(&m.tensors);
-    let bytes = std::fs::read(&file).map_err(|e| {
-        io_err(
-            "reading",
-            &file,
-            format!("(named by {}): {e}", manifest_path.display()),
-        )
-    })?;
-    if bytes.len() as u64 != m.tensors_bytes {
-        bail!(
-            "checkpoint {}: {} bytes, {} expected by {} (truncated or replaced)",
-            file.display(),
-            bytes.len(),
-            m.tensors_bytes,
-            manifest_path.display()
-        )
-    }
-    let crc = crc32fast::hash(&bytes);
-    if crc != m.tensors_crc32 {
-        bail!(
-            "checkpoint {}: CRC-32 {crc:08x}, {:08x} expected by {} (corrupt)",
-            file.display(),
-            m.tensors_crc32,
-            manifest_path.display()
-        )
-    }
-    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?;
-    Ok(Loaded {
-        path: manifest_path,
-        metadata: m.metadata,
-        tensors,
-        crc32: crc,
-    })
+    Ok(mine.transpose()?.map(|(loaded, _)| loaded))
 }

@@ -119,7 +119,7 @@ fn ranks_with_different_checkpoints_refuse_to_start() {
             resume: Some([&a, &b][comm.rank()].join("checkpoint.json")),
             ..Default::default()
         };
-        let got = state::setup(&comm, &Device::Cpu, &cfg, 10);
+        let got = state::setup(&comm, &Device::Cpu, &cfg, 10, 50);
         Ok(got.err().map(|e| e.to_string()))
     })
     .unwrap();
@@ -137,11 +137,15 @@ fn ranks_with_different_checkpoints_refuse_to_start() {
     }
 }
 
+/// Rank 0's checkpoint write fails at the end of the first epoch (a folder stands where the
+/// save's lock file goes, so the save cannot even start): every rank stops with the error
+/// within a second of the others. An output folder that cannot be made at all stops every rank
+/// at the start, before any training.
 #[test]
 fn a_failed_write_on_rank_zero_stops_every_rank_at_once() {
     let dir = fresh_dir("not-a-folder");
     let file = dir.join("out");
-    std::fs::write(&file, b"a file where the outputs should go").unwrap();
+    std::fs::create_dir_all(file.join(".checkpoint.lock")).unwrap();
     let cfg = train::Config {
         arch: Arch::ResNet20,
         world_size: 2,
@@ -175,6 +179,24 @@ fn a_failed_write_on_rank_zero_stops_every_rank_at_once() {
         apart < std::time::Duration::from_secs(1),
         "the ranks stopped {apart:?} apart"
     );
+    let blocked = dir.join("blocked");
+    std::fs::write(&blocked, b"a file where the outputs should go").unwrap();
+    let cfg = train::Config {
+        out_dir: blocked,
+        ..cfg
+    };
+    let errs = candle_distributed::collective::ThreadGroup::run(2, |comm| {
+        let got = train::train_rank(comm, Device::Cpu, &cfg, &train_set, &val_set);
+        Ok(got.err().map(|e| format!("{e:#}")))
+    })
+    .unwrap();
+    for (r, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or("no error");
+        assert!(
+            e.contains("could not take the output folder"),
+            "rank {r}: {e}"
+        );
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -268,7 +290,8 @@ fn a_resume_mid_epoch_continues_bitwise() {
     let loaded = candle_distributed::checkpoint::load(Some(&b), &*comm)
         .unwrap()
         .unwrap();
-    let meta = checkpoint::meta_of(&loaded, "resnet20").unwrap();
+    let id = state::identity(&tiny_config(&b, train::Precision::Full), 50);
+    let meta = checkpoint::meta_of(&loaded, &id).unwrap();
     assert_eq!((meta.epoch, meta.step), (1, 6), "{meta:?}");
     assert!(meta.partial.is_some_and(|p| p[2] > 0.0), "{meta:?}");
     let resumed = tiny_run(&b, None, true, train::Precision::Full);
@@ -389,14 +412,77 @@ fn a_checkpoint_of_another_model_is_refused() {
     let loaded = candle_distributed::checkpoint::load(Some(&dir), &*comm)
         .unwrap()
         .unwrap();
-    assert_eq!(checkpoint::meta_of(&loaded, "resnet20").unwrap().epoch, 1);
-    let err = format!(
-        "{:#}",
-        checkpoint::meta_of(&loaded, "resnet56").unwrap_err()
-    );
+    let id = state::identity(&tiny_config(&dir, train::Precision::Full), 50);
+    assert_eq!(checkpoint::meta_of(&loaded, &id).unwrap().epoch, 1);
+    let other = checkpoint::Identity {
+        model: "resnet56".into(),
+        ..id.clone()
+    };
+    let err = format!("{:#}", checkpoint::meta_of(&loaded, &other).unwrap_err());
     assert!(
         err.contains("resnet20") && err.contains("resnet56") && err.contains("checkpoint.json"),
         "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--resume auto` after a restart with another global batch size, seed or training set (or a
+/// sweep sharing the output folder) is refused on every rank, naming the setting: the epoch
+/// would resume at another place of another order. A second live run into the same folder is
+/// refused at its start, naming the lock, and leaves the folder's checkpoint as it was.
+#[test]
+fn a_resume_with_other_settings_or_a_second_run_is_refused() {
+    let dir = fresh_dir("other-settings");
+    tiny_run(&dir, Some(1), false, train::Precision::Full);
+    let manifest = std::fs::read(dir.join("checkpoint.json")).unwrap();
+    let auto = std::path::Path::new("auto");
+    let cases: [(&str, train::Config); 3] = [
+        (
+            "--batch-size 8",
+            train::Config {
+                batch_size: 8,
+                ..tiny_config(&dir, train::Precision::Full)
+            },
+        ),
+        (
+            "--seed 7",
+            train::Config {
+                seed: 7,
+                ..tiny_config(&dir, train::Precision::Full)
+            },
+        ),
+        (
+            "training-set size 60",
+            train::Config {
+                train_size: 60,
+                ..tiny_config(&dir, train::Precision::Full)
+            },
+        ),
+    ];
+    for (what, cfg) in cases {
+        let cfg = train::Config {
+            resume: checkpoint::resolve_resume(Some(auto), &dir),
+            ..cfg
+        };
+        let err = format!("{:#}", train::run(&cfg).unwrap_err());
+        let setting = what.rsplit_once(' ').unwrap().0;
+        assert!(
+            err.contains(setting) && err.contains("this run has"),
+            "{what}: {err}"
+        );
+    }
+    // Another run holds the folder.
+    let lock = std::fs::File::create(dir.join(".run.lock")).unwrap();
+    lock.try_lock().unwrap();
+    let err = format!(
+        "{:#}",
+        train::run(&tiny_config(&dir, train::Precision::Full)).unwrap_err()
+    );
+    assert!(err.contains("another run is writing"), "{err}");
+    drop(lock);
+    assert_eq!(
+        std::fs::read(dir.join("checkpoint.json")).unwrap(),
+        manifest
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
