@@ -8,7 +8,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_distributed::collective::{Collective, Decorator, Op};
+use candle_distributed::collective::{Collective, Decorator, Op, ThreadGroup};
 use candle_distributed::{DataParallel, GradHooks};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap, SGD};
 use common::overlap::{assert_twins_equal, batch, flat, net, seed, twin, twin_steps, Twin};
@@ -109,11 +109,11 @@ fn every_rank_starts_the_same_buckets_in_the_same_order(dev: &Device) -> anyhow:
 }
 
 /// A model that takes its layers from the builder in another order than the forward uses them
-/// (the output layer first): on the first backward the buckets follow the reverse build order, so
-/// the output layer's buckets, complete first, wait for the others (held back); from the second
-/// backward on they follow the observed arrival order and none is held back, every one starting
-/// inside the backward. The gradients equal `sync_gradients`' bit for bit at every step, and both
-/// ranks issue the same collectives.
+/// (the output layer first): on the first backward nothing is known yet and every bucket goes
+/// after the backward; from the second backward on the buckets follow the order rank 0's
+/// gradients arrived in, none is held back and every one starts inside the backward. The
+/// gradients equal `sync_gradients`' bit for bit at every step, and both ranks issue the same
+/// collectives.
 fn buckets_follow_the_observed_order_after_the_first_step(dev: &Device) -> anyhow::Result<()> {
     let outs = run_ranks_on(2, dev, |c| {
         let (rec, comm) = Recorded::wrap(c);
@@ -152,9 +152,9 @@ fn buckets_follow_the_observed_order_after_the_first_step(dev: &Device) -> anyho
         Ok((stats, log))
     });
     for (rank, (stats, log)) in outs.iter().enumerate() {
-        assert!(
-            stats[0].held_back >= 2,
-            "rank {rank}: the output layer's two buckets wait on the first step: {stats:?}"
+        assert_eq!(
+            stats[0].started_during_backward, 0,
+            "rank {rank}: nothing starts inside the first backward: {stats:?}"
         );
         for s in &stats[1..] {
             assert_eq!(s.held_back, 0, "rank {rank}: {stats:?}");
@@ -350,13 +350,16 @@ fn step_refreshes_what_the_model_computes_with(dev: &Device) -> anyhow::Result<(
     Ok(())
 }
 
-/// A plain `loss.backward()` through hooked tensors gives every variable its gradient, as if
-/// there were no hook (the hooks only report inside `DataParallel::backward`).
+/// A plain `loss.backward()` through hooked tensors (accumulated micro-batches) gives every
+/// variable its gradient, as if there were no hook (the hooks only report inside
+/// `DataParallel::backward`), once a `DataParallel` took the hooks.
 fn a_plain_backward_through_hooks_is_unchanged(dev: &Device) -> anyhow::Result<()> {
     let vm = VarMap::new();
     let hooks = GradHooks::new();
     let fc = linear(4, 2, hooks.var_builder(&vm, DType::F32, dev).pp("fc"))?;
     seed(&vm);
+    let comm = Probe::on_device(ThreadGroup::new(1)?.remove(0), dev);
+    let _dp = DataParallel::new(&vm, comm)?.with_overlap(&hooks)?;
     let x = on(dev, &randn(5, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?);
     let g = fc.forward(&x)?.sum_all()?.backward()?;
     let w = vm.data().lock().unwrap()["fc.weight"].clone();
@@ -377,7 +380,219 @@ fn a_plain_backward_through_hooks_is_unchanged(dev: &Device) -> anyhow::Result<(
     Ok(())
 }
 
+/// A layer that some ranks use and others not, moving from step to step (after the
+/// tensor-parallel layer on rank 0, before it on rank 1, …: `common::overlap::route`), in a
+/// model whose backward also all-reduces in SyncBatchNorm and in a tensor-parallel layer, one
+/// bucket per variable: every step's gradients equal `sync_gradients`' bit for bit, both ranks
+/// issue the same collectives in the same order (recorded by a `Decorator`), and the step that
+/// routes the layer later than its learned place sends its bucket again.
+fn a_layer_used_on_some_ranks_keeps_the_collectives_in_step(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let (rec, comm) = Recorded::wrap(c);
+        let got = common::overlap::routed_steps(comm, dev)?;
+        let log = rec.log.lock().unwrap().clone();
+        Ok((got, log))
+    });
+    for (rank, (_, log)) in outs.iter().enumerate() {
+        assert_eq!(
+            log, &outs[0].1,
+            "rank {rank}'s collectives against rank 0's"
+        );
+    }
+    let outs: Vec<_> = outs.into_iter().map(|(got, _)| got).collect();
+    common::overlap::assert_routed("thread ranks", &outs);
+    Ok(())
+}
+
+/// The identity, whose backward fails on the ranks and steps `fail` names (an op's error, an
+/// out-of-memory in the backward).
+struct FailOn {
+    fail: bool,
+}
+
+impl candle_core::CustomOp1 for FailOn {
+    fn name(&self) -> &'static str {
+        "fail-on"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if self.fail {
+            candle_core::bail!("fail-on: the backward failed here (as out of memory would)")
+        }
+        Ok(Some(g.clone()))
+    }
+}
+
+/// A backward that fails on one rank fails the step on every rank (nothing returned, no partial
+/// average): the failing rank with its own error, the others naming the failure elsewhere. The
+/// ranks stay in step: the next step runs and equals `sync_gradients`' bit for bit.
+fn a_backward_that_fails_on_one_rank_fails_every_rank(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let build = |vb: VarBuilder| -> candle_core::Result<[candle_nn::Linear; 2]> {
+            Ok([linear(4, 6, vb.pp("a"))?, linear(6, 2, vb.pp("b"))?])
+        };
+        let (vm_o, vm_p, hooks) = (VarMap::new(), VarMap::new(), GradHooks::new());
+        let m_o = build(hooks.var_builder(&vm_o, DType::F32, dev))?;
+        let m_p = build(VarBuilder::from_varmap(&vm_p, DType::F32, dev))?;
+        seed(&vm_o);
+        seed(&vm_p);
+        let dp_o = DataParallel::new(&vm_o, c.clone())?
+            .with_bucket_bytes(1)
+            .with_overlap(&hooks)?;
+        let dp_p = DataParallel::new(&vm_p, c.clone())?.with_bucket_bytes(1);
+        let loss = |m: &[candle_nn::Linear; 2], x: &Tensor, fail: bool| {
+            let h = m[0].forward(x)?.apply_op1(FailOn { fail })?;
+            m[1].forward(&h.tanh()?)?.sqr()?.mean_all()
+        };
+        let mut outcomes = Vec::new();
+        for s in 0..3u64 {
+            let x = on(
+                dev,
+                &randn(70 + 10 * s + c.rank() as u64, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?,
+            );
+            let fail = s == 1 && c.rank() == 1;
+            match dp_o.backward(&loss(&m_o, &x, fail)?) {
+                Ok(g) => {
+                    let g_p = dp_p.sync_gradients(loss(&m_p, &x, false)?.backward()?)?;
+                    assert_eq!(flat(&vm_o, &g), flat(&vm_p, &g_p), "step {s}");
+                    outcomes.push(None);
+                }
+                Err(e) => outcomes.push(Some(format!("{e:#}"))),
+            }
+        }
+        Ok(outcomes)
+    });
+    for (rank, outcomes) in outs.iter().enumerate() {
+        assert!(
+            outcomes[0].is_none() && outcomes[2].is_none(),
+            "rank {rank}: {outcomes:?}"
+        );
+        let e = outcomes[1].as_deref().unwrap_or("no error");
+        let want = if rank == 1 {
+            "the backward failed here"
+        } else {
+            "another rank's backward failed"
+        };
+        assert!(e.contains(want), "rank {rank}: {e}");
+    }
+    Ok(())
+}
+
+/// A model built through `GradHooks` whose hooks no `DataParallel` took (stepped the plain way:
+/// `sync_gradients` and the optimizer) would compute with copies that never see a step: its
+/// first backward is refused on every rank, saying what to call.
+fn hooks_no_data_parallel_took_are_refused(dev: &Device) -> anyhow::Result<()> {
+    let errs = run_ranks_on(2, dev, |c| {
+        let vm = VarMap::new();
+        let hooks = GradHooks::new();
+        let fc = linear(4, 2, hooks.var_builder(&vm, DType::F32, dev).pp("fc"))?;
+        seed(&vm);
+        let _dp = DataParallel::new(&vm, c.clone())?;
+        let x = on(dev, &randn(5, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?);
+        Ok(fc
+            .forward(&x)?
+            .sum_all()?
+            .backward()
+            .err()
+            .map(|e| e.to_string()))
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or("no error");
+        assert!(
+            e.contains("`fc.") && e.contains("no DataParallel took") && e.contains("with_overlap"),
+            "rank {rank}: {e}"
+        );
+    }
+    Ok(())
+}
+
+/// PyTorch's usual order, wrap then load: variables set (a checkpoint loaded) after
+/// `with_overlap`, or stepped by an optimizer without a refresh, leave the hooked copies stale.
+/// The next backward is refused on every rank, naming the variable and `dp.refresh()`; after the
+/// refresh the model trains as one that never had hooks, bit for bit.
+fn a_stale_hooked_copy_is_refused_until_refreshed(dev: &Device) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let Twin {
+            vm_o,
+            model_o,
+            vm_p,
+            model_p,
+            hooks,
+        } = twin(c.clone(), dev, false)?;
+        let dp_o = DataParallel::new(&vm_o, c.clone())?.with_overlap(&hooks)?;
+        let dp_p = DataParallel::new(&vm_p, c.clone())?;
+        // "Loaded" after with_overlap: other values into both models' variables.
+        for vm in [&vm_o, &vm_p] {
+            for (name, v) in vm.data().lock().unwrap().iter() {
+                if !name.contains("running") && !name.contains("num_batches") {
+                    v.set(&(v.as_tensor() * 1.5)?)?;
+                }
+            }
+        }
+        let x = batch(c.rank(), 80, dev);
+        let loaded = dp_o
+            .backward(&model_o.loss(&x)?)
+            .err()
+            .map(|e| e.to_string());
+        dp_o.refresh()?;
+        let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
+        let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
+        for s in 0..2 {
+            let x = batch(c.rank(), 81 + s, dev);
+            dp_o.step(&mut opt_o, &model_o.loss(&x)?)?;
+            opt_p.step(&dp_p.sync_gradients(model_p.loss(&x)?.backward()?)?)?;
+        }
+        let x = batch(c.rank(), 90, dev);
+        let losses = (
+            model_o.loss(&x)?.to_scalar::<f32>()?,
+            model_p.loss(&x)?.to_scalar::<f32>()?,
+        );
+        // An optimizer step without a refresh: the next backward is refused too.
+        opt_o.step(&dp_o.backward(&model_o.loss(&x)?)?)?;
+        let unrefreshed = dp_o
+            .backward(&model_o.loss(&x)?)
+            .err()
+            .map(|e| e.to_string());
+        Ok((loaded, losses, unrefreshed))
+    });
+    for (rank, (loaded, (o, p), unrefreshed)) in outs.iter().enumerate() {
+        for e in [loaded, unrefreshed] {
+            let e = e.as_deref().unwrap_or("no error");
+            assert!(
+                e.contains("stale") && e.contains("dp.refresh()"),
+                "rank {rank}: {e}"
+            );
+        }
+        assert_eq!(
+            o.to_bits(),
+            p.to_bits(),
+            "rank {rank}: after the refresh: {o} vs {p}"
+        );
+    }
+    Ok(())
+}
+
 device_tests!(
+    a_layer_used_on_some_ranks_keeps_the_collectives_in_step,
+    a_backward_that_fails_on_one_rank_fails_every_rank,
+    hooks_no_data_parallel_took_are_refused,
+    a_stale_hooked_copy_is_refused_until_refreshed,
     overlapped_steps_equal_synced_ones,
     an_unused_layer_is_sent_after_the_backward,
     a_shared_weight_gets_both_uses,

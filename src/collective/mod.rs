@@ -74,6 +74,7 @@ mod checked;
 mod decorator;
 mod error;
 mod groups;
+pub mod in_backward;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "nccl")]

@@ -35,6 +35,12 @@ struct HookState {
     by_name: HashMap<String, usize>,
     /// Set while `DataParallel::backward` runs the backward: where gradients go.
     armed: Option<Launcher>,
+    /// A `DataParallel` took the hooks (`with_overlap`): until then a backward through them is
+    /// refused, since nothing would ever copy an optimizer's steps into the hooked copies.
+    adopted: bool,
+    /// The hooked copies may differ from their variables (gradients were handed out since the
+    /// last refresh, or the hooks were just adopted): the next backward compares them.
+    check_due: bool,
 }
 
 fn lock(m: &Mutex<HookState>) -> MutexGuard<'_, HookState> {
@@ -126,13 +132,102 @@ impl GradHooks {
 
     /// Copies every hooked variable's value into its hooked tensor (after an optimizer step).
     pub(super) fn refresh(&self) -> Result<()> {
-        for h in &lock(&self.state).hooked {
+        let mut st = lock(&self.state);
+        for h in &st.hooked {
             h.tensor
                 .flatten_all()?
                 .slice_set(&h.var.as_tensor().flatten_all()?, 0, 0)?;
         }
+        st.check_due = false;
         Ok(())
     }
+
+    /// A `DataParallel` takes the hooks: backwards through them are allowed from now on, and
+    /// the first one checks that the hooked copies still equal their variables.
+    pub(super) fn adopt(&self) {
+        let mut st = lock(&self.state);
+        st.adopted = true;
+        st.check_due = true;
+    }
+
+    /// Gradients were handed out: an optimizer may change the variables before the next
+    /// backward, so that one checks the hooked copies unless a refresh comes first.
+    pub(super) fn handed_out(&self) {
+        lock(&self.state).check_due = true;
+    }
+
+    /// What the overlapped backward runs at each announced collective of the backward.
+    pub(super) fn announcer(&self) -> crate::collective::in_backward::Listener {
+        let state = self.state.clone();
+        Arc::new(move || {
+            if let Some(a) = lock(&state).armed.as_mut() {
+                a.announced();
+            }
+        })
+    }
+
+    /// The error to give when the model computed with a hooked copy that differs from its
+    /// variable (naming the first), or `None`. Compared bit for bit on every call when the
+    /// variables live on the CPU (a memory comparison); elsewhere when a check is due (after
+    /// the hooks were adopted, and after gradients were handed out without a refresh since),
+    /// with a few device operations per variable and one read on the host.
+    ///
+    /// # Errors
+    ///
+    /// When a comparison fails.
+    pub(super) fn stale(&self, device: &Device) -> Result<Option<String>> {
+        let st = lock(&self.state);
+        if !device.is_cpu() && !st.check_due {
+            return Ok(None);
+        }
+        for h in &st.hooked {
+            if !same_values(h.var.as_tensor(), &h.tensor)? {
+                return Ok(Some(format!(
+                    "DataParallel::backward: the model computed with a stale copy of `{}`: its \
+                     variable changed since the hooked copies were last refreshed (an optimizer \
+                     step outside DataParallel::step, a checkpoint or VarMap loaded after \
+                     with_overlap); call dp.refresh() after changing the variables, or step with \
+                     dp.step; nothing was returned on any rank",
+                    h.name
+                )));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Whether `var` and its hooked copy hold the same values: the same bits on the CPU (a NaN
+/// equals its copy); elsewhere equal values, a NaN in the variable counting as equal.
+fn same_values(var: &Tensor, copy: &Tensor) -> Result<bool> {
+    {
+        let (a, la) = var.storage_and_layout();
+        let (b, lb) = copy.storage_and_layout();
+        if let (
+            candle_core::Storage::Cpu(a),
+            candle_core::Storage::Cpu(b),
+            Some((a0, a1)),
+            Some((b0, b1)),
+        ) = (&*a, &*b, la.contiguous_offsets(), lb.contiguous_offsets())
+        {
+            macro_rules! bits {
+                ($t:ty) => {{
+                    let (x, y) = (&a.as_slice::<$t>()?[a0..a1], &b.as_slice::<$t>()?[b0..b1]);
+                    return Ok(x.len() == y.len()
+                        && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+                }};
+            }
+            match var.dtype() {
+                DType::F32 => bits!(f32),
+                DType::F64 => bits!(f64),
+                DType::F16 => bits!(half::f16),
+                DType::BF16 => bits!(half::bf16),
+                _ => {}
+            }
+        }
+    }
+    let differ = var.ne(copy)?.mul(&var.eq(var)?)?;
+    let any = differ.flatten_all()?.to_dtype(DType::F32)?.max(0)?;
+    Ok(any.to_scalar::<f32>()? == 0.0)
 }
 
 /// The builder's backend: the `VarMap`'s variables, trainable ones through their hook.
@@ -201,9 +296,21 @@ impl CustomOp1 for Hook {
 
     /// Armed (inside `DataParallel::backward`): hands the gradient over and gives the variable
     /// none in the `GradStore` (the averaged one is put there afterwards). Otherwise (a plain
-    /// `loss.backward()`): passes the gradient on to the variable, as if there were no hook.
+    /// `loss.backward()`, as for accumulated micro-batches): passes the gradient on to the
+    /// variable, as if there were no hook, once a `DataParallel` adopted the hooks; before, an
+    /// error (the model would compute with copies that no optimizer step ever reaches).
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let mut st = lock(&self.state);
+        if !st.adopted {
+            let name = &st.hooked[self.index].name;
+            bail!(
+                "GradHooks: `{name}` is a hooked copy, but no DataParallel took these hooks: \
+                 an optimizer step would change the variable and never the copy the model \
+                 computes with. Call DataParallel::new(..)?.with_overlap(&hooks)? and step with \
+                 dp.step (or dp.backward and dp.refresh), or build the model with \
+                 VarBuilder::from_varmap instead"
+            )
+        }
         match st.armed.as_mut() {
             Some(a) => {
                 a.ready(self.index, grad);

@@ -195,8 +195,9 @@ pub struct DataParallel {
     overlap: Option<GradHooks>,
     /// What the last overlapped backward did.
     stats: Mutex<OverlapStats>,
-    /// The order the hooked gradients arrive in, agreed after the first overlapped backward.
-    learned: Mutex<Option<Vec<usize>>>,
+    /// What the last overlapped backward agreed on for the next one (the buckets' order and
+    /// places).
+    learned: Mutex<Option<overlap::Learned>>,
 }
 
 impl DataParallel {
@@ -364,7 +365,38 @@ impl DataParallel {
     /// dtype); also when a gradient cannot be converted to its variable's dtype and flattened into
     /// the bucket, or has another element count than its variable (an error on that rank only,
     /// before the all-reduce: the other ranks wait in it until their timeout).
-    pub fn sync_gradients(&self, mut grads: GradStore) -> Result<GradStore> {
+    pub fn sync_gradients(&self, grads: GradStore) -> Result<GradStore> {
+        if let Some(hooks) = &self.overlap {
+            // Gradients of a plain backward through adopted hooks: computed with the hooked
+            // copies, which every rank checks (one all-reduce of a flag) before any bucket.
+            let stale = hooks.stale(&self.device)?;
+            let flag = Tensor::new(&[f32::from(u8::from(stale.is_some()))], &self.device)?;
+            let any = self
+                .comm
+                .all_reduce(&flag, ReduceOp::Max)?
+                .to_vec1::<f32>()?[0];
+            if let Some(e) = stale {
+                bail!(
+                    "{}",
+                    e.replace("DataParallel::backward", "DataParallel::sync_gradients")
+                )
+            }
+            if any > 0.0 {
+                bail!(
+                    "DataParallel::sync_gradients: rank {}: another rank's model computed with \
+                     stale hooked copies of its variables (its error says which)",
+                    self.comm.rank()
+                )
+            }
+            let synced = self.sync_buckets(grads)?;
+            hooks.handed_out();
+            return Ok(synced);
+        }
+        self.sync_buckets(grads)
+    }
+
+    /// The buckets of [`DataParallel::sync_gradients`], in name order.
+    fn sync_buckets(&self, mut grads: GradStore) -> Result<GradStore> {
         for bucket in self.buckets() {
             let (dtype, device) = (bucket[0].1.dtype(), bucket[0].1.device().clone());
             let mut missing_here = false;
@@ -473,6 +505,7 @@ impl DataParallel {
             )
         }
         hooks.refresh()?;
+        hooks.adopt();
         self.overlap = Some(hooks.clone());
         *self.learned.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
         Ok(self)
@@ -518,45 +551,41 @@ impl DataParallel {
             };
             return self.sync_gradients(grads);
         };
+        // The forward that made `loss` computed with the hooked copies: were they current?
+        let stale = hooks.stale(&self.device)?;
         let hooked = hooks.with_hooked(|h| h.iter().map(|x| x.var.clone()).collect::<Vec<_>>());
         let learned = self
             .learned
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let plan = overlap::Plan::new(&self.params, &hooked, self.bucket_bytes, learned.as_deref());
+        let plan = overlap::Plan::new(&self.params, &hooked, self.bucket_bytes, learned.as_ref());
         let launcher = overlap::Launcher::new(
             self.comm.clone(),
             self.wire,
             Arc::new(plan),
             self.params.clone(),
+            self.device.clone(),
             earlier.as_ref(),
         );
         hooks.arm(launcher)?;
-        let result = loss.backward();
+        let result = {
+            // The collectives the backward announces place the buckets.
+            let _listening = crate::collective::in_backward::listen(hooks.announcer());
+            loss.backward()
+        };
         let launcher = hooks.disarm().ok_or_else(|| {
             candle_core::Error::Msg("DataParallel::backward: the hooks were disarmed".into())
         })?;
-        let seen = launcher.seen_order();
-        let outcome = match result {
-            Ok(mut grads) => launcher.finish(&mut grads).map(|stats| {
-                *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
-                grads
-            }),
-            Err(e) => {
-                // Every bucket still goes out, so that no rank waits for this one.
-                let _ = launcher.finish(&mut GradStore::default());
-                Err(e)
-            }
-        };
-        if learned.is_some() {
-            return outcome;
+        let (grads, finished) =
+            launcher.finish(result, learned.as_ref().map(|l| l.announced), stale)?;
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = finished.stats;
+        let mut next = finished.learned;
+        if let Some(before) = learned {
+            next.order = before.order; // the order agreed on the first step stays
         }
-        // After the first overlapped backward (on every rank, whatever its outcome, so that the
-        // ranks' collectives stay matched): rank 0's arrival order becomes every rank's.
-        let agreed = overlap::agree_order(&*self.comm, &seen, &self.device);
-        let grads = outcome?;
-        *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = Some(agreed?);
+        *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = Some(next);
+        hooks.handed_out();
         Ok(grads)
     }
 

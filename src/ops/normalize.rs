@@ -222,8 +222,12 @@ impl NormFn {
         let local = batch_norm_backward_reduce(dy, x, mean, relu_y, layout)?;
         let sums = match (&self.reduce, self.batch_stats) {
             // Called on every rank, whatever its local batch: for an all-reduce, the others
-            // wait for it.
-            (Some(reduce), _) => reduce(&local)?,
+            // wait for it. Announced first: an overlapped data-parallel backward places its
+            // buckets around the collectives of the backward (`collective::in_backward`).
+            (Some(reduce), _) => {
+                crate::collective::in_backward::announce();
+                reduce(&local)?
+            }
             (None, true) => local.clone(),
             (None, false) => local.zeros_like()?,
         };

@@ -190,6 +190,8 @@ impl Module for ColumnParallelLinear {
         };
         let x_dims = x.dims().to_vec();
         let backward = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
+            // The collectives below, announced to an overlapped data-parallel backward.
+            crate::collective::in_backward::announce();
             let g2 = rows2(g)?;
             // Input gradient first, its collective started at once ...
             let dx_full = g2.matmul(&w)?.contiguous()?;

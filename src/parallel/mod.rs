@@ -75,6 +75,18 @@ use crate::collective::{Collective, ReduceOp};
 use attach::attach;
 pub(crate) use attach::attach2;
 
+/// A gradient function that communicates, announced first to an overlapped data-parallel
+/// backward on this thread ([`crate::collective::in_backward`]), which places its buckets
+/// around such collectives.
+fn communicating(
+    f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+) -> attach::Backward {
+    Box::new(move |g| {
+        crate::collective::in_backward::announce();
+        f(g)
+    })
+}
+
 /// `f` applied with `dim` moved to the front (collectives work along dimension 0).
 fn along(t: &Tensor, dim: usize, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     if dim >= t.rank() {
@@ -149,7 +161,7 @@ pub fn all_gather(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Result<
         x,
         y,
         "all-gather",
-        Box::new(move |g| sum_and_take(g, &comm, dim, &sizes)),
+        communicating(move |g| sum_and_take(g, &comm, dim, &sizes)),
     )
 }
 
@@ -170,7 +182,7 @@ pub fn reduce_scatter(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -> Res
         x,
         y,
         "reduce-scatter",
-        Box::new(move |g| along(g, dim, |t| comm.all_gather(t))),
+        communicating(move |g| along(g, dim, |t| comm.all_gather(t))),
     )
 }
 
@@ -189,7 +201,7 @@ pub fn all_reduce(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor> {
         x,
         y,
         "all-reduce",
-        Box::new(move |g| comm.all_reduce(&g.contiguous()?, ReduceOp::Sum)),
+        communicating(move |g| comm.all_reduce(&g.contiguous()?, ReduceOp::Sum)),
     )
 }
 
@@ -207,7 +219,7 @@ pub fn copy_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>) -> Result<Tensor
         x,
         x.detach(),
         "copy-to-parallel",
-        Box::new(move |g| comm.all_reduce(&g.contiguous()?, ReduceOp::Sum)),
+        communicating(move |g| comm.all_reduce(&g.contiguous()?, ReduceOp::Sum)),
     )
 }
 
@@ -248,7 +260,7 @@ pub fn scatter_to_parallel(x: &Tensor, comm: &Arc<dyn Collective>, dim: usize) -
         x,
         y,
         "scatter-to-parallel",
-        Box::new(move |g| along(g, dim, |t| comm.all_gather(t))),
+        communicating(move |g| along(g, dim, |t| comm.all_gather(t))),
     )
 }
 

@@ -204,3 +204,159 @@ pub fn assert_twins_equal(what: &str, outs: Vec<Twins>) {
         );
     }
 }
+
+/// Where a step routes the `extra` layer of [`Routed`]: not at all, before the tensor-parallel
+/// layer, or after it (the backward reaches it before the tensor-parallel layer's collective).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Skip,
+    BeforeTp,
+    AfterTp,
+}
+
+/// conv → SyncBatchNorm+ReLU → global mean → fc → column-parallel linear (its backward
+/// all-reduces) → gathered features → head, with a linear layer `extra` used where the step
+/// routes it, per rank: stochastic depth, expert routing or a data-dependent branch as the
+/// backward sees them. The tensor-parallel layer runs over the data-parallel ranks themselves
+/// (its shard replicated by the broadcast, its gradient averaged): not a model anyone would
+/// train, but a backward with two kinds of collective inside it.
+pub struct Routed {
+    conv: candle_nn::Conv2d,
+    bn: candle_distributed::SyncBatchNorm,
+    fc: candle_nn::Linear,
+    extra: candle_nn::Linear,
+    tp: candle_distributed::parallel::ColumnParallelLinear,
+    head: candle_nn::Linear,
+    comm: Arc<dyn Collective>,
+}
+
+pub fn routed(vb: VarBuilder, comm: Arc<dyn Collective>) -> anyhow::Result<Routed> {
+    use candle_distributed::parallel::{ColumnParallelLinear, ParallelMode};
+    let conv = conv2d(3, 6, 3, Conv2dConfig::default(), vb.pp("conv"))?;
+    let cfg = SyncBatchNormConfig::default().with_fuse_relu(true);
+    let bn = sync_batch_norm(6, cfg, vb.pp("bn"), comm.clone())?;
+    let fc = linear(6, 8, vb.pp("fc"))?;
+    let extra = linear(8, 8, vb.pp("extra"))?;
+    let width = 8 * comm.world_size();
+    let tp = ColumnParallelLinear::new(
+        8,
+        width,
+        true,
+        ParallelMode::AllReduce,
+        vb.pp("tp"),
+        comm.clone(),
+    )?;
+    let head = linear(width, 3, vb.pp("head"))?;
+    Ok(Routed {
+        conv,
+        bn,
+        fc,
+        extra,
+        tp,
+        head,
+        comm,
+    })
+}
+
+impl Routed {
+    pub fn loss(&self, x: &Tensor, route: Route) -> candle_core::Result<Tensor> {
+        let y = self.bn.forward_t(&self.conv.forward(x)?, true)?;
+        let mut y = self.fc.forward(&y.mean(D::Minus1)?.mean(D::Minus1)?)?;
+        if route == Route::BeforeTp {
+            y = self.extra.forward(&y)?.tanh()?;
+        }
+        let y = candle_distributed::parallel::gather_features(&self.tp.forward(&y)?, &self.comm)?;
+        let y = if route == Route::AfterTp {
+            // The same layer on the gathered features' first 8 values, added back.
+            let head = y.narrow(1, 0, 8)?;
+            let rest = y.narrow(1, 8, y.dim(1)? - 8)?;
+            Tensor::cat(&[self.extra.forward(&head)?.tanh()?, rest], 1)?
+        } else {
+            y
+        };
+        self.head.forward(&y)?.sqr()?.mean_all()
+    }
+}
+
+/// The route of rank `rank` at step `step`: `extra` after the tensor-parallel layer on rank 0
+/// alone (steps 0, 1: the order and places are learned from it), then before it on rank 1
+/// alone (later than its learned place: its bucket starts without it on every rank and is sent
+/// again), then before it on every rank, then after it on rank 0 alone (earlier than its
+/// place: its bucket waits for it).
+pub fn route(step: usize, rank: usize) -> Route {
+    match (step, rank) {
+        (0 | 1, 0) | (4, 0) => Route::AfterTp,
+        (2, 1) | (3, _) => Route::BeforeTp,
+        _ => Route::Skip,
+    }
+}
+
+/// Steps of [`routed_steps`].
+pub const ROUTED_STEPS: usize = 5;
+
+/// One rank: [`Routed`] twice, one built through `GradHooks` and stepped with the overlapped
+/// `DataParallel::backward`, one built from its `VarMap` and stepped with `loss.backward()` +
+/// `sync_gradients`, one bucket per variable, [`ROUTED_STEPS`] SGD steps routed by [`route`].
+/// Returns, per step, both gradient lists and the overlap statistics.
+pub fn routed_steps(
+    comm: Arc<dyn Collective>,
+    dev: &Device,
+) -> anyhow::Result<(Vec<StepGrads>, Vec<candle_distributed::OverlapStats>)> {
+    let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
+    let hooks = GradHooks::new();
+    let model_o = routed(hooks.var_builder(&vm_o, DType::F32, dev), comm.clone())?;
+    let model_p = routed(
+        VarBuilder::from_varmap(&vm_p, DType::F32, dev),
+        comm.clone(),
+    )?;
+    seed(&vm_o);
+    seed(&vm_p);
+    let dp_o = DataParallel::new(&vm_o, comm.clone())?
+        .with_bucket_bytes(1)
+        .with_overlap(&hooks)?;
+    let dp_p = DataParallel::new(&vm_p, comm.clone())?.with_bucket_bytes(1);
+    let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
+    let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
+    let (mut steps, mut stats) = (Vec::new(), Vec::new());
+    for s in 0..ROUTED_STEPS {
+        let x = batch(comm.rank(), 60 + s as u64, dev);
+        let r = route(s, comm.rank());
+        let g_o = dp_o.backward(&model_o.loss(&x, r)?)?;
+        let g_p = dp_p.sync_gradients(model_p.loss(&x, r)?.backward()?)?;
+        steps.push([flat(&vm_o, &g_o), flat(&vm_p, &g_p)]);
+        stats.push(dp_o.overlap_stats());
+        opt_o.step(&g_o)?;
+        dp_o.refresh()?;
+        opt_p.step(&g_p)?;
+    }
+    Ok((steps, stats))
+}
+
+/// What every suite checks of [`routed_steps`]: at every step the overlapped gradients equal
+/// the synced ones bit for bit; nothing starts inside the first backward; from the second on,
+/// the tensor-parallel layer's and the batch norm's collectives are announced and buckets start
+/// inside the backward; the step that routes `extra` later than its learned place sends a
+/// bucket again.
+pub fn assert_routed(what: &str, outs: &[(Vec<StepGrads>, Vec<candle_distributed::OverlapStats>)]) {
+    for (rank, (steps, stats)) in outs.iter().enumerate() {
+        for (s, [o, p]) in steps.iter().enumerate() {
+            assert_eq!(
+                o, p,
+                "{what}: rank {rank}, step {s}: overlapped vs synced gradients"
+            );
+        }
+        assert_eq!(
+            stats[0].started_during_backward, 0,
+            "{what}: rank {rank}: {stats:?}"
+        );
+        for st in &stats[1..] {
+            assert_eq!(st.announced, 2, "{what}: rank {rank}: {stats:?}");
+            assert!(
+                st.started_during_backward > 0,
+                "{what}: rank {rank}: {stats:?}"
+            );
+        }
+        assert!(stats[2].sent_again >= 1, "{what}: rank {rank}: {stats:?}");
+        assert_eq!(stats[3].sent_again, 0, "{what}: rank {rank}: {stats:?}");
+    }
+}
