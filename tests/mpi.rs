@@ -61,7 +61,7 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 12] = [
+    let checks: [(&str, Check); 13] = [
         ("collective values", collective_values),
         (
             "all_reduce_parts reads large parts in place, as the concatenation",
@@ -98,6 +98,10 @@ fn main() -> Result<()> {
         (
             "the overlapped backward equals backward + sync_gradients, bit for bit",
             overlapped_backward,
+        ),
+        (
+            "a layer used on some ranks beside SyncBatchNorm and a tensor-parallel layer",
+            routed_layer,
         ),
     ];
     for (name, check) in checks {
@@ -477,6 +481,17 @@ fn overlapped_backward(comm: &Arc<dyn Collective>) -> Result<()> {
             common::overlap::assert_twins_equal(&format!("MPI, wire {wire:?}"), vec![twins]);
         }
     }
+    Ok(())
+}
+
+/// A layer used on some ranks only, moving from step to step, in a model whose backward also
+/// all-reduces in SyncBatchNorm and a tensor-parallel layer (`common::overlap::routed_steps`),
+/// one bucket per variable: the overlapped gradients equal `sync_gradients`' bit for bit at
+/// every step (the buckets, on the communication thread's duplicate communicator, and the
+/// tensor-parallel layer's asynchronous all-reduce share that duplicate).
+fn routed_layer(comm: &Arc<dyn Collective>) -> Result<()> {
+    let got = common::overlap::routed_steps(comm.clone(), &Device::Cpu)?;
+    common::overlap::assert_routed("MPI", &[got]);
     Ok(())
 }
 

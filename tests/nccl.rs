@@ -454,6 +454,27 @@ fn overlapped_backward_over_nccl_equals_the_synced_one() {
     }
 }
 
+/// A layer used on some ranks only, moving from step to step, in a model whose backward also
+/// all-reduces in SyncBatchNorm and a tensor-parallel layer (`common::overlap::routed_steps`),
+/// one bucket per variable, over NCCL: the overlapped gradients equal `sync_gradients`' bit for
+/// bit at every step. Run by `scripts/test-gpu-sim.sh` with NCCL's progress shared and one
+/// collective at a time per GPU (`GPU_SIM_NCCL_PROGRESS=device`): the buckets on NCCL's side
+/// stream and the layers' collectives on the GPU's stream meet in the same order on every rank,
+/// so neither mode can deadlock.
+#[test]
+fn a_layer_used_on_some_ranks_keeps_the_collectives_in_step() {
+    let n = gpus();
+    let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+    let outs = on_ranks(comms, |c| {
+        let dev = c.device();
+        Ok(common::overlap::routed_steps(
+            c as Arc<dyn Collective>,
+            &dev,
+        )?)
+    });
+    common::overlap::assert_routed("NCCL", &outs);
+}
+
 /// A tensor on another GPU than the communicator's is refused by name, on every kind of call,
 /// and the communicator stays usable (nothing was enqueued).
 #[test]

@@ -550,6 +550,8 @@ fn a_stale_hooked_copy_is_refused_until_refreshed(dev: &Device) -> anyhow::Resul
             .backward(&model_o.loss(&x)?)
             .err()
             .map(|e| e.to_string());
+        // The same forward on the other model: its batch norm's state advances alike.
+        model_p.loss(&x)?;
         dp_o.refresh()?;
         let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
         let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;

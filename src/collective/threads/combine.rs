@@ -126,7 +126,9 @@ fn combine(
                     "root {root} out of range for world size {world}"
                 )));
             }
-            tensors[root].clone()
+            // A copy, made while every rank is still inside the call: the root may change its
+            // tensor in place (`Var::set`) the moment it returns, before the others read.
+            tensors[root].copy().map_err(|e| invalid(e.to_string()))?
         }
         Op::Barrier => tensors[0].clone(),
     };

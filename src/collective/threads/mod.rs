@@ -504,15 +504,13 @@ fn wait_for_result<'a>(
             if fin.readers_left == 0 {
                 st.done.remove(&call);
             }
-            // A broadcast's result is the root's own tensor: copied for the other ranks, so that
-            // none shares storage with another rank's tensor, which an in-place `Var::set` on
-            // the root would change under it. Other results are computed here, read-only, and
-            // shared (with one rank: the rank's own input).
-            let aliases = matches!(kind, Op::Broadcast(root) if root != rank);
+            // Results are computed (a broadcast's copied) while every rank is still inside
+            // the call, read-only, and shared: no rank's tensor is one another rank can still
+            // change in place (with one rank: the rank's own input).
             return result
                 .map_err(Into::into)
                 .and_then(|t| t.to_device(device))
-                .and_then(|t| if aliases { t.copy() } else { Ok(t.detach()) });
+                .map(|t| t.detach());
         }
         if let Some(work) = st.working.get(&call).filter(|w| !w.claimed_all()).cloned() {
             drop(st);
