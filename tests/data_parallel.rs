@@ -337,9 +337,40 @@ fn different_models_fail_on_every_rank(dev: &Device) -> anyhow::Result<()> {
             .unwrap_err()
             .to_string())
     });
-    for e in errs {
-        assert!(e.contains("models differ"), "{e}");
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(
+            e.contains("models differ")
+                && e.contains(
+                    "`fc.weight` is [2, 3] F32 trainable on rank 1, [1, 3] F32 trainable on rank 0"
+                ),
+            "rank {rank}: {e}"
+        );
     }
+    // A variable one rank lacks, one only it has, a dtype: each named with what differs.
+    let errs = run_ranks_on(3, dev, |comm| {
+        let vm = VarMap::new();
+        let dtype = if comm.rank() == 2 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let vb = VarBuilder::from_varmap(&vm, dtype, dev);
+        linear(3, 2, vb.pp(if comm.rank() == 1 { "other" } else { "fc" }))?;
+        Ok(DataParallel::new(&vm, comm.clone())
+            .unwrap_err()
+            .to_string())
+    });
+    assert!(
+        errs[1].contains("rank 1 has no `fc.bias`") && errs[1].contains("rank 1 has `other.bias`"),
+        "{}",
+        errs[1]
+    );
+    assert!(errs[2].contains("`fc.weight` is [2, 3] F64"), "{}", errs[2]);
+    assert!(
+        errs[0].contains("rank 1"),
+        "rank 0 names the first rank that differs: {}",
+        errs[0]
+    );
     Ok(())
 }
 

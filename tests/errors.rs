@@ -335,6 +335,42 @@ fn one_value_per_channel_in_the_global_batch_fails_on_every_rank(
     Ok(())
 }
 
+/// A rank that fails on its own (a channel count the layer does not have) and leaves: the
+/// others then fail because it left. `ThreadGroup::run` returns the error that started it,
+/// with its rank, the others' errors after it, and no line of candle's context after a
+/// collective's message.
+#[test]
+fn run_returns_the_error_that_started_the_failure() {
+    let err = ThreadGroup::run(3, |comm| {
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let bn = candle_distributed::sync_batch_norm(3, 1e-5, vb, comm.clone())?;
+        let c = if comm.rank() == 1 { 16 } else { 3 };
+        let x = Tensor::ones((2, c, 2, 2), DType::F32, &Device::Cpu)?;
+        bn.forward_t(&x, true)
+    })
+    .unwrap_err();
+    let e = err.to_string();
+    let first = e.lines().next().unwrap_or("");
+    assert!(
+        first.starts_with("rank 1 (where the failure started; then rank 0: ")
+            && first.contains("rank 2: "),
+        "{e}"
+    );
+    assert!(e.contains("expected 3 channels, got 16"), "{e}");
+    // A collective's own error prints its message alone.
+    let left = ThreadGroup::run(2, |comm| {
+        if comm.rank() == 1 {
+            return Ok(());
+        }
+        comm.barrier()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(!left.contains("a collective operation failed"), "{left}");
+    assert!(left.contains("rank 1 dropped its communicator"), "{left}");
+}
+
 #[test]
 fn a_rank_that_leaves_before_the_backward_fails_the_others_promptly() {
     let comms = ThreadGroup::new(3).unwrap(); // default timeout: minutes

@@ -98,18 +98,24 @@ impl std::fmt::Debug for CollectiveError {
     }
 }
 
-/// The context string candle prints after a collective error.
-const CONTEXT: &str = "(a collective operation failed)";
-
 impl From<CollectiveError> for candle_core::Error {
-    /// As `candle_core::Error::WrappedContext`, the one variant whose payload can be downcast, so
-    /// that [`CollectiveError::find`] recovers the value.
+    /// As `candle_core::Error::Io`, whose payload can be downcast (so that
+    /// [`CollectiveError::find`] recovers the value) and which prints the message alone (candle's
+    /// `WrappedContext` would add a line of context after it). The `std::io::ErrorKind` says what
+    /// kind of failure it was: `TimedOut` for [`CollectiveError::Timeout`], `ConnectionAborted`
+    /// for [`CollectiveError::RankLeft`], `InvalidInput` for [`CollectiveError::Mismatch`] and
+    /// [`CollectiveError::InvalidArgument`], `Other` for [`CollectiveError::Library`].
     fn from(e: CollectiveError) -> Self {
-        candle_core::Error::WrappedContext {
-            wrapped: Box::new(e),
-            context: CONTEXT.into(),
-        }
-        .bt()
+        use std::io::ErrorKind as K;
+        let kind = match &e {
+            CollectiveError::Timeout { .. } => K::TimedOut,
+            CollectiveError::RankLeft { .. } => K::ConnectionAborted,
+            CollectiveError::Mismatch { .. } | CollectiveError::InvalidArgument { .. } => {
+                K::InvalidInput
+            }
+            CollectiveError::Library { .. } => K::Other,
+        };
+        candle_core::Error::Io(std::io::Error::new(kind, e)).bt()
     }
 }
 
@@ -146,6 +152,7 @@ impl CollectiveError {
     pub fn find(err: &candle_core::Error) -> Option<&CollectiveError> {
         use candle_core::Error as E;
         match err {
+            E::Io(e) => e.get_ref()?.downcast_ref::<CollectiveError>(),
             E::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<CollectiveError>(),
             E::Context { inner, .. }
             | E::WithPath { inner, .. }

@@ -14,7 +14,12 @@ use super::overlap::Launcher;
 use super::BUFFER_SUFFIXES;
 
 /// The hooked tensors of one model: build the model with [`GradHooks::var_builder`], then hand
-/// the hooks to [`super::DataParallel::with_overlap`]. Cloning shares them.
+/// the hooks to [`super::DataParallel::with_overlap`], which copies the variables into them
+/// and takes them: until then a backward through them is an error (an optimizer step would
+/// reach the variables, never the copies the model computes with). After anything changes
+/// the variables outside [`super::DataParallel::step`] (an optimizer step, a load), call
+/// [`super::DataParallel::refresh`]; a backward whose model computed with copies that differ
+/// from their variables is refused, naming the first. Cloning shares them.
 #[derive(Clone, Debug, Default)]
 pub struct GradHooks {
     state: Arc<Mutex<HookState>>,

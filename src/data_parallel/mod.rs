@@ -115,29 +115,46 @@
 //!   [`DataParallel::backward`], [`DataParallel::step`]; PyTorch DDP's bucket hooks): the model
 //!   is built from `hooks.var_builder(&varmap, ..)`, whose trainable tensors are copies of the
 //!   variables through an identity op that reports each variable's complete gradient during the
-//!   backward; a bucket's all-reduce starts as soon as its gradients are in (buckets in the
-//!   reverse of the build order, which is the order candle completes candle-nn layers'
-//!   gradients: last layer first), the rest after the backward with the presence flags. The
-//!   gradients equal `sync_gradients(loss.backward()?)`'s bit for bit, with f32 and the 16-bit
-//!   wires, an unused layer, a shared weight and accumulated micro-batches
-//!   (`tests/overlap.rs`, thread ranks on the CPU and the simulated GPU; `tests/mpi.rs` on 4
-//!   MPI processes; `tests/nccl.rs::overlapped_backward_over_nccl_equals_the_synced_one`), and
-//!   with one bucket per variable every bucket starts inside the backward. Costs: a second copy
-//!   of the trainable variables (the hooked copies) and one device copy of them per step
-//!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer); in
-//!   exchange the hooks hand each gradient over instead of letting candle add it into a zeroed
-//!   slot: on the simulated GPU one allocation, memset and launch fewer per variable than
-//!   `loss.backward()` + `sync_gradients`, no host wait
+//!   backward. From the second step on, a bucket's all-reduce starts as soon as its gradients
+//!   are in, at a place every rank agreed on between the collectives the backward itself
+//!   issues (SyncBatchNorm's, the tensor-parallel layers'), so that a model whose used
+//!   variables differ between ranks (stochastic depth, expert routing, a data-dependent
+//!   branch) still issues one collective order on every rank; a bucket still incomplete at its
+//!   place starts with what it has and is sent again, whole, after the backward. The first
+//!   step learns the order the gradients arrive in and the places, and sends every bucket
+//!   after its backward. After every
+//!   overlapped backward one small all-reduce (max of a few hundred bytes, whatever the world
+//!   size) and one host read tell every rank whether any rank's backward failed (then every
+//!   rank fails the step, nothing returned), whether any model computed with stale hooked
+//!   copies, and which buckets to send again. The gradients equal
+//!   `sync_gradients(loss.backward()?)`'s bit for bit, with f32 and the 16-bit wires, an
+//!   unused layer, a shared weight, accumulated micro-batches and a layer used on some ranks
+//!   only beside SyncBatchNorm and a tensor-parallel layer (`tests/overlap.rs`, thread ranks on
+//!   the CPU and the simulated GPU; `tests/mpi.rs` on 4 MPI processes; `tests/nccl.rs`, the
+//!   simulated NCCL in both of its progress modes), and with one bucket per variable every
+//!   bucket starts inside the backward from the second step on. Costs: a second copy of the
+//!   trainable variables (the hooked copies) and one device copy of them per step
+//!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer), and
+//!   the exchange; in exchange the hooks hand each gradient over instead of letting candle add
+//!   it into a zeroed slot: on the simulated GPU one allocation, memset and launch fewer per
+//!   variable than `loss.backward()` + `sync_gradients`
 //!   (`tests/gpu_counts.rs::an_overlapped_backward_starts_buckets_before_its_last_kernel`). A
 //!   variable used both through the builder and directly is an error naming it (its gradient
-//!   would be split). Behind a stand-in link as slow as the compute, a ResNet-20/56 step on 2
-//!   and 4 thread ranks took 1.09–1.28× the larger of compute and communication over two
-//!   runs, against about their sum without the overlap, every bucket started inside the
-//!   backward (`cargo bench --bench ddp_overlap`, the crate's `docs/benchmarks.md`).
+//!   would be split). The hooked copies are never silently stale: a backward through hooks no
+//!   `DataParallel` took is refused, and a backward whose model computed with copies that
+//!   differ from their variables (an optimizer step without a refresh, a load after
+//!   `with_overlap`) is refused on every rank naming the variable and `dp.refresh()`
+//!   (compared on every step on the CPU; on other devices after `with_overlap` and after
+//!   gradients were handed out without a refresh since). Behind a stand-in link as slow as
+//!   the compute, a ResNet-20/56 step on 2 and 4 thread ranks took 1.09–1.28× the larger of
+//!   compute and communication over two runs, against about their sum without the overlap,
+//!   every bucket started inside the backward (`cargo bench --bench ddp_overlap`, the crate's
+//!   `docs/benchmarks.md`; measured before the places and the exchange existed).
 //! - **Checkpoints** are the program's: the ResNet example (`examples/resnet/`) writes weights,
 //!   batch-norm buffers, optimizer moments and step, scaler state, epoch and step as one
 //!   consistent pair of files and resumes bit for bit.
 
+mod check;
 mod hooks;
 pub mod join;
 mod overlap;
@@ -252,7 +269,7 @@ impl DataParallel {
         // The fingerprint travels on the variables' device, which is the communicator's (NCCL
         // takes tensors on its own GPU only).
         let device = all.first().map_or(Device::Cpu, |(_, v)| v.device().clone());
-        check_same_model(&*comm, &all, &trainable, &device)?;
+        check::same_model(&*comm, &all, &trainable, &device)?;
         // Every broadcast first, then every assignment: a failure in the middle (a rank that
         // left, a timeout) leaves this rank's variables all as they were, not half rank 0's.
         let from_root = all
@@ -512,20 +529,26 @@ impl DataParallel {
     }
 
     /// `loss.backward()` and the gradient average of [`DataParallel::sync_gradients`] in one:
-    /// with [`DataParallel::with_overlap`], each bucket's all-reduce starts during the backward,
-    /// as soon as its gradients are complete (the rest after it); without, the two run one
-    /// after the other. Either way the result is `sync_gradients(loss.backward()?)`'s, bit for
-    /// bit on thread ranks and MPI (`tests/overlap.rs`), and every rank issues the same
-    /// collectives in the same order. The first overlapped backward also broadcasts the order in
-    /// which rank 0's gradients arrived (one integer per hooked variable, read back on the
-    /// host once); the buckets follow it from then on.
+    /// with [`DataParallel::with_overlap`], each bucket's all-reduce starts during the backward
+    /// at its agreed place, as soon as its gradients are complete (from the second step on; the
+    /// first sends every bucket after its backward and learns the order and the places); without,
+    /// the two run one after the other. Either way the result is
+    /// `sync_gradients(loss.backward()?)`'s, bit for bit on thread ranks, MPI and NCCL
+    /// (`tests/overlap.rs`), and every rank issues the same collectives in the same order,
+    /// whatever each rank's model routes. With the overlap, every call ends with the exchange
+    /// (one all-reduce of `3 + B + P` 64-bit integers, `+ P` on the first step, for `B` buckets
+    /// and `P` trainable variables, and one read of it on the host).
     ///
     /// # Errors
     ///
-    /// Those of the backward and of [`DataParallel::sync_gradients`]; with the overlap, also when a
-    /// hooked variable was used directly as well (its gradient would be split: an error naming
-    /// it, after every bucket was sent), or when called inside another backward of the model.
-    /// A failed backward still sends every bucket (with what it has), so that no rank waits.
+    /// Those of the backward and of [`DataParallel::sync_gradients`]. With the overlap, on
+    /// every rank (after every started bucket completed, nothing returned): when any rank's
+    /// backward failed (that rank with its error, the others naming it), when a hooked variable
+    /// was used directly as well (its gradient would be split), when any rank's model computed
+    /// with stale hooked copies (naming the variable and [`DataParallel::refresh`]). A rank whose
+    /// backward failed before all of the collectives the backward announces (it cannot take
+    /// part in them), or on the first step, leaves at once: the others fail at the
+    /// communicator's timeout. Also when called inside another backward of the model.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         self.backward_accumulated(loss, None)
     }
@@ -615,8 +638,9 @@ impl DataParallel {
         }
     }
 
-    /// What the last overlapped [`DataParallel::backward`] did: its buckets, and how many of
-    /// them started while the backward was still running.
+    /// What the last overlapped [`DataParallel::backward`] did: its buckets, how many of them
+    /// started while the backward was still running, were held back or sent again, and the
+    /// collectives the backward announced.
     pub fn overlap_stats(&self) -> OverlapStats {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -642,70 +666,6 @@ impl DataParallel {
         }
         out
     }
-}
-
-/// Errors on every rank unless every rank has the same variable names, shapes and dtypes.
-fn check_same_model(
-    comm: &dyn Collective,
-    all: &[(String, Var)],
-    trainable: &[(String, Var)],
-    device: &Device,
-) -> Result<()> {
-    // FNV-1a over names, dims and dtypes, then the trainable names; compared through an
-    // all-gather with each rank's count of trainable variables missing from `all`, so that
-    // every rank sees every verdict and fails alike.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
-    for (name, v) in all {
-        eat(name.as_bytes());
-        for &d in v.dims() {
-            eat(&(d as u64).to_le_bytes());
-        }
-        eat(v.dtype().as_str().as_bytes());
-    }
-    eat(b"\0trainable");
-    for (name, _) in trainable {
-        eat(name.as_bytes());
-        eat(b"\0");
-    }
-    // A trainable variable must be one of `all` (the same variable under the same name), or
-    // rank 0 would never broadcast it and the replicas would start apart.
-    let known: std::collections::HashSet<(&str, candle_core::TensorId)> = all
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_tensor().id()))
-        .collect();
-    let stray: Vec<&str> = trainable
-        .iter()
-        .filter(|(name, v)| !known.contains(&(name.as_str(), v.as_tensor().id())))
-        .map(|(name, _)| name.as_str())
-        .collect();
-    let mine = Tensor::new(
-        &[[all.len() as i64, (h >> 1) as i64, stray.len() as i64]],
-        device,
-    )?;
-    let every = comm.all_gather(&mine)?.to_vec2::<i64>()?;
-    let ranks: Vec<usize> = (0..every.len()).filter(|&r| every[r][2] > 0).collect();
-    if !ranks.is_empty() {
-        let here = if stray.is_empty() {
-            String::new()
-        } else {
-            format!("; here: {stray:?}")
-        };
-        bail!(
-            "data_parallel: every trainable variable must be one of `all` (the same variable under the same name), which rank 0 broadcasts; not so on rank(s) {ranks:?}{here}"
-        )
-    }
-    if every.iter().any(|f| f != &every[0]) {
-        bail!(
-            "data_parallel: the ranks' models differ (variable count, fingerprint of the variables and trainable names, stray count per rank: {:?}); every rank must build the same model",
-            every
-        )
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -102,10 +102,11 @@ impl ThreadGroup {
     }
 
     /// Runs `f` on `world_size` scoped threads, one per rank, and returns their results in rank
-    /// order, or the error of the lowest rank that failed, with the rank as context (a
-    /// [`CollectiveError`] stays matchable through [`CollectiveError::find`]); a rank that
-    /// panics is an error naming it, and its departure makes the others' pending collectives
-    /// fail promptly.
+    /// order, or the error that started the failure: the first error that is not a rank leaving
+    /// (the others' usual reaction to the failed rank's departure), with its rank and the other
+    /// ranks' errors (their first lines) as context; a [`CollectiveError`] stays matchable
+    /// through [`CollectiveError::find`]. A rank that panics is an error naming it, and its
+    /// departure makes the others' pending collectives fail promptly.
     ///
     /// With the `cuda` feature, each rank's thread waits for the GPU work it enqueued on its
     /// per-thread default stream before its result is handed back: the per-thread streams of
@@ -116,9 +117,10 @@ impl ThreadGroup {
     ///
     /// # Errors
     ///
-    /// When `world_size` is 0, and otherwise the failure of the lowest rank that failed: the error
-    /// `f` returned there, with `rank r` as context, or, for a rank that panicked, an error naming
-    /// it.
+    /// When `world_size` is 0, and otherwise the failure that started it: the error `f` returned
+    /// on the rank that failed first (ranks that failed because another left come after ranks
+    /// that failed on their own), or, for a rank that panicked, an error naming it; with
+    /// `rank r` and the other failed ranks' first lines as context.
     pub fn run<R, F>(world_size: usize, f: F) -> Result<Vec<R>>
     where
         R: Send,
@@ -129,20 +131,62 @@ impl ThreadGroup {
         std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
-                .map(|comm| s.spawn(move || finish_rank(f(comm))))
-                .collect();
-            let joined: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
-            joined
-                .into_iter()
-                .enumerate()
-                .map(|(rank, res)| match res {
-                    Ok(Ok((v, ctx))) => adopt_rank_context(&ctx).map(|()| v),
-                    Ok(Err(e)) => Err(e.context(format!("rank {rank}"))),
-                    Err(_) => Err(candle_core::Error::Msg(format!("rank {rank} panicked"))),
+                .map(|comm| {
+                    s.spawn(move || {
+                        let out = f(comm);
+                        let at = Instant::now();
+                        (finish_rank(out), at)
+                    })
                 })
-                .collect()
+                .collect();
+            let mut values = Vec::with_capacity(world_size);
+            let mut failed = Vec::new();
+            for (rank, h) in handles.into_iter().enumerate() {
+                match h.join() {
+                    Ok((Ok((v, ctx)), at)) => match adopt_rank_context(&ctx) {
+                        Ok(()) => values.push(v),
+                        Err(e) => failed.push((rank, at, e)),
+                    },
+                    Ok((Err(e), at)) => failed.push((rank, at, e)),
+                    Err(_) => failed.push((
+                        rank,
+                        Instant::now(),
+                        candle_core::Error::Msg(format!("rank {rank} panicked")),
+                    )),
+                }
+            }
+            match first_cause(failed) {
+                None => Ok(values),
+                Some(e) => Err(e),
+            }
         })
     }
+}
+
+/// The failure that started the others, with its rank and the others' first lines as context:
+/// the earliest that is not a rank leaving (what the others see once the failed rank is gone),
+/// else the earliest.
+fn first_cause(
+    mut failed: Vec<(usize, Instant, candle_core::Error)>,
+) -> Option<candle_core::Error> {
+    let consequence = |e: &candle_core::Error| {
+        matches!(
+            CollectiveError::find(e),
+            Some(CollectiveError::RankLeft { .. })
+        )
+    };
+    let first = (0..failed.len()).min_by_key(|&i| (consequence(&failed[i].2), failed[i].1))?;
+    let (rank, _, cause) = failed.remove(first);
+    let others: Vec<String> = (failed.iter())
+        .map(|(r, _, e)| format!("rank {r}: {}", e.to_string().lines().next().unwrap_or("")))
+        .collect();
+    Some(match others.is_empty() {
+        true => cause.context(format!("rank {rank}")),
+        false => cause.context(format!(
+            "rank {rank} (where the failure started; then {})",
+            others.join("; ")
+        )),
+    })
 }
 
 /// A rank's result, once the work its thread enqueued on a GPU is complete: the caller's thread
