@@ -127,7 +127,8 @@ fn store_env(port: u16, world: usize, rank: usize, run: &str, secret: Option<&st
         run_id: run.into(),
         restart: 0,
         agent_store: true,
-        secret: secret.map(|s| Secret::new(s).unwrap()),
+        secret: secret
+            .map(|s| Secret::new(s.bytes().map(|b| b | 0x80).collect::<Vec<u8>>()).unwrap()),
     }
 }
 

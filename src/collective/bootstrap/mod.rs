@@ -131,7 +131,7 @@ fn secret_from(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Secret>> 
                         "bootstrap: the key file {path:?} ({SECRET_FILE_VAR}) cannot be read: {e}"
                     ))
                 })?);
-            Secret::from_text(&text, &format!("the key file {path:?} ({SECRET_FILE_VAR})"))
+            Secret::from_key_file(&text, &format!("the key file {path:?} ({SECRET_FILE_VAR})"))
                 .map(Some)
         }
     }

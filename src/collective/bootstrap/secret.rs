@@ -6,11 +6,16 @@
 //!
 //! **A generated key, not a passphrase.** Rank 0 sends a proof over a client's hello to anyone
 //! who connects, and every exchange shows one to an eavesdropper: either is enough to test
-//! guesses of the key offline, at HMAC speed. So the variable (or the file) must hold at least
-//! 128 random bits written in hexadecimal (32 or more digits) or base64 (22 or more characters,
-//! standard or URL-safe, padded or not, mixing upper- and lower-case letters as random ones
-//! do); anything else is refused with the command that makes one: `openssl rand -hex 32`. A
-//! format check cannot measure randomness (32 zeros pass); it refuses passphrases and words.
+//! guesses of the key offline, at HMAC speed. So the variable must hold at least 128 random
+//! bits written in hexadecimal (32 or more digits); the key file may also hold at least 256
+//! random bits in base64 (`openssl rand -base64 32`: 43 or more characters, standard or
+//! URL-safe, padded or not, mixing upper- and lower-case letters and holding a digit or a
+//! symbol, as random ones do). Anything else is refused with the command that makes one:
+//! `openssl rand -hex 32`. Base64 is not read from the variable: a CamelCase passphrase
+//! (`CorrectHorseBatteryStapleCorrect`) is valid base64 of enough bytes. Whatever its form,
+//! a key whose bytes are all printable text (a passphrase, hex- or base64-encoded) is refused
+//! too, here and by [`Secret::new`]. A format check cannot measure randomness (32 zeros pass);
+//! it refuses passphrases and words.
 //!
 //! Two keys are derived from it with HKDF-SHA256 (salt `candle-distributed/v1`), one for the
 //! proofs (`auth`), one for sealing (`seal`); both are wiped from memory when dropped.
@@ -73,15 +78,26 @@ impl Eq for Secret {}
 
 impl Secret {
     /// A secret from the bytes of a key of at least [`MIN_SECRET`] random bytes (the raw bytes,
-    /// not text: [`Secret::from_text`] reads the forms the environment variable takes).
+    /// not text: [`Secret::from_text`] reads the form the environment variable takes).
     ///
     /// # Errors
-    /// When `key` is shorter than [`MIN_SECRET`].
+    /// When `key` is shorter than [`MIN_SECRET`], or when every byte of it is printable text
+    /// (a passphrase handed over as bytes: 16 random bytes are all printable one time in
+    /// about 10⁷); the error never shows the key.
     pub fn new(key: impl Into<Vec<u8>>) -> candle_core::Result<Self> {
         let key = Zeroizing::new(key.into());
         if key.len() < MIN_SECRET {
             candle_core::bail!(
                 "bootstrap: the shared key has {} bytes, at least {MIN_SECRET} are needed (make one with `{MAKE_A_KEY}`)",
+                key.len()
+            )
+        }
+        if key
+            .iter()
+            .all(|&b| (0x20..0x7f).contains(&b) || b"\t\r\n".contains(&b))
+        {
+            candle_core::bail!(
+                "bootstrap: the shared key's {} bytes are all printable text: a passphrase, not a generated key (give the key's random bytes, or its hexadecimal form to Secret::from_text; make one with `{MAKE_A_KEY}`)",
                 key.len()
             )
         }
@@ -98,21 +114,39 @@ impl Secret {
         })
     }
 
-    /// A secret from a generated key written as text: at least 128 bits in hexadecimal (32 or
-    /// more digits) or in base64 (standard or URL-safe alphabet, padding optional, mixing
-    /// upper- and lower-case letters); surrounding whitespace is ignored. `source` names where
-    /// the text came from, for the error.
+    /// A secret from a generated key written as text, as the environment variable holds it: at
+    /// least 128 bits in hexadecimal (32 or more digits); surrounding whitespace is ignored.
+    /// `source` names where the text came from, for the error.
     ///
     /// # Errors
-    /// When the text is none of these (a passphrase, a word, a short key): the error names
-    /// `source` and the command that makes a key, never the text.
+    /// When the text is not that (a passphrase, a word, a short key, base64), or encodes
+    /// printable text (see [`Secret::new`]): the error names `source` and the command that
+    /// makes a key, never the text.
     pub fn from_text(text: &str, source: &str) -> candle_core::Result<Self> {
+        match decode_hex(text.trim()) {
+            Some(key) => Self::new(key.to_vec()).map_err(|e| refused(source, &e.to_string())),
+            None => Err(refused(
+                source,
+                "it needs at least 128 random bits in hexadecimal (32 or more digits; base64 is read from a key file only)",
+            )),
+        }
+    }
+
+    /// A secret from the text of a key file: the hexadecimal [`Secret::from_text`] reads, or at
+    /// least 256 bits in base64 (standard or URL-safe alphabet, padding optional) that mixes
+    /// upper- and lower-case letters and holds a digit or a symbol, as the base64 of random
+    /// bytes does (all but about one key in 7,000).
+    ///
+    /// # Errors
+    /// As [`Secret::from_text`].
+    pub fn from_key_file(text: &str, source: &str) -> candle_core::Result<Self> {
         let text = text.trim();
-        match decode_key(text) {
-            Some(key) => Self::new(key.to_vec()),
-            None => candle_core::bail!(
-                "bootstrap: {source} is not a generated key: it needs at least 128 random bits in hexadecimal (32 or more digits) or base64 (22 or more characters); make one with `{MAKE_A_KEY}`. Passphrases are refused: anyone who reaches rank 0's port, or sees one exchange, could test guesses of one offline"
-            ),
+        match decode_hex(text).or_else(|| decode_base64(text)) {
+            Some(key) => Self::new(key.to_vec()).map_err(|e| refused(source, &e.to_string())),
+            None => Err(refused(
+                source,
+                "it needs at least 128 random bits in hexadecimal (32 or more digits) or 256 in base64 (43 or more characters)",
+            )),
         }
     }
 
@@ -209,31 +243,51 @@ pub(super) fn is_sealed(bytes: &[u8]) -> bool {
     (bytes.len() >= SEAL_OVERHEAD && bytes.starts_with(SEALED)) || bytes.starts_with(SEALED_V1)
 }
 
-/// The key bytes of `text` in one of the forms [`Secret::from_text`] accepts, at least
-/// [`MIN_SECRET`] of them.
-fn decode_key(text: &str) -> Option<Zeroizing<Vec<u8>>> {
+/// The error of a refused key: where it came from and why, never the text.
+fn refused(source: &str, why: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "bootstrap: {source} is not a generated key: {why}; make one with `{MAKE_A_KEY}`. Passphrases are refused: anyone who reaches rank 0's port, or sees one exchange, could test guesses of one offline"
+    ))
+}
+
+/// The key bytes of hexadecimal `text`, at least [`MIN_SECRET`] of them.
+fn decode_hex(text: &str) -> Option<Zeroizing<Vec<u8>>> {
     let hex = text.len().is_multiple_of(2) && text.bytes().all(|b| b.is_ascii_hexdigit());
-    let key = if hex {
-        let digit = |b: u8| (b as char).to_digit(16).expect("checked hex digit") as u8;
-        let bytes = text.as_bytes().chunks_exact(2);
-        Zeroizing::new(bytes.map(|p| digit(p[0]) << 4 | digit(p[1])).collect())
-    } else {
-        // Random base64 of 16 or more bytes mixes cases (all of one case: under 1e-5 for 22
-        // characters); words and lower-case passphrases do not.
-        let mixed = text.bytes().any(|b| b.is_ascii_uppercase())
-            && text.bytes().any(|b| b.is_ascii_lowercase());
-        if !mixed {
-            return None;
-        }
-        let config = GeneralPurposeConfig::new()
-            .with_decode_padding_mode(DecodePaddingMode::Indifferent)
-            .with_decode_allow_trailing_bits(false);
-        [alphabet::STANDARD, alphabet::URL_SAFE]
-            .iter()
-            .find_map(|a| GeneralPurpose::new(a, config).decode(text).ok())
-            .map(Zeroizing::new)?
-    };
+    if !hex {
+        return None;
+    }
+    let digit = |b: u8| (b as char).to_digit(16).expect("checked hex digit") as u8;
+    let bytes = text.as_bytes().chunks_exact(2);
+    let key = Zeroizing::new(
+        bytes
+            .map(|p| digit(p[0]) << 4 | digit(p[1]))
+            .collect::<Vec<u8>>(),
+    );
     (key.len() >= MIN_SECRET).then_some(key)
+}
+
+/// Bytes of a base64 key (256 bits: `openssl rand -base64 32`).
+const MIN_BASE64_KEY: usize = 32;
+
+/// The key bytes of base64 `text` as random bytes encode, at least [`MIN_BASE64_KEY`]: both
+/// letter cases and a digit or symbol (the base64 of 32 random bytes lacks one of these about
+/// one time in 7,000, a CamelCase passphrase always does).
+fn decode_base64(text: &str) -> Option<Zeroizing<Vec<u8>>> {
+    let has = |f: fn(&u8) -> bool| text.as_bytes().iter().any(f);
+    let looks_random = has(u8::is_ascii_uppercase)
+        && has(u8::is_ascii_lowercase)
+        && has(|b| b.is_ascii_digit() || b"+/-_".contains(b));
+    if !looks_random {
+        return None;
+    }
+    let config = GeneralPurposeConfig::new()
+        .with_decode_padding_mode(DecodePaddingMode::Indifferent)
+        .with_decode_allow_trailing_bits(false);
+    let key = [alphabet::STANDARD, alphabet::URL_SAFE]
+        .iter()
+        .find_map(|a| GeneralPurpose::new(a, config).decode(text).ok())
+        .map(Zeroizing::new)?;
+    (key.len() >= MIN_BASE64_KEY).then_some(key)
 }
 
 #[cfg(test)]
@@ -325,19 +379,39 @@ mod tests {
 
     #[test]
     fn a_short_secret_is_refused_and_never_printed() {
-        assert!(Secret::new("short")
+        assert!(Secret::new(vec![0x80u8; 5])
             .unwrap_err()
             .to_string()
             .contains("at least 16"));
-        let s = Secret::new("a-secret-of-enough-bytes").unwrap();
+        let bytes: Vec<u8> = (0..24u8).map(|i| i.wrapping_mul(91) ^ 0xc3).collect();
+        let s = Secret::new(bytes.clone()).unwrap();
         assert_eq!(format!("{s:?}"), "Secret(hidden)");
-        assert_eq!(s, Secret::new("a-secret-of-enough-bytes").unwrap());
-        assert_ne!(s, Secret::new("a-secret-of-enough-bytez").unwrap());
+        assert_eq!(s, Secret::new(bytes.clone()).unwrap());
+        let mut other = bytes;
+        other[3] ^= 1;
+        assert_ne!(s, Secret::new(other).unwrap());
     }
 
-    /// Generated keys in hexadecimal and base64 (both alphabets, padded or not) are read as the
-    /// bytes they encode; passphrases, words, short keys and other text are refused with the
-    /// command that makes a key, without echoing the text.
+    /// A passphrase handed over as bytes, or hex- or base64-encoded, is refused: every byte of
+    /// it is printable text. The error does not show it.
+    #[test]
+    fn a_passphrase_in_any_encoding_is_refused() {
+        let phrase = "a-secret-of-enough-bytes";
+        let e = Secret::new(phrase).unwrap_err().to_string();
+        assert!(e.contains("printable text") && !e.contains(phrase), "{e}");
+        let hex: String = phrase.bytes().map(|b| format!("{b:02x}")).collect();
+        let e = Secret::from_text(&hex, "K").unwrap_err().to_string();
+        assert!(e.contains("printable text") && e.contains("K"), "{e}");
+        let long = "this passphrase is long enough for 256 bits";
+        let b64 = base64::engine::general_purpose::STANDARD.encode(long);
+        let e = Secret::from_key_file(&b64, "F").unwrap_err().to_string();
+        assert!(e.contains("printable text"), "{e}");
+    }
+
+    /// Generated keys are read as the bytes they encode: hexadecimal from the variable and the
+    /// file, base64 (both alphabets, padded or not, 256 bits) from the file only. Passphrases,
+    /// CamelCase passphrases that are valid base64, words, short keys and other text are refused
+    /// with the command that makes a key, without echoing the text.
     #[test]
     fn only_generated_keys_are_accepted_as_text() {
         let bytes: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(37) ^ 0xa5).collect();
@@ -345,39 +419,52 @@ mod tests {
         let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
         let b64_url = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&bytes);
         let want = Secret::new(bytes.clone()).unwrap();
-        for text in [
-            hex.clone(),
-            hex.to_uppercase(),
-            format!("  {hex}\n"),
-            b64.clone(),
-            b64_url,
-        ] {
+        for text in [hex.clone(), hex.to_uppercase(), format!("  {hex}\n")] {
             assert_eq!(Secret::from_text(&text, "the key").unwrap(), want, "{text}");
+            assert_eq!(
+                Secret::from_key_file(&text, "the key").unwrap(),
+                want,
+                "{text}"
+            );
         }
-        // 16 bytes is enough: 32 hex digits, 22 base64 characters.
+        for text in [b64.clone(), b64_url.clone(), format!("{b64}\n")] {
+            assert_eq!(Secret::from_key_file(&text, "f").unwrap(), want, "{text}");
+            let e = Secret::from_text(&text, "CANDLE_DISTRIBUTED_SECRET").unwrap_err();
+            assert!(e.to_string().contains("key file only"), "{e}");
+        }
+        // 16 bytes is enough in hexadecimal: 32 digits.
         assert!(Secret::from_text(&hex[..32], "k").is_ok());
         let b64_16 = base64::engine::general_purpose::STANDARD_NO_PAD.encode(&bytes[..16]);
-        assert_eq!(b64_16.len(), 22);
-        assert!(Secret::from_text(&b64_16, "k").is_ok());
+        assert!(
+            Secret::from_key_file(&b64_16, "k").is_err(),
+            "base64 needs 256 bits"
+        );
         for bad in [
             "correct horse battery staple",
             "correcthorsebatterystaplecorrecthorse",
             "CORRECTHORSEBATTERYSTAPLECORRECT",
+            "CorrectHorseBatteryStapleCorrect",
+            "CorrectHorseBatteryStapleCorrectHorseBatteryStaple",
+            "ThisIsMyTrainingClusterKey20",
+            "MyVerySecretTrainingPassword",
             "a-secret-of-enough-bytes",
             &hex[..30],
             &b64[..20],
             "",
             "zz0123456789abcdef0123456789abcdef",
         ] {
-            let e = Secret::from_text(bad, "CANDLE_DISTRIBUTED_SECRET")
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains("CANDLE_DISTRIBUTED_SECRET") && e.contains(MAKE_A_KEY),
-                "{bad:?}: {e}"
-            );
-            if bad.len() > 8 {
-                assert!(!e.contains(bad), "the error echoes the text: {e}");
+            for e in [
+                Secret::from_text(bad, "CANDLE_DISTRIBUTED_SECRET").unwrap_err(),
+                Secret::from_key_file(bad, "CANDLE_DISTRIBUTED_SECRET").unwrap_err(),
+            ] {
+                let e = e.to_string();
+                assert!(
+                    e.contains("CANDLE_DISTRIBUTED_SECRET") && e.contains(MAKE_A_KEY),
+                    "{bad:?}: {e}"
+                );
+                if bad.len() > 8 {
+                    assert!(!e.contains(bad), "the error echoes the text: {e}");
+                }
             }
         }
     }

@@ -30,9 +30,15 @@ fn env(rank: usize, world: usize, port: u16) -> DistEnv {
 /// `env(rank, world, port)` holding the secret `secret` (`None`: no secret).
 fn env_secret(rank: usize, world: usize, port: u16, secret: Option<&str>) -> DistEnv {
     DistEnv {
-        secret: secret.map(|s| Secret::new(s).unwrap()),
+        secret: secret.map(test_key),
         ..env(rank, world, port)
     }
+}
+
+/// A key made from a test's name for it: the text's bytes with the top bit set (a
+/// `Secret` refuses bytes that are all printable text).
+fn test_key(name: &str) -> Secret {
+    Secret::new(name.bytes().map(|b| b | 0x80).collect::<Vec<u8>>()).unwrap()
 }
 
 /// A port that was free a moment ago.
@@ -513,7 +519,7 @@ fn strangers_without_the_secret_cannot_join() {
             connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
         raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut hello = env_secret(1, 3, port, Some(SECRET));
-        hello.secret = Some(Secret::new("yet another secret of length").unwrap());
+        hello.secret = Some(test_key("yet another secret of length"));
         raw.write_all(&super::hello(&hello, 0).unwrap()).unwrap();
         let mut seen = Vec::new();
         raw.write_all(&[0u8; 32]).unwrap();
@@ -765,6 +771,22 @@ fn a_passphrase_is_refused_and_a_key_file_is_read() {
     .unwrap_err()
     .to_string();
     assert!(both.contains("set one"), "{both}");
+    // CamelCase passphrases are valid base64 of enough bytes: refused in the variable.
+    for camel in [
+        "CorrectHorseBatteryStapleCorrect",
+        "MyVerySecretTrainingPassword",
+    ] {
+        let e = read_env(&launch_vars(&[(SECRET_VAR, camel.into())]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not a generated key") && !e.contains(camel),
+            "{e}"
+        );
+    }
+    // A base64 key (openssl rand -base64 32) is read from the file.
+    std::fs::write(&file, "qL0zqk7d8bNQ2x+3mY1w9Vf4aRk5pT6cJe/8hUoIs2E=\n").unwrap();
+    assert!(read_env(&launch_vars(&[(SECRET_FILE_VAR, path.clone())])).is_ok());
     std::fs::write(&file, "my favourite passphrase").unwrap();
     let weak = read_env(&launch_vars(&[(SECRET_FILE_VAR, path.clone())]))
         .unwrap_err()
