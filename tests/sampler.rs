@@ -206,3 +206,30 @@ fn bad_arguments_are_refused() {
     assert!(e.contains("at least one sample"), "{e}");
     assert!(s.batches(0, 0, 0).is_err());
 }
+
+/// Ranks whose data sets differ by one sample would share samples and skip others: `for_comm`
+/// refuses on every rank, naming each rank's length; `agree` does the same for the seed, the
+/// shuffle and the remainder policy set afterwards, and passes samplers that agree.
+#[test]
+fn ranks_that_disagree_about_the_data_are_refused() {
+    use candle_distributed::collective::ThreadGroup;
+    let dev = candle_core::Device::Cpu;
+    let errs = ThreadGroup::run(2, |comm| {
+        let len = 1000 - comm.rank();
+        Ok(DistributedSampler::for_comm(len, &*comm).unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in &errs {
+        assert!(e.contains("length") && e.contains("rank 0: 1000, rank 1: 999"), "{e}");
+    }
+    let errs = ThreadGroup::run(2, |comm| {
+        let s = DistributedSampler::for_comm(1000, &*comm)?;
+        s.clone().with_seed(7).agree(&*comm, &dev)?;
+        let seeded = s.with_seed(7 + comm.rank() as u64);
+        Ok(seeded.agree(&*comm, &dev).unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in &errs {
+        assert!(e.contains("seed") && e.contains("rank 0: 7, rank 1: 8"), "{e}");
+    }
+}
