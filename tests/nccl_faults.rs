@@ -639,6 +639,35 @@ fn blocking_mode_from_the_environment_is_refused() {
     );
 }
 
+/// (Fault review PR-1.) `NCCL_COMM_ID` would make every process's one-rank probe, and every
+/// communicator's rank 0, create NCCL's bootstrap root at one address: refused by name at once,
+/// with a rank that never arrives (no wait for it).
+#[test]
+fn nccl_comm_id_is_refused() {
+    in_child(
+        "child_nccl_comm_id_is_refused",
+        &[
+            ("NCCL_COMM_ID", "10.0.0.1:29999"),
+            ("GPU_SIM_NCCL_FAULTS", "init-never:rank=1"),
+        ],
+        LIMIT,
+    );
+}
+
+#[test]
+#[ignore = "run by the fault tests, in a child process"]
+fn child_nccl_comm_id_is_refused() {
+    if !is_child() {
+        return;
+    }
+    let t0 = Instant::now();
+    let err = NcclGroup::with_timeout(&[0, 1], TIMEOUT)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("NCCL_COMM_ID") && err.contains("unset it"), "{err}");
+    assert!(t0.elapsed() < TIMEOUT + SLACK, "took {:?}", t0.elapsed());
+}
+
 /// The same setting in the file `NCCL_CONF_FILE` names.
 #[test]
 fn blocking_mode_from_a_conf_file_is_refused() {

@@ -79,12 +79,18 @@ impl std::fmt::Display for CallRecord {
     }
 }
 
+/// Most records a recorder keeps: larger settings of [`RECORDER_VAR`] are cut to it.
+pub const MAX_RECORDS: usize = 1 << 20;
+
 /// The ring of one communicator's last collectives.
 #[derive(Debug)]
 pub struct FlightRecorder {
     start: Instant,
     capacity: usize,
     ring: Mutex<VecDeque<CallRecord>>,
+    /// One more than the newest call enqueued (0: none), kept with recording off too: what
+    /// a hang report compares ranks by.
+    reached: std::sync::atomic::AtomicU64,
 }
 
 impl FlightRecorder {
@@ -103,13 +109,29 @@ impl FlightRecorder {
         Self::new(capacity)
     }
 
-    /// A recorder keeping the last `capacity` collectives (0: none).
+    /// A recorder keeping the last `capacity` collectives (0: none; at most [`MAX_RECORDS`],
+    /// a larger number is cut to it with a warning).
     pub fn new(capacity: usize) -> Self {
+        if capacity > MAX_RECORDS {
+            log::warn!(
+                "{RECORDER_VAR}: {capacity} records per communicator asked for, keeping {MAX_RECORDS}"
+            );
+        }
+        let capacity = capacity.min(MAX_RECORDS);
         Self {
             start: Instant::now(),
             capacity,
-            ring: Mutex::new(VecDeque::with_capacity(capacity)),
+            // Grown as records come: a large setting costs memory only once that many calls ran.
+            ring: Mutex::new(VecDeque::with_capacity(capacity.min(1024))),
+            reached: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// The newest call enqueued, whether or not recording is on.
+    pub fn newest_call(&self) -> Option<u64> {
+        self.reached
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .checked_sub(1)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<CallRecord>> {
@@ -122,6 +144,8 @@ impl FlightRecorder {
 
     /// Records call `call` as enqueued.
     pub fn enqueue(&self, call: u64, op: &'static str, dtype: Option<DType>, elems: usize) {
+        self.reached
+            .fetch_max(call + 1, std::sync::atomic::Ordering::Relaxed);
         if self.capacity == 0 {
             return;
         }
@@ -206,6 +230,23 @@ pub fn behind(rank: usize, op: &str, call: u64, last: Option<&CallRecord>) -> St
     behind_as(rank, op, call, last)
 }
 
+/// Whether the rank whose recorder is `r` never reached call `call` (`op`), and if so how it
+/// stands ([`behind`]): by its newest call, which is known with recording off too (then the
+/// line says so instead of describing the call).
+pub fn behind_of(rank: usize, op: &str, call: u64, r: &FlightRecorder) -> Option<String> {
+    let newest = r.newest_call();
+    if newest.is_some_and(|n| n >= call) {
+        return None;
+    }
+    Some(match (r.last(), newest) {
+        (Some(last), _) => behind(rank, op, call, Some(&last)),
+        (None, Some(n)) => format!(
+            "rank {rank} never reached {op} #{call}; its last collective: #{n} (not recorded: {RECORDER_VAR}=0)"
+        ),
+        (None, None) => behind(rank, op, call, None),
+    })
+}
+
 /// [`behind`] with the last collective as any text (another process's report of it).
 pub fn behind_as(rank: usize, op: &str, call: u64, last: Option<impl std::fmt::Display>) -> String {
     match last {
@@ -240,6 +281,18 @@ mod tests {
             text.contains("all_reduce #4 F32×40, started") && !text.contains("#1 "),
             "{text}"
         );
+        // With recording off, the newest call is still known: a rank past the call is not
+        // named, one before it is, with its newest call's number.
+        let off = FlightRecorder::new(0);
+        for call in 0..3u64 {
+            off.enqueue(call, "all_reduce", Some(DType::F32), 4);
+        }
+        assert!(off.records().is_empty());
+        assert_eq!(behind_of(1, "all_reduce", 2, &off), None);
+        let line = behind_of(1, "all_reduce", 5, &off).unwrap();
+        assert!(line.contains("its last collective: #2 (not recorded"), "{line}");
+        // A huge setting is cut, not allocated.
+        assert_eq!(FlightRecorder::new(usize::MAX).capacity, MAX_RECORDS);
         let line = behind(1, "broadcast", 9, r.last().as_ref());
         assert!(
             line.starts_with(

@@ -37,6 +37,7 @@ pub(super) fn refuse_blocking_mode(ctx: &CudaContext, timeout: Duration) -> Resu
             VERDICT.get_or_init(|| v)
         }
     };
+    refuse_comm_id()?;
     match verdict {
         None => Ok(()),
         Some(source) => Err(NcclFail::new(
@@ -49,7 +50,9 @@ pub(super) fn refuse_blocking_mode(ctx: &CudaContext, timeout: Duration) -> Resu
 /// One probe: `Some(where the setting was seen)` when NCCL made the one-rank communicator
 /// blocking, `None` when it honoured the non-blocking config.
 fn probe(ctx: &CudaContext, timeout: Duration) -> Result<Option<String>, NcclFail> {
+    // NCCL has read its configuration files (into the environment) once it made an id.
     let id = unique_id()?;
+    refuse_comm_id()?;
     let (comms, end) = RawComm::start_group(&[ctx], 1, &id, &[0])?;
     if end == Progress::Done {
         drop(comms); // aborted
@@ -62,6 +65,21 @@ fn probe(ctx: &CudaContext, timeout: Duration) -> Result<Option<String>, NcclFai
     })?;
     drop(comms); // a one-rank communicator: aborted without waiting on anyone
     Ok(None)
+}
+
+/// `NCCL_COMM_ID` fixes the address of every communicator's bootstrap root, which NCCL then
+/// creates on whichever process is rank 0 of a communicator: the probe's one-rank communicator
+/// on every process, and the communicators this backend makes, whose id it hands over itself
+/// (through torchrun's store, TCP or MPI). Refused, on every process where it is set, before
+/// NCCL is asked to start anything.
+fn refuse_comm_id() -> Result<(), NcclFail> {
+    match std::env::var("NCCL_COMM_ID") {
+        Err(_) => Ok(()),
+        Ok(v) => Err(NcclFail::new(
+            "comm_id",
+            format!("NCCL_COMM_ID={v:?} is set (in the environment or an NCCL configuration file): it would make NCCL create every communicator's bootstrap root at that address on whichever process is a communicator's rank 0, and this backend hands NCCL's id to every rank itself; unset it"),
+        )),
+    }
 }
 
 /// Where the setting came from, as far as this process can tell: NCCL copies the lines of its

@@ -185,11 +185,7 @@ impl Watch {
         Some(
             (0..self.recorders.len())
                 .filter(|&q| q != self.slot)
-                .filter_map(|q| {
-                    let last = self.recorders[q].last();
-                    let reached = last.as_ref().is_some_and(|r| r.call >= call);
-                    (!reached).then(|| recorder::behind(q, op, call, last.as_ref()))
-                })
+                .filter_map(|q| recorder::behind_of(q, op, call, &self.recorders[q]))
                 .collect(),
         )
     }

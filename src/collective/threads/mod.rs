@@ -587,7 +587,10 @@ fn wait_for_result<'a>(
                 .unwrap_or_default();
             let behind: Vec<String> = missing
                 .iter()
-                .map(|&r| recorder::behind(r, kind.name(), call, sh.recorders[r].last().as_ref()))
+                .map(|&r| {
+                    recorder::behind_of(r, kind.name(), call, &sh.recorders[r])
+                        .unwrap_or_else(|| recorder::behind(r, kind.name(), call, None))
+                })
                 .collect();
             for (r, rec) in sh.recorders.iter().enumerate() {
                 log::error!(
