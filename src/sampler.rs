@@ -97,54 +97,35 @@ impl DistributedSampler {
     }
 
     /// For this rank of `comm`'s group, after the ranks agreed on `len` (one all-gather of a
-    /// few values on the CPU: a rank whose copy of the data set has another length would share
-    /// samples with the others and skip some, silently). The settings made afterwards
-    /// (`with_seed`, ...) are checked by [`DistributedSampler::agree`]. For a communicator that
-    /// takes tensors on its own device only (NCCL), use [`DistributedSampler::for_comm_on`].
+    /// few values, on the communicator's device: a rank whose copy of the data set has another
+    /// length would share samples with the others and skip some, silently). The settings made
+    /// afterwards (`with_seed`, ...) are checked by [`DistributedSampler::agree`].
     ///
     /// # Errors
     ///
     /// On every rank when the ranks' lengths differ (naming each rank's), or when the
-    /// all-gather fails (on NCCL: a host tensor, refused on every rank alike).
+    /// all-gather fails.
     pub fn for_comm(len: usize, comm: &dyn Collective) -> Result<Self> {
-        Self::for_comm_on(len, comm, &candle_core::Device::Cpu)
-    }
-
-    /// [`DistributedSampler::for_comm`], with the agreement's all-gather on `device` (the
-    /// communicator's GPU for NCCL).
-    ///
-    /// # Errors
-    ///
-    /// As [`DistributedSampler::for_comm`].
-    pub fn for_comm_on(
-        len: usize,
-        comm: &dyn Collective,
-        device: &candle_core::Device,
-    ) -> Result<Self> {
         let s = Self::new(len, comm.rank(), comm.world_size())?;
-        s.agree_on(comm, device, false)?;
+        s.agree_on(comm, false)?;
         Ok(s)
     }
 
     /// Checks, on every rank, that every rank's sampler has the same length, seed, shuffle and
-    /// remainder policy (one all-gather of five values per rank on `device`): call it once the
-    /// settings are made. Samplers that differ in any of these would give ranks overlapping
-    /// shares, or different numbers of steps, silently.
+    /// remainder policy (one all-gather of four values per rank): call it once the settings
+    /// are made. Samplers that differ in any of these would give ranks overlapping shares, or
+    /// different numbers of steps, silently.
     ///
     /// # Errors
     ///
     /// On every rank when a setting differs (naming it and each rank's value), or when the
     /// all-gather fails.
-    pub fn agree(&self, comm: &dyn Collective, device: &candle_core::Device) -> Result<()> {
-        self.agree_on(comm, device, true)
+    pub fn agree(&self, comm: &dyn Collective) -> Result<()> {
+        self.agree_on(comm, true)
     }
 
-    fn agree_on(
-        &self,
-        comm: &dyn Collective,
-        device: &candle_core::Device,
-        settings: bool,
-    ) -> Result<()> {
+    fn agree_on(&self, comm: &dyn Collective, settings: bool) -> Result<()> {
+        let device = &comm.device();
         let remainder = match self.remainder {
             Remainder::Pad => 0,
             Remainder::Drop => 1,
@@ -167,7 +148,11 @@ impl DistributedSampler {
                     .map(|(r, v)| match i {
                         1 => format!("rank {r}: {}", v[i] as u64),
                         2 => format!("rank {r}: {}", v[i] != 0),
-                        3 => format!("rank {r}: {:?}", [Remainder::Pad, Remainder::Drop, Remainder::Exact][v[i].clamp(0, 2) as usize]),
+                        3 => format!(
+                            "rank {r}: {:?}",
+                            [Remainder::Pad, Remainder::Drop, Remainder::Exact]
+                                [v[i].clamp(0, 2) as usize]
+                        ),
                         _ => format!("rank {r}: {}", v[i]),
                     })
                     .collect();

@@ -664,7 +664,10 @@ fn child_nccl_comm_id_is_refused() {
     let err = NcclGroup::with_timeout(&[0, 1], TIMEOUT)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("NCCL_COMM_ID") && err.contains("unset it"), "{err}");
+    assert!(
+        err.contains("NCCL_COMM_ID") && err.contains("unset it"),
+        "{err}"
+    );
     assert!(t0.elapsed() < TIMEOUT + SLACK, "took {:?}", t0.elapsed());
 }
 

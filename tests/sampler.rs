@@ -213,23 +213,30 @@ fn bad_arguments_are_refused() {
 #[test]
 fn ranks_that_disagree_about_the_data_are_refused() {
     use candle_distributed::collective::ThreadGroup;
-    let dev = candle_core::Device::Cpu;
     let errs = ThreadGroup::run(2, |comm| {
         let len = 1000 - comm.rank();
-        Ok(DistributedSampler::for_comm(len, &*comm).unwrap_err().to_string())
+        Ok(DistributedSampler::for_comm(len, &*comm)
+            .unwrap_err()
+            .to_string())
     })
     .unwrap();
     for e in &errs {
-        assert!(e.contains("length") && e.contains("rank 0: 1000, rank 1: 999"), "{e}");
+        assert!(
+            e.contains("length") && e.contains("rank 0: 1000, rank 1: 999"),
+            "{e}"
+        );
     }
     let errs = ThreadGroup::run(2, |comm| {
         let s = DistributedSampler::for_comm(1000, &*comm)?;
-        s.clone().with_seed(7).agree(&*comm, &dev)?;
+        s.clone().with_seed(7).agree(&*comm)?;
         let seeded = s.with_seed(7 + comm.rank() as u64);
-        Ok(seeded.agree(&*comm, &dev).unwrap_err().to_string())
+        Ok(seeded.agree(&*comm).unwrap_err().to_string())
     })
     .unwrap();
     for e in &errs {
-        assert!(e.contains("seed") && e.contains("rank 0: 7, rank 1: 8"), "{e}");
+        assert!(
+            e.contains("seed") && e.contains("rank 0: 7, rank 1: 8"),
+            "{e}"
+        );
     }
 }

@@ -106,6 +106,11 @@ pub trait Decorator: Send + Sync + std::fmt::Debug {
         self.inner().deferred_error()
     }
 
+    /// What [`Collective::device`] reports: by default `inner`'s.
+    fn tensor_device(&self) -> candle_core::Device {
+        self.inner().device()
+    }
+
     /// What [`Collective::defers_errors`] reports: by default `inner`'s.
     fn reports_deferred(&self) -> bool {
         self.inner().defers_errors()
@@ -123,6 +128,10 @@ impl<D: Decorator> Collective for D {
 
     fn recorder(&self) -> Option<&super::recorder::FlightRecorder> {
         self.inner().recorder()
+    }
+
+    fn device(&self) -> candle_core::Device {
+        self.tensor_device()
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {

@@ -391,6 +391,13 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Where this communicator takes small tensors of its own callers (agreements, flags,
+    /// counts): the rank's GPU for NCCL, which takes tensors on it only; the CPU for the other
+    /// backends (the default). Wrappers forward it.
+    fn device(&self) -> candle_core::Device {
+        candle_core::Device::Cpu
+    }
+
     /// Whether a call can return `Ok` before its collective has completed, so that
     /// [`Collective::deferred_error`] can later report it lost (`true` for NCCL): callers whose
     /// rollback state costs something can keep it only then. Wrappers forward it.

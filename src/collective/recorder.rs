@@ -290,7 +290,10 @@ mod tests {
         assert!(off.records().is_empty());
         assert_eq!(behind_of(1, "all_reduce", 2, &off), None);
         let line = behind_of(1, "all_reduce", 5, &off).unwrap();
-        assert!(line.contains("its last collective: #2 (not recorded"), "{line}");
+        assert!(
+            line.contains("its last collective: #2 (not recorded"),
+            "{line}"
+        );
         // A huge setting is cut, not allocated.
         assert_eq!(FlightRecorder::new(usize::MAX).capacity, MAX_RECORDS);
         let line = behind(1, "broadcast", 9, r.last().as_ref());

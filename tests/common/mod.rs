@@ -327,6 +327,9 @@ impl Decorator for Probe {
     fn subgroup(&self, sub: Arc<dyn Collective>) -> Arc<dyn Collective> {
         Self::build(sub, self.device.clone())
     }
+    fn tensor_device(&self) -> Device {
+        self.device.clone().unwrap_or_else(|| self.inner.device())
+    }
 }
 
 /// [`run_ranks`] with every communicator a [`Probe`] pinned to `dev`: a collective handed a

@@ -28,6 +28,10 @@ impl Collective for NcclCollective {
         true
     }
 
+    fn device(&self) -> candle_core::Device {
+        NcclCollective::device(self)
+    }
+
     /// Whether a collective enqueued without error was later lost to an abort of the communicator.
     ///
     /// # Errors
