@@ -31,11 +31,14 @@
 //! [`secret`]), rank 0 first sends a challenge: its nonce and an HMAC-SHA256 proof over the
 //! client's hello and that nonce; the client checks it and answers with its own proof, and
 //! acknowledges the payload with a third. Only then is it counted, and the payload travels
-//! sealed with XChaCha20-Poly1305, the exchange's hello and nonces as associated data; under
-//! torchrun the value in the store is sealed alike for its key, which holds the run id, the
-//! restart and the rendezvous number: a secret there needs a run id new for each launch
-//! (`torchrun --rdzv-id`; the default `none` is refused), so that a value recorded from an
-//! earlier launch does not open. A verdict without a proof (a refusal, an answer without the
+//! sealed with XChaCha20-Poly1305, the exchange's hello and nonces as associated data. Under
+//! torchrun, each rank `r > 0` sets a fresh random nonce under `<key>/nonce/<r>`, and rank 0,
+//! once it has read every rank's nonce, sets one copy of the payload per rank under
+//! `<key>/for/<r>`, sealed with that key and that rank's nonce as associated data: a value
+//! recorded from an earlier launch does not open, whatever the run id (torchrun's default
+//! `none` and `--rdzv-id=100` included), and rank 0 knows every rank is there. Rank 0 also
+//! sets `<key>` itself to a marker, so that a rank without the key says so instead of waiting
+//! for a value meant for it. A verdict without a proof (a refusal, an answer without the
 //! challenge) is retried until the timeout, whose message quotes it. The key never crosses the
 //! wire; a party without it can neither join, nor read or forge the payload. What the key does
 //! not protect: NCCL's own connections, which the payload starts (NCCL has no authentication of
@@ -253,11 +256,6 @@ impl DistEnv {
         let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
             .is_some_and(|v| v.trim().eq_ignore_ascii_case("true") || v.trim() == "1");
         let secret = secret_from(&get)?;
-        if agent_store && secret.is_some() && (run_id.is_empty() || run_id == "none") {
-            bail!(
-                "bootstrap: rank {rank}: a shared secret under torchrun needs a run id new for each launch (torchrun --rdzv-id=$(uuidgen) …), not {run_id:?}: the store's keys would repeat across launches, and a value recorded from an earlier launch would open"
-            )
-        }
         let env = Self {
             rank,
             world_size,
@@ -343,11 +341,10 @@ pub fn share_bytes_round(
         if env.agent_store {
             let mut store = TcpStoreClient::connect(&env.master_addr, env.master_port, deadline)?;
             let key = store_key(env, seq);
-            let value = match &env.secret {
-                Some(k) => k.seal(key.as_bytes(), payload)?,
-                None => payload.to_vec(),
-            };
-            store.set(&key, &value, deadline)?;
+            match &env.secret {
+                Some(k) => seal_per_rank(env, k, &mut store, &key, payload, deadline)?,
+                None => store.set(&key, payload, deadline)?,
+            }
         } else {
             serve(env, seq, payload, deadline, timeout)?;
         }
@@ -361,27 +358,99 @@ pub fn share_bytes_round(
                 ))
             })?;
         let key = store_key(env, seq);
-        let value = store.get(&key, deadline).map_err(|e| {
+        let waited = |e: candle_core::Error| {
             candle_core::Error::Msg(format!(
                 "bootstrap: rank {} waited {timeout:?} for rank 0's payload: {e}",
                 env.rank
             ))
-        })?;
-        unseal_stored(env, &key, value)
+        };
+        let value = store.get(&key, deadline).map_err(waited)?;
+        let (Some(_), true) = (&env.secret, value == secret::per_rank_marker()) else {
+            return unseal_stored(env, &key, value);
+        };
+        // Rank 0 seals a copy for this rank's fresh nonce.
+        let nonce = secret::nonce()?;
+        store.set(&nonce_key(&key, env.rank), &nonce, deadline)?;
+        let mine = per_rank_key(&key, env.rank);
+        let value = store.get(&mine, deadline).map_err(waited)?;
+        open_per_rank(env, &mine, &nonce, &value)
     } else {
         fetch(env, seq, deadline, timeout)
     }
 }
 
-/// The payload of a store value: opened with the shared secret when this rank has one.
+/// Where rank `r` leaves its nonce for rendezvous `key`.
+fn nonce_key(key: &str, r: usize) -> String {
+    format!("{key}/nonce/{r}")
+}
+
+/// Where rank 0 leaves rank `r`'s sealed copy of rendezvous `key`'s payload.
+fn per_rank_key(key: &str, r: usize) -> String {
+    format!("{key}/for/{r}")
+}
+
+/// What rank `r`'s copy is sealed with, besides the key: its store key and its nonce.
+fn per_rank_context(key: &str, nonce: &[u8]) -> Vec<u8> {
+    let mut ctx = key.as_bytes().to_vec();
+    ctx.push(b'\n');
+    ctx.extend_from_slice(nonce);
+    ctx
+}
+
+/// Rank 0's side under torchrun with a key: the marker under `key`, then for each rank its
+/// nonce read (waiting for it) and its copy set.
+fn seal_per_rank(
+    env: &DistEnv,
+    k: &Secret,
+    store: &mut TcpStoreClient,
+    key: &str,
+    payload: &[u8],
+    deadline: Instant,
+) -> Result<()> {
+    store.set(key, &secret::per_rank_marker(), deadline)?;
+    for r in 1..env.world_size {
+        let nonce = store.get(&nonce_key(key, r), deadline).map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "bootstrap: rank 0 waited for rank {r}'s nonce in torchrun's store: {e} (does rank {r} run, with {SECRET_VAR} set?)"
+            ))
+        })?;
+        if nonce.len() != secret::NONCE {
+            bail!(
+                "bootstrap: rank {r}'s nonce in torchrun's store has {} bytes, {} expected",
+                nonce.len(),
+                secret::NONCE
+            )
+        }
+        let mine = per_rank_key(key, r);
+        let sealed = k.seal(&per_rank_context(&mine, &nonce), payload)?;
+        store.set(&mine, &sealed, deadline)?;
+    }
+    Ok(())
+}
+
+/// Rank `env.rank`'s copy, opened with its key and its own nonce.
+fn open_per_rank(env: &DistEnv, key: &str, nonce: &[u8], value: &[u8]) -> Result<Vec<u8>> {
+    let k = env.secret.as_ref().expect("called with a secret");
+    k.open(&per_rank_context(key, nonce), value).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "bootstrap: rank {}: the value of {key} in torchrun's store: {e} (is {SECRET_VAR} the same on every rank?)",
+            env.rank
+        ))
+    })
+}
+
+/// The payload of a store value without per-rank copies: as it is without a key; with one,
+/// refused (rank 0 has no key, or the value is not ours).
 fn unseal_stored(env: &DistEnv, key: &str, value: Vec<u8>) -> Result<Vec<u8>> {
     match &env.secret {
-        Some(k) => k.open(key.as_bytes(), &value).map_err(|e| {
-            candle_core::Error::Msg(format!(
-                "bootstrap: rank {}: the value of {key} in torchrun's store: {e} (is {SECRET_VAR} the same on every rank?)",
-                env.rank
-            ))
-        }),
+        Some(_) if secret::is_sealed(&value) => bail!(
+            "bootstrap: rank {}: the value of {key} in torchrun's store is sealed but not for this rank (another protocol version, or not from this job's rank 0)",
+            env.rank
+        ),
+        Some(_) => bail!(
+            "bootstrap: rank {}: rank 0 has no shared secret and this rank has one: set {SECRET_VAR} on every rank or on none",
+            env.rank
+        ),
         None if secret::is_sealed(&value) => bail!(
             "bootstrap: rank {}: rank 0 sealed the value of {key} with a shared secret, and this rank has none: set {SECRET_VAR} on every rank",
             env.rank

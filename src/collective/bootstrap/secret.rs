@@ -238,6 +238,15 @@ pub(super) fn nonce() -> candle_core::Result<[u8; NONCE]> {
     Ok(n)
 }
 
+/// What rank 0 sets under a rendezvous key in torchrun's store when it seals one copy of the
+/// payload per rank: sealed-looking (a rank without the key says so), opening for nobody.
+pub(super) fn per_rank_marker() -> Vec<u8> {
+    let mut m = SEALED.to_vec();
+    m.extend_from_slice(&[0u8; SEAL_NONCE + SEAL_TAG]);
+    m.extend_from_slice(b"one sealed copy per rank");
+    m
+}
+
 /// Whether `bytes` looks like a sealed payload (of this version or an older one).
 pub(super) fn is_sealed(bytes: &[u8]) -> bool {
     (bytes.len() >= SEAL_OVERHEAD && bytes.starts_with(SEALED)) || bytes.starts_with(SEALED_V1)

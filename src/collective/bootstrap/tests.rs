@@ -805,62 +805,55 @@ fn a_passphrase_is_refused_and_a_key_file_is_read() {
     );
 }
 
-/// Under torchrun a shared secret needs a run id that changes between launches: torchrun's
-/// default `none` (or none at all) is refused, since the store keys would repeat.
+/// Under torchrun a shared secret works with any run id, torchrun's default `none` and a
+/// constant one (`--rdzv-id=100`) included: each rank's copy is sealed for a nonce of its own,
+/// so nothing recorded in an earlier launch opens.
 #[test]
-fn a_secret_under_torchrun_needs_a_fresh_run_id() {
+fn a_secret_under_torchrun_takes_any_run_id() {
     let key = (
         "CANDLE_DISTRIBUTED_SECRET",
         "00112233445566778899aabbccddeeff".to_string(),
     );
     let store = ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string());
-    for id in ["none", ""] {
+    for id in ["none", "100"] {
         let mut vars = launch_vars(&[key.clone(), store.clone()]);
         vars.remove(RUN_ID_VAR);
-        if !id.is_empty() {
-            vars.insert("TORCHELASTIC_RUN_ID", id.into());
-        }
-        let e = read_env(&vars).unwrap_err().to_string();
-        assert!(
-            e.contains("--rdzv-id") && e.contains("earlier launch"),
-            "{id:?}: {e}"
-        );
-        vars.remove(key.0);
-        assert!(read_env(&vars).is_ok(), "without a secret, {id:?} is fine");
+        vars.insert("TORCHELASTIC_RUN_ID", id.into());
+        assert!(read_env(&vars).is_ok(), "{id:?}");
     }
-    let ok = launch_vars(&[key, store, ("TORCHELASTIC_RUN_ID", "7f3a".into())]);
-    assert!(read_env(&ok).is_ok());
 }
 
-/// A value rank 0 sealed into torchrun's store in one launch does not open in another (the
-/// run id, in the store key, is the sealing's associated data), nor under another restart
-/// or rendezvous number; it opens where it was sealed.
+/// A copy rank 0 sealed into torchrun's store for one launch's rank does not open in another
+/// launch, even under the same store key (a constant run id): each copy is sealed for the
+/// receiving rank's fresh nonce. It opens for the nonce it was sealed for; a marker or a value
+/// sealed the older way is refused by name.
 #[test]
 fn a_store_value_from_another_launch_is_refused() {
-    let with = |run: &str, restart: u64| DistEnv {
-        run_id: run.into(),
-        restart,
+    let env = DistEnv {
+        run_id: "100".into(),
         agent_store: true,
         ..env_secret(1, 2, 29500, Some(SECRET))
     };
-    let (then, now) = (with("launch-a", 0), with("launch-b", 0));
+    let key = per_rank_key(&store_key(&env, 0), 1);
     let payload = b"nccl unique id bytes".to_vec();
-    let recorded = then
-        .secret
-        .as_ref()
-        .unwrap()
-        .seal(store_key(&then, 0).as_bytes(), &payload)
-        .unwrap();
-    assert_eq!(
-        unseal_stored(&then, &store_key(&then, 0), recorded.clone()).unwrap(),
-        payload
-    );
-    for (env, seq) in [(&now, 0), (&with("launch-a", 1), 0), (&then, 1)] {
-        let e = unseal_stored(env, &store_key(env, seq), recorded.clone())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("fails authentication"), "{e}");
-    }
+    let (then, now) = (secret::nonce().unwrap(), secret::nonce().unwrap());
+    let k = env.secret.as_ref().unwrap();
+    let recorded = k.seal(&per_rank_context(&key, &then), &payload).unwrap();
+    assert_eq!(open_per_rank(&env, &key, &then, &recorded).unwrap(), payload);
+    let e = open_per_rank(&env, &key, &now, &recorded)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fails authentication"), "{e}");
+    let older = k.seal(store_key(&env, 0).as_bytes(), &payload).unwrap();
+    let e = unseal_stored(&env, &store_key(&env, 0), older)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sealed but not for this rank"), "{e}");
+    let plain = DistEnv { secret: None, ..env.clone() };
+    let e = unseal_stored(&plain, "k", secret::per_rank_marker())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("this rank has none"), "{e}");
 }
 
 /// A client of an earlier protocol version is refused with the reason, in its own framing,
