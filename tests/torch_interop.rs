@@ -205,7 +205,7 @@ fn share_bytes_through_a_pytorch_store() {
 /// Progress reports through a PyTorch TCPStore, as the NCCL ranks of a torchrun job publish
 /// them: rank 1 publishes its newest collective (#4), rank 2 one still before the call in
 /// question (#3), rank 3 nothing at all; rank 0, whose call #4 timed out, names rank 2 with
-/// its line and rank 3 as unread, not rank 1. With a shared secret the reports are sealed: a
+/// its line and rank 3 as having published none (at once: no wait for it), not rank 1. With a shared secret the reports are sealed: a
 /// rank with another key cannot read them, and a report planted in the clear is refused.
 #[test]
 #[ignore = "needs PyTorch: scripts/test-torch.sh"]
@@ -241,10 +241,11 @@ fn progress_reports_through_a_pytorch_store() {
         );
         assert!(
             behind[1].starts_with("rank 3: no progress report read (")
-                && behind[1].contains("timed out"),
+                && behind[1].contains("published none"),
             "{run}: {behind:?}"
         );
-        assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+        // Nothing waits for a report that is not there.
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         let r = board(3).read(1, soon()).unwrap();
         assert_eq!(r.call, Some(4));
         assert!(r.age < Duration::from_secs(60), "{r:?}");

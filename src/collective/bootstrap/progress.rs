@@ -8,6 +8,14 @@
 //! (`call` -1 before the first collective), sealed with the shared secret when the ranks have
 //! one, so that a party without the key cannot plant a false report. Only under torchrun: the
 //! standalone rendezvous has no store once the start-up is over.
+//!
+//! A rank publishes at most once every [`PUBLISH_EVERY`] when its newest collective changes,
+//! and republishes an unchanged one every [`HEARTBEAT`] (a hung rank's publisher thread goes
+//! on), so that a live rank's report is never older than that. A report older than
+//! [`STALE_AFTER`] is called stale in a hang report: its rank's process stopped publishing, or
+//! the value was written back from earlier in the launch (a sealed report carries its time,
+//! which only the key can forge). Reading never waits: one CHECK and one GET per rank, so that
+//! a rank that never published costs one round trip, not the reader's deadline.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -19,7 +27,11 @@ use super::{peer_text, store_key, DistEnv};
 use crate::collective::recorder::behind_as;
 
 /// How often a publisher looks for a newer collective to report.
-pub const PUBLISH_EVERY: Duration = Duration::from_millis(200);
+pub const PUBLISH_EVERY: Duration = Duration::from_secs(1);
+/// How often a publisher republishes an unchanged report.
+pub const HEARTBEAT: Duration = Duration::from_secs(5);
+/// Age past which a report is called stale (three heartbeats; clocks of two machines count).
+pub const STALE_AFTER: Duration = Duration::from_secs(15);
 /// Time one publication may take.
 const PUBLISH_DEADLINE: Duration = Duration::from_secs(2);
 
@@ -41,6 +53,13 @@ pub struct Report {
     pub age: Duration,
     /// The flight recorder's line for that collective.
     pub line: String,
+}
+
+impl Report {
+    /// Older than [`STALE_AFTER`]: its rank stopped publishing, or it was written back.
+    pub fn stale(&self) -> bool {
+        self.age > STALE_AFTER
+    }
 }
 
 fn unix_ms() -> u64 {
@@ -102,14 +121,17 @@ impl ProgressBoard {
         self.with_store(deadline, |s| s.set(&key, &value, deadline))
     }
 
-    /// Rank `rank`'s newest report, waiting for it until `deadline`.
+    /// Rank `rank`'s newest report, without waiting for one.
     ///
     /// # Errors
-    /// No report by `deadline` (the rank never published one, or the store is unreachable), or
-    /// a value this rank cannot open (another key) or read.
+    /// No report (the rank never published one), the store unreachable by `deadline`, or a
+    /// value this rank cannot open (another key) or read.
     pub fn read(&self, rank: usize, deadline: Instant) -> Result<Report> {
         let key = self.key(rank);
-        let value = self.with_store(deadline, |s| s.get(&key, deadline))?;
+        let value = self.with_store(deadline, |s| match s.check(&key, deadline)? {
+            true => s.get(&key, deadline),
+            false => candle_core::bail!("rank {rank} published none"),
+        })?;
         let value = match &self.env.secret {
             Some(k) => k.open(key.as_bytes(), &value).map_err(|e| {
                 candle_core::Error::Msg(format!(
@@ -138,9 +160,9 @@ impl ProgressBoard {
     }
 
     /// Starts a thread that publishes what `newest` returns (this rank's newest collective
-    /// and its line) whenever it changes, checking every [`PUBLISH_EVERY`]; it stops when
-    /// `newest` returns `None` (its communicator is gone). A failure to publish is logged once
-    /// and retried at the next change.
+    /// and its line) whenever it changes, checking every [`PUBLISH_EVERY`], and again every
+    /// [`HEARTBEAT`] when it does not; it stops when `newest` returns `None` (its communicator
+    /// is gone). A failure to publish is logged once and retried at the next check.
     ///
     /// # Errors
     /// The thread cannot be started.
@@ -152,12 +174,16 @@ impl ProgressBoard {
             .name(format!("progress-{}", self.env.rank))
             .spawn(move || {
                 let mut published: Option<(Option<u64>, String)> = None;
+                let mut at = Instant::now();
                 let mut warned = false;
                 while let Some(now) = newest() {
-                    if published.as_ref() != Some(&now) {
+                    if published.as_ref() != Some(&now) || at.elapsed() >= HEARTBEAT {
                         let deadline = Instant::now() + PUBLISH_DEADLINE;
                         match self.publish(now.0, &now.1, deadline) {
-                            Ok(()) => published = Some(now),
+                            Ok(()) => {
+                                published = Some(now);
+                                at = Instant::now();
+                            }
                             Err(e) if !warned => {
                                 warned = true;
                                 log::warn!(
@@ -175,19 +201,72 @@ impl ProgressBoard {
     }
 
     /// The ranks other than this one whose newest report is before call `call` (`op`), each
-    /// as "rank q never reached op #call; its last collective: ... (reported 1.2 s before)";
-    /// a rank whose report cannot be read by `deadline` is named with the reason. In rank order.
+    /// as "rank q never reached op #call; its last collective: ... (reported 1.2 s before)",
+    /// "stale" added past [`STALE_AFTER`]; a rank whose report cannot be read is named with the
+    /// reason. In rank order; reads stop at `deadline` (the ranks not read are named so).
     pub fn behind(&self, op: &str, call: u64, deadline: Instant) -> Vec<String> {
-        (0..self.env.world_size)
-            .filter(|&q| q != self.env.rank)
-            .filter_map(|q| match self.read(q, deadline) {
-                Ok(r) if r.call.is_some_and(|c| c >= call) => None,
-                Ok(r) => {
-                    let line = format!("{} (reported {:.1} s before)", r.line, r.age.as_secs_f64());
-                    Some(behind_as(q, op, call, r.call.map(|_| line)))
-                }
-                Err(e) => Some(format!("rank {q}: no progress report read ({e})")),
-            })
-            .collect()
+        let mut out = Vec::new();
+        for q in (0..self.env.world_size).filter(|&q| q != self.env.rank) {
+            if Instant::now() >= deadline {
+                out.push(format!(
+                    "ranks {q} and on: not read within the report's time"
+                ));
+                break;
+            }
+            match self.read(q, deadline) {
+                Ok(r) => out.extend(describe(q, op, call, &r)),
+                Err(e) => out.push(format!("rank {q}: no progress report read ({e})")),
+            }
+        }
+        out
+    }
+}
+
+/// Rank `q`'s report as a hang report names it, when it is before call `call` (`op`).
+fn describe(q: usize, op: &str, call: u64, r: &Report) -> Option<String> {
+    if r.call.is_some_and(|c| c >= call) {
+        return None;
+    }
+    let stale = match r.stale() {
+        true => format!(
+            ": stale, its rank republishes every {} s, so its process stopped publishing or the value was written back",
+            HEARTBEAT.as_secs()
+        ),
+        false => String::new(),
+    };
+    let line = format!(
+        "{} (reported {:.1} s before{stale})",
+        r.line,
+        r.age.as_secs_f64()
+    );
+    Some(behind_as(q, op, call, r.call.map(|_| line)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A report at or past the call names nothing; one before it names its line and age, and
+    /// "stale" once older than three heartbeats (a rank that stopped publishing, or a report of
+    /// earlier in the launch written back); a rank that reported nothing yet is named so.
+    #[test]
+    fn reports_are_described_with_their_age() {
+        let report = |call: Option<u64>, secs: u64| Report {
+            call,
+            age: Duration::from_secs(secs),
+            line: "all_reduce #5 F32×6, completed".into(),
+        };
+        assert_eq!(describe(1, "all_reduce", 5, &report(Some(5), 1)), None);
+        let fresh = describe(1, "all_reduce", 1207, &report(Some(5), 2)).unwrap();
+        assert!(
+            fresh.starts_with(
+                "rank 1 never reached all_reduce #1207; its last collective: all_reduce #5"
+            ) && fresh.ends_with("(reported 2.0 s before)"),
+            "{fresh}"
+        );
+        let old = describe(1, "all_reduce", 1207, &report(Some(5), 40)).unwrap();
+        assert!(old.contains("(reported 40.0 s before: stale,"), "{old}");
+        let none = describe(2, "all_reduce", 3, &report(None, 1)).unwrap();
+        assert!(none.ends_with("it recorded no collective"), "{none}");
     }
 }

@@ -10,7 +10,8 @@
 //! little-endian. A connection opens with VALIDATE and the magic `0x3C85F7CE` (no answer), then
 //! PING with a nonce the server echoes. SET has no answer; GET answers the value; WAIT answers
 //! one byte (0, stop waiting) once every key exists; CANCEL_WAIT answers 1 (after a 0 that may
-//! still be in flight); ADD answers the new value. PyTorch's own clients put `/` before every
+//! still be in flight); ADD answers the new value; CHECK (a count and the keys, as WAIT)
+//! answers one byte at once, 0 when every key exists, 1 when one does not. PyTorch's own clients put `/` before every
 //! key; so does this one.
 
 use std::io::{Read, Write};
@@ -23,12 +24,16 @@ const VALIDATE: u8 = 0;
 const SET: u8 = 1;
 const GET: u8 = 3;
 const ADD: u8 = 4;
+const CHECK: u8 = 5;
 const WAIT: u8 = 6;
 const CANCEL_WAIT: u8 = 12;
 const PING: u8 = 13;
 const MAGIC: u32 = 0x3C85_F7CE;
 const STOP_WAITING: u8 = 0;
 const WAIT_CANCELED: u8 = 1;
+/// CHECK's answers.
+const READY: u8 = 0;
+const NOT_READY: u8 = 1;
 
 /// The oldest PyTorch whose TCPStore servers (classic and libuv) this client speaks to: the
 /// first with PING. Tested against 2.5.1, 2.9.1 and 2.15.0, and refused by name against 2.4.1
@@ -261,6 +266,30 @@ impl TcpStoreClient {
         let mut v = [0u8; 8];
         self.recv(&mut v, "the ADD answer")?;
         Ok(i64::from_le_bytes(v))
+    }
+
+    /// Whether `key` exists now (no waiting).
+    ///
+    /// # Errors
+    ///
+    /// When an earlier request on this connection failed, when sending or reading does not
+    /// finish by `deadline`, or when the server answers with another byte than CHECK's two.
+    pub fn check(&mut self, key: &str, deadline: Instant) -> Result<bool> {
+        self.deadline(deadline)?;
+        let mut m = vec![CHECK];
+        m.extend(1u64.to_le_bytes());
+        Self::push_bytes(&mut m, format!("/{key}").as_bytes());
+        self.send(&m)?;
+        let mut b = [0u8; 1];
+        self.recv(&mut b, "the CHECK answer")?;
+        match b[0] {
+            READY => Ok(true),
+            NOT_READY => Ok(false),
+            other => {
+                self.poisoned = true;
+                Err(err(&self.peer, format!("unexpected CHECK answer {other}")))
+            }
+        }
     }
 
     /// The value under `key`, waiting until some client has set it or `deadline` passes.

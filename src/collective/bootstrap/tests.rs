@@ -839,7 +839,10 @@ fn a_store_value_from_another_launch_is_refused() {
     let (then, now) = (secret::nonce().unwrap(), secret::nonce().unwrap());
     let k = env.secret.as_ref().unwrap();
     let recorded = k.seal(&per_rank_context(&key, &then), &payload).unwrap();
-    assert_eq!(open_per_rank(&env, &key, &then, &recorded).unwrap(), payload);
+    assert_eq!(
+        open_per_rank(&env, &key, &then, &recorded).unwrap(),
+        payload
+    );
     let e = open_per_rank(&env, &key, &now, &recorded)
         .unwrap_err()
         .to_string();
@@ -849,7 +852,10 @@ fn a_store_value_from_another_launch_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("sealed but not for this rank"), "{e}");
-    let plain = DistEnv { secret: None, ..env.clone() };
+    let plain = DistEnv {
+        secret: None,
+        ..env.clone()
+    };
     let e = unseal_stored(&plain, "k", secret::per_rank_marker())
         .unwrap_err()
         .to_string();
