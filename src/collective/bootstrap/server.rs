@@ -160,19 +160,45 @@ struct Open {
     handle: TcpStream,
     /// When it was accepted.
     since: Instant,
+    /// The address it came from.
+    from: std::net::IpAddr,
     /// Set by its thread once its hello (and with a secret, its proof) came in time.
     proven: Arc<AtomicBool>,
 }
 
-/// Shuts down and forgets the oldest connection that has not proven anything yet (no hello in
-/// time, or no proof of the secret), to make room for a new one; false when every connection
-/// is proven. A flood of silent connections that reconnect the moment they are closed then
-/// keeps evicting itself, while a real rank, which sends its hello at once, is proven before
-/// its turn comes.
-fn evict_unproven(open: &mut HashMap<u64, Open>) -> bool {
+/// Age below which an unproven connection is not evicted: a real rank sends its hello at once
+/// and proves itself within a round trip or two, so a connection this young may be one.
+const MIN_AGE: Duration = Duration::from_millis(200);
+
+/// Unproven connections one address may hold at once: half the table (at least 8, a machine's
+/// ranks starting together).
+fn per_address(cap: usize) -> usize {
+    (cap / 2).max(8)
+}
+
+/// Whether a new connection from `from` gets a slot now: not when its address already holds
+/// [`per_address`] unproven connections; else when the table has room, or room can be made by
+/// closing the oldest connection that has proven nothing (no hello in time, or no proof of the
+/// secret) and is at least [`MIN_AGE`] old. A flood of silent connections that reconnect the
+/// moment they are closed then keeps evicting itself, and cannot evict a real rank in the
+/// middle of its handshake, while a real rank, which sends its hello at once, is proven before
+/// its turn comes; a flood from one address holds at most half the table.
+fn admit(open: &mut HashMap<u64, Open>, cap: usize, from: std::net::IpAddr, now: Instant) -> bool {
+    let unproven = |c: &Open| !c.proven.load(Ordering::Relaxed);
+    if open
+        .values()
+        .filter(|c| unproven(c) && c.from == from)
+        .count()
+        >= per_address(cap)
+    {
+        return false;
+    }
+    if open.len() < cap {
+        return true;
+    }
     let oldest = open
         .iter()
-        .filter(|(_, c)| !c.proven.load(Ordering::Relaxed))
+        .filter(|(_, c)| unproven(c) && now.saturating_duration_since(c.since) >= MIN_AGE)
         .min_by_key(|(_, c)| c.since)
         .map(|(&conn, _)| conn);
     match oldest.and_then(|conn| open.remove(&conn)) {
@@ -219,9 +245,9 @@ pub(super) fn serve(
                 let mut idle = true;
                 for l in &listeners {
                     match l.accept() {
-                        Ok((stream, _)) if open.len() >= cap && !evict_unproven(&mut open) => {
-                            // Over the bound, every connection proven: closed now (dropped),
-                            // the client retries.
+                        Ok((stream, peer)) if !admit(&mut open, cap, peer.ip(), Instant::now()) => {
+                            // No room (every connection proven or too young to evict, or its
+                            // address holds its share): closed now (dropped), the client retries.
                             idle = false;
                             drop(stream);
                             if dropped.len() < 64 {
@@ -260,6 +286,7 @@ pub(super) fn serve(
                                         Open {
                                             handle,
                                             since: now,
+                                            from: peer.ip(),
                                             proven,
                                         },
                                     );
@@ -474,4 +501,56 @@ fn authenticate(
     }
     context.extend_from_slice(&ns);
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{IpAddr, TcpListener};
+
+    /// One address holds at most half the table of unproven connections; a full table makes
+    /// room by closing the oldest unproven connection of at least 200 ms, never a younger one
+    /// (a real rank in the middle of its handshake) nor a proven one.
+    #[test]
+    fn admission_spares_young_and_proven_connections_and_bounds_one_address() {
+        let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let now = Instant::now();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let (a, b, c) = (ip("10.0.0.1"), ip("10.0.0.2"), ip("10.0.0.3"));
+        let mut open: HashMap<u64, Open> = HashMap::new();
+        let mut add = |open: &mut HashMap<u64, Open>, id: u64, from, age_ms, proven| {
+            let handle = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let since = now - Duration::from_millis(age_ms);
+            let proven = Arc::new(AtomicBool::new(proven));
+            open.insert(
+                id,
+                Open {
+                    handle,
+                    since,
+                    from,
+                    proven,
+                },
+            );
+        };
+        let cap = 16;
+        for id in 0..8 {
+            add(&mut open, id, a, 50, false);
+        }
+        assert!(!admit(&mut open, cap, a, now), "a's share is full");
+        assert!(admit(&mut open, cap, b, now), "room for another address");
+        for id in 8..16 {
+            add(&mut open, id, b, 1000, true);
+        }
+        assert_eq!(open.len(), cap);
+        assert!(
+            !admit(&mut open, cap, c, now),
+            "full: the unproven are too young to evict, the old ones are proven"
+        );
+        open.get_mut(&3).unwrap().since = now - Duration::from_millis(300);
+        assert!(
+            admit(&mut open, cap, c, now),
+            "the oldest unproven one makes room"
+        );
+        assert!(!open.contains_key(&3) && open.len() == cap - 1);
+    }
 }
