@@ -53,8 +53,9 @@
 //! cut when the exchange is over), gives each client 500 ms for its hello, bounds every length
 //! it reads (64 KiB), answers at most 4 × world size connections at once (16 to 256) and
 //! releases each when done; when they are all taken, the oldest connection that has not yet
-//! sent a hello in time (or with a secret, proven it) is closed to make room, and only when
-//! every one has is the newcomer closed; a thread it cannot start closes that connection
+//! sent a hello of this job in time is closed to make room, else the oldest whose hello came
+//! but whose proof of the secret has not (a real rank between the two goes after every silent
+//! connection), and only when every one is proven is the newcomer closed; a thread it cannot start closes that connection
 //! instead of panicking. A stranger that keeps the table full and reconnects the moment a
 //! connection closes does not keep the ranks out
 //! (`bootstrap::tests::a_sustained_flood_does_not_keep_the_ranks_out`,

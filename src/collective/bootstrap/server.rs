@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicU8;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -160,48 +160,34 @@ struct Open {
     handle: TcpStream,
     /// When it was accepted.
     since: Instant,
-    /// The address it came from.
-    from: std::net::IpAddr,
-    /// Set by its thread once its hello (and with a secret, its proof) came in time.
-    proven: Arc<AtomicBool>,
+    /// How far it got, set by its thread: [`SILENT`], [`HELLO`], [`PROVEN`].
+    stage: Arc<AtomicU8>,
 }
 
-/// Age below which an unproven connection is not evicted: a real rank sends its hello at once
-/// and proves itself within a round trip or two, so a connection this young may be one.
-const MIN_AGE: Duration = Duration::from_millis(200);
+/// A connection that has not sent a hello of this job yet.
+const SILENT: u8 = 0;
+/// A hello of this job's run identity came in time; with a secret, its proof has not yet.
+const HELLOED: u8 = 1;
+/// A hello in time, and with a secret, its proof: never evicted.
+const PROVEN: u8 = 2;
 
-/// Unproven connections one address may hold at once: half the table (at least 8, a machine's
-/// ranks starting together).
-fn per_address(cap: usize) -> usize {
-    (cap / 2).max(8)
-}
-
-/// Whether a new connection from `from` gets a slot now: not when its address already holds
-/// [`per_address`] unproven connections; else when the table has room, or room can be made by
-/// closing the oldest connection that has proven nothing (no hello in time, or no proof of the
-/// secret) and is at least [`MIN_AGE`] old. A flood of silent connections that reconnect the
-/// moment they are closed then keeps evicting itself, and cannot evict a real rank in the
-/// middle of its handshake, while a real rank, which sends its hello at once, is proven before
-/// its turn comes; a flood from one address holds at most half the table.
-fn admit(open: &mut HashMap<u64, Open>, cap: usize, from: std::net::IpAddr, now: Instant) -> bool {
-    let unproven = |c: &Open| !c.proven.load(Ordering::Relaxed);
-    if open
-        .values()
-        .filter(|c| unproven(c) && c.from == from)
-        .count()
-        >= per_address(cap)
-    {
-        return false;
-    }
+/// Whether a new connection gets a slot now: when the table has room, or room can be made by
+/// closing a connection that has not proven itself: the oldest silent one (no hello of this
+/// job yet), else the oldest whose hello came but whose proof of the secret has not. A flood of
+/// silent connections that reconnect the moment they are closed keeps evicting itself, and a
+/// real rank between its hello and its proof is evicted only after every silent connection,
+/// and after older connections in its own stage.
+fn admit(open: &mut HashMap<u64, Open>, cap: usize) -> bool {
     if open.len() < cap {
         return true;
     }
-    let oldest = open
+    let victim = open
         .iter()
-        .filter(|(_, c)| unproven(c) && now.saturating_duration_since(c.since) >= MIN_AGE)
-        .min_by_key(|(_, c)| c.since)
-        .map(|(&conn, _)| conn);
-    match oldest.and_then(|conn| open.remove(&conn)) {
+        .map(|(&conn, c)| (c.stage.load(Ordering::Relaxed), c.since, conn))
+        .filter(|&(stage, _, _)| stage < PROVEN)
+        .min()
+        .map(|(_, _, conn)| conn);
+    match victim.and_then(|conn| open.remove(&conn)) {
         Some(c) => {
             let _ = c.handle.shutdown(std::net::Shutdown::Both);
             true
@@ -245,9 +231,9 @@ pub(super) fn serve(
                 let mut idle = true;
                 for l in &listeners {
                     match l.accept() {
-                        Ok((stream, peer)) if !admit(&mut open, cap, peer.ip(), Instant::now()) => {
-                            // No room (every connection proven or too young to evict, or its
-                            // address holds its share): closed now (dropped), the client retries.
+                        Ok((stream, _)) if !admit(&mut open, cap) => {
+                            // Over the bound, every connection proven: closed now (dropped),
+                            // the client retries.
                             idle = false;
                             drop(stream);
                             if dropped.len() < 64 {
@@ -267,8 +253,8 @@ pub(super) fn serve(
                                 (now + HELLO_DEADLINE).min(deadline),
                                 (now + CLIENT_DEADLINE).min(deadline),
                             );
-                            let proven = Arc::new(AtomicBool::new(false));
-                            let mark = proven.clone();
+                            let stage = Arc::new(AtomicU8::new(SILENT));
+                            let mark = stage.clone();
                             let spawned = std::thread::Builder::new()
                                 .name("bootstrap-answer".into())
                                 .spawn_scoped(s, move || {
@@ -286,8 +272,7 @@ pub(super) fn serve(
                                         Open {
                                             handle,
                                             since: now,
-                                            from: peer.ip(),
-                                            proven,
+                                            stage,
                                         },
                                     );
                                 }
@@ -382,7 +367,7 @@ pub(super) fn answer(
     (id, seq): (u64, u64),
     payload: &[u8],
     (hello_deadline, deadline): (Instant, Instant),
-    proven: &AtomicBool,
+    stage: &AtomicU8,
 ) -> std::io::Result<Client> {
     stream.set_nonblocking(false)?;
     // The magic first: a client of another protocol version (a shorter hello) is dropped at
@@ -408,6 +393,10 @@ pub(super) fn answer(
         ));
     }
     read_by(&mut stream, &mut hello[MAGIC.len()..], hello_deadline)?;
+    if hello[8..16] == id.to_le_bytes() {
+        // This job's hello: evicted only after the silent connections.
+        stage.store(HELLOED, Ordering::Relaxed);
+    }
     // With a shared secret, the client proves it holds it before anything else is said.
     let mut context = hello.to_vec();
     if let Some(why) = authenticate(&mut stream, env, &hello, &mut context, deadline)? {
@@ -416,7 +405,7 @@ pub(super) fn answer(
     }
     // A hello of ours in time (and with a secret, its proof): no longer a candidate for
     // eviction when the connection table is full.
-    proven.store(true, Ordering::Relaxed);
+    stage.store(PROVEN, Ordering::Relaxed);
     let word = |at: usize| u64::from_le_bytes(hello[at..at + 8].try_into().expect("8 bytes"));
     let (their_id, their_seq) = (word(8), word(16));
     let rank = u32::from_le_bytes(hello[24..28].try_into().expect("4 bytes")) as usize;
@@ -506,51 +495,51 @@ fn authenticate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::{IpAddr, TcpListener};
+    use std::net::TcpListener;
 
-    /// One address holds at most half the table of unproven connections; a full table makes
-    /// room by closing the oldest unproven connection of at least 200 ms, never a younger one
-    /// (a real rank in the middle of its handshake) nor a proven one.
+    /// A full table makes room by closing the oldest silent connection, then the oldest whose
+    /// hello came but not its proof (a real rank between the two); a proven one never.
     #[test]
-    fn admission_spares_young_and_proven_connections_and_bounds_one_address() {
+    fn admission_evicts_silent_connections_before_helloed_ones() {
         let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
         let now = Instant::now();
-        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let (a, b, c) = (ip("10.0.0.1"), ip("10.0.0.2"), ip("10.0.0.3"));
         let mut open: HashMap<u64, Open> = HashMap::new();
-        let mut add = |open: &mut HashMap<u64, Open>, id: u64, from, age_ms, proven| {
+        let add = |open: &mut HashMap<u64, Open>, id: u64, stage: u8, age_ms: u64| {
             let handle = TcpStream::connect(l.local_addr().unwrap()).unwrap();
             let since = now - Duration::from_millis(age_ms);
-            let proven = Arc::new(AtomicBool::new(proven));
+            let stage = Arc::new(AtomicU8::new(stage));
             open.insert(
                 id,
                 Open {
                     handle,
                     since,
-                    from,
-                    proven,
+                    stage,
                 },
             );
         };
-        let cap = 16;
-        for id in 0..8 {
-            add(&mut open, id, a, 50, false);
-        }
-        assert!(!admit(&mut open, cap, a, now), "a's share is full");
-        assert!(admit(&mut open, cap, b, now), "room for another address");
-        for id in 8..16 {
-            add(&mut open, id, b, 1000, true);
-        }
-        assert_eq!(open.len(), cap);
+        let cap = 4;
+        add(&mut open, 0, HELLOED, 900);
+        add(&mut open, 1, SILENT, 10);
+        add(&mut open, 2, SILENT, 300);
+        assert!(admit(&mut open, cap), "room");
+        add(&mut open, 3, PROVEN, 2000);
         assert!(
-            !admit(&mut open, cap, c, now),
-            "full: the unproven are too young to evict, the old ones are proven"
+            admit(&mut open, cap) && !open.contains_key(&2),
+            "the oldest silent one"
         );
-        open.get_mut(&3).unwrap().since = now - Duration::from_millis(300);
+        add(&mut open, 4, HELLOED, 5);
         assert!(
-            admit(&mut open, cap, c, now),
-            "the oldest unproven one makes room"
+            admit(&mut open, cap) && !open.contains_key(&1),
+            "then the other silent one"
         );
-        assert!(!open.contains_key(&3) && open.len() == cap - 1);
+        add(&mut open, 5, PROVEN, 1);
+        assert!(
+            admit(&mut open, cap) && !open.contains_key(&0),
+            "then the oldest helloed one"
+        );
+        add(&mut open, 6, PROVEN, 1);
+        assert!(admit(&mut open, cap) && !open.contains_key(&4));
+        add(&mut open, 7, PROVEN, 1);
+        assert!(!admit(&mut open, cap), "every connection proven");
     }
 }
