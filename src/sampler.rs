@@ -112,8 +112,8 @@ impl DistributedSampler {
     }
 
     /// Checks, on every rank, that every rank's sampler has the same length, seed, shuffle and
-    /// remainder policy (one all-gather of four values per rank): call it once the settings
-    /// are made. Samplers that differ in any of these would give ranks overlapping shares, or
+    /// remainder policy, and is its communicator's rank and world size (one all-gather of five
+    /// values per rank): call it once the settings are made. Samplers that differ in any of these would give ranks overlapping shares, or
     /// different numbers of steps, silently.
     ///
     /// # Errors
@@ -131,24 +131,37 @@ impl DistributedSampler {
             Remainder::Drop => 1,
             Remainder::Exact => 2,
         };
+        // Each rank's verdict on its own rank and world size first, then the settings.
+        let own = i64::from(self.rank == comm.rank() && self.world_size == comm.world_size());
         let row = [
+            own,
             self.len as i64,
             self.seed as i64,
             i64::from(self.shuffle),
             remainder,
         ];
-        let n = if settings { row.len() } else { 1 };
+        let n = if settings { row.len() } else { 2 };
         let all = comm
             .all_gather(&candle_core::Tensor::new(&row[..n], device)?.reshape((1, n))?)?
             .to_vec2::<i64>()?;
-        let names = ["length", "seed", "shuffle", "remainder"];
-        for (i, name) in names.iter().enumerate().take(n) {
+        let wrong: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == 0).collect();
+        if !wrong.is_empty() {
+            bail!(
+                "DistributedSampler: rank(s) {wrong:?} hold a sampler of another rank or world size than their communicator's (this rank: sampler rank {} of {}, communicator rank {} of {})",
+                self.rank,
+                self.world_size,
+                comm.rank(),
+                comm.world_size()
+            )
+        }
+        let names = ["", "length", "seed", "shuffle", "remainder"];
+        for (i, name) in names.iter().enumerate().take(n).skip(1) {
             if all.iter().any(|r| r[i] != all[0][i]) {
                 let each: Vec<String> = (all.iter().enumerate())
                     .map(|(r, v)| match i {
-                        1 => format!("rank {r}: {}", v[i] as u64),
-                        2 => format!("rank {r}: {}", v[i] != 0),
-                        3 => format!(
+                        2 => format!("rank {r}: {}", v[i] as u64),
+                        3 => format!("rank {r}: {}", v[i] != 0),
+                        4 => format!(
                             "rank {r}: {:?}",
                             [Remainder::Pad, Remainder::Drop, Remainder::Exact]
                                 [v[i].clamp(0, 2) as usize]

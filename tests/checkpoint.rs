@@ -491,6 +491,21 @@ fn a_save_after_a_lost_collective_writes_nothing() -> anyhow::Result<()> {
             after, before,
             "lost on rank {lost_on}: the folder is untouched"
         );
+        // ThreadGroup::run names the rank that lost it (the other's error is a consequence).
+        let e = ThreadGroup::run(2, |comm| {
+            let comm = LostOn {
+                inner: comm,
+                rank: lost_on,
+            };
+            let t = [("w".to_string(), Tensor::new(&[1f32], &Device::Cpu)?)];
+            checkpoint::save(&dir, "again", &t, &serde_json::Value::Null, &comm)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with(&format!("rank {lost_on} (")) && e.contains("was lost"),
+            "{e}"
+        );
     }
     std::fs::remove_dir_all(dir)?;
     Ok(())
@@ -617,6 +632,30 @@ fn a_save_cleans_up_after_killed_saves() -> anyhow::Result<()> {
         for f in [checkpoint::MANIFEST, m["tensors"].as_str().unwrap()] {
             assert_eq!(mode(&dir.join(f)), want, "{f}: the umask's permissions");
         }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// A save removes the file the replaced manifest named only when it is a tensor file of its
+/// naming and size: a manifest naming itself, the lock or another file of the folder (damaged
+/// or hostile) costs nothing but that manifest.
+#[test]
+fn a_save_removes_only_a_tensor_file_the_manifest_named() -> anyhow::Result<()> {
+    let dir = fresh_dir("named");
+    std::fs::write(dir.join("metrics.csv"), b"epoch,loss\n")?;
+    for named in ["checkpoint.json", ".checkpoint.lock", "metrics.csv"] {
+        save_alone(&dir, "e0001", 1.0)?;
+        let json = std::fs::read_to_string(dir.join(checkpoint::MANIFEST))?;
+        let m: serde_json::Value = serde_json::from_str(&json)?;
+        let tensors = m["tensors"].as_str().unwrap();
+        std::fs::write(dir.join(checkpoint::MANIFEST), json.replace(tensors, named))?;
+        save_alone(&dir, "e0002", 2.0)?;
+        load_alone(&dir)?.expect("the new checkpoint");
+        assert!(
+            dir.join("metrics.csv").exists(),
+            "{named}: metrics.csv kept"
+        );
     }
     std::fs::remove_dir_all(dir)?;
     Ok(())

@@ -404,6 +404,49 @@ fn a_layer_used_on_some_ranks_keeps_the_collectives_in_step(dev: &Device) -> any
     Ok(())
 }
 
+/// Micro-batches with a routed layer: an earlier micro-batch uses the layer, the last one does
+/// not, and the layer's bucket has its place before the backward's last collective: the bucket
+/// starts there with the earlier micro-batches' gradient (not zeros), and the step equals
+/// accumulating every micro-batch and `sync_gradients`, bit for bit.
+fn accumulated_micro_batches_with_a_routed_layer_equal_synced_ones(
+    dev: &Device,
+) -> anyhow::Result<()> {
+    use common::overlap::{routed, Route};
+    let outs = run_ranks_on(2, dev, |c| {
+        let (vm_o, vm_p, hooks) = (VarMap::new(), VarMap::new(), GradHooks::new());
+        let model_o = routed(hooks.var_builder(&vm_o, DType::F32, dev), c.clone())?;
+        let model_p = routed(VarBuilder::from_varmap(&vm_p, DType::F32, dev), c.clone())?;
+        seed(&vm_o);
+        seed(&vm_p);
+        let dp_o = DataParallel::new(&vm_o, c.clone())?
+            .with_bucket_bytes(1)
+            .with_overlap(&hooks)?;
+        let dp_p = DataParallel::new(&vm_p, c.clone())?.with_bucket_bytes(1);
+        let mut steps = Vec::new();
+        for (s, routes) in [
+            (0u64, [Route::AfterTp, Route::AfterTp]),
+            (1, [Route::AfterTp, Route::Skip]),
+        ] {
+            let (mut acc_o, mut acc_p) = (None, None);
+            let x = batch(c.rank(), 200 + 10 * s, dev);
+            acc_o = Some(dp_o.accumulate(acc_o, model_o.loss(&x, routes[0])?.backward()?)?);
+            acc_p = Some(dp_p.accumulate(acc_p, model_p.loss(&x, routes[0])?.backward()?)?);
+            let x = batch(c.rank(), 201 + 10 * s, dev);
+            let g_o = dp_o.backward_accumulated(&model_o.loss(&x, routes[1])?, acc_o)?;
+            let g_p = dp_p.accumulate(acc_p, model_p.loss(&x, routes[1])?.backward()?)?;
+            let g_p = dp_p.sync_gradients(g_p)?;
+            steps.push((flat(&vm_o, &g_o), flat(&vm_p, &g_p)));
+        }
+        Ok(steps)
+    });
+    for (rank, steps) in outs.iter().enumerate() {
+        for (s, (o, p)) in steps.iter().enumerate() {
+            assert_eq!(o, p, "rank {rank}, step {s}");
+        }
+    }
+    Ok(())
+}
+
 /// The identity, whose backward fails on the ranks and steps `fail` names (an op's error, an
 /// out-of-memory in the backward).
 struct FailOn {
@@ -490,6 +533,97 @@ fn a_backward_that_fails_on_one_rank_fails_every_rank(dev: &Device) -> anyhow::R
             "another rank's backward failed"
         };
         assert!(e.contains(want), "rank {rank}: {e}");
+    }
+    Ok(())
+}
+
+/// The identity, whose backward all-reduces its gradient through
+/// `collective::in_backward::collective`, and fails first where `fail` says (as out of memory
+/// after the announcement and before the all-reduce would).
+struct SumOnBackward {
+    comm: Arc<dyn Collective>,
+    fail: bool,
+}
+
+impl candle_core::CustomOp1 for SumOnBackward {
+    fn name(&self) -> &'static str {
+        "sum-on-backward"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        candle_distributed::collective::in_backward::collective(|| {
+            if self.fail {
+                candle_core::bail!("sum-on-backward: failed before its all-reduce")
+            }
+            self.comm.all_reduce(
+                &g.contiguous()?,
+                candle_distributed::collective::ReduceOp::Sum,
+            )
+        })
+        .map(Some)
+    }
+}
+
+/// A backward that fails on one rank after a collective of the backward was announced and
+/// before it was issued cannot take part in it: that rank leaves the step at once, saying so,
+/// and sends nothing more (a bucket or the exchange would meet the others' all-reduce); the
+/// others fail because it left, not with mismatched calls.
+fn a_rank_that_fails_inside_a_collective_of_the_backward_leaves_the_step(
+    dev: &Device,
+) -> anyhow::Result<()> {
+    let outs = run_ranks_on(2, dev, |c| {
+        let (vm, hooks) = (VarMap::new(), GradHooks::new());
+        let vb = hooks.var_builder(&vm, DType::F32, dev);
+        let (a, b) = (linear(4, 6, vb.pp("a"))?, linear(6, 2, vb.pp("b"))?);
+        seed(&vm);
+        let dp = DataParallel::new(&vm, c.clone())?
+            .with_bucket_bytes(1)
+            .with_overlap(&hooks)?;
+        let mut outcomes = Vec::new();
+        for s in 0..2u64 {
+            let x = on(
+                dev,
+                &randn(90 + s + c.rank() as u64, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?,
+            );
+            let op = SumOnBackward {
+                comm: c.clone(),
+                fail: s == 1 && c.rank() == 1,
+            };
+            let h = a.forward(&x)?.apply_op1(op)?;
+            let loss = b.forward(&h.tanh()?)?.sqr()?.mean_all()?;
+            outcomes.push(dp.backward(&loss).err().map(|e| format!("{e:#}")));
+        }
+        Ok(outcomes)
+    });
+    for (rank, o) in outs.iter().enumerate() {
+        assert!(o[0].is_none(), "rank {rank}: {o:?}");
+        let e = o[1].as_deref().unwrap_or("no error");
+        match rank {
+            1 => assert!(
+                e.contains("failed before its all-reduce") && e.contains("leaves the step"),
+                "{e}"
+            ),
+            _ => assert!(
+                e.contains("dropped its communicator") && !e.contains("disagree"),
+                "{e}"
+            ),
+        }
     }
     Ok(())
 }
@@ -592,6 +726,8 @@ fn a_stale_hooked_copy_is_refused_until_refreshed(dev: &Device) -> anyhow::Resul
 
 device_tests!(
     a_layer_used_on_some_ranks_keeps_the_collectives_in_step,
+    accumulated_micro_batches_with_a_routed_layer_equal_synced_ones,
+    a_rank_that_fails_inside_a_collective_of_the_backward_leaves_the_step,
     a_backward_that_fails_on_one_rank_fails_every_rank,
     hooks_no_data_parallel_took_are_refused,
     a_stale_hooked_copy_is_refused_until_refreshed,

@@ -43,6 +43,27 @@ pub(super) fn is_plain_name(name: &str) -> bool {
     ) && !name.contains(['/', '\\'])
 }
 
+/// Whether `name` is a tensor file's name as [`super::save`] makes them:
+/// `checkpoint-<tag>-<8 hex digits>.safetensors`.
+pub(super) fn is_tensor_file_name(name: &str) -> bool {
+    let Some(stem) = name
+        .strip_prefix("checkpoint-")
+        .and_then(|n| n.strip_suffix(".safetensors"))
+    else {
+        return false;
+    };
+    let Some((tag, crc)) = stem.rsplit_once('-') else {
+        return false;
+    };
+    is_plain_name(name)
+        && !tag.is_empty()
+        && tag
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        && crc.len() == 8
+        && crc.chars().all(|c| c.is_ascii_hexdigit())
+}
+
 /// The manifest at `path`, parsed and checked (size bound, format, a plain tensor file name).
 pub(super) fn read_manifest(path: &Path) -> Result<Manifest> {
     let len = std::fs::metadata(path)
@@ -164,7 +185,7 @@ pub(super) fn read(path: &Path) -> Result<(Loaded, u32)> {
 
 #[cfg(test)]
 mod tests {
-    use super::is_plain_name;
+    use super::{is_plain_name, is_tensor_file_name};
 
     #[test]
     fn only_plain_names_are_plain() {
@@ -173,6 +194,21 @@ mod tests {
         }
         for bad in ["", ".", "..", "../x", "/etc/hostname", "a/b", "a\\b", "./a"] {
             assert!(!is_plain_name(bad), "{bad}");
+        }
+        assert!(is_tensor_file_name("checkpoint-e0001-1a2b3c4d.safetensors"));
+        assert!(is_tensor_file_name(
+            "checkpoint-s-00000012-ffffffff.safetensors"
+        ));
+        for other in [
+            "checkpoint.json",
+            ".checkpoint.lock",
+            "metrics.csv",
+            "checkpoint-e0001.safetensors",
+            "checkpoint--1a2b3c4d.safetensors",
+            "checkpoint-e0001-1a2b3c4g.safetensors",
+            "../checkpoint-e0001-1a2b3c4d.safetensors",
+        ] {
+            assert!(!is_tensor_file_name(other), "{other}");
         }
     }
 }

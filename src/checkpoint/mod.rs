@@ -50,7 +50,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::VarMap;
 
-use crate::collective::Collective;
+use crate::collective::{Collective, CollectiveError};
 use crate::SyncBatchNorm;
 pub use files::write_atomic;
 use files::{io_err, sync_file, FolderLock};
@@ -105,8 +105,8 @@ pub fn shift_tensors<'a>(
 /// rank returns rank 0's outcome. `tag` (letters, digits, `-`, `_`) goes into the tensor file's
 /// name with the content's CRC-32 (`checkpoint-e0003-1a2b3c4d.safetensors`), so a save never
 /// overwrites the file the current manifest names with other bytes. Tensors on any device
-/// (copied to the host on rank 0); the first one's device carries the agreement, so it must be
-/// the communicator's (as the model's variables are). Collective: every rank calls it.
+/// (copied to the host on rank 0); the agreements travel on the communicator's device
+/// ([`Collective::device`]). Collective: every rank calls it.
 ///
 /// In order:
 /// 1. every rank asks its communicator whether a collective enqueued earlier was lost
@@ -142,9 +142,9 @@ pub fn save(
     metadata: &serde_json::Value,
     comm: &dyn Collective,
 ) -> Result<()> {
-    let Some((_, first)) = tensors.first() else {
+    if tensors.is_empty() {
         bail!("checkpoint::save: no tensors to save")
-    };
+    }
     if tag.is_empty()
         || !tag
             .chars()
@@ -155,7 +155,7 @@ pub fn save(
     // Every rank's word on its communicator before rank 0 writes: after a lost collective the
     // tensors may be garbage, and the last good checkpoint must stay.
     let lost = comm.deferred_error().err();
-    let flag = Tensor::new(&[[f64::from(u8::from(lost.is_some()))]], first.device())?;
+    let flag = Tensor::new(&[[f64::from(u8::from(lost.is_some()))]], &comm.device())?;
     let flags = comm.all_gather(&flag)?.to_vec2::<f64>()?;
     let lost_on: Vec<usize> = (0..flags.len()).filter(|&r| flags[r][0] != 0.0).collect();
     if let Some(e) = lost {
@@ -167,13 +167,16 @@ pub fn save(
         )));
     }
     if !lost_on.is_empty() {
-        bail!(
-            "checkpoint::save: rank {}: rank(s) {lost_on:?} lost a collective enqueued before the \
-             save (their errors say which), so the tensors may be garbage; nothing was written \
-             into {} (its last checkpoint stays)",
+        return Err(CollectiveError::elsewhere(
             comm.rank(),
-            dir.display()
-        )
+            format!(
+                "checkpoint::save: rank {}: rank(s) {lost_on:?} lost a collective enqueued before \
+                 the save (their errors say which), so the tensors may be garbage; nothing was \
+                 written into {} (its last checkpoint stays)",
+                comm.rank(),
+                dir.display()
+            ),
+        ));
     }
     let written = if comm.rank() == 0 {
         write(dir, tag, tensors, metadata)
@@ -184,18 +187,21 @@ pub fn save(
         Ok(crc) => (1.0, f64::from(*crc)),
         Err(_) => (0.0, 0.0),
     };
-    let outcome = comm.broadcast(&Tensor::new(&[ok, crc], first.device())?, 0)?;
+    let outcome = comm.broadcast(&Tensor::new(&[ok, crc], &comm.device())?, 0)?;
     let outcome = outcome.to_vec1::<f64>()?;
     match written {
         Err(e) => Err(e.context(format!(
             "checkpoint::save: rank 0 could not write the checkpoint into {}",
             dir.display()
         ))),
-        Ok(_) if outcome[0] == 0.0 => bail!(
-            "checkpoint::save: rank {}: rank 0 could not write the checkpoint into {} (its error says why)",
+        Ok(_) if outcome[0] == 0.0 => Err(CollectiveError::elsewhere(
             comm.rank(),
-            dir.display()
-        ),
+            format!(
+                "checkpoint::save: rank {}: rank 0 could not write the checkpoint into {} (its error says why)",
+                comm.rank(),
+                dir.display()
+            ),
+        )),
         Ok(_) => Ok(()),
     }
 }
@@ -218,11 +224,17 @@ fn write(
             dir.display()
         );
     }
-    // The file the current manifest names, removed once the new manifest replaced it (a
-    // manifest that cannot be read names nothing; a name that is not a plain file name is
-    // never followed).
+    // The file the current manifest names, removed once the new manifest replaced it: only a
+    // tensor file of this crate's naming and of the size the manifest says (a manifest that
+    // cannot be read, or names anything else, the manifest or the lock included, names
+    // nothing to remove).
     let replaced = manifest::read_manifest(&dir.join(MANIFEST))
         .ok()
+        .filter(|m| manifest::is_tensor_file_name(&m.tensors))
+        .filter(|m| {
+            std::fs::symlink_metadata(dir.join(&m.tensors))
+                .is_ok_and(|f| f.is_file() && f.len() == m.tensors_bytes)
+        })
         .map(|m| m.tensors);
     // A staging folder of a unique name: a kill leaves it to the next save's clean-up.
     let stage = files::Staging::new(dir, tag)?;
@@ -329,8 +341,8 @@ impl Loaded {
 /// of another format, names its tensor file by anything but a plain file name beside it (a
 /// path, `..`), or names a tensor file that is missing, not a regular file, of another size
 /// (truncated: checked before anything is read) or another CRC-32 (corrupt), each naming the
-/// file. Collective: every rank calls it (one all-gather of 3 values per rank, on the CPU:
-/// for a communicator that takes tensors on its own device only, NCCL, use [`load_on`]).
+/// file. Collective: every rank calls it (one all-gather of 3 values per rank, on the
+/// communicator's device, [`Collective::device`]; [`load_on`] names another).
 ///
 /// Host memory per rank: one copy of the checkpoint's tensors (the tensor file is mapped, not
 /// read into memory; the ranks of one machine share its pages in the page cache).
@@ -341,7 +353,7 @@ impl Loaded {
 /// ranks that failed), or the ranks loaded different checkpoints or some none (naming each
 /// rank's), or the all-gather fails.
 pub fn load(path: Option<&Path>, comm: &dyn Collective) -> Result<Option<Loaded>> {
-    load_on(path, comm, &Device::Cpu)
+    load_on(path, comm, &comm.device())
 }
 
 /// [`load`], with the agreement's all-gather on `device` (a GPU for NCCL).
@@ -371,10 +383,13 @@ pub fn load_on(
         )));
     }
     if !failed.is_empty() {
-        bail!(
-            "checkpoint::load: rank {}: rank(s) {failed:?} could not load their checkpoint (their errors say why)",
-            comm.rank()
-        )
+        return Err(CollectiveError::elsewhere(
+            comm.rank(),
+            format!(
+                "checkpoint::load: rank {}: rank(s) {failed:?} could not load their checkpoint (their errors say why)",
+                comm.rank()
+            ),
+        ));
     }
     if all.iter().any(|r| r != &all[0]) {
         let each: Vec<String> = (all.iter().enumerate())

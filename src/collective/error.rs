@@ -79,6 +79,15 @@ pub enum CollectiveError {
         /// The library's description (and its last error message, when it has one).
         detail: String,
     },
+    /// This rank's part went well, but another rank's failure, learned through an agreement
+    /// (a flag every rank exchanged), fails the call here too; that rank's own error says why.
+    #[error("{detail}")]
+    Elsewhere {
+        /// Rank that reports it.
+        rank: usize,
+        /// What failed where, and what this rank did about it.
+        detail: String,
+    },
     /// An argument is invalid on this rank alone (bad root, unsupported dtype, ...).
     #[error("{backend} {op}: {detail}")]
     InvalidArgument {
@@ -113,7 +122,7 @@ impl From<CollectiveError> for candle_core::Error {
             CollectiveError::Mismatch { .. } | CollectiveError::InvalidArgument { .. } => {
                 K::InvalidInput
             }
-            CollectiveError::Library { .. } => K::Other,
+            CollectiveError::Library { .. } | CollectiveError::Elsewhere { .. } => K::Other,
         };
         candle_core::Error::Io(std::io::Error::new(kind, e)).bt()
     }
@@ -127,6 +136,18 @@ impl CollectiveError {
             op,
             detail,
         }
+    }
+
+    /// [`CollectiveError::Elsewhere`] as a candle error: rank `rank` fails because another
+    /// rank's failure was learned through an agreement.
+    pub(crate) fn elsewhere(rank: usize, detail: String) -> candle_core::Error {
+        Self::Elsewhere { rank, detail }.into()
+    }
+
+    /// Whether the error is another rank's failure seen from here (a rank that left, or a
+    /// failure learned through an agreement), not one of this rank's own.
+    pub fn is_consequence(&self) -> bool {
+        matches!(self, Self::RankLeft { .. } | Self::Elsewhere { .. })
     }
 
     /// [`CollectiveError::RankLeft`] of a call on a communicator an earlier failure broke (no

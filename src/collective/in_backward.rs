@@ -5,37 +5,59 @@
 //! while candle's backward runs. Layers whose backward communicates too (`SyncBatchNorm`, the
 //! differentiable collectives of `parallel`) issue their collectives at fixed points of the
 //! graph; a bucket started between two of them on one rank and after them on another would
-//! put the two ranks' collectives in different orders. So each such backward calls
-//! [`announce`] just before its collectives, on the thread running the backward, and the
-//! overlapped backward, which listens on that thread, starts buckets only at agreed places
-//! between these announcements. Every rank announces the same collectives in the same order
-//! (the model's own rule), so every rank counts the same places.
+//! put the two ranks' collectives in different orders. So each such backward issues its
+//! collectives through [`collective`], on the thread running the backward, which tells the
+//! overlapped backward listening on that thread before (it starts the buckets due there) and
+//! after (it counts the collective as done). Every rank issues the same collectives in the same
+//! order (the model's own rule), so every rank counts the same places.
 //!
-//! A custom op whose backward issues a collective (on any communicator) calls [`announce`] too;
-//! without a listener it does nothing and costs one thread-local read.
+//! A custom op whose backward issues a collective (on any communicator) does the same; without
+//! a listener it costs one thread-local read.
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
-/// What an overlapped backward runs at each announcement.
-pub(crate) type Listener = Arc<dyn Fn() + Send + Sync>;
+use candle_core::Result;
+
+/// What a listener hears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// Collectives of the backward follow.
+    Before,
+    /// They were issued and returned.
+    After,
+}
+
+/// What an overlapped backward runs at each event.
+pub(crate) type Listener = Arc<dyn Fn(Event) + Send + Sync>;
 
 thread_local! {
     static LISTENER: RefCell<Option<Listener>> = const { RefCell::new(None) };
 }
 
-/// Tells the backward running on this thread that a collective follows: call it in a custom
-/// op's backward right before the collectives it issues there (once per backward call, however
-/// many collectives follow). Without an overlapped `DataParallel::backward` on this thread it
-/// does nothing.
-pub fn announce() {
+fn tell(e: Event) {
     let listener = LISTENER.with(|l| l.borrow().clone());
     if let Some(f) = listener {
-        f();
+        f(e);
     }
 }
 
-/// Runs `f` at every [`announce`] of this thread until the returned guard is dropped.
+/// Runs `f`, which issues collectives inside a backward (a custom op's `bwd`), told to the
+/// overlapped `DataParallel::backward` running on this thread, if any: before `f` (buckets due
+/// there start first), and after it returns `Ok` (so that a rank whose backward fails later
+/// knows it took part). Call it once per backward call, around every collective the call issues.
+///
+/// # Errors
+///
+/// `f`'s.
+pub fn collective<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    tell(Event::Before);
+    let out = f()?;
+    tell(Event::After);
+    Ok(out)
+}
+
+/// Runs `f` at every event of this thread until the returned guard is dropped.
 pub(crate) fn listen(f: Listener) -> Listening {
     let previous = LISTENER.with(|l| l.borrow_mut().replace(f));
     Listening { previous }
@@ -56,22 +78,26 @@ impl Drop for Listening {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
 
     #[test]
-    fn announcements_reach_the_listener_of_this_thread_only() {
-        let heard = Arc::new(AtomicUsize::new(0));
-        announce(); // nobody listens: nothing happens
+    fn events_reach_the_listener_of_this_thread_only() {
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        collective(|| Ok(())).unwrap(); // nobody listens: nothing happens
         {
             let h = heard.clone();
-            let _g = listen(Arc::new(move || {
-                h.fetch_add(1, Ordering::SeqCst);
-            }));
-            announce();
-            std::thread::spawn(announce).join().unwrap(); // another thread: not heard
-            announce();
+            let _g = listen(Arc::new(move |e| h.lock().unwrap().push(e)));
+            collective(|| Ok(())).unwrap();
+            // Another thread: not heard.
+            std::thread::spawn(|| collective(|| Ok(())).unwrap())
+                .join()
+                .unwrap();
+            // A failed collective is announced, never done.
+            let failed: Result<()> = collective(|| candle_core::bail!("lost"));
+            assert!(failed.is_err());
         }
-        announce(); // the guard is gone
-        assert_eq!(heard.load(Ordering::SeqCst), 2);
+        collective(|| Ok(())).unwrap(); // the guard is gone
+        use Event::*;
+        assert_eq!(*heard.lock().unwrap(), [Before, After, Before]);
     }
 }

@@ -135,6 +135,12 @@ impl GradHooks {
         lock(&self.state).armed.take()
     }
 
+    /// A guard that disarms the hooks when dropped (a backward that panics leaves them free
+    /// for the next one).
+    pub(super) fn armed_until_dropped(&self) -> Disarm<'_> {
+        Disarm(self)
+    }
+
     /// Copies every hooked variable's value into its hooked tensor (after an optimizer step).
     pub(super) fn refresh(&self) -> Result<()> {
         let mut st = lock(&self.state);
@@ -164,9 +170,9 @@ impl GradHooks {
     /// What the overlapped backward runs at each announced collective of the backward.
     pub(super) fn announcer(&self) -> crate::collective::in_backward::Listener {
         let state = self.state.clone();
-        Arc::new(move || {
+        Arc::new(move |e| {
             if let Some(a) = lock(&state).armed.as_mut() {
-                a.announced();
+                a.heard(e);
             }
         })
     }
@@ -233,6 +239,15 @@ fn same_values(var: &Tensor, copy: &Tensor) -> Result<bool> {
     let differ = var.ne(copy)?.mul(&var.eq(var)?)?;
     let any = differ.flatten_all()?.to_dtype(DType::F32)?.max(0)?;
     Ok(any.to_scalar::<f32>()? == 0.0)
+}
+
+/// Disarms its hooks when dropped.
+pub(super) struct Disarm<'a>(&'a GradHooks);
+
+impl Drop for Disarm<'_> {
+    fn drop(&mut self) {
+        drop(self.0.disarm());
+    }
 }
 
 /// The builder's backend: the `VarMap`'s variables, trainable ones through their hook.

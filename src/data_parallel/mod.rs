@@ -131,7 +131,11 @@
 //!   unused layer, a shared weight, accumulated micro-batches and a layer used on some ranks
 //!   only beside SyncBatchNorm and a tensor-parallel layer (`tests/overlap.rs`, thread ranks on
 //!   the CPU and the simulated GPU; `tests/mpi.rs` on 4 MPI processes; `tests/nccl.rs`, the
-//!   simulated NCCL in both of its progress modes), and with one bucket per variable every
+//!   simulated NCCL in both of its progress modes). Thread ranks sum every element in rank
+//!   order whatever the bucket; a real NCCL (and MPI, by message size) may choose the order of
+//!   a bucket's sums by its size and an element's offset in it, and the overlapped buckets are
+//!   cut differently from `sync_gradients`' (by arrival, not by name), so there the two may
+//!   differ by rounding beyond two ranks (untried on real hardware). With one bucket per variable every
 //!   bucket starts inside the backward from the second step on. Costs: a second copy of the
 //!   trainable variables (the hooked copies) and one device copy of them per step
 //!   ([`DataParallel::refresh`], which [`DataParallel::step`] calls after the optimizer), and
@@ -399,11 +403,14 @@ impl DataParallel {
                 )
             }
             if any > 0.0 {
-                bail!(
-                    "DataParallel::sync_gradients: rank {}: another rank's model computed with \
-                     stale hooked copies of its variables (its error says which)",
-                    self.comm.rank()
-                )
+                return Err(crate::collective::CollectiveError::elsewhere(
+                    self.comm.rank(),
+                    format!(
+                        "DataParallel::sync_gradients: rank {}: another rank's model computed \
+                         with stale hooked copies of its variables (its error says which)",
+                        self.comm.rank()
+                    ),
+                ));
             }
             let synced = self.sync_buckets(grads)?;
             hooks.handed_out();
@@ -533,10 +540,11 @@ impl DataParallel {
     /// at its agreed place, as soon as its gradients are complete (from the second step on; the
     /// first sends every bucket after its backward and learns the order and the places); without,
     /// the two run one after the other. Either way the result is
-    /// `sync_gradients(loss.backward()?)`'s, bit for bit on thread ranks, MPI and NCCL
-    /// (`tests/overlap.rs`), and every rank issues the same collectives in the same order,
+    /// `sync_gradients(loss.backward()?)`'s, bit for bit on thread ranks (and on MPI and the
+    /// simulated NCCL in the tests; a real NCCL may order a bucket's sums by its layout, see the
+    /// module documentation), and every rank issues the same collectives in the same order,
     /// whatever each rank's model routes. With the overlap, every call ends with the exchange
-    /// (one all-reduce of `3 + B + P` 64-bit integers, `+ P` on the first step, for `B` buckets
+    /// (one all-reduce of `4 + B + P` 64-bit integers, `+ P` on the first step, for `B` buckets
     /// and `P` trainable variables, and one read of it on the host).
     ///
     /// # Errors
@@ -593,21 +601,28 @@ impl DataParallel {
         );
         hooks.arm(launcher)?;
         let result = {
-            // The collectives the backward announces place the buckets.
+            // Disarmed however the backward ends, a panic included.
+            let _armed = hooks.armed_until_dropped();
+            // The collectives of the backward place the buckets.
             let _listening = crate::collective::in_backward::listen(hooks.announcer());
-            loss.backward()
+            let result = loss.backward();
+            (result, hooks.disarm())
         };
-        let launcher = hooks.disarm().ok_or_else(|| {
-            candle_core::Error::Msg("DataParallel::backward: the hooks were disarmed".into())
-        })?;
-        let (grads, finished) =
-            launcher.finish(result, learned.as_ref().map(|l| l.announced), stale)?;
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = finished.stats;
-        let mut next = finished.learned;
-        if let Some(before) = learned {
-            next.order = before.order; // the order agreed on the first step stays
-        }
-        *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = Some(next);
+        let (result, Some(launcher)) = result else {
+            candle_core::bail!("DataParallel::backward: the hooks were disarmed")
+        };
+        // What every rank agreed on is kept as soon as it is known, before this rank's own
+        // waits (a failure there must not leave it on other places than the others).
+        let first_order = learned.as_ref().map(|l| l.order.clone());
+        let keep = |mut next: overlap::Learned| {
+            if let Some(order) = first_order {
+                next.order = order; // the order agreed on the first step stays
+            }
+            *self.learned.lock().unwrap_or_else(|e| e.into_inner()) = Some(next);
+        };
+        let (grads, stats) =
+            launcher.finish(result, learned.as_ref().map(|l| l.announced), stale, keep)?;
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
         hooks.handed_out();
         Ok(grads)
     }

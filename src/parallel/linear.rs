@@ -190,37 +190,38 @@ impl Module for ColumnParallelLinear {
         };
         let x_dims = x.dims().to_vec();
         let backward = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
-            // The collectives below, announced to an overlapped data-parallel backward.
-            crate::collective::in_backward::announce();
-            let g2 = rows2(g)?;
-            // Input gradient first, its collective started at once ...
-            let dx_full = g2.matmul(&w)?.contiguous()?;
-            let pending = match mode {
-                ParallelMode::AllReduce => comm.all_reduce_async(&dx_full, ReduceOp::Sum)?,
-                ParallelMode::ReduceScatter => {
-                    comm.reduce_scatter_async(&dx_full, ReduceOp::Sum)?
-                }
-            };
-            // (Without overlap, the baseline of benches/overlap.rs: wait here.)
-            let (waited, pending) = if overlap {
-                (None, Some(pending))
-            } else {
-                (Some(pending.wait()?), None)
-            };
-            // ... overlapping the weight gradient.
-            let input = if mode == ParallelMode::ReduceScatter && regather {
-                comm.all_gather(&kept.contiguous()?)?
-            } else {
-                kept.clone()
-            };
-            let dw = g2.t()?.matmul(&rows2(&input)?)?;
-            let dx = match (waited, pending) {
-                (Some(dx), _) => dx,
-                (None, Some(p)) => p.wait()?,
-                (None, None) => unreachable!("either waited or pending"),
-            };
-            let dx = dx.reshape(x_dims.as_slice())?;
-            Ok((dx, dw))
+            // The collectives below, told to an overlapped data-parallel backward.
+            crate::collective::in_backward::collective(|| {
+                let g2 = rows2(g)?;
+                // Input gradient first, its collective started at once ...
+                let dx_full = g2.matmul(&w)?.contiguous()?;
+                let pending = match mode {
+                    ParallelMode::AllReduce => comm.all_reduce_async(&dx_full, ReduceOp::Sum)?,
+                    ParallelMode::ReduceScatter => {
+                        comm.reduce_scatter_async(&dx_full, ReduceOp::Sum)?
+                    }
+                };
+                // (Without overlap, the baseline of benches/overlap.rs: wait here.)
+                let (waited, pending) = if overlap {
+                    (None, Some(pending))
+                } else {
+                    (Some(pending.wait()?), None)
+                };
+                // ... overlapping the weight gradient.
+                let input = if mode == ParallelMode::ReduceScatter && regather {
+                    comm.all_gather(&kept.contiguous()?)?
+                } else {
+                    kept.clone()
+                };
+                let dw = g2.t()?.matmul(&rows2(&input)?)?;
+                let dx = match (waited, pending) {
+                    (Some(dx), _) => dx,
+                    (None, Some(p)) => p.wait()?,
+                    (None, None) => unreachable!("either waited or pending"),
+                };
+                let dx = dx.reshape(x_dims.as_slice())?;
+                Ok((dx, dw))
+            })
         };
         let y = attach2(
             x,

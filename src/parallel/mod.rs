@@ -81,10 +81,7 @@ pub(crate) use attach::attach2;
 fn communicating(
     f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 ) -> attach::Backward {
-    Box::new(move |g| {
-        crate::collective::in_backward::announce();
-        f(g)
-    })
+    Box::new(move |g| crate::collective::in_backward::collective(|| f(g)))
 }
 
 /// `f` applied with `dim` moved to the front (collectives work along dimension 0).

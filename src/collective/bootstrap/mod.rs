@@ -55,7 +55,9 @@
 //! releases each when done; when they are all taken, the oldest connection that has not yet
 //! sent a hello of this job in time is closed to make room, else the oldest whose hello came
 //! but whose proof of the secret has not (a real rank between the two goes after every silent
-//! connection), and only when every one is proven is the newcomer closed; a thread it cannot start closes that connection
+//! connection; a stranger who knows the run identity, which is no secret, can send a hello
+//! too, and compete in that stage by age), and only when every one is proven is the newcomer
+//! closed; a thread it cannot start closes that connection
 //! instead of panicking. A stranger that keeps the table full and reconnects the moment a
 //! connection closes does not keep the ranks out
 //! (`bootstrap::tests::a_sustained_flood_does_not_keep_the_ranks_out`,

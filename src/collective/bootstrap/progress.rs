@@ -14,7 +14,8 @@
 //! on), so that a live rank's report is never older than that. A report older than
 //! [`STALE_AFTER`] is called stale in a hang report: its rank's process stopped publishing, or
 //! the value was written back from earlier in the launch (a sealed report carries its time,
-//! which only the key can forge). Reading never waits: one CHECK and one GET per rank, so that
+//! which only the key can forge). Ages compare the clocks of two machines: a skew of more
+//! than [`STALE_AFTER`] makes every report of the other machine look stale (or fresh). Reading never waits: one CHECK and one GET per rank, so that
 //! a rank that never published costs one round trip, not the reader's deadline.
 
 use std::sync::{Arc, Mutex};

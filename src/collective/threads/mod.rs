@@ -132,8 +132,20 @@ impl ThreadGroup {
             let handles: Vec<_> = comms
                 .into_iter()
                 .map(|comm| {
+                    let rank = comm.rank();
                     s.spawn(move || {
-                        let out = f(comm);
+                        // A panic is caught here, so that it is stamped when it happens (the
+                        // communicator, dropped while unwinding, still fails the others).
+                        let out =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm)))
+                                .unwrap_or_else(|p| {
+                                    let what = (p.downcast_ref::<&str>().map(|s| s.to_string()))
+                                        .or_else(|| p.downcast_ref::<String>().cloned())
+                                        .unwrap_or_default();
+                                    Err(candle_core::Error::Msg(format!(
+                                        "rank {rank} panicked: {what}"
+                                    )))
+                                });
                         let at = Instant::now();
                         (finish_rank(out), at)
                     })
@@ -169,12 +181,8 @@ impl ThreadGroup {
 fn first_cause(
     mut failed: Vec<(usize, Instant, candle_core::Error)>,
 ) -> Option<candle_core::Error> {
-    let consequence = |e: &candle_core::Error| {
-        matches!(
-            CollectiveError::find(e),
-            Some(CollectiveError::RankLeft { .. })
-        )
-    };
+    let consequence =
+        |e: &candle_core::Error| CollectiveError::find(e).is_some_and(|c| c.is_consequence());
     let first = (0..failed.len()).min_by_key(|&i| (consequence(&failed[i].2), failed[i].1))?;
     let (rank, _, cause) = failed.remove(first);
     let others: Vec<String> = (failed.iter())
@@ -588,8 +596,10 @@ fn wait_for_result<'a>(
             let behind: Vec<String> = missing
                 .iter()
                 .map(|&r| {
-                    recorder::behind_of(r, kind.name(), call, &sh.recorders[r])
-                        .unwrap_or_else(|| recorder::behind(r, kind.name(), call, None))
+                    let rec = &sh.recorders[r];
+                    recorder::behind_of(r, kind.name(), call, rec).unwrap_or_else(|| {
+                        recorder::behind(r, kind.name(), call, rec.last().as_ref())
+                    })
                 })
                 .collect();
             for (r, rec) in sh.recorders.iter().enumerate() {

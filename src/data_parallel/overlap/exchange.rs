@@ -30,6 +30,8 @@ pub(super) struct Agreed {
     pub stale: bool,
     /// The most announcements any rank saw.
     pub announced: usize,
+    /// The fewest (the same as the most when the ranks' models issue the same collectives).
+    pub announced_least: usize,
     /// Per bucket: some rank needs it sent again.
     pub resend: Vec<bool>,
     /// Per trainable variable: the most announcements before its gradient arrived on any rank.
@@ -42,10 +44,11 @@ pub(super) struct Agreed {
 /// lengths, which the model's plan decides).
 pub(super) fn exchange(comm: &dyn Collective, device: &Device, mine: Mine<'_>) -> Result<Agreed> {
     let (b, p) = (mine.resend.len(), mine.arrived.len());
-    let mut v: Vec<i64> = Vec::with_capacity(3 + b + 2 * p);
+    let mut v: Vec<i64> = Vec::with_capacity(4 + b + 2 * p);
     v.push(i64::from(mine.failed));
     v.push(i64::from(mine.stale));
     v.push(mine.announced as i64);
+    v.push(-(mine.announced as i64));
     v.extend(mine.resend.iter().map(|&r| i64::from(r)));
     v.extend(mine.arrived.iter().map(|a| a.map_or(0, |g| g as i64 + 1)));
     if let Some(order) = mine.order {
@@ -66,7 +69,7 @@ pub(super) fn exchange(comm: &dyn Collective, device: &Device, mine: Mine<'_>) -
             v.len()
         )
     }
-    let mut at = 3;
+    let mut at = 4;
     let mut take = |n: usize| {
         let s = &got[at..at + n];
         at += n;
@@ -86,6 +89,7 @@ pub(super) fn exchange(comm: &dyn Collective, device: &Device, mine: Mine<'_>) -
         failed: got[0] != 0,
         stale: got[1] != 0,
         announced: got[2].max(0) as usize,
+        announced_least: (-got[3]).max(0) as usize,
         resend,
         arrived,
         order,

@@ -9,7 +9,8 @@ use candle_core::{bail, DType, Device, Result, Tensor, Var};
 
 use super::exchange::{self, Mine};
 use super::{Learned, OverlapStats, Plan};
-use crate::collective::{Collective, Pending, ReduceOp};
+use crate::collective::in_backward::Event;
+use crate::collective::{Collective, CollectiveError, Pending, ReduceOp};
 use crate::data_parallel::pack;
 
 /// One started bucket.
@@ -18,14 +19,6 @@ struct Started {
     bucket: usize,
     pending: Pending,
     missing_here: bool,
-}
-
-/// What [`Launcher::finish`] hands back besides the gradients.
-#[derive(Debug)]
-pub(in crate::data_parallel) struct Finished {
-    pub stats: OverlapStats,
-    /// For the next step (the order only on the first step; the caller keeps the first).
-    pub learned: Learned,
 }
 
 /// Receives the hooks' gradients during one backward and starts the buckets.
@@ -49,6 +42,9 @@ pub(in crate::data_parallel) struct Launcher {
     arrived: Vec<Option<usize>>,
     /// Announcements so far.
     announced: usize,
+    /// Announced collectives that returned (a backward that fails between an announcement and
+    /// its collective did not take part in it).
+    done: usize,
     /// Per bucket: started before one of its gradients arrived.
     resend: Vec<bool>,
     /// Per bucket: whether all its gradients arrived while an earlier bucket was incomplete.
@@ -88,6 +84,7 @@ impl Launcher {
             arrival: Vec::new(),
             arrived: vec![None; n],
             announced: 0,
+            done: 0,
             resend: vec![false; b],
             held: vec![false; b],
             error: None,
@@ -143,11 +140,17 @@ impl Launcher {
         self.start_due(false);
     }
 
-    /// A collective of the backward follows (`collective::in_backward::announce`): every bucket
-    /// whose place is before it starts now, complete or not.
-    pub fn announced(&mut self) {
-        self.start_due(true);
-        self.announced += 1;
+    /// What the backward's collectives tell (`collective::in_backward::collective`): before
+    /// them, every bucket whose place is before them starts now, complete or not; after them,
+    /// they count as done.
+    pub fn heard(&mut self, e: Event) {
+        match e {
+            Event::Before => {
+                self.start_due(true);
+                self.announced += 1;
+            }
+            Event::After => self.done += 1,
+        }
     }
 
     /// Starts, in order, the buckets whose place has come: the complete ones, or at an
@@ -210,12 +213,11 @@ impl Launcher {
         let mut parts = Vec::with_capacity(bucket.len());
         let mut missing_here = false;
         for &p in bucket {
-            missing_here |= self.grads[p].is_none();
-            parts.push(
-                (self.grads[p].as_ref())
-                    .map(|g| g.to_dtype(dtype)?.contiguous())
-                    .transpose()?,
-            );
+            // Not yet arrived (a bucket started at its place): the earlier micro-batches'
+            // gradient, if any; an arrival after this start sends the bucket again.
+            let g = self.grads[p].as_ref().or(self.prior[p].as_ref());
+            missing_here |= g.is_none();
+            parts.push(g.map(|g| g.to_dtype(dtype)?.contiguous()).transpose()?);
         }
         let flat = pack::pack(&parts, &lens, dtype, &device)?;
         let pending = match self.wire {
@@ -249,7 +251,8 @@ impl Launcher {
         result: Result<GradStore>,
         announced: Option<usize>,
         stale: Option<String>,
-    ) -> Result<(GradStore, Finished)> {
+        keep: impl FnOnce(Learned),
+    ) -> Result<(GradStore, OverlapStats)> {
         let backward_failed = result.is_err();
         let (mut grads, mut failure) = match result {
             Ok(g) => (g, None),
@@ -258,15 +261,16 @@ impl Launcher {
         if let Some(e) = self.error.take() {
             failure.get_or_insert(e);
         }
-        // A backward that failed before its last announced collective left the others inside
-        // one: nothing this rank sends now would match theirs.
-        if backward_failed && (self.plan.at.is_none() || announced != Some(self.announced)) {
+        // A backward that failed before its last announced collective returned left the others
+        // inside one: nothing this rank sends now would match theirs.
+        let in_step = announced == Some(self.done) && self.done == self.announced;
+        if backward_failed && (self.plan.at.is_none() || !in_step) {
             let e = failure.expect("the backward failed");
             return Err(e.context(format!(
                 "DataParallel::backward: rank {}'s backward failed after {} of its announced \
                  collectives ({}); it leaves the step, and the other ranks fail at their timeout",
                 self.comm.rank(),
-                self.announced,
+                self.done,
                 announced.map_or("a number not yet known on the first step".into(), |n| n
                     .to_string())
             )));
@@ -337,7 +341,17 @@ impl Launcher {
             Ok(a) => a,
             Err(e) => return Err(failure.unwrap_or(e)),
         };
-        if agreed.failed || agreed.stale {
+        if agreed.announced != agreed.announced_least && failure.is_none() {
+            failure = Some(candle_core::Error::Msg(format!(
+                "DataParallel::backward: rank {}: the ranks' backwards issued between {} and {} \
+                 announced collectives: every rank's model must issue the same collectives in \
+                 its backward",
+                self.comm.rank(),
+                agreed.announced_least,
+                agreed.announced
+            )));
+        }
+        if agreed.failed || agreed.stale || failure.is_some() {
             // The started buckets were issued on every rank: let them complete.
             for s in std::mem::take(&mut self.started) {
                 let _ = s.pending.wait();
@@ -345,18 +359,24 @@ impl Launcher {
             return Err(match (failure, stale) {
                 (Some(e), _) => e,
                 (None, Some(here)) => candle_core::Error::Msg(here),
-                (None, None) if agreed.stale => candle_core::Error::Msg(format!(
-                    "DataParallel::backward: rank {}: another rank's model computed with stale \
-                     hooked copies of its variables (its error says which); nothing was \
-                     returned on any rank",
-                    self.comm.rank()
-                )),
-                (None, None) => candle_core::Error::Msg(format!(
-                    "DataParallel::backward: rank {}: another rank's backward failed (its error \
-                     says why); this step's gradients are incomplete on every rank, so nothing \
-                     was returned",
-                    self.comm.rank()
-                )),
+                (None, None) if agreed.stale => CollectiveError::elsewhere(
+                    self.comm.rank(),
+                    format!(
+                        "DataParallel::backward: rank {}: another rank's model computed with \
+                         stale hooked copies of its variables (its error says which); nothing \
+                         was returned on any rank",
+                        self.comm.rank()
+                    ),
+                ),
+                (None, None) => CollectiveError::elsewhere(
+                    self.comm.rank(),
+                    format!(
+                        "DataParallel::backward: rank {}: another rank's backward failed (its \
+                         error says why); this step's gradients are incomplete on every rank, so \
+                         nothing was returned",
+                        self.comm.rank()
+                    ),
+                ),
             });
         }
         let sent = self.started.len();
@@ -373,6 +393,11 @@ impl Launcher {
             (true, Some(order)) => check_order(order, &seen)?,
             _ => Vec::new(),
         };
+        keep(Learned {
+            order,
+            arrived: agreed.arrived,
+            announced: agreed.announced,
+        });
         let stats = OverlapStats {
             buckets: self.plan.buckets.len(),
             started_during_backward: self.during_backward,
@@ -403,12 +428,7 @@ impl Launcher {
         if let Some(e) = error {
             return Err(e);
         }
-        let learned = Learned {
-            order,
-            arrived: agreed.arrived,
-            announced: agreed.announced,
-        };
-        Ok((grads, Finished { stats, learned }))
+        Ok((grads, stats))
     }
 }
 

@@ -29,7 +29,7 @@
 //! # The exchange after the backward
 //!
 //! After the backward (and after every bucket is started), one all-reduce (max) of
-//! `3 + B + P` (`+ P` on the first step) 64-bit integers, whatever the world size, carries:
+//! `4 + B + P` (`+ P` on the first step) 64-bit integers, whatever the world size, carries:
 //! whether any rank's backward failed, whether any rank's model computed with a stale hooked
 //! copy, which buckets need sending again, per variable where its gradient arrived (the next
 //! step's places), the number of announcements, and on the first step the order in which rank
