@@ -2,7 +2,7 @@
 //! without device streams use to make progress while the caller computes.
 
 use std::sync::mpsc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use candle_core::{Result, Tensor};
@@ -12,10 +12,25 @@ use crate::device::Handoff;
 /// A started collective. [`Pending::wait`] returns its result (blocking until it is there).
 ///
 /// Dropping a handle without waiting does not cancel the collective: it completes, and its
-/// result is discarded.
+/// result is discarded. Dropping does not wait for it either; on a backend with a
+/// communication thread, the handle's reference to the input is released on that thread once
+/// the collective is done with it, so that a GPU tensor is never freed on the caller's stream
+/// while the communication thread's stream may still read it.
 #[must_use = "a pending collective's result is only available through wait()"]
 pub struct Pending {
-    finish: Box<dyn FnOnce() -> Result<Tensor> + Send>,
+    finish: Option<Box<dyn FnOnce() -> Result<Tensor> + Send>>,
+    /// Run when the handle is dropped without a wait.
+    abandon: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.finish.is_some() {
+            if let Some(abandon) = self.abandon.take() {
+                abandon();
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Pending {
@@ -28,8 +43,15 @@ impl Pending {
     /// A handle whose `wait` runs `finish`.
     pub fn new(finish: impl FnOnce() -> Result<Tensor> + Send + 'static) -> Self {
         Self {
-            finish: Box::new(finish),
+            finish: Some(Box::new(finish)),
+            abandon: None,
         }
+    }
+
+    /// The handle, running `abandon` when it is dropped without a wait.
+    pub(crate) fn on_abandon(mut self, abandon: impl FnOnce() + Send + 'static) -> Self {
+        self.abandon = Some(Box::new(abandon));
+        self
     }
 
     /// Waits for the collective and returns its result.
@@ -40,8 +62,12 @@ impl Pending {
     /// [`crate::collective::Collective`], the failures of the corresponding blocking collective
     /// that were not reported when it started, or, on backends with a communication thread
     /// (`ThreadGroup`, MPI), an error when that thread stopped before finishing the collective.
-    pub fn wait(self) -> Result<Tensor> {
-        (self.finish)()
+    pub fn wait(mut self) -> Result<Tensor> {
+        self.abandon = None;
+        match self.finish.take() {
+            Some(finish) => finish(),
+            None => unreachable!("a handle is waited for once: wait takes it"),
+        }
     }
 }
 
@@ -101,9 +127,18 @@ impl Worker {
         // The caller keeps the input alive until it has waited for the communication thread's
         // mark: a caller that drops its own reference early (and a communication thread that
         // dropped its clone already) would otherwise free the input on the caller's stream,
-        // unordered with the communication thread's read of it.
-        let keep = input.clone();
-        Ok(Pending::new(move || {
+        // unordered with the communication thread's read of it. A handle dropped without a
+        // wait hands its reference to the input, and the result waiting for it (written on the
+        // communication thread's stream), to the communication thread instead, behind the job:
+        // both are released there, in that thread's stream order.
+        let slot = Arc::new(Mutex::new(Some((input.clone(), rx))));
+        let (kept, handed) = (slot.clone(), slot);
+        let thread = jtx.clone();
+        let pending = Pending::new(move || {
+            let taken = kept.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let Some((keep, rx)) = taken else {
+                candle_core::bail!("a collective's handle was already given up")
+            };
             let (t, back) = rx.recv().map_err(|_| {
                 candle_core::Error::Msg(
                     "the communication thread stopped before finishing a collective".into(),
@@ -112,6 +147,17 @@ impl Worker {
             back.wait()?;
             drop(keep);
             Ok(t)
+        });
+        Ok(pending.on_abandon(move || {
+            let taken = handed.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some((input, rx)) = taken {
+                // Queued behind the collective's job, so its result is there to be dropped. A
+                // stopped thread already finished the job: then they go here.
+                let _ = thread.send(Box::new(move || {
+                    drop(rx.recv());
+                    drop(input);
+                }));
+            }
         }))
     }
 }

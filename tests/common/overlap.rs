@@ -268,7 +268,7 @@ impl Routed {
         let y = candle_distributed::parallel::gather_features(&self.tp.forward(&y)?, &self.comm)?;
         let y = if route == Route::AfterTp {
             // The same layer on the gathered features' first 8 values, added back.
-            let head = y.narrow(1, 0, 8)?;
+            let head = y.narrow(1, 0, 8)?.contiguous()?;
             let rest = y.narrow(1, 8, y.dim(1)? - 8)?;
             Tensor::cat(&[self.extra.forward(&head)?.tanh()?, rest], 1)?
         } else {

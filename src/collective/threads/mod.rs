@@ -442,16 +442,36 @@ impl ThreadRank {
     /// [`Self::call_async`] of a reduction carried in `wire` (`None`: in `t`'s dtype).
     fn call_async_on(&self, kind: Op, wire: Option<DType>, t: &Tensor) -> Result<Pending> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        // Detached, as in `complete`: the worker must not hold the caller's graph either.
-        let (shared, rank, t) = (self.shared.clone(), self.rank, t.detach());
+        // A GPU input is copied to the host here, on the caller's thread and stream (the sum is
+        // made on the host anyway): the communication thread then never reads the caller's
+        // device memory, which the caller may free on its own stream, unordered with that
+        // thread's, once it dropped a handle without waiting. The result goes back to the
+        // input's device on the communication thread, whose stream the caller's waits for in
+        // `Pending::wait`. Detached, as in `complete`: the worker must not hold the caller's
+        // graph either.
+        // A failed copy still takes part (the call number is taken): as in `complete`.
+        let device = t.device().clone();
+        let (shared, rank) = (self.shared.clone(), self.rank);
+        let host = (t.to_device(&Device::Cpu)).map(|h| Input::One(h.detach()));
+        let host = host.map_err(|e| e.to_string());
+        let mark = match &host {
+            Ok(Input::One(h)) => h.clone(),
+            _ => t.detach(),
+        };
         let world = self.shared.world;
-        let input = t.clone();
-        self.worker.submit(BACKEND, &input, move || {
-            let out = complete(&shared, rank, call, (kind, wire), Ok(&Input::One(t)))?;
-            match kind {
-                Op::ReduceScatter(_) => scatter_rows(&out, rank, world),
-                _ => Ok(out),
-            }
+        self.worker.submit(BACKEND, &mark, move || {
+            let out = complete(
+                &shared,
+                rank,
+                call,
+                (kind, wire),
+                host.as_ref().map_err(Clone::clone),
+            )?;
+            let out = match kind {
+                Op::ReduceScatter(_) => scatter_rows(&out, rank, world)?,
+                _ => out,
+            };
+            out.to_device(&device)
         })
     }
 }
