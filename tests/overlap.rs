@@ -11,7 +11,9 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_distributed::collective::{Collective, Decorator, Op, ThreadGroup};
 use candle_distributed::{DataParallel, GradHooks};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap, SGD};
-use common::overlap::{assert_twins_equal, batch, flat, net, seed, twin, twin_steps, Twin};
+use common::overlap::{
+    assert_twins_equal, batch, flat, net, one_bucket_each, seed, twin, twin_of, twin_steps, Twin,
+};
 use common::*;
 
 /// f32 and both 16-bit wires, each variable a bucket of its own and the default 25 MiB: the
@@ -127,15 +129,15 @@ fn buckets_follow_the_observed_order_after_the_first_step(dev: &Device) -> anyho
             let h = m[0].forward(x)?.relu()?;
             m[2].forward(&m[1].forward(&h)?.relu()?)?.sqr()?.mean_all()
         };
-        let (vm_o, vm_p, hooks) = (VarMap::new(), VarMap::new(), GradHooks::new());
-        let model_o = build(hooks.var_builder(&vm_o, DType::F32, dev))?;
-        let model_p = build(VarBuilder::from_varmap(&vm_p, DType::F32, dev))?;
-        seed(&vm_o);
-        seed(&vm_p);
-        let dp_o = DataParallel::new(&vm_o, comm.clone())?
-            .with_bucket_bytes(1)
-            .with_overlap(&hooks)?;
-        let dp_p = DataParallel::new(&vm_p, comm.clone())?.with_bucket_bytes(1);
+        let t = twin_of(dev, build)?;
+        let (dp_o, dp_p) = one_bucket_each(&t, &comm)?;
+        let Twin {
+            vm_o,
+            model_o,
+            vm_p,
+            model_p,
+            ..
+        } = t;
         let mut stats = Vec::new();
         for s in 0..3u64 {
             let seed_of = 300 + 10 * s + comm.rank() as u64;
@@ -413,15 +415,15 @@ fn accumulated_micro_batches_with_a_routed_layer_equal_synced_ones(
 ) -> anyhow::Result<()> {
     use common::overlap::{routed, Route};
     let outs = run_ranks_on(2, dev, |c| {
-        let (vm_o, vm_p, hooks) = (VarMap::new(), VarMap::new(), GradHooks::new());
-        let model_o = routed(hooks.var_builder(&vm_o, DType::F32, dev), c.clone())?;
-        let model_p = routed(VarBuilder::from_varmap(&vm_p, DType::F32, dev), c.clone())?;
-        seed(&vm_o);
-        seed(&vm_p);
-        let dp_o = DataParallel::new(&vm_o, c.clone())?
-            .with_bucket_bytes(1)
-            .with_overlap(&hooks)?;
-        let dp_p = DataParallel::new(&vm_p, c.clone())?.with_bucket_bytes(1);
+        let t = twin_of(dev, |vb| routed(vb, c.clone()))?;
+        let (dp_o, dp_p) = one_bucket_each(&t, &c)?;
+        let Twin {
+            vm_o,
+            model_o,
+            vm_p,
+            model_p,
+            ..
+        } = t;
         let mut steps = Vec::new();
         for (s, routes) in [
             (0u64, [Route::AfterTp, Route::AfterTp]),
@@ -447,60 +449,25 @@ fn accumulated_micro_batches_with_a_routed_layer_equal_synced_ones(
     Ok(())
 }
 
-/// The identity, whose backward fails on the ranks and steps `fail` names (an op's error, an
-/// out-of-memory in the backward).
-struct FailOn {
-    fail: bool,
-}
-
-impl candle_core::CustomOp1 for FailOn {
-    fn name(&self) -> &'static str {
-        "fail-on"
-    }
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use candle_core::backend::BackendStorage;
-        Ok((s.try_clone(l)?, l.shape().clone()))
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        use candle_core::backend::BackendStorage;
-        Ok((s.try_clone(l)?, l.shape().clone()))
-    }
-    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        if self.fail {
-            candle_core::bail!("fail-on: the backward failed here (as out of memory would)")
-        }
-        Ok(Some(g.clone()))
-    }
-}
-
 /// A backward that fails on one rank fails the step on every rank (nothing returned, no partial
 /// average): the failing rank with its own error, the others naming the failure elsewhere. The
 /// ranks stay in step: the next step runs and equals `sync_gradients`' bit for bit.
 fn a_backward_that_fails_on_one_rank_fails_every_rank(dev: &Device) -> anyhow::Result<()> {
     let outs = run_ranks_on(2, dev, |c| {
-        let build = |vb: VarBuilder| -> candle_core::Result<[candle_nn::Linear; 2]> {
+        let build = |vb: VarBuilder| -> anyhow::Result<[candle_nn::Linear; 2]> {
             Ok([linear(4, 6, vb.pp("a"))?, linear(6, 2, vb.pp("b"))?])
         };
-        let (vm_o, vm_p, hooks) = (VarMap::new(), VarMap::new(), GradHooks::new());
-        let m_o = build(hooks.var_builder(&vm_o, DType::F32, dev))?;
-        let m_p = build(VarBuilder::from_varmap(&vm_p, DType::F32, dev))?;
-        seed(&vm_o);
-        seed(&vm_p);
-        let dp_o = DataParallel::new(&vm_o, c.clone())?
-            .with_bucket_bytes(1)
-            .with_overlap(&hooks)?;
-        let dp_p = DataParallel::new(&vm_p, c.clone())?.with_bucket_bytes(1);
+        let t = twin_of(dev, build)?;
+        let (dp_o, dp_p) = one_bucket_each(&t, &c)?;
+        let Twin {
+            vm_o,
+            model_o: m_o,
+            vm_p,
+            model_p: m_p,
+            ..
+        } = t;
         let loss = |m: &[candle_nn::Linear; 2], x: &Tensor, fail: bool| {
-            let h = m[0].forward(x)?.apply_op1(FailOn { fail })?;
+            let h = m[0].forward(x)?.apply_op1(Probed { comm: None, fail })?;
             m[1].forward(&h.tanh()?)?.sqr()?.mean_all()
         };
         let mut outcomes = Vec::new();
@@ -537,17 +504,18 @@ fn a_backward_that_fails_on_one_rank_fails_every_rank(dev: &Device) -> anyhow::R
     Ok(())
 }
 
-/// The identity, whose backward all-reduces its gradient through
-/// `collective::in_backward::collective`, and fails first where `fail` says (as out of memory
-/// after the announcement and before the all-reduce would).
-struct SumOnBackward {
-    comm: Arc<dyn Collective>,
+/// The identity, whose backward fails where `fail` says (an op's error, an out-of-memory in the
+/// backward); with `comm`, it all-reduces its gradient through
+/// `collective::in_backward::collective` and fails inside it, after the announcement and
+/// before the all-reduce.
+struct Probed {
+    comm: Option<Arc<dyn Collective>>,
     fail: bool,
 }
 
-impl candle_core::CustomOp1 for SumOnBackward {
+impl candle_core::CustomOp1 for Probed {
     fn name(&self) -> &'static str {
-        "sum-on-backward"
+        "probed-identity"
     }
     fn cpu_fwd(
         &self,
@@ -567,11 +535,20 @@ impl candle_core::CustomOp1 for SumOnBackward {
         Ok((s.try_clone(l)?, l.shape().clone()))
     }
     fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        candle_distributed::collective::in_backward::collective(|| {
+        let fail = || -> candle_core::Result<()> {
             if self.fail {
-                candle_core::bail!("sum-on-backward: failed before its all-reduce")
+                candle_core::bail!(
+                    "probed-identity: the backward failed here (as out of memory would)"
+                )
             }
-            self.comm.all_reduce(
+            Ok(())
+        };
+        let Some(comm) = &self.comm else {
+            return fail().map(|()| Some(g.clone()));
+        };
+        candle_distributed::collective::in_backward::collective(|| {
+            fail()?;
+            comm.all_reduce(
                 &g.contiguous()?,
                 candle_distributed::collective::ReduceOp::Sum,
             )
@@ -601,8 +578,8 @@ fn a_rank_that_fails_inside_a_collective_of_the_backward_leaves_the_step(
                 dev,
                 &randn(90 + s + c.rank() as u64, &[3, 4], 0.0, 1.0).to_dtype(DType::F32)?,
             );
-            let op = SumOnBackward {
-                comm: c.clone(),
+            let op = Probed {
+                comm: Some(c.clone()),
                 fail: s == 1 && c.rank() == 1,
             };
             let h = a.forward(&x)?.apply_op1(op)?;
@@ -616,7 +593,7 @@ fn a_rank_that_fails_inside_a_collective_of_the_backward_leaves_the_step(
         let e = o[1].as_deref().unwrap_or("no error");
         match rank {
             1 => assert!(
-                e.contains("failed before its all-reduce") && e.contains("leaves the step"),
+                e.contains("the backward failed here") && e.contains("leaves the step"),
                 "{e}"
             ),
             _ => assert!(

@@ -96,27 +96,22 @@ pub fn flat(vm: &VarMap, grads: &GradStore) -> Vec<(String, Option<Vec<f32>>)> {
 
 /// The same replica twice, seeded alike: `model_o` built through `hooks` over `vm_o` (for the
 /// overlapped path), `model_p` from its own `vm_p` (for the plain one).
-pub struct Twin {
+pub struct Twin<M = Net> {
     pub vm_o: VarMap,
-    pub model_o: Net,
+    pub model_o: M,
     pub vm_p: VarMap,
-    pub model_p: Net,
+    pub model_p: M,
     pub hooks: GradHooks,
 }
 
-pub fn twin(comm: Arc<dyn Collective>, dev: &Device, unused: bool) -> anyhow::Result<Twin> {
-    let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
-    let hooks = GradHooks::new();
-    let model_o = net(
-        hooks.var_builder(&vm_o, DType::F32, dev),
-        comm.clone(),
-        unused,
-    )?;
-    let model_p = net(
-        VarBuilder::from_varmap(&vm_p, DType::F32, dev),
-        comm,
-        unused,
-    )?;
+/// [`Twin`] of the model `build` makes from a builder.
+pub fn twin_of<M>(
+    dev: &Device,
+    build: impl Fn(VarBuilder<'static>) -> anyhow::Result<M>,
+) -> anyhow::Result<Twin<M>> {
+    let (vm_o, vm_p, hooks) = (VarMap::new(), VarMap::new(), GradHooks::new());
+    let model_o = build(hooks.var_builder(&vm_o, DType::F32, dev))?;
+    let model_p = build(VarBuilder::from_varmap(&vm_p, DType::F32, dev))?;
     seed(&vm_o);
     seed(&vm_p);
     Ok(Twin {
@@ -126,6 +121,23 @@ pub fn twin(comm: Arc<dyn Collective>, dev: &Device, unused: bool) -> anyhow::Re
         model_p,
         hooks,
     })
+}
+
+/// The twin's two `DataParallel`s, one bucket per variable: the hooked one overlapped.
+pub fn one_bucket_each<M>(
+    t: &Twin<M>,
+    comm: &Arc<dyn Collective>,
+) -> anyhow::Result<(DataParallel, DataParallel)> {
+    let dp_o = DataParallel::new(&t.vm_o, comm.clone())?
+        .with_bucket_bytes(1)
+        .with_overlap(&t.hooks)?;
+    let dp_p = DataParallel::new(&t.vm_p, comm.clone())?.with_bucket_bytes(1);
+    Ok((dp_o, dp_p))
+}
+
+/// [`Twin`] of [`net`].
+pub fn twin(comm: Arc<dyn Collective>, dev: &Device, unused: bool) -> anyhow::Result<Twin> {
+    twin_of(dev, |vb| net(vb, comm.clone(), unused))
 }
 
 /// One rank: the same replica twice, one built through `GradHooks` and stepped with
@@ -302,19 +314,15 @@ pub fn routed_steps(
     comm: Arc<dyn Collective>,
     dev: &Device,
 ) -> anyhow::Result<(Vec<StepGrads>, Vec<candle_distributed::OverlapStats>)> {
-    let (vm_o, vm_p) = (VarMap::new(), VarMap::new());
-    let hooks = GradHooks::new();
-    let model_o = routed(hooks.var_builder(&vm_o, DType::F32, dev), comm.clone())?;
-    let model_p = routed(
-        VarBuilder::from_varmap(&vm_p, DType::F32, dev),
-        comm.clone(),
-    )?;
-    seed(&vm_o);
-    seed(&vm_p);
-    let dp_o = DataParallel::new(&vm_o, comm.clone())?
-        .with_bucket_bytes(1)
-        .with_overlap(&hooks)?;
-    let dp_p = DataParallel::new(&vm_p, comm.clone())?.with_bucket_bytes(1);
+    let t = twin_of(dev, |vb| routed(vb, comm.clone()))?;
+    let (dp_o, dp_p) = one_bucket_each(&t, &comm)?;
+    let Twin {
+        vm_o,
+        model_o,
+        vm_p,
+        model_p,
+        ..
+    } = t;
     let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
     let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
     let (mut steps, mut stats) = (Vec::new(), Vec::new());
