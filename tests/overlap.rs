@@ -316,6 +316,30 @@ fn a_different_build_order_fails_on_every_rank(dev: &Device) -> anyhow::Result<(
     Ok(())
 }
 
+/// Two SGD steps on batches `first` and `first + 1`: the hooked model through
+/// `DataParallel::step`, the plain one through `sync_gradients`; then both models' losses on
+/// batch `first + 10`, and that batch.
+fn two_steps_alike(
+    rank: usize,
+    dev: &Device,
+    first: u64,
+    (dp_o, model_o, opt_o): (&DataParallel, &common::overlap::Net, &mut SGD),
+    (dp_p, model_p): (&DataParallel, &common::overlap::Net),
+) -> anyhow::Result<((f32, f32), Tensor)> {
+    let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
+    for s in 0..2 {
+        let x = batch(rank, first + s, dev);
+        dp_o.step(opt_o, &model_o.loss(&x)?)?;
+        opt_p.step(&dp_p.sync_gradients(model_p.loss(&x)?.backward()?)?)?;
+    }
+    let x = batch(rank, first + 10, dev);
+    let losses = (
+        model_o.loss(&x)?.to_scalar::<f32>()?,
+        model_p.loss(&x)?.to_scalar::<f32>()?,
+    );
+    Ok((losses, x))
+}
+
 /// `DataParallel::step` refreshes the hooked copies: after two steps, the hooked model's loss
 /// equals, bit for bit, that of the same model stepped with `sync_gradients` and the optimizer.
 fn step_refreshes_what_the_model_computes_with(dev: &Device) -> anyhow::Result<()> {
@@ -330,17 +354,14 @@ fn step_refreshes_what_the_model_computes_with(dev: &Device) -> anyhow::Result<(
         let dp_o = DataParallel::new(&vm_o, c.clone())?.with_overlap(&hooks)?;
         let dp_p = DataParallel::new(&vm_p, c.clone())?;
         let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
-        let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
-        for s in 0..2 {
-            let x = batch(c.rank(), 20 + s, dev);
-            dp_o.step(&mut opt_o, &model_o.loss(&x)?)?;
-            opt_p.step(&dp_p.sync_gradients(model_p.loss(&x)?.backward()?)?)?;
-        }
-        let x = batch(c.rank(), 30, dev);
-        Ok((
-            model_o.loss(&x)?.to_scalar::<f32>()?,
-            model_p.loss(&x)?.to_scalar::<f32>()?,
-        ))
+        let (losses, _) = two_steps_alike(
+            c.rank(),
+            dev,
+            20,
+            (&dp_o, &model_o, &mut opt_o),
+            (&dp_p, &model_p),
+        )?;
+        Ok(losses)
     });
     for (rank, (o, p)) in outs.iter().enumerate() {
         assert_eq!(
@@ -665,17 +686,13 @@ fn a_stale_hooked_copy_is_refused_until_refreshed(dev: &Device) -> anyhow::Resul
         model_p.loss(&x)?;
         dp_o.refresh()?;
         let mut opt_o = SGD::new(dp_o.trainable(), 0.1)?;
-        let mut opt_p = SGD::new(dp_p.trainable(), 0.1)?;
-        for s in 0..2 {
-            let x = batch(c.rank(), 81 + s, dev);
-            dp_o.step(&mut opt_o, &model_o.loss(&x)?)?;
-            opt_p.step(&dp_p.sync_gradients(model_p.loss(&x)?.backward()?)?)?;
-        }
-        let x = batch(c.rank(), 90, dev);
-        let losses = (
-            model_o.loss(&x)?.to_scalar::<f32>()?,
-            model_p.loss(&x)?.to_scalar::<f32>()?,
-        );
+        let (losses, x) = two_steps_alike(
+            c.rank(),
+            dev,
+            81,
+            (&dp_o, &model_o, &mut opt_o),
+            (&dp_p, &model_p),
+        )?;
         // An optimizer step without a refresh: the next backward is refused too.
         opt_o.step(&dp_o.backward(&model_o.loss(&x)?)?)?;
         let unrefreshed = dp_o
