@@ -181,7 +181,7 @@ impl GradHooks {
     /// variable (naming the first), or `None`. Compared bit for bit on every call when the
     /// variables live on the CPU (a memory comparison); elsewhere when a check is due (after
     /// the hooks were adopted, and after gradients were handed out without a refresh since),
-    /// with a few device operations per variable and one read on the host.
+    /// with five small device operations per variable and one read of all their flags.
     ///
     /// # Errors
     ///
@@ -191,25 +191,51 @@ impl GradHooks {
         if !device.is_cpu() && !st.check_due {
             return Ok(None);
         }
-        for h in &st.hooked {
-            if !same_values(h.var.as_tensor(), &h.tensor)? {
-                return Ok(Some(format!(
-                    "DataParallel::backward: the model computed with a stale copy of `{}`: its \
-                     variable changed since the hooked copies were last refreshed (an optimizer \
-                     step outside DataParallel::step, a checkpoint or VarMap loaded after \
-                     with_overlap); call dp.refresh() after changing the variables, or step with \
-                     dp.step; nothing was returned on any rank",
-                    h.name
-                )));
-            }
-        }
-        Ok(None)
+        let differs = differing(&st.hooked)?;
+        let first = differs.iter().position(|&d| d).map(|i| &st.hooked[i]);
+        Ok(first.map(|h| {
+            format!(
+                "DataParallel::backward: the model computed with a stale copy of `{}`: its \
+                 variable changed since the hooked copies were last refreshed (an optimizer step \
+                 outside DataParallel::step, a checkpoint or VarMap loaded after with_overlap); \
+                 call dp.refresh() after changing the variables, or step with dp.step; nothing \
+                 was returned on any rank",
+                h.name
+            )
+        }))
     }
+}
+
+/// Per hooked variable, whether its copy holds other values ([`same_values`]); on a device,
+/// every comparison's flag read back in one copy to the host.
+fn differing(hooked: &[Hooked]) -> Result<Vec<bool>> {
+    let mut out = vec![false; hooked.len()];
+    let mut on_device = Vec::new();
+    for (i, h) in hooked.iter().enumerate() {
+        match same_values(h.var.as_tensor(), &h.tensor)? {
+            Compared::Host(same) => out[i] = !same,
+            Compared::Device(flag) => on_device.push((i, flag)),
+        }
+    }
+    if !on_device.is_empty() {
+        let flags: Vec<Tensor> = on_device.iter().map(|(_, f)| f.clone()).collect();
+        let read = Tensor::stack(&flags, 0)?.to_vec1::<f32>()?;
+        for ((i, _), f) in on_device.iter().zip(read) {
+            out[*i] = f != 0.0;
+        }
+    }
+    Ok(out)
+}
+
+/// A comparison's outcome: known on the host, or a 0/1 flag on the device.
+enum Compared {
+    Host(bool),
+    Device(Tensor),
 }
 
 /// Whether `var` and its hooked copy hold the same values: the same bits on the CPU (a NaN
 /// equals its copy); elsewhere equal values, a NaN in the variable counting as equal.
-fn same_values(var: &Tensor, copy: &Tensor) -> Result<bool> {
+fn same_values(var: &Tensor, copy: &Tensor) -> Result<Compared> {
     {
         let (a, la) = var.storage_and_layout();
         let (b, lb) = copy.storage_and_layout();
@@ -223,8 +249,10 @@ fn same_values(var: &Tensor, copy: &Tensor) -> Result<bool> {
             macro_rules! bits {
                 ($t:ty) => {{
                     let (x, y) = (&a.as_slice::<$t>()?[a0..a1], &b.as_slice::<$t>()?[b0..b1]);
-                    return Ok(x.len() == y.len()
-                        && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+                    return Ok(Compared::Host(
+                        x.len() == y.len()
+                            && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    ));
                 }};
             }
             match var.dtype() {
@@ -238,7 +266,7 @@ fn same_values(var: &Tensor, copy: &Tensor) -> Result<bool> {
     }
     let differ = var.ne(copy)?.mul(&var.eq(var)?)?;
     let any = differ.flatten_all()?.to_dtype(DType::F32)?.max(0)?;
-    Ok(any.to_scalar::<f32>()? == 0.0)
+    Ok(Compared::Device(any))
 }
 
 /// Disarms its hooks when dropped.
