@@ -376,11 +376,15 @@ impl DataParallel {
     /// the mean over ranks. A variable without a gradient on some rank counts as zero there; one
     /// without a gradient on every rank gets none. Every rank issues the same all-reduces
     /// whatever gradients it has (one per bucket, with a flag per variable riding along; only a
-    /// rank missing a gradient reads those flags back).
+    /// rank missing a gradient reads those flags back). With [`DataParallel::with_overlap`]
+    /// (gradients of a plain backward through the hooks, as for accumulated micro-batches), the
+    /// ranks first agree that no model computed with stale hooked copies (one all-reduce of a
+    /// flag, read on the host).
     ///
     /// # Errors
     ///
-    /// When a bucket's all-reduce fails: a rank that left, a timeout, ranks whose trainable
+    /// With the overlap, on every rank when some rank's model computed with stale hooked copies
+    /// (naming the variable there). When a bucket's all-reduce fails: a rank that left, a timeout, ranks whose trainable
     /// variables differ (possible with lists passed to [`DataParallel::from_vars`]), or, on
     /// `ThreadGroup` and MPI, a trainable variable of an integer dtype (an average needs a float
     /// dtype); also when a gradient cannot be converted to its variable's dtype and flattened into
