@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use candle_distributed::amp::GradScaler;
-use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::collective::{Collective, CollectiveError, ReduceOp, ThreadGroup};
 use candle_distributed::DistributedSampler;
 use candle_nn::{Optimizer, VarMap};
 use rand::rngs::StdRng;
@@ -514,10 +514,14 @@ fn agree_on<T>(
         .to_vec1::<f32>()?[0];
     let value = outcome.with_context(|| format!("rank 0 could not {what}"))?;
     if any > 0.0 {
-        bail!(
-            "rank {}: rank 0 could not {what} (its error says why); stopping with it",
-            comm.rank()
+        return Err(CollectiveError::elsewhere(
+            comm.rank(),
+            format!(
+                "rank {}: rank 0 could not {what} (its error says why); stopping with it",
+                comm.rank()
+            ),
         )
+        .into());
     }
     Ok(value)
 }
@@ -529,8 +533,21 @@ pub fn run(cfg: &Config) -> Result<Summary> {
         "threads" => {
             let device = cfg.device.device()?;
             let mut out = ThreadGroup::run(cfg.world_size, |comm| {
-                train_rank(comm, device.clone(), cfg, &train, &val)
-                    .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
+                let rank = comm.rank();
+                train_rank(comm, device.clone(), cfg, &train, &val).map_err(|e| {
+                    // Kept a consequence when it is one (a rank that left, another rank's
+                    // failure learned through an agreement): `ThreadGroup::run` then reports
+                    // the rank where the failure started.
+                    let consequence = e.chain().any(|c| {
+                        (c.downcast_ref::<candle_core::Error>())
+                            .and_then(CollectiveError::find)
+                            .is_some_and(CollectiveError::is_consequence)
+                    });
+                    match consequence {
+                        true => CollectiveError::elsewhere(rank, format!("{e:?}")),
+                        false => candle_core::Error::Msg(format!("{e:?}")),
+                    }
+                })
             })?;
             Ok(out.swap_remove(0))
         }

@@ -139,8 +139,9 @@ impl CollectiveError {
     }
 
     /// [`CollectiveError::Elsewhere`] as a candle error: rank `rank` fails because another
-    /// rank's failure was learned through an agreement.
-    pub(crate) fn elsewhere(rank: usize, detail: String) -> candle_core::Error {
+    /// rank's failure was learned through an agreement (an agreement of the caller's own, too:
+    /// `ThreadGroup::run` then reports the failing rank's error first).
+    pub fn elsewhere(rank: usize, detail: String) -> candle_core::Error {
         Self::Elsewhere { rank, detail }.into()
     }
 
