@@ -113,8 +113,8 @@ impl DistributedSampler {
 
     /// Checks, on every rank, that every rank's sampler has the same length, seed, shuffle and
     /// remainder policy, and is its communicator's rank and world size (one all-gather of five
-    /// values per rank): call it once the settings are made. Samplers that differ in any of these would give ranks overlapping shares, or
-    /// different numbers of steps, silently.
+    /// values per rank): call it once the settings are made. Samplers that differ in any of
+    /// these would give ranks overlapping shares, or different numbers of steps, silently.
     ///
     /// # Errors
     ///
@@ -125,12 +125,12 @@ impl DistributedSampler {
     }
 
     fn agree_on(&self, comm: &dyn Collective, settings: bool) -> Result<()> {
+        const POLICIES: [Remainder; 3] = [Remainder::Pad, Remainder::Drop, Remainder::Exact];
         let device = &comm.device();
-        let remainder = match self.remainder {
-            Remainder::Pad => 0,
-            Remainder::Drop => 1,
-            Remainder::Exact => 2,
-        };
+        let remainder = POLICIES
+            .iter()
+            .position(|&p| p == self.remainder)
+            .unwrap_or(0) as i64;
         // Each rank's verdict on its own rank and world size first, then the settings.
         let own = i64::from(self.rank == comm.rank() && self.world_size == comm.world_size());
         let row = [
@@ -161,11 +161,7 @@ impl DistributedSampler {
                     .map(|(r, v)| match i {
                         2 => format!("rank {r}: {}", v[i] as u64),
                         3 => format!("rank {r}: {}", v[i] != 0),
-                        4 => format!(
-                            "rank {r}: {:?}",
-                            [Remainder::Pad, Remainder::Drop, Remainder::Exact]
-                                [v[i].clamp(0, 2) as usize]
-                        ),
+                        4 => format!("rank {r}: {:?}", POLICIES[v[i].clamp(0, 2) as usize]),
                         _ => format!("rank {r}: {}", v[i]),
                     })
                     .collect();

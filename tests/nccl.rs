@@ -840,7 +840,7 @@ fn an_owned_all_reduce_reduces_in_place() {
     });
 }
 
-/// (Fault review D12.) NCCL averages integers as a sum then an integer division; ThreadGroup
+/// NCCL averages integers as a sum then an integer division; ThreadGroup
 /// and MPI refuse `Avg` on integer dtypes, and so does this backend, without aborting the
 /// communicator.
 #[test]
@@ -870,7 +870,7 @@ fn an_integer_average_is_refused() {
     assert_eq!(sum.unwrap(), vec![3]);
 }
 
-/// (Fault review D11.) A `Pending` that outlives its communicator: dropping the communicators
+/// A `Pending` that outlives its communicator: dropping the communicators
 /// finalizes them, which flushes the collective, so its wait returns the sum.
 #[test]
 fn a_pending_that_outlives_its_communicator_completes() {

@@ -595,7 +595,7 @@ fn child_an_abort_between_the_call_and_its_tracking_is_not_missed() {
     }
 }
 
-/// (Fault review D1.) Rank 0's second collective meets an asynchronous error the moment it is
+/// Rank 0's second collective meets an asynchronous error the moment it is
 /// enqueued, and its next driver call stalls 100 ms, so the watchdog aborts the communicator
 /// before the collective is tracked: its wait must still fail, not hand on an output NCCL
 /// never finished writing.
@@ -619,7 +619,7 @@ fn child_blocking_mode_is_refused() {
     }
 }
 
-/// (Fault review D2.) `NCCL_COMM_BLOCKING=1` in the environment, with a rank that never
+/// `NCCL_COMM_BLOCKING=1` in the environment, with a rank that never
 /// arrives: in blocking mode NCCL's start-up would wait forever; the crate refuses first.
 #[test]
 fn blocking_mode_from_the_environment_is_refused() {
@@ -633,7 +633,7 @@ fn blocking_mode_from_the_environment_is_refused() {
     );
 }
 
-/// (Fault review PR-1.) `NCCL_COMM_ID` would make every process's one-rank probe, and every
+/// `NCCL_COMM_ID` would make every process's one-rank probe, and every
 /// communicator's rank 0, create NCCL's bootstrap root at one address: refused by name at once,
 /// with a rank that never arrives (no wait for it).
 #[test]
@@ -693,7 +693,7 @@ fn blocking_mode_seen_only_at_start_up_is_refused() {
     );
 }
 
-/// (Fault review N5.) The same unseen source with a rank that never arrives: a start-up in
+/// The same unseen source with a rank that never arrives: a start-up in
 /// blocking mode would wait inside NCCL forever; NCCL's answer to the crate's one-rank probe
 /// refuses it before any peer is needed.
 #[test]
@@ -720,7 +720,7 @@ fn child_process_rank_refusing_blocking_mode() {
     println!("refused at once: {err}");
 }
 
-/// (Fault review N5.) A configuration file whose first line asks for blocking mode and whose
+/// A configuration file whose first line asks for blocking mode and whose
 /// second line does not: NCCL takes the first. Every rank, not only rank 0 (whose
 /// `ncclGetUniqueId` made NCCL read the file), is refused at once with the same error; none
 /// waits for the refused rank 0.
@@ -771,7 +771,7 @@ fn child_a_cuda_error_under_a_pending_collective() {
     }
 }
 
-/// (Simulator review, the watchdog's CUDA-error arm.) Rank 0's GPU faults under its second
+/// The watchdog's CUDA-error arm: rank 0's GPU faults under its second
 /// collective (an illegal address: the context's error is sticky): rank 0 reports the CUDA
 /// error, rank 1 its timeout, and both drops return.
 #[test]
@@ -820,7 +820,7 @@ fn child_an_unknown_return_code_is_an_error() {
     assert!(err.contains(&code), "{err}");
 }
 
-/// (Fault review D14.) NCCL returns a code the bindings do not name (a future one): an error
+/// NCCL returns a code the bindings do not name (a future one): an error
 /// naming the code, never undefined behaviour or a silent success.
 #[test]
 fn an_unknown_return_code_is_an_error() {

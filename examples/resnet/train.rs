@@ -477,27 +477,12 @@ fn agree_on_write(comm: &Arc<dyn Collective>, device: &Device, written: Result<(
 
 /// The lock of a run's output folder (`.run.lock`), held while the run lives and released by
 /// the operating system when its process ends, however it ends.
-fn lock_out_dir(dir: &std::path::Path) -> Result<std::fs::File> {
+fn lock_out_dir(dir: &std::path::Path) -> Result<candle_distributed::checkpoint::FileLock> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join(".run.lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => bail!(
-            "{}: another run is writing into {} (it holds this lock); give this run another \
-             --out-dir",
-            path.display(),
-            dir.display()
-        ),
-        Err(std::fs::TryLockError::Error(e)) => {
-            Err(anyhow::Error::from(e).context(format!("locking {}", path.display())))
-        }
-    }
+    Ok(candle_distributed::checkpoint::FileLock::take(
+        &dir.join(".run.lock"),
+        "run writing into this folder",
+    )?)
 }
 
 /// Rank 0's outcome of `what` (the others pass `Ok`), learned by every rank: one all-reduce of

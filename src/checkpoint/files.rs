@@ -110,9 +110,7 @@ impl Staging {
                 format!("to {}: {e}", path.display()),
             )
         })?;
-        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-        let dir = dir.unwrap_or(Path::new("."));
-        sync_dir(dir).map_err(|e| io_err("syncing the directory", dir, e))
+        sync_parent(path)
     }
 }
 
@@ -126,6 +124,11 @@ fn publish(tmp: tempfile::NamedTempFile, path: &Path) -> Result<()> {
             format!("to {}: {}", path.display(), e.error),
         )
     })?;
+    sync_parent(path)
+}
+
+/// Flushes the entry of `path` in its folder (after a rename into it).
+fn sync_parent(path: &Path) -> Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
     let dir = dir.unwrap_or(Path::new("."));
     sync_dir(dir).map_err(|e| io_err("syncing the directory", dir, e))
@@ -160,47 +163,55 @@ pub(super) fn crc32_of(path: &Path) -> Result<(u32, u64)> {
     Ok((hasher.finalize(), len))
 }
 
-/// An exclusive lock on a checkpoint folder for one save: an advisory lock (`flock` on Unix,
-/// `LockFileEx` on Windows) on [`LOCK`] in the folder, released when dropped, and by the
-/// operating system when the writer dies, so a crashed writer leaves no stale lock behind.
+/// An exclusive advisory lock on a file (`flock` on Unix, `LockFileEx` on Windows), created if
+/// missing, held until dropped and released by the operating system when its holder dies, so a
+/// crashed holder leaves no stale lock behind: what a save holds on its folder ([`LOCK`]), and
+/// what a run can hold on its output folder for as long as it lives.
 #[derive(Debug)]
-pub(super) struct FolderLock {
+pub struct FileLock {
     _file: File,
 }
 
-impl FolderLock {
-    /// Takes the lock of `dir` without waiting.
+impl FileLock {
+    /// Takes the lock on `path` without waiting; `holder` says who holds it when it is taken
+    /// (for the error: "another `holder` holds …").
     ///
     /// # Errors
     ///
-    /// When another writer (this process or another) holds it, naming the lock file; when the
-    /// lock file cannot be opened. A file system without locks is logged and not refused.
-    pub fn take(dir: &Path) -> Result<Self> {
-        let path = dir.join(LOCK);
+    /// When another holder (this process or another) has it, naming the file; when the file
+    /// cannot be opened. A file system without locks is logged and not refused.
+    pub fn take(path: &Path, holder: &str) -> Result<Self> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .read(true)
             .write(true)
-            .open(&path)
-            .map_err(|e| io_err("opening the lock", &path, e))?;
+            .open(path)
+            .map_err(|e| io_err("opening the lock", path, e))?;
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => candle_core::bail!(
-                "checkpoint::save: another save holds {} (a second run writing checkpoints into \
-                 the same folder?); nothing was written: give each run a folder of its own",
+                "another {holder} holds {}: nothing was done (give each run a folder of its own)",
                 path.display()
             ),
             Err(TryLockError::Error(e)) if e.kind() == std::io::ErrorKind::Unsupported => {
                 log::warn!(
-                    "checkpoint: {} cannot be locked on this file system ({e}): a second writer \
-                     into the folder is not kept out",
+                    "{} cannot be locked on this file system ({e}): a second {holder} is not kept out",
                     path.display()
                 );
             }
-            Err(TryLockError::Error(e)) => return Err(io_err("locking", &path, e)),
+            Err(TryLockError::Error(e)) => return Err(io_err("locking", path, e)),
         }
         Ok(Self { _file: file })
+    }
+
+    /// The lock a save holds on checkpoint folder `dir` ([`LOCK`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`FileLock::take`].
+    pub(super) fn of_folder(dir: &Path) -> Result<Self> {
+        Self::take(&dir.join(LOCK), "save")
     }
 }
 
@@ -310,11 +321,11 @@ mod tests {
     fn the_folder_lock_keeps_a_second_writer_out() {
         let dir = std::env::temp_dir().join(format!("ckpt-lock-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let first = FolderLock::take(&dir).unwrap();
-        let e = FolderLock::take(&dir).unwrap_err().to_string();
+        let first = FileLock::of_folder(&dir).unwrap();
+        let e = FileLock::of_folder(&dir).unwrap_err().to_string();
         assert!(e.contains(LOCK) && e.contains("another save"), "{e}");
         drop(first);
-        FolderLock::take(&dir).expect("free after the first writer");
+        FileLock::of_folder(&dir).expect("free after the first writer");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

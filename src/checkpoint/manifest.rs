@@ -43,6 +43,14 @@ pub(super) fn is_plain_name(name: &str) -> bool {
     ) && !name.contains(['/', '\\'])
 }
 
+/// Whether `tag` can name a save: letters, digits, `-` and `_`, at least one.
+pub(super) fn is_tag(tag: &str) -> bool {
+    !tag.is_empty()
+        && tag
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
 /// Whether `name` is a tensor file's name as [`super::save`] makes them:
 /// `checkpoint-<tag>-<8 hex digits>.safetensors`.
 pub(super) fn is_tensor_file_name(name: &str) -> bool {
@@ -56,10 +64,7 @@ pub(super) fn is_tensor_file_name(name: &str) -> bool {
         return false;
     };
     is_plain_name(name)
-        && !tag.is_empty()
-        && tag
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        && is_tag(tag)
         && crc.len() == 8
         && crc.chars().all(|c| c.is_ascii_hexdigit())
 }

@@ -52,8 +52,8 @@ use candle_nn::VarMap;
 
 use crate::collective::{Collective, CollectiveError};
 use crate::SyncBatchNorm;
-pub use files::write_atomic;
-use files::{io_err, sync_file, FolderLock};
+use files::{io_err, sync_file};
+pub use files::{write_atomic, FileLock};
 use manifest::Manifest;
 
 /// The version of the manifest's layout; a manifest of another is refused.
@@ -145,11 +145,7 @@ pub fn save(
     if tensors.is_empty() {
         bail!("checkpoint::save: no tensors to save")
     }
-    if tag.is_empty()
-        || !tag
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
+    if !manifest::is_tag(tag) {
         bail!("checkpoint::save: tag {tag:?} must be letters, digits, '-' or '_'")
     }
     // Every rank's word on its communicator before rank 0 writes: after a lost collective the
@@ -216,7 +212,7 @@ fn write(
     metadata: &serde_json::Value,
 ) -> Result<u32> {
     std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
-    let _lock = FolderLock::take(dir)?;
+    let _lock = FileLock::of_folder(dir)?;
     let stale = files::remove_stale_temps(dir);
     if stale > 0 {
         log::info!(

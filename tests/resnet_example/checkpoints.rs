@@ -478,7 +478,10 @@ fn a_resume_with_other_settings_or_a_second_run_is_refused() {
         "{:#}",
         train::run(&tiny_config(&dir, train::Precision::Full)).unwrap_err()
     );
-    assert!(err.contains("another run is writing"), "{err}");
+    assert!(
+        err.contains("another run writing into this folder holds"),
+        "{err}"
+    );
     drop(lock);
     assert_eq!(
         std::fs::read(dir.join("checkpoint.json")).unwrap(),

@@ -160,7 +160,7 @@ struct Open {
     handle: TcpStream,
     /// When it was accepted.
     since: Instant,
-    /// How far it got, set by its thread: [`SILENT`], [`HELLO`], [`PROVEN`].
+    /// How far it got, set by its thread: [`SILENT`], [`HELLOED`], [`PROVEN`].
     stage: Arc<AtomicU8>,
 }
 
