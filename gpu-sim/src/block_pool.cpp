@@ -3,7 +3,12 @@
 // each idle helper joins in, taking blocks in the schedule's order until none is left. So the
 // blocks of one launch really run at the same time, and a kernel whose blocks coordinate
 // through global memory ("the last block to finish sums the partials") meets interleavings
-// that one thread running blocks one after another never shows.
+// that one thread running blocks one after another never shows. After an atomic a thread
+// parks until every other one is parked too or has left the launch (emu::LaunchConfig::preempt;
+// GPU_SIM_PREEMPT, the longest park in microseconds, 20000 by default, 0 for none), so that a
+// window of a few instructions between one block's announcement and its write stays open
+// while the other blocks run on.
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -98,6 +103,22 @@ unsigned block_threads() {
     return n;
 }
 
+unsigned preempt_max_us() {
+    static const unsigned n = [] {
+        const char* e = std::getenv("GPU_SIM_PREEMPT");
+        if (!e || !*e) return 20000u;
+        char* end = nullptr;
+        unsigned long v = std::strtoul(e, &end, 10);
+        if (*end || v > 1000000)
+            fatal("GPU_SIM_PREEMPT=%s: expected the longest wait at a preemption point in "
+                  "microseconds, 0 to 1000000 (0: no preemption points)", e);
+        if (block_threads() > 1)
+            log("preemption points wait up to %lu microseconds (GPU_SIM_PREEMPT)", v);
+        return unsigned(v);
+    }();
+    return n;
+}
+
 bool guarded_run(const emu::KernelEntry& k, void** args, const emu::LaunchConfig& cfg,
                  std::string& error, Fault* fault) {
     *fault = Fault{};
@@ -105,6 +126,11 @@ bool guarded_run(const emu::KernelEntry& k, void** args, const emu::LaunchConfig
     if (!emu::prepare(k, args, cfg, j.grid, error)) return false;
     const bool pooled = block_threads() > 1 && j.grid.nblocks > 1;
     if (pooled) {
+        // Blocks at once on several threads: they park after atomics, where a GPU's
+        // other SMs would run on (emu::LaunchConfig::preempt).
+        j.grid.cfg.preempt = preempt_max_us() > 0;
+        j.grid.cfg.preempt_max_us = preempt_max_us();
+        j.grid.expected_runners = unsigned(std::min<size_t>(block_threads(), j.grid.nblocks));
         start_helpers();
         {
             std::lock_guard<std::mutex> lk(pool().m);

@@ -31,6 +31,8 @@ std::string symbol_at(uint64_t addr);
 // GPU_SIM_BLOCK_THREADS, read once: how many OS threads run the blocks of one launch (default
 // 1, the stream's own thread; more: the stream's thread and helpers shared by every stream).
 unsigned block_threads();
+// GPU_SIM_PREEMPT: the longest wait at a preemption point, in microseconds (0: none).
+unsigned preempt_max_us();
 
 // emu::run with faults caught, the blocks spread over `block_threads()` OS threads: returns
 // false with `error` set, and `*fault` set (`happened`) for a memory fault or a misaligned

@@ -42,27 +42,52 @@ extern "C" __global__ void sim_block_zero_first(int* flag, int* out) {
     else out[blockIdx.x] = *reinterpret_cast<volatile int*>(flag);
 }
 
-// "The last block to arrive adds the partials", with the defect that a block announces its
-// arrival (counter[0]) before writing its partial, so the last block can read one not yet
-// written. Blocks run one after another never show it (each block ends before the next
-// starts); blocks running at once do, whatever their order: a block that is not the last
-// lingers between announcing and writing until the last block has read (counter[1]), or for a
-// bounded time (alone on its thread, it writes then). Thread 0 of each block only; `out` gets
-// the sum of partials b + 1, that is n(n + 1)/2 for n blocks when correct.
-extern "C" __global__ void sim_announce_before_writing(float* partials, unsigned* counter,
-                                                       float* out) {
-    if (threadIdx.x != 0) return;
-    unsigned arrived = atomicAdd(&counter[0], 1u);
-    if (arrived != gridDim.x - 1)
-        for (long i = 0; i < 200000000L && *(volatile unsigned*)&counter[1] == 0; i++) {
-        }
-    partials[blockIdx.x] = float(blockIdx.x + 1);
-    if (arrived == gridDim.x - 1) {
-        float s = 0.0f;
-        for (unsigned b = 0; b < gridDim.x; b++) s += *(volatile float*)&partials[b];
-        *out = s;
-        atomicExch(&counter[1], 1u);
+// "The last block to arrive sums the partials", as a split reduction writes it: each block of
+// 64 threads sums its 1024 values of `in` (shared memory, barriers), then its thread 0
+// publishes the block's partial and announces its arrival on *counter; the block whose
+// announcement is the last sums the partials into *out (the sum of `in`) and resets the counter.
+// `ANNOUNCE_FIRST` plants the defect: the announcement before the write, a window of two
+// instructions in which the last block can read a partial not yet written. Blocks run one
+// after another never show it (each block ends before the next starts); blocks running at
+// once show it when the pause after an atomic (a preemption point) keeps a block inside its
+// window while the last one reads.
+template <bool ANNOUNCE_FIRST>
+__device__ void last_block_sums(const float* in, float* partials, unsigned* counter, float* out) {
+    __shared__ float s[64];
+    const unsigned t = threadIdx.x, b = blockIdx.x;
+    float acc = 0.0f;
+    for (unsigned i = t; i < 1024; i += 64) acc += in[b * 1024 + i];
+    s[t] = acc;
+    __syncthreads();
+    for (unsigned w = 32; w > 0; w >>= 1) {
+        if (t < w) s[t] += s[t + w];
+        __syncthreads();
     }
+    if (t != 0) return;
+    unsigned arrived;
+    if (ANNOUNCE_FIRST) {
+        arrived = atomicAdd(counter, 1u);
+        partials[b] = s[0];
+    } else {
+        partials[b] = s[0];
+        __threadfence();
+        arrived = atomicAdd(counter, 1u);
+    }
+    if (arrived == gridDim.x - 1) {
+        __threadfence();
+        float sum = 0.0f;
+        for (unsigned k = 0; k < gridDim.x; k++) sum += *(volatile float*)&partials[k];
+        *out = sum;
+        *counter = 0;
+    }
+}
+extern "C" __global__ void sim_announce_before_writing(const float* in, float* partials,
+                                                       unsigned* counter, float* out) {
+    last_block_sums<true>(in, partials, counter, out);
+}
+extern "C" __global__ void sim_announce_after_writing(const float* in, float* partials,
+                                                      unsigned* counter, float* out) {
+    last_block_sums<false>(in, partials, counter, out);
 }
 
 // Reads a static shared variable before any thread of its block wrote it, then writes it:

@@ -8,10 +8,14 @@
 // __syncthreads, __syncwarp, shuffles and ballots; a thread that never blocks runs to its end
 // on one stack, which the next thread then reuses. The order in which runnable fibers resume is
 // chosen by the launch's schedule (forward, reverse or a seeded random permutation per round),
-// so a missing barrier shows up under some order. Undefined behaviour that a GPU would tolerate
-// silently is a launch error here: a barrier some threads never reach (strict mode; the
-// lenient mode counts exited threads as arrived, as sm_70 and later GPUs do), a warp operation
-// whose mask names exited, absent or diverged lanes, a shuffle reading a lane outside its mask.
+// so a missing barrier shows up under some order. Blocks running at once on several OS threads
+// meet at preemption points: after an atomic an OS thread parks until the others are parked
+// too or gone, and one that arrives while all the others are parked runs on
+// (LaunchConfig::preempt), as a GPU's other SMs run on between two instructions of one block.
+// Undefined behaviour that a GPU would tolerate silently is a launch error here: a barrier some
+// threads never reach (strict mode; the lenient mode counts exited threads as arrived, as sm_70
+// and later GPUs do), a warp operation whose mask names exited, absent or diverged lanes, a
+// shuffle reading a lane outside its mask.
 // Dynamic shared memory is filled with 0xFF bytes (NaN for every float type) at every block
 // start; the simulated device does the same to a module's static shared memory.
 //
@@ -52,6 +56,9 @@ enum class Shfl { Idx, Down, Up, Xor };
 uint64_t shfl(unsigned mask, uint64_t value, Shfl kind, int arg, int width);
 unsigned ballot(unsigned mask, bool pred);
 [[noreturn]] void fail(const std::string& why);
+// A preemption point (after every atomic): a no-op unless the launch asked for them
+// (LaunchConfig::preempt); then the calling OS thread may park while the others run on.
+void preempt();
 
 template <typename T> T shfl_t(unsigned mask, T v, Shfl kind, int arg, int width) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");

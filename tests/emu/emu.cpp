@@ -3,6 +3,8 @@
 // what it cannot.
 #include <sys/mman.h>
 
+#include <chrono>
+
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -114,6 +116,12 @@ struct Launch {
     bool lenient = false;
     bool failed = false;
     std::string error;
+    bool preemptions_spent() const { return preempts_left == 0; }
+    // Preemption points (LaunchConfig::preempt): the longest wait, how many waits are left to
+    // the running block, and the grid whose threads meet there.
+    bool preempt = false;
+    unsigned preempt_max_us = 0, preempts_left = 0;
+    Grid* grid = nullptr;
 };
 
 thread_local Launch* g_launch = nullptr;
@@ -347,6 +355,22 @@ void* dynamic_smem() { return g_launch->smem.data(); }
     throw Abort{};
 }
 
+void preempt() {
+    Launch* l = g_launch;
+    if (!l || !l->preempt || l->preemptions_spent()) return;
+    Grid& g = *l->grid;
+    std::unique_lock<std::mutex> lk(g.pm);
+    // Every other thread is parked at a point, or gone: this one runs on.
+    if (g.parked + 1 >= g.runners) return;
+    // Parked until every thread still running blocks of the grid is parked too (the last one
+    // to run leaves the grid: the others are then free), or the longest wait passed.
+    l->preempts_left--;
+    g.parked++;
+    g.pcv.wait_for(lk, std::chrono::microseconds(l->preempt_max_us),
+                   [&] { return g.parked >= g.runners; });
+    g.parked--;
+}
+
 void syncthreads() {
     Fiber* f = g_launch->cur;
     f->state = State::Barrier;
@@ -469,6 +493,17 @@ void run_blocks(Grid& g) {
     l->kernel = g.kernel;
     l->args = g.args;
     l->lenient = cfg.lenient_barriers;
+    l->preempt = cfg.preempt;
+    l->preempt_max_us = cfg.preempt_max_us;
+    l->grid = &g;
+    if (cfg.preempt) {
+        std::unique_lock<std::mutex> lk(g.pm);
+        g.runners++;
+        g.pcv.notify_all();
+        const auto limit = std::chrono::microseconds(std::min(cfg.preempt_max_us, 2000u));
+        g.pcv.wait_for(lk, limit,
+                       [&g] { return g.runners >= g.expected_runners || g.next.load() > 0; });
+    }
     l->fibers.resize(threads);
     l->smem.assign(cfg.smem, 0xFF);
     g_launch = l;
@@ -489,11 +524,18 @@ void run_blocks(Grid& g) {
             for (unsigned t = 0; t < threads; t++)
                 order[t] = cfg.schedule.mode == Schedule::Reverse ? threads - 1 - t : t;
             std::mt19937_64 rng(cfg.schedule.seed ^ (0x9e3779b97f4a7c15ull * (b + 1)));
+            l->preempts_left = cfg.preempt_limit;
             if (cfg.block_start) cfg.block_start(cfg.block_start_arg);
             run_block(*l, cfg.schedule, rng, order);
         }
     } catch (Abort&) {
         g.fail(l->error);
+    }
+    if (cfg.preempt) {
+        // Leaving: the threads waiting at a point no longer wait for this one.
+        std::lock_guard<std::mutex> lk(g.pm);
+        g.runners--;
+        if (g.parked > 0 && g.parked >= g.runners) g.pcv.notify_all();
     }
     abandon();
 }

@@ -12,7 +12,7 @@
 
 // ---------------------------------------------------------------- atomics
 // GCC __atomic builtins (sequentially consistent), so they stay atomic whichever OS threads run
-// the blocks. CUDA has exactly these overloads: no atomicAdd on long long or on uint64_t (an
+// the blocks; each is followed by a preemption point (emu::preempt, see cuda_emu.h). CUDA has exactly these overloads: no atomicAdd on long long or on uint64_t (an
 // unsigned long on Linux), as nvcc.
 namespace emu {
 // Replace *p by f(*p) atomically (a compare-and-swap loop on the object's bytes, so a NaN
@@ -23,6 +23,12 @@ template <typename T, typename F> T atomic_update(T* p, F f) {
     do {
         next = f(old);
     } while (!__atomic_compare_exchange(p, &old, &next, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    preempt();
+    return old;
+}
+// The result of an atomic, after the preemption point that follows every atomic.
+template <typename T> T after_atomic(T old) {
+    preempt();
     return old;
 }
 // atom.add.f32 flushes subnormal inputs and results to sign-preserving zero (PTX ISA, atom);
@@ -31,17 +37,17 @@ inline float ftz(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::cop
 }  // namespace emu
 
 #define EMU_ATOMIC_INT(T)                                                                        \
-    inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }         \
-    inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }         \
-    inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }       \
-    inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_SEQ_CST); }         \
-    inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }           \
-    inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); }         \
+    inline T atomicAdd(T* p, T v) { return emu::after_atomic(__atomic_fetch_add(p, v, __ATOMIC_SEQ_CST)); }         \
+    inline T atomicSub(T* p, T v) { return emu::after_atomic(__atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST)); }         \
+    inline T atomicExch(T* p, T v) { return emu::after_atomic(__atomic_exchange_n(p, v, __ATOMIC_SEQ_CST)); }       \
+    inline T atomicAnd(T* p, T v) { return emu::after_atomic(__atomic_fetch_and(p, v, __ATOMIC_SEQ_CST)); }         \
+    inline T atomicOr(T* p, T v) { return emu::after_atomic(__atomic_fetch_or(p, v, __ATOMIC_SEQ_CST)); }           \
+    inline T atomicXor(T* p, T v) { return emu::after_atomic(__atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST)); }         \
     inline T atomicMax(T* p, T v) { return emu::atomic_update(p, [v](T o) { return o < v ? v : o; }); } \
     inline T atomicMin(T* p, T v) { return emu::atomic_update(p, [v](T o) { return v < o ? v : o; }); } \
     inline T atomicCAS(T* p, T compare, T val) {                                                 \
         __atomic_compare_exchange_n(p, &compare, val, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
-        return compare; /* the old value, whether or not it was swapped */                       \
+        return emu::after_atomic(compare); /* the old value, swapped or not */                  \
     }
 EMU_ATOMIC_INT(int)
 EMU_ATOMIC_INT(unsigned int)
@@ -56,12 +62,12 @@ inline long long atomicMin(long long* p, long long v) {
 }
 inline unsigned short atomicCAS(unsigned short* p, unsigned short compare, unsigned short val) {
     __atomic_compare_exchange_n(p, &compare, val, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-    return compare;
+    return emu::after_atomic(compare);
 }
 inline float atomicExch(float* p, float v) {
     float old;
     __atomic_exchange(p, &v, &old, __ATOMIC_SEQ_CST);
-    return old;
+    return emu::after_atomic(old);
 }
 inline float atomicAdd(float* p, float v) {
     return emu::atomic_update(p, [v](float o) { return emu::ftz(emu::ftz(o) + emu::ftz(v)); });

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -47,6 +48,17 @@ struct LaunchConfig {
     // filled (the launcher poisons the kernel module's static shared memory with it).
     void (*block_start)(const void* arg) = nullptr;
     const void* block_start_arg = nullptr;
+    // Preemption points, for blocks run by several OS threads at once (the simulated device's
+    // GPU_SIM_BLOCK_THREADS): after an atomic the running OS thread parks until every other
+    // thread running blocks of the grid is parked too or has left the grid, or
+    // `preempt_max_us` microseconds have passed; a thread that arrives while all the others
+    // are parked runs on. A block parks at most `preempt_limit` times. So one block's window
+    // between an atomic and its next instruction stays open while the other blocks run to
+    // their own atomics and past them, as a GPU's other SMs run on between two instructions
+    // of one block. Off by default: with one OS thread nothing else runs meanwhile.
+    bool preempt = false;
+    unsigned preempt_max_us = 20000;
+    unsigned preempt_limit = 8;
 };
 
 // Runs `kernel` over the grid on the calling thread. Returns true, or false with `error` set
@@ -66,6 +78,15 @@ struct Grid {
     std::atomic<bool> failed{false};
     std::mutex m;        // guards `error`
     std::string error;   // the first failure's
+    // The preemption points (guarded by `pm`): OS threads running blocks of this grid, and how
+    // many of them are parked at a point.
+    std::mutex pm;
+    std::condition_variable pcv;
+    unsigned runners = 0, parked = 0;
+    // With preemption points, the threads about to run blocks of this grid: each waits (up to
+    // 2 ms) for the others to arrive before it takes its first block, or a grid of
+    // short blocks would be over before a woken thread got a core.
+    unsigned expected_runners = 1;
     void fail(const std::string& why);
 };
 // Checks the launch configuration and fills `g`. False with `error` set if the device would
