@@ -429,7 +429,27 @@ fn many_ranks_and_one_rank(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Per-rank batches large enough that each channel's reduction is split over several blocks
+/// on a GPU (the "last block sums the partials" path, `launch::reduction`'s grid y > 1), in
+/// both layouts: C = 2 channels-first over 64×64, C = 40 channels-last over 16×32 (two
+/// column blocks, the second partly empty). The CPU variant runs the same sizes.
+fn grid_split_reductions_nchw_and_nhwc(dev: &Device) -> anyhow::Result<()> {
+    let split = |n: usize, c: usize, hw: usize, cl: bool| {
+        candle_distributed::launch::reduction(n, c, hw, cl).map_or(1, |r| r.launch.grid[1])
+    };
+    for &n in BATCHES.iter().filter(|&&n| n > 0) {
+        assert!(split(n, 2, 64 * 64, false) > 1, "NCHW, {n} entries: not split");
+        assert!(split(n, 40, 16 * 32, true) > 1, "NHWC, {n} entries: not split");
+    }
+    run_case(&Case::new(&BATCHES, 2, &[64, 64]), dev);
+    let mut c = Case::new(&BATCHES, 40, &[16, 32]);
+    c.config.layout = Layout::ChannelsLast;
+    run_case(&c, dev);
+    Ok(())
+}
+
 device_tests!(
+    grid_split_reductions_nchw_and_nhwc,
     nchw_4d_momentum,
     nchw_4d_cumulative_average,
     nhwc_4d,

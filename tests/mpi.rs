@@ -61,7 +61,7 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 13] = [
+    let checks: [(&str, Check); 15] = [
         ("collective values", collective_values),
         (
             "all_reduce_parts reads large parts in place, as the concatenation",
@@ -103,6 +103,17 @@ fn main() -> Result<()> {
             "a layer used on some ranks beside SyncBatchNorm and a tensor-parallel layer",
             routed_layer,
         ),
+        ("writes into an input and a result after wait", |c| {
+            common::writes::EVERY
+                .into_iter()
+                .try_for_each(|w| common::writes::write_after_wait(c, w))
+        }),
+        ("writes into an input after a dropped handle", |c| {
+            common::writes::EVERY.into_iter().try_for_each(|w| {
+                let late = std::time::Duration::from_millis(100);
+                common::writes::write_after_drop(c, w, late)
+            })
+        }),
     ];
     for (name, check) in checks {
         check(&comm).map_err(|e| anyhow::anyhow!("rank {}: {name}: {e:?}", comm.rank()))?;

@@ -889,6 +889,40 @@ fn a_pending_that_outlives_its_communicator_completes() {
     }
 }
 
+/// Writes into a started collective's input and output right after `wait`, before anything
+/// synchronises the host (`common::writes`): the device's stream waits for the side stream
+/// first, so the simulated GPU's race checker sees no unordered use and the results hold the
+/// sums of the inputs as they were at the call. Every collective with a side-stream form.
+#[test]
+fn writes_after_wait_are_ordered_after_the_collective() {
+    let n = gpus();
+    for which in common::writes::EVERY {
+        let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+        on_ranks(comms, |c| {
+            let c: Arc<dyn Collective> = c;
+            common::writes::write_after_wait(&c, which)
+        });
+    }
+}
+
+/// Rank 0 drops its handle at once and overwrites its input while the others start 100 ms
+/// later: the drop makes the device's stream wait for the collective, so the write cannot
+/// reach what NCCL sends (`common::writes`). Skips on one GPU (no peer to start late).
+#[test]
+fn writes_after_a_dropped_handle_are_ordered_after_the_collective() {
+    let n = gpus();
+    if n < 2 {
+        return;
+    }
+    for which in common::writes::EVERY {
+        let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
+        on_ranks(comms, |c| {
+            let c: Arc<dyn Collective> = c;
+            common::writes::write_after_drop(&c, which, Duration::from_millis(100))
+        });
+    }
+}
+
 /// A split where rank 0 passes no color (`NCCL_SPLIT_NOCOLOR`) and the keys reverse the
 /// others' order: rank 0 gets no communicator, the others one of `n - 1` ranks ordered by key.
 #[test]

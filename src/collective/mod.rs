@@ -323,6 +323,13 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// the caller computes (a communication thread on `ThreadGroup` and MPI, a side stream on
     /// NCCL).
     ///
+    /// The collective sends what `t` holds when the call is made. Once [`Pending::wait`] has
+    /// returned, or the handle was dropped, the caller may write into `t` (and into the result)
+    /// at once: `ThreadGroup` and MPI copy `t` when the call starts, and on NCCL the device's
+    /// stream waits for the collective before anything enqueued after the wait or the drop.
+    /// Between the start and the wait, a write into `t` is a race on NCCL (the side stream may
+    /// still be reading it).
+    ///
     /// # Errors
     ///
     /// Here only for what is found when starting: on NCCL, the failures of

@@ -6,6 +6,7 @@ pub mod many_vars;
 pub mod mlp;
 pub mod overlap;
 pub mod training;
+pub mod writes;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -319,7 +319,8 @@ impl MpiCollective {
         }
     }
 
-    /// Runs `f`, which reads `input`, on the duplicate communicator in the communication thread.
+    /// Runs `f`, which reads `input` (the caller's tensor, for the device marks; `f` reads its
+    /// own copy, [`own_copy`]), on the duplicate communicator in the communication thread.
     fn start(
         &self,
         input: &Tensor,
@@ -587,4 +588,12 @@ fn received<T: Equivalence>(len: usize, fill: impl FnOnce(&mut [Unfilled<T>])) -
     // complete ends the process in `wait`, it does not return); `Unfilled<T>` has `T`'s layout,
     // so the allocation is that of a `Vec<T>` of the same length and capacity.
     unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
+}
+
+/// The input of an asynchronous call, copied on the caller's thread (and, on a GPU, its stream)
+/// into a buffer of its own, detached: the communication thread reads the copy, so the caller
+/// may write into its tensor as soon as it waited or dropped the handle, while the other ranks
+/// may not have arrived yet.
+fn own_copy(t: &Tensor) -> Result<Tensor> {
+    Ok(t.copy()?.detach())
 }

@@ -292,7 +292,7 @@ impl Collective for MpiCollective {
     /// has stopped fails here; the failures of [`Collective::all_reduce`] come from
     /// [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        let input = t.clone();
+        let input = super::own_copy(t)?;
         self.start(t, move |c| c.all_reduce(&input, op))
     }
 
@@ -305,7 +305,7 @@ impl Collective for MpiCollective {
     /// started or has stopped fails here; the failures of [`Collective::all_reduce_wire`] come
     /// from [`Pending::wait`].
     fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
-        let input = t.clone();
+        let input = super::own_copy(t)?;
         self.start(t, move |c| c.all_reduce_wire(&input, op, wire))
     }
 
@@ -318,7 +318,7 @@ impl Collective for MpiCollective {
     /// has stopped fails here; the failures of [`Collective::all_gather`] come from
     /// [`Pending::wait`].
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
-        let input = t.clone();
+        let input = super::own_copy(t)?;
         self.start(t, move |c| c.all_gather(&input))
     }
 
@@ -331,7 +331,7 @@ impl Collective for MpiCollective {
     /// or has stopped fails here; the failures of [`Collective::reduce_scatter`] come from
     /// [`Pending::wait`].
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        let input = t.clone();
+        let input = super::own_copy(t)?;
         self.start(t, move |c| c.reduce_scatter(&input, op))
     }
 }

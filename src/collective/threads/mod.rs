@@ -442,17 +442,23 @@ impl ThreadRank {
     /// [`Self::call_async`] of a reduction carried in `wire` (`None`: in `t`'s dtype).
     fn call_async_on(&self, kind: Op, wire: Option<DType>, t: &Tensor) -> Result<Pending> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        // A GPU input is copied to the host here, on the caller's thread and stream (the sum is
-        // made on the host anyway): the communication thread then never reads the caller's
-        // device memory, which the caller may free on its own stream, unordered with that
-        // thread's, once it dropped a handle without waiting. The result goes back to the
-        // input's device on the communication thread, whose stream the caller's waits for in
-        // `Pending::wait`. Detached, as in `complete`: the worker must not hold the caller's
-        // graph either.
+        // The input is copied here, on the caller's thread: to the host for a GPU input, on the
+        // caller's stream (the sum is made on the host anyway), and into a buffer of its own
+        // for a CPU input. The communication thread then never reads the caller's tensor,
+        // which the caller may write into or free as soon as it waited or dropped the handle
+        // (on a GPU, on its own stream, unordered with that thread's), while the others may
+        // not have arrived yet. The result goes back to the input's device on the communication
+        // thread, whose stream the caller's waits for in `Pending::wait`. Detached, as in
+        // `complete`: the worker must not hold the caller's graph either.
         // A failed copy still takes part (the call number is taken): as in `complete`.
         let device = t.device().clone();
         let (shared, rank) = (self.shared.clone(), self.rank);
-        let host = (t.to_device(&Device::Cpu)).map(|h| Input::One(h.detach()));
+        let host = if device.is_cpu() {
+            t.copy()
+        } else {
+            t.to_device(&Device::Cpu)
+        };
+        let host = host.map(|h| Input::One(h.detach()));
         let host = host.map_err(|e| e.to_string());
         let mark = match &host {
             Ok(Input::One(h)) => h.clone(),
