@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU half on simulated GPUs (gpu-sim/README.md), no GPU needed: the simulator's
 # self-tests, then every `cuda::` test variant (under three thread schedules, one with each
-# launch's blocks on 4 OS threads), tests/cuda.rs, the launch counts of tests/gpu_counts.rs,
+# launch's blocks on 4 OS threads), tests/cuda.rs (also on 4 block threads under two seeds),
+# the launch counts of tests/gpu_counts.rs,
 # tests/nccl.rs and tests/nccl_faults.rs (the simulated NCCL) on 4 GPUs, tests/nccl.rs on 8
 # and with one collective at a time per GPU, the cuda_startup example, the ResNet
 # example on `--device cuda` (4 thread ranks on one simulated GPU) with its `--check`, and the
@@ -91,6 +92,13 @@ done
 
 echo "-- tests/cuda.rs and tests/gpu_counts.rs, on simulated GPUs"
 cargo test --features $features --test cuda --test gpu_counts -q
+# The split reductions' "last block sums the partials" protocol in every dtype and both
+# layouts, with the blocks of each launch on 4 OS threads meeting at preemption points.
+for seed in 7 11; do
+    echo "-- tests/cuda.rs with each launch's blocks on 4 OS threads, GPU_SIM_SCHEDULE=random:$seed"
+    GPU_SIM_BLOCK_THREADS=4 GPU_SIM_SCHEDULE=random:$seed cargo test --features $features \
+        --test cuda -q
+done
 
 echo "-- tests/nccl.rs and tests/nccl_faults.rs on 4 simulated GPUs and the simulated NCCL"
 GPU_SIM_DEVICES=4 cargo test --features $features --test nccl --test nccl_faults -q

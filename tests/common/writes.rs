@@ -85,8 +85,8 @@ pub fn write_after_wait(comm: &Arc<dyn Collective>, which: Which) -> Result<()> 
     let got = kept.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
     ensure!(
         got == expected(which, rank, world)?,
-        "{which:?} on rank {rank}: the result, copied at once after the wait, is not the sum of \
-         the inputs as they were at the call"
+        "{which:?} on rank {rank}: the result, copied at once after the wait ({:?}…), is not the sum of \
+         the inputs as they were at the call ({:?}…)", &got[..3], &expected(which, rank, world)?[..3]
     );
     let t_now = t.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
     ensure!(

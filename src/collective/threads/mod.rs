@@ -579,15 +579,28 @@ fn wait_for_result<'a>(
         if let Some(fin) = st.done.get_mut(&call) {
             let result = fin.result.clone();
             fin.readers_left -= 1;
-            if fin.readers_left == 0 {
+            let last = fin.readers_left == 0;
+            if last {
                 st.done.remove(&call);
             }
+            drop(st);
             // Results are computed (a broadcast's copied) while every rank is still inside
-            // the call, read-only, and shared: no rank's tensor is one another rank can still
-            // change in place (with one rank: the rank's own input).
+            // the call. Each rank gets a tensor of its own, which it may write into at once:
+            // a copy, on the host for every reader but the last of several, which takes the
+            // computed one (with one rank it may be the rank's own input: copied too), or the
+            // copy to the rank's GPU.
+            let own = |t: Tensor| {
+                if !device.is_cpu() {
+                    t.to_device(device)
+                } else if last && sh.world > 1 {
+                    Ok(t)
+                } else {
+                    t.copy()
+                }
+            };
             return result
                 .map_err(Into::into)
-                .and_then(|t| t.to_device(device))
+                .and_then(own)
                 .map(|t| t.detach());
         }
         if let Some(work) = st.working.get(&call).filter(|w| !w.claimed_all()).cloned() {
