@@ -438,8 +438,14 @@ fn grid_split_reductions_nchw_and_nhwc(dev: &Device) -> anyhow::Result<()> {
         candle_distributed::launch::reduction(n, c, hw, cl).map_or(1, |r| r.launch.grid[1])
     };
     for &n in BATCHES.iter().filter(|&&n| n > 0) {
-        assert!(split(n, 2, 64 * 64, false) > 1, "NCHW, {n} entries: not split");
-        assert!(split(n, 40, 16 * 32, true) > 1, "NHWC, {n} entries: not split");
+        assert!(
+            split(n, 2, 64 * 64, false) > 1,
+            "NCHW, {n} entries: not split"
+        );
+        assert!(
+            split(n, 40, 16 * 32, true) > 1,
+            "NHWC, {n} entries: not split"
+        );
     }
     run_case(&Case::new(&BATCHES, 2, &[64, 64]), dev);
     let mut c = Case::new(&BATCHES, 40, &[16, 32]);

@@ -83,10 +83,13 @@ pub fn write_after_wait(comm: &Arc<dyn Collective>, which: Which) -> Result<()> 
     overwrite(&t, -1e6)?;
     overwrite(&out, -2e6)?;
     let got = kept.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    let want = expected(which, rank, world)?;
     ensure!(
-        got == expected(which, rank, world)?,
-        "{which:?} on rank {rank}: the result, copied at once after the wait ({:?}…), is not the sum of \
-         the inputs as they were at the call ({:?}…)", &got[..3], &expected(which, rank, world)?[..3]
+        got == want,
+        "{which:?} on rank {rank}: the result, copied at once after the wait, begins {:?}, not \
+         {:?}, the sum of the inputs as they were at the call",
+        &got[..3],
+        &want[..3]
     );
     let t_now = t.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
     ensure!(

@@ -585,23 +585,20 @@ fn wait_for_result<'a>(
             }
             drop(st);
             // Results are computed (a broadcast's copied) while every rank is still inside
-            // the call. Each rank gets a tensor of its own, which it may write into at once:
-            // a copy, on the host for every reader but the last of several, which takes the
-            // computed one (with one rank it may be the rank's own input: copied too), or the
-            // copy to the rank's GPU.
+            // the call. Each rank gets a tensor no other rank holds, which it may write into at
+            // once: a copy, on the host for every reader but the last, which takes the computed
+            // one (with one rank that may be the rank's own input, as an in-place collective
+            // leaves it), or the copy to the rank's GPU.
             let own = |t: Tensor| {
                 if !device.is_cpu() {
                     t.to_device(device)
-                } else if last && sh.world > 1 {
+                } else if last {
                     Ok(t)
                 } else {
                     t.copy()
                 }
             };
-            return result
-                .map_err(Into::into)
-                .and_then(own)
-                .map(|t| t.detach());
+            return result.map_err(Into::into).and_then(own).map(|t| t.detach());
         }
         if let Some(work) = st.working.get(&call).filter(|w| !w.claimed_all()).cloned() {
             drop(st);
