@@ -9,6 +9,7 @@
 // window of a few instructions between one block's announcement and its write stays open
 // while the other blocks run on.
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -36,6 +37,7 @@ struct Pool {
     std::condition_variable work;  // a job was offered
     std::condition_variable idle;  // a helper left a job
     std::deque<Job*> open;         // jobs with blocks left to take, oldest first
+    unsigned waiting = 0;          // helpers waiting for a job
 };
 Pool& pool() {
     static Pool* p = new Pool;
@@ -64,7 +66,9 @@ void helper() {
         {
             std::unique_lock<std::mutex> lk(pool().m);
             for (;;) {
+                pool().waiting++;
                 pool().work.wait(lk, [] { return !pool().open.empty(); });
+                pool().waiting--;
                 j = pool().open.front();
                 if (!exhausted(*j)) break;
                 pool().open.pop_front();  // nothing left to take: its launcher waits for helpers
@@ -84,6 +88,14 @@ void start_helpers() {
     static std::once_flag once;
     std::call_once(once, [] {
         for (unsigned i = 1; i < block_threads(); i++) std::thread(helper).detach();
+        // Until they wait for work (up to 100 ms): the first launch counts on them too.
+        for (int tries = 0; tries < 100; tries++) {
+            {
+                std::lock_guard<std::mutex> lk(pool().m);
+                if (pool().waiting + 1 >= block_threads()) break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
     });
 }
 
@@ -130,10 +142,13 @@ bool guarded_run(const emu::KernelEntry& k, void** args, const emu::LaunchConfig
         // other SMs would run on (emu::LaunchConfig::preempt).
         j.grid.cfg.preempt = preempt_max_us() > 0;
         j.grid.cfg.preempt_max_us = preempt_max_us();
-        j.grid.expected_runners = unsigned(std::min<size_t>(block_threads(), j.grid.nblocks));
         start_helpers();
         {
             std::lock_guard<std::mutex> lk(pool().m);
+            // The helpers waiting for a job take this one; busy ones (another stream's launch)
+            // are not waited for at the start.
+            j.grid.expected_runners =
+                1 + unsigned(std::min<size_t>(pool().waiting, j.grid.nblocks - 1));
             pool().open.push_back(&j);
         }
         pool().work.notify_all();
