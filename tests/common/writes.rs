@@ -71,16 +71,18 @@ fn expected(which: Which, rank: usize, world: usize) -> Result<Vec<f32>> {
     })
 }
 
-/// On every rank: starts `which` on its input, waits, then at once overwrites the input and
-/// the result in place (after a device copy of the result, which is then checked). The copy
-/// and both writes are enqueued behind the wait, before anything synchronises the host.
+/// On every rank: starts `which` on its input, waits, then at once overwrites the input, copies
+/// the result on the device (the copy is checked) and overwrites the result in place. All are
+/// enqueued behind the wait, before anything synchronises the host.
 pub fn write_after_wait(comm: &Arc<dyn Collective>, which: Which) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dev = comm.device();
     let t = input(rank, &dev)?;
     let out = start(comm.as_ref(), which, &t)?.wait()?;
-    let kept = out.copy()?;
+    // The input first: on NCCL, touching the result first would order the device's stream
+    // after the collective through cudarc's per-buffer events, whatever `wait` did.
     overwrite(&t, -1e6)?;
+    let kept = out.copy()?;
     overwrite(&out, -2e6)?;
     let got = kept.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
     let want = expected(which, rank, world)?;
