@@ -12,7 +12,8 @@
 #   sim4 TEST [FILTER...]     the same with each launch's blocks on 4 OS threads (random:7)
 #   nccl TEST [FILTER...]     the same on 4 simulated GPUs with the simulated NCCL
 # All build with --features cuda,nccl into target/cuda, as scripts/test-gpu-sim.sh does (run
-# after it, only the crate and the named test rebuild). The working tree must be clean where a
+# after it, only the crate and the named test rebuild). A test that runs longer than
+# PLANT_LIMIT seconds (300) is ended, and the plant counts as caught (it hung). The working tree must be clean where a
 # patch applies; a patch is reverted even when the script is interrupted.
 #
 # Too long for CI (each patch rebuilds the crate): run it before a change to gpu-sim/,
@@ -24,6 +25,8 @@ cd "$(dirname "$0")/.."
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
 features=cuda,nccl
+# Seconds a Catch: command may run.
+limit=${PLANT_LIMIT:-300}
 
 # cargo test's arguments for a Catch: line's test and filters.
 test_args() {
@@ -84,10 +87,16 @@ for p in "${plants[@]}"; do
         echo "FAIL: $name does not build"
         exit 1
     fi
-    if run_catch "${words[@]}" >"$log/$name.log" 2>&1; then
+    # A plant that hangs its test counts as caught when the limit ends it.
+    rc=0
+    (export -f run_catch test_args; export features
+        timeout "$limit" bash -c 'run_catch "$@"' _ "${words[@]}") >"$log/$name.log" 2>&1 || rc=$?
+    if [ "$rc" -eq 0 ]; then
         result="MISSED"
         missed=$((missed + 1))
         tail -20 "$log/$name.log"
+    elif [ "$rc" -eq 124 ]; then
+        result="caught (hung; ended after $limit s)"
     else
         result="caught"
         grep -m3 -E "panicked|FAILED|race|error" "$log/$name.log" | cut -c1-160 | sed 's/^/   /' || true
