@@ -54,13 +54,29 @@ else
 fi
 
 applied=""
+kernels=""
+catch_pid=""
+# Puts the tree back (and, for a patch to the kernels or the simulator, their libraries).
 revert() {
     if [ -n "$applied" ]; then
         git apply -R "$applied"
         applied=""
+        if [ -n "$kernels" ]; then
+            gpu-sim/build.sh >/dev/null 2>&1 || echo "warning: gpu-sim/build.sh failed after the revert"
+            kernels=""
+        fi
     fi
 }
-trap revert EXIT INT TERM
+# An interrupt ends the running test too (timeout runs it in a process group of its own).
+interrupted() {
+    [ -n "$catch_pid" ] && kill -TERM -- "-$catch_pid" 2>/dev/null
+    revert
+    exit 130
+}
+trap revert EXIT
+trap interrupted INT TERM
+export -f run_catch test_args
+export features
 
 . scripts/gpu-sim-env.sh >/dev/null
 log=$(mktemp -d)
@@ -79,7 +95,9 @@ for p in "${plants[@]}"; do
     start=$SECONDS
     # Rebuild what the patch touches; a patch that does not build is a broken plant, not a catch.
     read -r -a words <<<"$catch"
-    if git apply --numstat "$p" | grep -qE '(kernels|gpu-sim|tests/emu)/'; then
+    touched=$(git apply --numstat "$p")
+    if grep -qE '(kernels|gpu-sim|tests/emu)/' <<<"$touched"; then
+        kernels=yes
         gpu-sim/build.sh >"$log/$name.build" 2>&1 || { cat "$log/$name.build"; echo "FAIL: $name does not build"; exit 1; }
     fi
     if ! cargo test --features $features -q --no-run --test "${words[1]}" >>"$log/$name.build" 2>&1; then
@@ -89,8 +107,10 @@ for p in "${plants[@]}"; do
     fi
     # A plant that hangs its test counts as caught when the limit ends it.
     rc=0
-    (export -f run_catch test_args; export features
-        timeout "$limit" bash -c 'run_catch "$@"' _ "${words[@]}") >"$log/$name.log" 2>&1 || rc=$?
+    timeout "$limit" bash -c 'run_catch "$@"' _ "${words[@]}" >"$log/$name.log" 2>&1 &
+    catch_pid=$!
+    wait "$catch_pid" || rc=$?
+    catch_pid=""
     if [ "$rc" -eq 0 ]; then
         result="MISSED"
         missed=$((missed + 1))
@@ -106,8 +126,6 @@ for p in "${plants[@]}"; do
     echo "   $result in $secs s"
     rows+=("| \`$name\` | $models | \`$catch\` | $result | $secs |")
 done
-# Rebuild the untouched tree's kernels, so that later runs use them.
-gpu-sim/build.sh >/dev/null 2>&1 || true
 
 echo
 echo "| patch | models | caught by | result | seconds |"

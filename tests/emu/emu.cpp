@@ -428,6 +428,14 @@ bool in_kernel() { return g_launch != nullptr; }
 
 void abandon() {
     if (!g_launch) return;
+    if (g_launch->preempt && g_launch->grid) {
+        // Leaving the grid (at its end, or after a fault that jumped out of it): the threads
+        // parked at a point no longer wait for this one.
+        Grid& g = *g_launch->grid;
+        std::lock_guard<std::mutex> lk(g.pm);
+        g.runners--;
+        if (g.parked > 0 && g.parked >= g.runners) g.pcv.notify_all();
+    }
     release_stacks(*g_launch);
     delete g_launch;
     g_launch = nullptr;
@@ -530,12 +538,6 @@ void run_blocks(Grid& g) {
         }
     } catch (Abort&) {
         g.fail(l->error);
-    }
-    if (cfg.preempt) {
-        // Leaving: the threads waiting at a point no longer wait for this one.
-        std::lock_guard<std::mutex> lk(g.pm);
-        g.runners--;
-        if (g.parked > 0 && g.parked >= g.runners) g.pcv.notify_all();
     }
     abandon();
 }

@@ -577,19 +577,13 @@ fn wait_for_result<'a>(
     let deadline = Instant::now() + sh.timeout;
     loop {
         if let Some(fin) = st.done.get_mut(&call) {
-            let result = fin.result.clone();
-            fin.readers_left -= 1;
-            let last = fin.readers_left == 0;
-            if last {
-                st.done.remove(&call);
-            }
-            drop(st);
             // Results are computed (a broadcast's copied) while every rank is still inside
             // the call. Each rank gets a tensor no other rank holds, which it may write into at
-            // once: a copy, on the host for every reader but the last, which takes the computed
-            // one (with one rank that may be the rank's own input, as an in-place collective
-            // leaves it), or the copy to the rank's GPU.
-            let own = |t: Tensor| {
+            // once: the copy to the rank's GPU, or on the host a copy for every reader but the
+            // last, which takes the computed one (with one rank that may be the rank's own
+            // input, as an in-place collective leaves it). A reader counts itself out only
+            // after its copy, so the last one never writes into what another still copies.
+            let own = |t: Tensor, last: bool| {
                 if !device.is_cpu() {
                     t.to_device(device)
                 } else if last {
@@ -598,7 +592,26 @@ fn wait_for_result<'a>(
                     t.copy()
                 }
             };
-            return result.map_err(Into::into).and_then(own).map(|t| t.detach());
+            if fin.readers_left == 1 {
+                let result = st.done.remove(&call).map(|f| f.result);
+                drop(st);
+                let result = result.expect("found above");
+                return result
+                    .map_err(Into::into)
+                    .and_then(|t| own(t, true))
+                    .map(|t| t.detach());
+            }
+            let result = fin.result.clone();
+            drop(st);
+            let out = result.map_err(Into::into).and_then(|t| own(t, false));
+            let mut st = lock(&sh.state);
+            if let Some(fin) = st.done.get_mut(&call) {
+                fin.readers_left -= 1;
+                if fin.readers_left == 0 {
+                    st.done.remove(&call);
+                }
+            }
+            return out.map(|t| t.detach());
         }
         if let Some(work) = st.working.get(&call).filter(|w| !w.claimed_all()).cloned() {
             drop(st);
