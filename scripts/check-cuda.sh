@@ -6,11 +6,7 @@
 # PyPI (scripts/nvcc-env.sh). Builds in target/cuda.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/nvcc-env.sh
-. scripts/cuda-stubs.sh
-export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
-features=cuda,nccl
+. scripts/cuda-build-env.sh
 
 echo "-- clippy --features $features --all-targets"
 cargo clippy --features $features --all-targets -- -D warnings

@@ -24,11 +24,7 @@ if [ "$maps" -lt 262144 ]; then
     echo "FAIL: vm.max_map_count is $maps; 8 simulated GPUs need 262144 (sysctl -w vm.max_map_count=262144, as root)"
     exit 1
 fi
-. scripts/nvcc-env.sh
-. scripts/cuda-stubs.sh
-export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
-features=cuda,nccl
+. scripts/cuda-build-env.sh
 
 echo "-- build the simulator and its self-tests"
 gpu-sim/build.sh selftest

@@ -165,8 +165,8 @@ pub(super) fn crc32_of(path: &Path) -> Result<(u32, u64)> {
 
 /// An exclusive advisory lock on a file (`flock` on Unix, `LockFileEx` on Windows), created if
 /// missing, held until dropped and released by the operating system when its holder dies, so a
-/// crashed holder leaves no stale lock behind: what a save holds on its folder (`.checkpoint.lock`), and
-/// what a run can hold on its output folder for as long as it lives.
+/// crashed holder leaves no stale lock behind: what a save holds on its folder
+/// (`.checkpoint.lock`), and what a run can hold on its output folder for as long as it lives.
 #[derive(Debug)]
 pub struct FileLock {
     _file: File,

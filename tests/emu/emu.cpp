@@ -3,9 +3,8 @@
 // what it cannot.
 #include <sys/mman.h>
 
-#include <chrono>
-
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -116,7 +115,6 @@ struct Launch {
     bool lenient = false;
     bool failed = false;
     std::string error;
-    bool preemptions_spent() const { return preempts_left == 0; }
     // Preemption points (LaunchConfig::preempt): the longest wait, how many waits are left to
     // the running block, and the grid whose threads meet there.
     bool preempt = false;
@@ -357,7 +355,7 @@ void* dynamic_smem() { return g_launch->smem.data(); }
 
 void preempt() {
     Launch* l = g_launch;
-    if (!l || !l->preempt || l->preemptions_spent()) return;
+    if (!l || !l->preempt || l->preempts_left == 0) return;
     Grid& g = *l->grid;
     std::unique_lock<std::mutex> lk(g.pm);
     // Every other thread is parked at a point, or gone: this one runs on.

@@ -12,8 +12,9 @@
 
 // ---------------------------------------------------------------- atomics
 // GCC __atomic builtins (sequentially consistent), so they stay atomic whichever OS threads run
-// the blocks; each is followed by a preemption point (emu::preempt, see cuda_emu.h). CUDA has exactly these overloads: no atomicAdd on long long or on uint64_t (an
-// unsigned long on Linux), as nvcc.
+// the blocks; each is followed by a preemption point (emu::preempt, see cuda_emu.h). CUDA has
+// exactly these overloads: no atomicAdd on long long or on uint64_t (an unsigned long on
+// Linux), as nvcc.
 namespace emu {
 // Replace *p by f(*p) atomically (a compare-and-swap loop on the object's bytes, so a NaN
 // cannot make it spin); returns the old value.
@@ -36,18 +37,35 @@ template <typename T> T after_atomic(T old) {
 inline float ftz(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
 }  // namespace emu
 
-#define EMU_ATOMIC_INT(T)                                                                        \
-    inline T atomicAdd(T* p, T v) { return emu::after_atomic(__atomic_fetch_add(p, v, __ATOMIC_SEQ_CST)); }         \
-    inline T atomicSub(T* p, T v) { return emu::after_atomic(__atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST)); }         \
-    inline T atomicExch(T* p, T v) { return emu::after_atomic(__atomic_exchange_n(p, v, __ATOMIC_SEQ_CST)); }       \
-    inline T atomicAnd(T* p, T v) { return emu::after_atomic(__atomic_fetch_and(p, v, __ATOMIC_SEQ_CST)); }         \
-    inline T atomicOr(T* p, T v) { return emu::after_atomic(__atomic_fetch_or(p, v, __ATOMIC_SEQ_CST)); }           \
-    inline T atomicXor(T* p, T v) { return emu::after_atomic(__atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST)); }         \
-    inline T atomicMax(T* p, T v) { return emu::atomic_update(p, [v](T o) { return o < v ? v : o; }); } \
-    inline T atomicMin(T* p, T v) { return emu::atomic_update(p, [v](T o) { return v < o ? v : o; }); } \
-    inline T atomicCAS(T* p, T compare, T val) {                                                 \
-        __atomic_compare_exchange_n(p, &compare, val, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
-        return emu::after_atomic(compare); /* the old value, swapped or not */                  \
+#define EMU_ATOMIC_INT(T)                                                                  \
+    inline T atomicAdd(T* p, T v) {                                                        \
+        return emu::after_atomic(__atomic_fetch_add(p, v, __ATOMIC_SEQ_CST));              \
+    }                                                                                      \
+    inline T atomicSub(T* p, T v) {                                                        \
+        return emu::after_atomic(__atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST));              \
+    }                                                                                      \
+    inline T atomicExch(T* p, T v) {                                                       \
+        return emu::after_atomic(__atomic_exchange_n(p, v, __ATOMIC_SEQ_CST));             \
+    }                                                                                      \
+    inline T atomicAnd(T* p, T v) {                                                        \
+        return emu::after_atomic(__atomic_fetch_and(p, v, __ATOMIC_SEQ_CST));              \
+    }                                                                                      \
+    inline T atomicOr(T* p, T v) {                                                         \
+        return emu::after_atomic(__atomic_fetch_or(p, v, __ATOMIC_SEQ_CST));               \
+    }                                                                                      \
+    inline T atomicXor(T* p, T v) {                                                        \
+        return emu::after_atomic(__atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST));              \
+    }                                                                                      \
+    inline T atomicMax(T* p, T v) {                                                        \
+        return emu::atomic_update(p, [v](T o) { return o < v ? v : o; });                  \
+    }                                                                                      \
+    inline T atomicMin(T* p, T v) {                                                        \
+        return emu::atomic_update(p, [v](T o) { return v < o ? v : o; });                  \
+    }                                                                                      \
+    inline T atomicCAS(T* p, T compare, T val) {                                           \
+        __atomic_compare_exchange_n(p, &compare, val, false, __ATOMIC_SEQ_CST,             \
+                                    __ATOMIC_SEQ_CST);                                     \
+        return emu::after_atomic(compare); /* the old value, swapped or not */             \
     }
 EMU_ATOMIC_INT(int)
 EMU_ATOMIC_INT(unsigned int)

@@ -319,8 +319,8 @@ impl MpiCollective {
         }
     }
 
-    /// Runs `f`, which reads `input` (the caller's tensor, for the device marks; `f` reads its
-    /// own copy, [`own_copy`]), on the duplicate communicator in the communication thread.
+    /// Runs `f`, which reads `input` (the call's own copy, [`own_copy`]), on the duplicate
+    /// communicator in the communication thread.
     fn start(
         &self,
         input: &Tensor,

@@ -293,7 +293,7 @@ impl Collective for MpiCollective {
     /// [`Pending::wait`].
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         let input = super::own_copy(t)?;
-        self.start(t, move |c| c.all_reduce(&input, op))
+        self.start(&input.clone(), move |c| c.all_reduce(&input, op))
     }
 
     /// [`Collective::all_reduce_wire`] on a duplicate of the communicator, run by this rank's
@@ -306,7 +306,7 @@ impl Collective for MpiCollective {
     /// from [`Pending::wait`].
     fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
         let input = super::own_copy(t)?;
-        self.start(t, move |c| c.all_reduce_wire(&input, op, wire))
+        self.start(&input.clone(), move |c| c.all_reduce_wire(&input, op, wire))
     }
 
     /// [`Collective::all_gather`] on a duplicate of the communicator, run by this rank's
@@ -319,7 +319,7 @@ impl Collective for MpiCollective {
     /// [`Pending::wait`].
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending> {
         let input = super::own_copy(t)?;
-        self.start(t, move |c| c.all_gather(&input))
+        self.start(&input.clone(), move |c| c.all_gather(&input))
     }
 
     /// [`Collective::reduce_scatter`] on a duplicate of the communicator, run by this rank's
@@ -332,6 +332,6 @@ impl Collective for MpiCollective {
     /// [`Pending::wait`].
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         let input = super::own_copy(t)?;
-        self.start(t, move |c| c.reduce_scatter(&input, op))
+        self.start(&input.clone(), move |c| c.reduce_scatter(&input, op))
     }
 }
