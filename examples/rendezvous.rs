@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use candle_distributed::collective::bootstrap::{share_bytes, DistEnv};
+use candle_distributed::collective::rendezvous::{share_bytes, DistEnv};
 
 fn main() -> Result<()> {
     let env = DistEnv::from_env()?;

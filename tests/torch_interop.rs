@@ -10,9 +10,10 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use candle_distributed::collective::bootstrap::progress::ProgressBoard;
-use candle_distributed::collective::bootstrap::store::TcpStoreClient;
-use candle_distributed::collective::bootstrap::{share_bytes_round, DistEnv, Secret};
+use candle_distributed::collective::hang_report::ranks_behind;
+use candle_rendezvous::progress::ProgressBoard;
+use candle_rendezvous::store::TcpStoreClient;
+use candle_rendezvous::{share_bytes_round, DistEnv, Secret};
 
 fn python() -> String {
     std::env::var("TORCH_PYTHON")
@@ -231,7 +232,12 @@ fn progress_reports_through_a_pytorch_store() {
             .publish(Some(3), "all_reduce #3 F32×6, completed\u{1b}[2J", soon())
             .unwrap();
         let t = Instant::now();
-        let behind = board(0).behind("all_reduce", 4, Instant::now() + Duration::from_secs(1));
+        let behind = ranks_behind(
+            &board(0),
+            "all_reduce",
+            4,
+            Instant::now() + Duration::from_secs(1),
+        );
         assert_eq!(behind.len(), 2, "{run}: {behind:?}");
         assert!(
             behind[0].starts_with(

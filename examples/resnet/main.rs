@@ -43,7 +43,7 @@ fn main() -> Result<ExitCode> {
     // Before any thread starts: the cores shared among this machine's ranks.
     threads::share_cores(match cfg.backend.as_str() {
         "threads" => cfg.world_size,
-        _ => candle_distributed::collective::bootstrap::local_world_size().unwrap_or(1),
+        _ => candle_distributed::collective::rendezvous::local_world_size().unwrap_or(1),
     });
     if args.check {
         let (steps, tol) = (args.check_steps, args.check_tol);

@@ -9,7 +9,7 @@ use super::Collective;
 
 /// The group of consecutive ranks this rank belongs to, where each rank gives the size of its
 /// own group: with `size` the number of ranks on this rank's machine
-/// ([`DistEnv::local_world_size`](super::bootstrap::DistEnv::local_world_size), from torchrun's
+/// ([`DistEnv::local_world_size`](candle_rendezvous::DistEnv::local_world_size), from torchrun's
 /// `LOCAL_WORLD_SIZE`, Slurm or Open MPI), each machine's group when the launcher numbers the
 /// ranks machine by machine (torchrun, `srun`'s default block distribution, `mpirun --map-by
 /// slot`), machines of different sizes included (`SLURM_STEP_TASKS_PER_NODE=2(x2),4`: groups of

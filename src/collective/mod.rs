@@ -69,11 +69,11 @@
 //! mpirun -np 4 ./target/release/examples/your_training_binary
 //! ```
 
-pub mod bootstrap;
 mod checked;
 mod decorator;
 mod error;
 mod groups;
+pub mod hang_report;
 pub mod in_backward;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -99,6 +99,10 @@ pub use op::Op;
 pub use pending::Pending;
 pub(crate) use pending::Worker;
 pub use threads::ThreadGroup;
+
+/// The start-up of multi-process jobs (the crate `candle-rendezvous`): the launcher's variables
+/// ([`rendezvous::DistEnv`]), torchrun's store, and NCCL's id handed from rank 0 to every rank.
+pub use candle_rendezvous as rendezvous;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -48,9 +48,9 @@ use std::time::Duration;
 use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaStream};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Device, Result, Tensor};
+use candle_rendezvous::progress::ProgressBoard;
+use candle_rendezvous::{next_rendezvous, share_bytes_round, DistEnv};
 
-use super::bootstrap::progress::ProgressBoard;
-use super::bootstrap::{next_rendezvous, share_bytes_round, DistEnv};
 use super::recorder::FlightRecorder;
 use super::{Collective, CollectiveError, Op, Pending, ReduceOp};
 use enqueue::{unpad, Enqueue};
@@ -58,6 +58,11 @@ use raw::{Progress, RawComm};
 use watchdog::{finish_close, CallError, Watch};
 
 const BACKEND: &str = "NCCL";
+
+/// The start-up's error as candle's, its message unchanged.
+fn startup(e: candle_rendezvous::Error) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
 
 fn invalid(op: &'static str, detail: String) -> candle_core::Error {
     CollectiveError::invalid(BACKEND, op, detail).into()
@@ -243,14 +248,14 @@ impl NcclCollective {
 
     /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
     /// `MASTER_ADDR`, `MASTER_PORT`): this rank runs on GPU `LOCAL_RANK`; rank 0 creates NCCL's
-    /// unique id and hands it to the others with [`super::bootstrap::share_bytes`] (through
+    /// unique id and hands it to the others with [`share_bytes`](candle_rendezvous::share_bytes) (through
     /// torchrun's own TCPStore under torchrun, else over TCP from rank 0, where every rank also
-    /// needs `CANDLE_DISTRIBUTED_RUN_ID`; see [`super::bootstrap`] for the run identity and the
+    /// needs `CANDLE_DISTRIBUTED_RUN_ID`; see [`candle_rendezvous`] for the run identity and the
     /// optional shared secret). Default timeout ([`super::default_timeout`]) for the start-up and for
     /// every collective.
     ///
     /// Under torchrun every rank also publishes its newest collective in the store
-    /// ([`super::bootstrap::progress`], checked every 200 ms), and a rank whose collective times
+    /// ([`candle_rendezvous::progress`], checked every 200 ms), and a rank whose collective times
     /// out reads the others' to name the ranks behind: "rank 1 never reached all_reduce #1207;
     /// its last collective: all_reduce #1206 ...".
     ///
@@ -267,7 +272,7 @@ impl NcclCollective {
     /// # Errors
     /// As [`NcclCollective::from_env`].
     pub fn from_env_with_timeout(timeout: Duration) -> Result<Arc<Self>> {
-        let env = DistEnv::from_env()?;
+        let env = DistEnv::from_env().map_err(startup)?;
         let device = CudaDevice::new_with_stream(env.local_rank)?;
         blocking::refuse_blocking_mode(device.cuda_stream().context(), timeout)
             .map_err(|f| f.error("init", env.rank))?;
@@ -277,7 +282,8 @@ impl NcclCollective {
             None
         };
         let seq = next_rendezvous();
-        let bytes = share_bytes_round(&env, seq, id.as_ref().map(|b| &b[..]), timeout)?;
+        let bytes =
+            share_bytes_round(&env, seq, id.as_ref().map(|b| &b[..]), timeout).map_err(startup)?;
         let board = ProgressBoard::new(&env, seq).map(Arc::new);
         Self::init_rank(device, env.rank, env.world_size, &bytes, timeout, board)
     }

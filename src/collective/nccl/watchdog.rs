@@ -10,9 +10,10 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaContext, CudaEvent};
+use candle_rendezvous::progress::ProgressBoard;
 
 use super::raw::{NcclFail, Progress, RawComm};
-use crate::collective::bootstrap::progress::ProgressBoard;
+use crate::collective::hang_report::ranks_behind;
 use crate::collective::recorder::{self, CallState, FlightRecorder};
 
 /// Time a timed-out rank spends reading the other processes' progress reports.
@@ -177,7 +178,12 @@ impl Watch {
     /// progress reports in torchrun's store; `None` when neither is at hand.
     fn behind(&self, op: &str, call: u64) -> Option<Vec<String>> {
         if let Some(board) = &self.board {
-            return Some(board.behind(op, call, Instant::now() + REPORT_DEADLINE));
+            return Some(ranks_behind(
+                board,
+                op,
+                call,
+                Instant::now() + REPORT_DEADLINE,
+            ));
         }
         if self.recorders.len() == 1 {
             return None;

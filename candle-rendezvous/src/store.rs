@@ -18,7 +18,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use candle_core::{bail, Result};
+use crate::{bail, Result};
 
 const VALIDATE: u8 = 0;
 const SET: u8 = 1;
@@ -56,8 +56,8 @@ pub struct TcpStoreClient {
     poisoned: bool,
 }
 
-fn err(peer: &str, what: impl std::fmt::Display) -> candle_core::Error {
-    candle_core::Error::Msg(format!("TCPStore at {peer}: {what}"))
+fn err(peer: &str, what: impl std::fmt::Display) -> crate::Error {
+    crate::Error::Msg(format!("TCPStore at {peer}: {what}"))
 }
 
 /// Time a GET's answer may take once its WAIT has seen the key, past the caller's deadline.
@@ -323,7 +323,11 @@ impl TcpStoreClient {
     }
 
     /// WAIT for `key`; past `deadline`, CANCEL_WAIT and an error naming the key.
-    fn wait(&mut self, key: &str, deadline: Instant) -> Result<()> {
+    ///
+    /// # Errors
+    ///
+    /// As [`TcpStoreClient::get`]'s wait.
+    pub fn wait(&mut self, key: &str, deadline: Instant) -> Result<()> {
         self.deadline(deadline)?;
         let mut m = vec![WAIT];
         m.extend(1u64.to_le_bytes());
@@ -381,6 +385,67 @@ impl TcpStoreClient {
             }
         }
         false
+    }
+}
+
+/// A key-value store every rank of a job reaches: what a start-up needs of one, each request
+/// bounded by a deadline. [`TcpStoreClient`] speaks to PyTorch's TCPStore (torchrun's agent
+/// store); the exchange and the progress reports are written against this trait, not against
+/// that client.
+///
+/// Keys are text, values bytes. A request that fails may leave the store's connection unusable
+/// (the implementation says so in its error); the caller connects again.
+pub trait Store: Send + std::fmt::Debug {
+    /// Stores `value` under `key`, replacing any value there.
+    ///
+    /// # Errors
+    /// When the request cannot be made by `deadline`.
+    fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()>;
+
+    /// The value under `key`, waiting until some rank has set it.
+    ///
+    /// # Errors
+    /// When `key` is not set by `deadline`, or the request fails.
+    fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>>;
+
+    /// Adds `delta` to the integer under `key` (0 when absent) and returns the new value.
+    ///
+    /// # Errors
+    /// When the request cannot be made or answered by `deadline`.
+    fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64>;
+
+    /// Whether `key` is set now, without waiting for it.
+    ///
+    /// # Errors
+    /// When the request cannot be made or answered by `deadline`.
+    fn check(&mut self, key: &str, deadline: Instant) -> Result<bool>;
+
+    /// Returns once `key` is set.
+    ///
+    /// # Errors
+    /// When `key` is not set by `deadline`, or the request fails.
+    fn wait(&mut self, key: &str, deadline: Instant) -> Result<()>;
+}
+
+impl Store for TcpStoreClient {
+    fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
+        TcpStoreClient::set(self, key, value, deadline)
+    }
+
+    fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+        TcpStoreClient::get(self, key, deadline)
+    }
+
+    fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
+        TcpStoreClient::add(self, key, delta, deadline)
+    }
+
+    fn check(&mut self, key: &str, deadline: Instant) -> Result<bool> {
+        TcpStoreClient::check(self, key, deadline)
+    }
+
+    fn wait(&mut self, key: &str, deadline: Instant) -> Result<()> {
+        TcpStoreClient::wait(self, key, deadline)
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicU8;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use candle_core::{bail, Result};
+use crate::{bail, Result};
 
 use super::wire::{frame, frame_as, read_by, write_by, HELLO};
 use super::*;
@@ -18,13 +18,13 @@ use super::*;
 pub(super) fn listeners(env: &DistEnv, deadline: Instant) -> Result<Vec<TcpListener>> {
     let addrs =
         super::store::resolve(&env.master_addr, env.master_port, deadline).map_err(|e| {
-            candle_core::Error::Msg(format!(
+            crate::Error::Msg(format!(
                 "bootstrap: rank 0 cannot resolve MASTER_ADDR={}: {e}",
                 env.master_addr
             ))
         })?;
     listen_on(&addrs, env.agent_store).map_err(|e| {
-        candle_core::Error::Msg(format!(
+        crate::Error::Msg(format!(
             "{e} (MASTER_ADDR={}:{})",
             env.master_addr, env.master_port
         ))
@@ -342,13 +342,13 @@ fn timed_out(
     timeout: Duration,
     served: &HashSet<usize>,
     dropped: &[String],
-) -> candle_core::Error {
+) -> crate::Error {
     let missing: Vec<usize> = (1..env.world_size)
         .filter(|r| !served.contains(r))
         .take(16)
         .collect();
     let dropped = &dropped[..dropped.len().min(4)];
-    candle_core::Error::Msg(format!(
+    crate::Error::Msg(format!(
         "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
         env.master_addr,
         env.master_port,

@@ -21,11 +21,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use candle_core::Result;
-
-use super::store::TcpStoreClient;
-use super::{peer_text, store_key, DistEnv};
-use crate::collective::recorder::behind_as;
+use crate::store::{Store, TcpStoreClient};
+use crate::{peer_text, store_key, DistEnv, Result};
 
 /// How often a publisher looks for a newer collective to report.
 pub const PUBLISH_EVERY: Duration = Duration::from_secs(1);
@@ -42,7 +39,7 @@ pub struct ProgressBoard {
     env: DistEnv,
     prefix: String,
     /// One connection, made on first use and again after a failure.
-    store: Mutex<Option<TcpStoreClient>>,
+    store: Mutex<Option<Box<dyn Store>>>,
 }
 
 /// A rank's newest report.
@@ -80,6 +77,16 @@ impl ProgressBoard {
         })
     }
 
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// The ranks of the communicator.
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
     fn key(&self, rank: usize) -> String {
         format!("{}/{rank}", self.prefix)
     }
@@ -89,17 +96,17 @@ impl ProgressBoard {
     fn with_store<R>(
         &self,
         deadline: Instant,
-        f: impl FnOnce(&mut TcpStoreClient) -> Result<R>,
+        f: impl FnOnce(&mut dyn Store) -> Result<R>,
     ) -> Result<R> {
         let mut guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
-            *guard = Some(TcpStoreClient::connect(
+            *guard = Some(Box::new(TcpStoreClient::connect(
                 &self.env.master_addr,
                 self.env.master_port,
                 deadline,
-            )?);
+            )?));
         }
-        let out = f(guard.as_mut().expect("connected above"));
+        let out = f(guard.as_mut().expect("connected above").as_mut());
         if out.is_err() {
             *guard = None;
         }
@@ -131,18 +138,18 @@ impl ProgressBoard {
         let key = self.key(rank);
         let value = self.with_store(deadline, |s| match s.check(&key, deadline)? {
             true => s.get(&key, deadline),
-            false => candle_core::bail!("rank {rank} published none"),
+            false => crate::bail!("rank {rank} published none"),
         })?;
         let value = match &self.env.secret {
             Some(k) => k.open(key.as_bytes(), &value).map_err(|e| {
-                candle_core::Error::Msg(format!(
+                crate::Error::Msg(format!(
                     "the report under {key} does not open with this rank's key: {e}"
                 ))
             })?,
             None => value,
         };
         let mut parts = value.splitn(3, |&b| b == b'\n');
-        let bad = || candle_core::Error::Msg(format!("the report under {key} is garbled"));
+        let bad = || crate::Error::Msg(format!("the report under {key} is garbled"));
         let mut number = || {
             let field = parts.next().ok_or_else(bad)?;
             std::str::from_utf8(field)
@@ -199,75 +206,5 @@ impl ProgressBoard {
                 }
             })
             .map(drop)
-    }
-
-    /// The ranks other than this one whose newest report is before call `call` (`op`), each
-    /// as "rank q never reached op #call; its last collective: ... (reported 1.2 s before)",
-    /// "stale" added past [`STALE_AFTER`]; a rank whose report cannot be read is named with the
-    /// reason. In rank order; reads stop at `deadline` (the ranks not read are named so).
-    pub fn behind(&self, op: &str, call: u64, deadline: Instant) -> Vec<String> {
-        let mut out = Vec::new();
-        for q in (0..self.env.world_size).filter(|&q| q != self.env.rank) {
-            if Instant::now() >= deadline {
-                out.push(format!(
-                    "ranks {q} and on: not read within the report's time"
-                ));
-                break;
-            }
-            match self.read(q, deadline) {
-                Ok(r) => out.extend(describe(q, op, call, &r)),
-                Err(e) => out.push(format!("rank {q}: no progress report read ({e})")),
-            }
-        }
-        out
-    }
-}
-
-/// Rank `q`'s report as a hang report names it, when it is before call `call` (`op`).
-fn describe(q: usize, op: &str, call: u64, r: &Report) -> Option<String> {
-    if r.call.is_some_and(|c| c >= call) {
-        return None;
-    }
-    let stale = match r.stale() {
-        true => format!(
-            ": stale, its rank republishes every {} s, so its process stopped publishing or the value was written back",
-            HEARTBEAT.as_secs()
-        ),
-        false => String::new(),
-    };
-    let line = format!(
-        "{} (reported {:.1} s before{stale})",
-        r.line,
-        r.age.as_secs_f64()
-    );
-    Some(behind_as(q, op, call, r.call.map(|_| line)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A report at or past the call names nothing; one before it names its line and age, and
-    /// "stale" once older than three heartbeats (a rank that stopped publishing, or a report of
-    /// earlier in the launch written back); a rank that reported nothing yet is named so.
-    #[test]
-    fn reports_are_described_with_their_age() {
-        let report = |call: Option<u64>, secs: u64| Report {
-            call,
-            age: Duration::from_secs(secs),
-            line: "all_reduce #5 F32×6, completed".into(),
-        };
-        assert_eq!(describe(1, "all_reduce", 5, &report(Some(5), 1)), None);
-        let fresh = describe(1, "all_reduce", 1207, &report(Some(5), 2)).unwrap();
-        assert!(
-            fresh.starts_with(
-                "rank 1 never reached all_reduce #1207; its last collective: all_reduce #5"
-            ) && fresh.ends_with("(reported 2.0 s before)"),
-            "{fresh}"
-        );
-        let old = describe(1, "all_reduce", 1207, &report(Some(5), 40)).unwrap();
-        assert!(old.contains("(reported 40.0 s before: stale,"), "{old}");
-        let none = describe(2, "all_reduce", 3, &report(None, 1)).unwrap();
-        assert!(none.ends_with("it recorded no collective"), "{none}");
     }
 }

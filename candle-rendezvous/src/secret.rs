@@ -31,24 +31,14 @@ use sha2::Sha256;
 use subtle::ConstantTimeEq;
 use zeroize::Zeroizing;
 
+pub(crate) use crate::sealed::{is_sealed, nonce, per_rank_marker, NONCE, SEAL_OVERHEAD, TAG};
+use crate::sealed::{SEALED, SEALED_V1, SEAL_NONCE};
+use crate::{bail, Result, SECRET_FILE_VAR, SECRET_VAR};
+
 type HmacSha256 = Hmac<Sha256>;
 
 /// Fewest key bytes accepted (128 bits).
 pub const MIN_SECRET: usize = 16;
-/// Bytes of a handshake nonce.
-pub(super) const NONCE: usize = 16;
-/// Bytes of an HMAC-SHA256 proof.
-pub(super) const TAG: usize = 32;
-/// Bytes of a sealing nonce (XChaCha20's).
-const SEAL_NONCE: usize = 24;
-/// Bytes of a Poly1305 tag.
-const SEAL_TAG: usize = 16;
-/// Bytes that open a sealed payload (format 2: XChaCha20-Poly1305).
-const SEALED: &[u8; 8] = b"CDSEAL02";
-/// What opened a payload sealed by versions before the AEAD.
-const SEALED_V1: &[u8; 8] = b"CDSEAL01";
-/// Bytes a sealed payload adds to the plain one.
-pub(super) const SEAL_OVERHEAD: usize = SEALED.len() + SEAL_NONCE + SEAL_TAG;
 /// The command the errors suggest for making a key.
 pub const MAKE_A_KEY: &str = "openssl rand -hex 32";
 
@@ -84,10 +74,10 @@ impl Secret {
     /// When `key` is shorter than [`MIN_SECRET`], or when every byte of it is printable text
     /// (a passphrase handed over as bytes: 16 random bytes are all printable one time in
     /// about 10⁷); the error never shows the key.
-    pub fn new(key: impl Into<Vec<u8>>) -> candle_core::Result<Self> {
+    pub fn new(key: impl Into<Vec<u8>>) -> Result<Self> {
         let key = Zeroizing::new(key.into());
         if key.len() < MIN_SECRET {
-            candle_core::bail!(
+            crate::bail!(
                 "bootstrap: the shared key has {} bytes, at least {MIN_SECRET} are needed (make one with `{MAKE_A_KEY}`)",
                 key.len()
             )
@@ -96,7 +86,7 @@ impl Secret {
             .iter()
             .all(|&b| (0x20..0x7f).contains(&b) || b"\t\r\n".contains(&b))
         {
-            candle_core::bail!(
+            crate::bail!(
                 "bootstrap: the shared key's {} bytes are all printable text: a passphrase, not a generated key (give the key's random bytes, or its hexadecimal form to Secret::from_text; make one with `{MAKE_A_KEY}`)",
                 key.len()
             )
@@ -122,7 +112,7 @@ impl Secret {
     /// When the text is not that (a passphrase, a word, a short key, base64), or encodes
     /// printable text (see [`Secret::new`]): the error names `source` and the command that
     /// makes a key, never the text.
-    pub fn from_text(text: &str, source: &str) -> candle_core::Result<Self> {
+    pub fn from_text(text: &str, source: &str) -> Result<Self> {
         match decode_hex(text.trim()) {
             Some(key) => Self::new(key.to_vec()).map_err(|e| refused(source, &e.to_string())),
             None => Err(refused(
@@ -139,7 +129,7 @@ impl Secret {
     ///
     /// # Errors
     /// As [`Secret::from_text`].
-    pub fn from_key_file(text: &str, source: &str) -> candle_core::Result<Self> {
+    pub fn from_key_file(text: &str, source: &str) -> Result<Self> {
         let text = text.trim();
         match decode_hex(text).or_else(|| decode_base64(text)) {
             Some(key) => Self::new(key.to_vec()).map_err(|e| refused(source, &e.to_string())),
@@ -162,12 +152,12 @@ impl Secret {
     }
 
     /// The HMAC-SHA256 of `parts` (the first one a label naming its purpose).
-    pub(super) fn prove(&self, parts: &[&[u8]]) -> [u8; TAG] {
+    pub(crate) fn prove(&self, parts: &[&[u8]]) -> [u8; TAG] {
         self.hmac(parts).finalize().into_bytes().into()
     }
 
     /// Whether `tag` is [`Secret::prove`] of `parts`, compared in constant time.
-    pub(super) fn check(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
+    pub(crate) fn check(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
         self.hmac(parts).verify_slice(tag).is_ok()
     }
 
@@ -177,10 +167,10 @@ impl Secret {
     ///
     /// # Errors
     /// When the operating system gives no random bytes.
-    pub(super) fn seal(&self, context: &[u8], payload: &[u8]) -> candle_core::Result<Vec<u8>> {
+    pub(crate) fn seal(&self, context: &[u8], payload: &[u8]) -> Result<Vec<u8>> {
         let mut nonce = [0u8; SEAL_NONCE];
         getrandom::fill(&mut nonce).map_err(|e| {
-            candle_core::Error::Msg(format!("bootstrap: no random bytes for a nonce: {e}"))
+            crate::Error::Msg(format!("bootstrap: no random bytes for a nonce: {e}"))
         })?;
         let body = self
             .cipher()
@@ -191,7 +181,7 @@ impl Secret {
                     aad: context,
                 },
             )
-            .map_err(|_| candle_core::Error::Msg("bootstrap: sealing failed".into()))?;
+            .map_err(|_| crate::Error::Msg("bootstrap: sealing failed".into()))?;
         let mut out = SEALED.to_vec();
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&body);
@@ -200,7 +190,11 @@ impl Secret {
 
     /// The payload of [`Secret::seal`]`(context, ..)`, or why not: not sealed, sealed by an
     /// older version, sealed with another key or for another context, or altered on the way.
-    pub(super) fn open(&self, context: &[u8], sealed: &[u8]) -> Result<Vec<u8>, String> {
+    pub(crate) fn open(
+        &self,
+        context: &[u8],
+        sealed: &[u8],
+    ) -> std::result::Result<Vec<u8>, String> {
         if sealed.starts_with(SEALED_V1) {
             return Err("the payload is sealed by an older candle-distributed (before XChaCha20-Poly1305): run the same version on every rank".into());
         }
@@ -226,35 +220,32 @@ impl Secret {
     }
 }
 
-/// A fresh random handshake nonce from the operating system.
-///
-/// # Errors
-/// When the operating system gives no random bytes.
-pub(super) fn nonce() -> candle_core::Result<[u8; NONCE]> {
-    let mut n = [0u8; NONCE];
-    getrandom::fill(&mut n).map_err(|e| {
-        candle_core::Error::Msg(format!("bootstrap: no random bytes for a nonce: {e}"))
-    })?;
-    Ok(n)
-}
-
-/// What rank 0 sets under a rendezvous key in torchrun's store when it seals one copy of the
-/// payload per rank: sealed-looking (a rank without the key says so), opening for nobody.
-pub(super) fn per_rank_marker() -> Vec<u8> {
-    let mut m = SEALED.to_vec();
-    m.extend_from_slice(&[0u8; SEAL_NONCE + SEAL_TAG]);
-    m.extend_from_slice(b"one sealed copy per rank");
-    m
-}
-
-/// Whether `bytes` looks like a sealed payload (of this version or an older one).
-pub(super) fn is_sealed(bytes: &[u8]) -> bool {
-    (bytes.len() >= SEAL_OVERHEAD && bytes.starts_with(SEALED)) || bytes.starts_with(SEALED_V1)
+/// The shared key from [`SECRET_VAR`] or the file [`SECRET_FILE_VAR`] names, if either is set.
+pub(crate) fn from_vars(get: &impl Fn(&str) -> Option<String>) -> Result<Option<Secret>> {
+    match (get(SECRET_VAR), get(SECRET_FILE_VAR)) {
+        (None, None) => Ok(None),
+        (Some(_), Some(_)) => {
+            bail!("bootstrap: both {SECRET_VAR} and {SECRET_FILE_VAR} are set: set one")
+        }
+        (Some(text), None) => {
+            let text = Zeroizing::new(text);
+            Secret::from_text(&text, &format!("environment variable {SECRET_VAR}")).map(Some)
+        }
+        (None, Some(path)) => {
+            let text = Zeroizing::new(std::fs::read_to_string(path.trim()).map_err(|e| {
+                crate::Error::Msg(format!(
+                    "bootstrap: the key file {path:?} ({SECRET_FILE_VAR}) cannot be read: {e}"
+                ))
+            })?);
+            Secret::from_key_file(&text, &format!("the key file {path:?} ({SECRET_FILE_VAR})"))
+                .map(Some)
+        }
+    }
 }
 
 /// The error of a refused key: where it came from and why, never the text.
-fn refused(source: &str, why: &str) -> candle_core::Error {
-    candle_core::Error::Msg(format!(
+fn refused(source: &str, why: &str) -> crate::Error {
+    crate::Error::Msg(format!(
         "bootstrap: {source} is not a generated key: {why}; make one with `{MAKE_A_KEY}`. Passphrases are refused: anyone who reaches rank 0's port, or sees one exchange, could test guesses of one offline"
     ))
 }

@@ -1,7 +1,7 @@
 //! Where a process sits in its job, as its launcher says: torchrun (or any launcher that sets
 //! `RANK` and `WORLD_SIZE`), Slurm's `srun`, or Open MPI's `mpirun` (the table of variables: `DistEnv::from_env`).
 
-use candle_core::{bail, Result};
+use crate::{bail, Result};
 
 /// A process's place in its job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,9 +18,9 @@ fn parse(name: &str, v: Option<String>) -> Result<usize> {
     let Some(v) = v else {
         bail!("bootstrap: environment variable {name} is not set")
     };
-    v.trim().parse().map_err(|_| {
-        candle_core::Error::Msg(format!("bootstrap: {name}={v:?} is not a valid number"))
-    })
+    v.trim()
+        .parse()
+        .map_err(|_| crate::Error::Msg(format!("bootstrap: {name}={v:?} is not a valid number")))
 }
 
 fn optional(name: &str, get: &dyn Fn(&str) -> Option<String>) -> Result<Option<usize>> {
@@ -75,7 +75,7 @@ pub(super) fn placement(get: &dyn Fn(&str) -> Option<String>) -> Result<Placemen
 /// The tasks on node `node` from Slurm's compressed list: `2(x3),1` is 2, 2, 2, 1.
 fn tasks_on_node(list: &str, node: usize) -> Result<usize> {
     let bad = || {
-        candle_core::Error::Msg(format!(
+        crate::Error::Msg(format!(
             "bootstrap: SLURM_STEP_TASKS_PER_NODE={list:?} is not a list like \"2(x3),1\""
         ))
     };

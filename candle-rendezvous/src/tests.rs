@@ -1,9 +1,13 @@
 //! The exchange against real sockets: retries, foreign and garbled clients, deadlines.
 
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
 
+use super::client::{hello, read_answer};
 use super::store::connect_any;
+use super::stored::{open_per_rank, per_rank_context, per_rank_key, unseal_stored};
+use super::wire::write_by;
 use super::wire::HELLO;
 use super::*;
 use std::collections::HashMap;
@@ -345,7 +349,9 @@ fn a_connection_flood_under_a_low_descriptor_limit() {
     let exe = std::env::current_exe().unwrap();
     let mut rank0 = Command::new("sh")
         .arg("-c")
-        .arg("ulimit -n 64 && exec \"$0\" collective::bootstrap::tests::flood_rank_zero --exact --ignored --test-threads 1")
+        .arg(
+            "ulimit -n 64 && exec \"$0\" tests::flood_rank_zero --exact --ignored --test-threads 1",
+        )
         .arg(&exe)
         .env("FLOOD_PORT", port.to_string())
         .stdout(Stdio::null())
@@ -520,7 +526,8 @@ fn strangers_without_the_secret_cannot_join() {
         raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut hello = env_secret(1, 3, port, Some(SECRET));
         hello.secret = Some(test_key("yet another secret of length"));
-        raw.write_all(&super::hello(&hello, 0).unwrap()).unwrap();
+        raw.write_all(&super::client::hello(&hello, 0).unwrap())
+            .unwrap();
         let mut seen = Vec::new();
         raw.write_all(&[0u8; 32]).unwrap();
         let _ = raw.read_to_end(&mut seen);
@@ -871,7 +878,7 @@ fn a_client_of_another_protocol_version_gets_the_reason() {
         let (mut old, _) =
             connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
         old.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut hello = super::hello(&env(1, 2, port), 0).unwrap();
+        let mut hello = super::client::hello(&env(1, 2, port), 0).unwrap();
         hello[..8].copy_from_slice(b"CDBOOT03");
         old.write_all(&hello).unwrap();
         let mut reply = Vec::new();
@@ -1071,4 +1078,113 @@ fn a_repeated_accept_failure_is_logged_once_a_second() {
     assert_eq!(w.admit(at(999)), None);
     assert_eq!(w.admit(at(1000)), Some(251));
     assert_eq!(w.admit(at(2500)), Some(0));
+}
+
+/// A store held in this process, shared by the ranks' threads: what any other [`Store`] must
+/// offer the exchange (`get` and `wait` block until the key is set or the deadline passes).
+#[derive(Debug, Clone, Default)]
+struct MemoryStore(std::sync::Arc<(std::sync::Mutex<Entries>, std::sync::Condvar)>);
+
+type Entries = HashMap<String, Vec<u8>>;
+
+impl Store for MemoryStore {
+    fn set(&mut self, key: &str, value: &[u8], _deadline: Instant) -> Result<()> {
+        let (map, cv) = &*self.0;
+        map.lock().unwrap().insert(key.into(), value.into());
+        cv.notify_all();
+        Ok(())
+    }
+
+    fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+        self.wait(key, deadline)?;
+        Ok(self.0 .0.lock().unwrap()[key].clone())
+    }
+
+    fn add(&mut self, key: &str, delta: i64, _deadline: Instant) -> Result<i64> {
+        let mut map = self.0 .0.lock().unwrap();
+        let v = map
+            .get(key)
+            .map_or(0, |b| i64::from_le_bytes(b[..].try_into().unwrap()))
+            + delta;
+        map.insert(key.into(), v.to_le_bytes().to_vec());
+        Ok(v)
+    }
+
+    fn check(&mut self, key: &str, _deadline: Instant) -> Result<bool> {
+        Ok(self.0 .0.lock().unwrap().contains_key(key))
+    }
+
+    fn wait(&mut self, key: &str, deadline: Instant) -> Result<()> {
+        let (map, cv) = &*self.0;
+        let mut m = map.lock().unwrap();
+        while !m.contains_key(key) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("memory store: timed out waiting for key {key:?}");
+            }
+            m = cv.wait_timeout(m, left).unwrap().0;
+        }
+        Ok(())
+    }
+}
+
+/// The exchange through a store is written against [`Store`], not against torchrun's client:
+/// over a store held in memory, 4 ranks get rank 0's payload, with and without a shared key
+/// (with one, every rank's copy is sealed for its own nonce, and the value under the
+/// rendezvous key is the marker, not the payload); a rank with another key is refused.
+#[test]
+fn the_store_exchange_runs_over_any_store() {
+    let id: Vec<u8> = (0..128u32).map(|i| (i * 11 + 5) as u8).collect();
+    for secret in [None, Some("memory-store-key-of-this-test")] {
+        let store = MemoryStore::default();
+        let env = |r| DistEnv {
+            agent_store: true,
+            ..env_secret(r, 4, 1, secret)
+        };
+        let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|r| {
+                    let (mut store, id, env) = (store.clone(), &id, env(r));
+                    s.spawn(move || {
+                        let deadline = Instant::now() + LONG;
+                        match r {
+                            0 => stored::set_payload(&env, &mut store, 3, id, deadline)
+                                .map(|()| id.clone()),
+                            _ => stored::get_payload(&env, &mut store, 3, deadline, LONG),
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        assert!(got.iter().all(|g| *g == id), "{secret:?}");
+        let mut s = store.clone();
+        let at_key = s.get(&store_key(&env(0), 3), Instant::now()).unwrap();
+        assert_eq!(at_key == id, secret.is_none(), "{secret:?}");
+    }
+    // A rank holding another key than rank 0's.
+    let store = MemoryStore::default();
+    let env = |r, key| DistEnv {
+        agent_store: true,
+        ..env_secret(r, 2, 1, Some(key))
+    };
+    let e = std::thread::scope(|s| {
+        let mut rank0 = store.clone();
+        s.spawn(move || {
+            let deadline = Instant::now() + LONG;
+            stored::set_payload(&env(0, "the key of rank 0"), &mut rank0, 0, b"id", deadline)
+        });
+        let mut rank1 = store.clone();
+        let deadline = Instant::now() + LONG;
+        stored::get_payload(
+            &env(1, "another key, rank 1"),
+            &mut rank1,
+            0,
+            deadline,
+            LONG,
+        )
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("fails authentication"), "{e}");
 }
