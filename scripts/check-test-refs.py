@@ -7,7 +7,8 @@ lines under `src/`) for two forms of test reference:
     exist and define `fn <name>` (or, under a module such as `cpu::` that a macro generates,
     name it as a whole word);
   - `<module path>::tests::<name>` (a unit test in `src/`): some file of that module path under
-    `src/` (`a/b.rs`, `a/b/mod.rs`, `a/b/tests.rs`, at any depth) must define `fn <name>`.
+    `src/` (`a/b.rs`, `a/b/mod.rs`, `a/b/tests.rs`, at any depth) must define `fn <name>`; a
+    path that starts with `candle_rendezvous::` is looked up under `candle-rendezvous/src/`.
 A `*` as the name accepts any test of the module. Prints each reference that does not resolve
 and exits 1 if there is one.
 """
@@ -18,10 +19,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted(
     p
-    for d in ("docs", "examples", "gpu-sim", "scripts")
+    for d in ("docs", "examples", "gpu-sim", "scripts", "candle-rendezvous")
     for p in (ROOT / d).rglob("*.md")
 )
-SOURCES = sorted((ROOT / "src").rglob("*.rs"))
+SOURCES = sorted((ROOT / "src").rglob("*.rs")) + sorted(
+    (ROOT / "candle-rendezvous" / "src").rglob("*.rs")
+)
 INTEGRATION = re.compile(r"tests/([A-Za-z0-9_/]+\.rs)((?:::[A-Za-z0-9_*]+)+)")
 UNIT = re.compile(r"\b((?:[a-z_][a-z0-9_]*::)+)tests::([A-Za-z0-9_*]+)")
 
@@ -36,12 +39,16 @@ def defines(path: pathlib.Path, name: str, loose: bool) -> bool:
 
 
 def unit_files(modules: list[str]) -> list[pathlib.Path]:
-    *parents, last = modules
-    stem = "/".join(parents + [last])
+    base = ROOT / "src"
+    if modules[0] == "candle_rendezvous":
+        base, modules = ROOT / "candle-rendezvous" / "src", modules[1:]
+        if not modules:
+            return [base / "lib.rs", base / "tests.rs"]
+    stem = "/".join(modules)
     out = []
     for pattern in (f"{stem}.rs", f"{stem}/mod.rs", f"{stem}/tests.rs"):
-        out += (ROOT / "src").glob(pattern)
-        out += (ROOT / "src").glob(f"**/{pattern}")
+        out += base.glob(pattern)
+        out += base.glob(f"**/{pattern}")
     return sorted(set(out))
 
 
@@ -67,7 +74,7 @@ def main() -> int:
                 modules = m.group(1).rstrip(":").split("::")
                 files = [f for f in unit_files(modules) if defines(f, m.group(2), loose=False)]
                 if not files:
-                    bad.append(f"{rel}:{n}: no unit test {m.group(0)} under src/")
+                    bad.append(f"{rel}:{n}: no unit test {m.group(0)}")
     for b in bad:
         print(b)
     print(f"{checked} test references checked, {len(bad)} unresolved")

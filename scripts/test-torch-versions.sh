@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The TCPStore client and torchrun's launch across PyTorch releases (tests/torch_interop.rs):
-# the oldest supported (2.5.1; `collective::bootstrap::store::OLDEST_PYTORCH`), and the newest on PyPI
+# the oldest supported (2.5.1; `candle_rendezvous::store::OLDEST_PYTORCH`), and the newest on PyPI
 # when this list was last updated (2.15.0, 2026-11-25); scripts/test-torch.sh covers 2.9.1 in
 # the middle. Then 2.4.1, older than supported, must be refused by name. Each release goes into
 # its own virtual environment under target/, removed after its tests: PyPI's Linux wheels are

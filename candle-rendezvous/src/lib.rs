@@ -1,6 +1,16 @@
+//! # candle-rendezvous
+//!
 //! Start-up of multi-process groups from the environment that `torchrun` and similar launchers
-//! set, and the exchange with which rank 0 hands a small secret (NCCL's 128-byte unique id) to
-//! every other rank. Pure Rust, no GPU: the NCCL backend builds on it.
+//! set ([`DistEnv`]), and the exchange with which rank 0 hands a small payload (NCCL's 128-byte
+//! unique id) to every other rank ([`share_bytes`]). Pure Rust, no GPU, no tensor:
+//! `candle-distributed`'s NCCL backend builds on it, and re-exports it as
+//! `candle_distributed::collective::rendezvous`.
+//!
+//! - [`store`]: [`Store`], what the exchange needs of a key-value store (set, get, add, check,
+//!   wait, each with a deadline), and [`TcpStoreClient`], a client of PyTorch's TCPStore.
+//! - [`progress`]: each rank's newest collective published in the store, for hang reports.
+//! - [`secret`]: the optional shared key (feature `keys`, on by default; without it the crate
+//!   depends on `log` and `getrandom` only, and a key set in the environment is refused).
 //!
 //! Two ways, chosen by the environment:
 //! - **Under torchrun** (`TORCHELASTIC_USE_AGENT_STORE=True`): torchrun's agent already serves a
@@ -60,18 +70,21 @@
 //! closed; a thread it cannot start closes that connection
 //! instead of panicking. A stranger that keeps the table full and reconnects the moment a
 //! connection closes does not keep the ranks out
-//! (`bootstrap::tests::a_sustained_flood_does_not_keep_the_ranks_out`,
+//! (`candle_rendezvous::tests::a_sustained_flood_does_not_keep_the_ranks_out`,
 //! `a_connection_flood_under_a_low_descriptor_limit`); while descriptors are exhausted its
 //! warning is logged once a second (`a_repeated_accept_failure_is_logged_once_a_second`).
 //! Rank 0 counts a client's acknowledgement that arrives up to 2 s after that client's 5 s
 //! (`a_late_acknowledgement_is_still_counted`). Clients try every
 //! address in turn, each attempt bounded by 5 s, so a silent listener costs one attempt
-//! (`bootstrap::tests::a_silent_listener_costs_one_attempt`), and back off from 50 ms to 1 s.
+//! (`candle_rendezvous::tests::a_silent_listener_costs_one_attempt`), and back off from 50 ms to 1 s.
 //! Name resolution (`getaddrinfo`, with timeouts of its own) is bounded by the caller's
 //! deadline (`a_slow_resolver_costs_only_the_deadline`).
 //! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and
 //! 2.15.0 tested by `tests/torch_interop.rs`; an older server is refused with an error naming
-//! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).
+//! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+#![warn(clippy::missing_errors_doc)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 

@@ -51,3 +51,34 @@ fn describe(q: usize, op: &str, call: u64, r: &Report) -> Option<String> {
     );
     Some(behind_as(q, op, call, r.call.map(|_| line)))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A report at or past the call names nothing; one before it names its line and age, and
+    /// "stale" once older than three heartbeats (a rank that stopped publishing, or a report of
+    /// earlier in the launch written back); a rank that reported nothing yet is named so.
+    #[test]
+    fn reports_are_described_with_their_age() {
+        let report = |call: Option<u64>, secs: u64| Report {
+            call,
+            age: Duration::from_secs(secs),
+            line: "all_reduce #5 F32×6, completed".into(),
+        };
+        assert_eq!(describe(1, "all_reduce", 5, &report(Some(5), 1)), None);
+        let fresh = describe(1, "all_reduce", 1207, &report(Some(5), 2)).unwrap();
+        assert!(
+            fresh.starts_with(
+                "rank 1 never reached all_reduce #1207; its last collective: all_reduce #5"
+            ) && fresh.ends_with("(reported 2.0 s before)"),
+            "{fresh}"
+        );
+        let old = describe(1, "all_reduce", 1207, &report(Some(5), 40)).unwrap();
+        assert!(old.contains("(reported 40.0 s before: stale,"), "{old}");
+        let none = describe(2, "all_reduce", 3, &report(None, 1)).unwrap();
+        assert!(none.ends_with("it recorded no collective"), "{none}");
+    }
+}
