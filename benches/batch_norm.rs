@@ -17,7 +17,7 @@ use candle_distributed::ops::{
     batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_elemt,
     batch_norm_gather_stats, batch_norm_stats, BatchStats,
 };
-use candle_distributed::{sync_batch_norm, Layout, SyncBatchNorm, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, ChannelLayout, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
@@ -70,9 +70,9 @@ fn bench_shape(
     let dy = Tensor::randn(0f32, 1f32, dims.as_slice(), &dev).unwrap();
     let vm = VarMap::new();
     let layout = if channels_last {
-        Layout::ChannelsLast
+        ChannelLayout::ChannelsLast
     } else {
-        Layout::ChannelsFirst
+        ChannelLayout::ChannelsFirst
     };
     let cfg = SyncBatchNormConfig::default().with_layout(layout);
     let bn = sync_batch_norm(
@@ -202,7 +202,7 @@ struct Replay<'a> {
     /// The batch's statistics (the forward computes the same ones inside the layer).
     stats: &'a BatchStats,
     weight: &'a Tensor,
-    layout: Layout,
+    layout: ChannelLayout,
 }
 
 /// Time spent over the steps of one [`Replay::run`], split between the layer and candle.

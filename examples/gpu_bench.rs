@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::{ops, Layout};
+use candle_distributed::{ops, ChannelLayout};
 
 /// `(C, H·W)` of ResNet-50's batch-norm layers: stem, then one per stage.
 const SIZES: [(usize, usize); 5] = [
@@ -49,7 +49,7 @@ fn main() -> Result<()> {
         "| layout | dtype | C × H·W | copy GB/s | fwd GB/s | fwd / copy | bwd GB/s | bwd / copy |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for layout in [Layout::ChannelsFirst, Layout::ChannelsLast] {
+    for layout in [ChannelLayout::ChannelsFirst, ChannelLayout::ChannelsLast] {
         let cl = layout.is_channels_last();
         for dtype in [DType::F32, DType::BF16] {
             for (c, hw) in SIZES {

@@ -8,7 +8,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::ThreadGroup;
-use candle_distributed::{sync_batch_norm, Layout, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, ChannelLayout, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
 use rand::{Rng, SeedableRng};
@@ -51,9 +51,9 @@ fn main() -> Result<()> {
     let x = Var::from_tensor(&Tensor::from_vec(values, &dims, &Device::Cpu)?)?;
     let vm = VarMap::new();
     let layout = if channels_last {
-        Layout::ChannelsLast
+        ChannelLayout::ChannelsLast
     } else {
-        Layout::ChannelsFirst
+        ChannelLayout::ChannelsFirst
     };
     let cfg = SyncBatchNormConfig::default().with_layout(layout);
     let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);

@@ -5,7 +5,7 @@
 /// The ops and [`crate::SyncBatchNorm`] take inputs of rank 2 to 5; `*` below stands for the
 /// spatial dimensions (none, `L`, `H, W` or `D, H, W`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Layout {
+pub enum ChannelLayout {
     /// `(N, C, *)`: NCHW for images, PyTorch's default.
     #[default]
     ChannelsFirst,
@@ -13,10 +13,10 @@ pub enum Layout {
     ChannelsLast,
 }
 
-impl Layout {
-    /// True for [`Layout::ChannelsLast`].
+impl ChannelLayout {
+    /// True for [`ChannelLayout::ChannelsLast`].
     pub fn is_channels_last(self) -> bool {
-        self == Layout::ChannelsLast
+        self == ChannelLayout::ChannelsLast
     }
 
     /// The number of channels of an input of shape `dims` in this layout, or `None` unless
@@ -26,16 +26,16 @@ impl Layout {
             return None;
         }
         Some(match self {
-            Layout::ChannelsFirst => dims[1],
-            Layout::ChannelsLast => dims[dims.len() - 1],
+            ChannelLayout::ChannelsFirst => dims[1],
+            ChannelLayout::ChannelsLast => dims[dims.len() - 1],
         })
     }
 
     /// The shape in words, for error messages: `"(N, C, *)"` or `"(N, *, C)"`.
     pub fn describe(self) -> &'static str {
         match self {
-            Layout::ChannelsFirst => "(N, C, *)",
-            Layout::ChannelsLast => "(N, *, C)",
+            ChannelLayout::ChannelsFirst => "(N, C, *)",
+            ChannelLayout::ChannelsLast => "(N, *, C)",
         }
     }
 }

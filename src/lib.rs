@@ -75,7 +75,11 @@ pub mod sampler;
 pub use amp::GradScaler;
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
 pub use data_parallel::{DataParallel, GradHooks, OverlapStats};
-pub use layout::Layout;
+pub use layout::ChannelLayout;
+
+/// The former name of [`ChannelLayout`] (candle's own `Layout` sits beside it in the same files).
+#[deprecated(since = "0.1.0", note = "renamed `ChannelLayout`")]
+pub type Layout = ChannelLayout;
 pub use sampler::{DistributedSampler, Remainder};
 
 /// The README's Rust code blocks, compiled and run as doctests (`cargo test --doc`), so that

@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use candle_distributed::collective::ThreadGroup;
-use candle_distributed::{sync_batch_norm, Layout, SyncBatchNormConfig};
+use candle_distributed::{sync_batch_norm, ChannelLayout, SyncBatchNormConfig};
 use candle_nn::{BatchNormConfig, ModuleT, VarBuilder, VarMap};
 use common::randn;
 
@@ -133,7 +133,7 @@ fn the_candle_batch_norm_gives_the_same_eval_output() -> anyhow::Result<()> {
         e.contains("to_batch_norm") && e.contains("track_running_stats"),
         "{e}"
     );
-    let nhwc = SyncBatchNormConfig::default().with_layout(Layout::ChannelsLast);
+    let nhwc = SyncBatchNormConfig::default().with_layout(ChannelLayout::ChannelsLast);
     let e = sync_batch_norm(3, nhwc, vb, comm)?
         .to_batch_norm()
         .unwrap_err()

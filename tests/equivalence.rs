@@ -354,14 +354,14 @@ fn nchw_4d_cumulative_average(dev: &Device) -> anyhow::Result<()> {
 
 fn nhwc_4d(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 6, &[3, 3]);
-    c.config.layout = Layout::ChannelsLast;
+    c.config.layout = ChannelLayout::ChannelsLast;
     run_case(&c, dev);
     Ok(())
 }
 
 fn nhwc_4d_cumulative_average(dev: &Device) -> anyhow::Result<()> {
     let mut c = Case::new(&BATCHES, 5, &[2, 3]);
-    c.config.layout = Layout::ChannelsLast;
+    c.config.layout = ChannelLayout::ChannelsLast;
     c.config.momentum = None;
     run_case(&c, dev);
     Ok(())
@@ -375,7 +375,7 @@ fn two_d(dev: &Device) -> anyhow::Result<()> {
 fn three_d_nchw_and_nlc(dev: &Device) -> anyhow::Result<()> {
     run_case(&Case::new(&BATCHES, 4, &[9]), dev);
     let mut c = Case::new(&BATCHES, 4, &[9]);
-    c.config.layout = Layout::ChannelsLast;
+    c.config.layout = ChannelLayout::ChannelsLast;
     run_case(&c, dev);
     Ok(())
 }
@@ -383,7 +383,7 @@ fn three_d_nchw_and_nlc(dev: &Device) -> anyhow::Result<()> {
 fn five_d_nchw_and_ndhwc(dev: &Device) -> anyhow::Result<()> {
     run_case(&Case::new(&BATCHES, 2, &[2, 3, 2]), dev);
     let mut c = Case::new(&BATCHES, 3, &[2, 2, 3]);
-    c.config.layout = Layout::ChannelsLast;
+    c.config.layout = ChannelLayout::ChannelsLast;
     run_case(&c, dev);
     Ok(())
 }
@@ -449,7 +449,7 @@ fn grid_split_reductions_nchw_and_nhwc(dev: &Device) -> anyhow::Result<()> {
     }
     run_case(&Case::new(&BATCHES, 2, &[64, 64]), dev);
     let mut c = Case::new(&BATCHES, 40, &[16, 32]);
-    c.config.layout = Layout::ChannelsLast;
+    c.config.layout = ChannelLayout::ChannelsLast;
     run_case(&c, dev);
     Ok(())
 }

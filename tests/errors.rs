@@ -428,7 +428,7 @@ fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
     let dy64 = Tensor::randn(0f64, 1.0, (2, 3, 4), &Device::Cpu)?;
     let mean = Tensor::new(&[0.1f64, 0.2, 0.3], &Device::Cpu)?;
     expect_err(
-        batch_norm_backward_reduce(&dy64, &x, &mean, None, Layout::ChannelsFirst),
+        batch_norm_backward_reduce(&dy64, &x, &mean, None, ChannelLayout::ChannelsFirst),
         &["gradient dtype F64 differs from input dtype F32"],
     );
     let (invstd, sums, count) = (
@@ -448,7 +448,7 @@ fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
         &count,
         Some(&relu64),
         false,
-        Layout::ChannelsFirst,
+        ChannelLayout::ChannelsFirst,
     )
     .map(|(dx, _)| dx);
     expect_err(err, &["relu output dtype F64 differs from input dtype F32"]);
@@ -479,7 +479,7 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
             &count,
             None,
             false,
-            Layout::ChannelsFirst,
+            ChannelLayout::ChannelsFirst,
         )
         .map(|(dx, _)| dx)
     };
@@ -488,9 +488,9 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
         elemt(&sums.t()?),
         &["expected sums of shape [2, 3] in a float dtype, got shape [3, 2]"],
     );
-    batch_norm_stats(&x, &mean, Layout::ChannelsFirst)?;
+    batch_norm_stats(&x, &mean, ChannelLayout::ChannelsFirst)?;
     expect_err(
-        batch_norm_stats(&x, &mean.unsqueeze(0)?, Layout::ChannelsFirst),
+        batch_norm_stats(&x, &mean.unsqueeze(0)?, ChannelLayout::ChannelsFirst),
         &["expected shift of shape [3]", "got shape [1, 3]"],
     );
     let apply = |mean: &Tensor| {
@@ -502,7 +502,7 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
             None,
             None,
             false,
-            Layout::ChannelsFirst,
+            ChannelLayout::ChannelsFirst,
         )
     };
     apply(&mean)?;

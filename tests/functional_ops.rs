@@ -180,9 +180,9 @@ fn half_inputs_give_f64_statistics() -> anyhow::Result<()> {
     let s64 = batch_norm_stats(
         &x.to_dtype(DType::F16)?.to_dtype(DType::F64)?,
         &shift,
-        Layout::ChannelsFirst,
+        ChannelLayout::ChannelsFirst,
     )?;
-    let s16 = batch_norm_stats(&x.to_dtype(DType::F16)?, &shift, Layout::ChannelsFirst)?;
+    let s16 = batch_norm_stats(&x.to_dtype(DType::F16)?, &shift, ChannelLayout::ChannelsFirst)?;
     assert_eq!(s16.dtype(), DType::F64);
     assert_close("f16 stats", &s16, &s64, 1e-12);
     Ok(())
@@ -263,7 +263,7 @@ fn the_autograd_form_with_constant_statistics() -> anyhow::Result<()> {
         Some((&w, &b)),
         None,
         false,
-        Layout::ChannelsFirst,
+        ChannelLayout::ChannelsFirst,
         StatsGrad::Constant,
     )?;
     let g = (&y * &dy)?.sum_all()?.backward()?;
@@ -301,7 +301,7 @@ fn per_channel_counts_are_per_channel() -> anyhow::Result<()> {
         &count,
         None,
         false,
-        Layout::ChannelsFirst,
+        ChannelLayout::ChannelsFirst,
     )?;
     let (xv, dyv, dxv) = (
         x.flatten_all()?.to_vec1::<f64>()?,
@@ -337,9 +337,9 @@ fn f32_stats_errors(x: &Tensor, shift: f64, channels_last: bool) -> anyhow::Resu
     let c = x.dim(1)?;
     let x32 = x.to_dtype(DType::F32)?;
     let l = if channels_last {
-        Layout::ChannelsLast
+        ChannelLayout::ChannelsLast
     } else {
-        Layout::ChannelsFirst
+        ChannelLayout::ChannelsFirst
     };
     let k = Tensor::full(shift, c, x.device())?;
     let sums = batch_norm_stats(&layout(&x32, channels_last), &k, l)?.to_vec2::<f64>()?;

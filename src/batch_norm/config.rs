@@ -1,6 +1,6 @@
 //! Configuration of [`super::SyncBatchNorm`].
 
-use crate::Layout;
+use crate::layout::ChannelLayout;
 
 /// Options of a synchronized batch-norm layer, with PyTorch's `nn.SyncBatchNorm` defaults.
 ///
@@ -8,9 +8,9 @@ use crate::Layout;
 /// `with_*` methods; fields can be read and set, and new ones may be added in a minor release:
 ///
 /// ```
-/// use candle_distributed::{Layout, SyncBatchNormConfig};
+/// use candle_distributed::{ChannelLayout, SyncBatchNormConfig};
 /// let cfg = SyncBatchNormConfig::default()
-///     .with_layout(Layout::ChannelsLast)
+///     .with_layout(ChannelLayout::ChannelsLast)
 ///     .with_fuse_relu(true);
 /// assert_eq!(cfg.momentum, Some(0.1));
 /// ```
@@ -26,8 +26,8 @@ pub struct SyncBatchNormConfig {
     pub affine: bool,
     /// Keep `running_mean` / `running_var` and use them in eval mode. Default `true`.
     pub track_running_stats: bool,
-    /// Where the input's channel dimension sits. Default [`Layout::ChannelsFirst`].
-    pub layout: Layout,
+    /// Where the input's channel dimension sits. Default [`ChannelLayout::ChannelsFirst`].
+    pub layout: ChannelLayout,
     /// Apply ReLU after the normalisation (and after the residual add). Default `false`.
     pub fuse_relu: bool,
 }
@@ -39,7 +39,7 @@ impl Default for SyncBatchNormConfig {
             momentum: Some(0.1),
             affine: true,
             track_running_stats: true,
-            layout: Layout::ChannelsFirst,
+            layout: ChannelLayout::ChannelsFirst,
             fuse_relu: false,
         }
     }
@@ -71,7 +71,7 @@ impl SyncBatchNormConfig {
     }
 
     /// With [`Self::layout`] set.
-    pub fn with_layout(mut self, layout: Layout) -> Self {
+    pub fn with_layout(mut self, layout: ChannelLayout) -> Self {
         self.layout = layout;
         self
     }

@@ -4,7 +4,7 @@
 use candle_core::{bail, Result};
 
 use super::{SyncBatchNorm, OP};
-use crate::Layout;
+use crate::layout::ChannelLayout;
 
 impl SyncBatchNorm {
     /// A `candle_nn::BatchNorm` with a copy of this layer's running statistics, affine
@@ -36,7 +36,7 @@ impl SyncBatchNorm {
                  running statistics in eval"
             )
         };
-        if self.config.layout == Layout::ChannelsLast {
+        if self.config.layout == ChannelLayout::ChannelsLast {
             bail!(
                 "{OP}: to_batch_norm: the layer is channels-last, candle's BatchNorm takes the \
                  channels at dimension 1: permute the input to (N, C, *) first, or fold the \

@@ -136,7 +136,7 @@ struct Snapshot {
 
 /// Synchronized batch normalisation (PyTorch's `nn.SyncBatchNorm`).
 ///
-/// Input `(N, C, *)` (or `(N, *, C)` with [`crate::Layout::ChannelsLast`]), rank 2 to 5, f32/f64/f16/bf16;
+/// Input `(N, C, *)` (or `(N, *, C)` with [`crate::ChannelLayout::ChannelsLast`]), rank 2 to 5, f32/f64/f16/bf16;
 /// output of the same shape and dtype. In training, the mean and variance of each channel are
 /// those of the global batch (all ranks' inputs together, weighted by their counts, empty
 /// local batches allowed); one all-reduce of `3·C` f64 values in the forward and one of `2·C`

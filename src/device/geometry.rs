@@ -3,7 +3,7 @@
 
 use candle_core::{bail, Result};
 
-use crate::Layout;
+use crate::layout::ChannelLayout;
 
 /// An input seen as `n` batch entries × `c` channels × `s` positions.
 ///
@@ -19,7 +19,7 @@ pub struct Geometry {
     /// Positions per channel and entry (the product of the spatial dimensions).
     pub s: usize,
     /// Where the channels sit.
-    pub layout: Layout,
+    pub layout: ChannelLayout,
 }
 
 impl Geometry {
@@ -28,14 +28,14 @@ impl Geometry {
     /// # Errors
     ///
     /// When `dims` is not of rank 2 to 5.
-    pub fn of(op: &str, dims: &[usize], layout: Layout) -> Result<Self> {
+    pub fn of(op: &str, dims: &[usize], layout: ChannelLayout) -> Result<Self> {
         let Some(c) = layout.channels(dims) else {
             let shape = layout.describe();
             bail!("{op}: expected an input of rank 2 to 5 {shape}, got shape {dims:?}")
         };
         let spatial = match layout {
-            Layout::ChannelsFirst => &dims[2..],
-            Layout::ChannelsLast => &dims[1..dims.len() - 1],
+            ChannelLayout::ChannelsFirst => &dims[2..],
+            ChannelLayout::ChannelsLast => &dims[1..dims.len() - 1],
         };
         Ok(Self {
             n: dims[0],
@@ -69,9 +69,9 @@ impl Geometry {
     /// the form the CUDA path launches its kernels for (the row kernels serve `S = 1`).
     pub fn contiguous_channels_as_rows(&self) -> Self {
         let layout = if self.rows() {
-            Layout::ChannelsLast
+            ChannelLayout::ChannelsLast
         } else {
-            Layout::ChannelsFirst
+            ChannelLayout::ChannelsFirst
         };
         Self { layout, ..*self }
     }

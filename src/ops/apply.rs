@@ -338,7 +338,7 @@ impl AnyArity for ApplyOp {
 /// Normalises `x` with given statistics: `y = act((x − mean)·weight·invstd + bias + residual)`.
 ///
 /// # Arguments
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `ChannelLayout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
 /// * `mean`, `invstd` - `[C]` on `x`'s device (any float dtype; used as f64).
 /// * `weight`, `bias` - `[C]` or `None` (1 and 0).
 /// * `residual` - same shape and dtype as `x`, added before the activation, or `None`.
@@ -361,7 +361,7 @@ pub fn batch_norm_elemt(
     bias: Option<&Tensor>,
     residual: Option<&Tensor>,
     relu: bool,
-    layout: crate::Layout,
+    layout: crate::layout::ChannelLayout,
 ) -> Result<Tensor> {
     crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;

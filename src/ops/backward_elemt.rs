@@ -316,7 +316,7 @@ impl AnyArity for BackwardElemtOp {
 ///
 /// # Arguments
 /// * `dy` - gradient of the output, shape and dtype of `x`.
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `ChannelLayout::ChannelsLast`.
 /// * `mean`, `invstd` - `[C]`, the statistics used in the forward.
 /// * `weight` - `[C]` or `None` (1).
 /// * `sums` - `[2, C]`: `[Σg, Σg·(x − mean)]` summed over **all ranks** (from
@@ -347,7 +347,7 @@ pub fn batch_norm_backward_elemt(
     count: &Tensor,
     relu_output: Option<&Tensor>,
     want_dz: bool,
-    layout: crate::Layout,
+    layout: crate::layout::ChannelLayout,
 ) -> Result<(Tensor, Option<Tensor>)> {
     crate::device::check_supported(OP, dy.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;

@@ -267,7 +267,7 @@ impl AnyArity for BackwardReduceOp {
 ///
 /// # Arguments
 /// * `dy` - gradient of the output, shape and dtype of `x`.
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `ChannelLayout::ChannelsLast`.
 /// * `mean` - `[C]` on `x`'s device, the mean used in the forward.
 /// * `relu_output` - the forward output `y` when ReLU was fused (`dy` counts only where `y > 0`),
 ///   else `None`.
@@ -285,7 +285,7 @@ pub fn batch_norm_backward_reduce(
     x: &Tensor,
     mean: &Tensor,
     relu_output: Option<&Tensor>,
-    layout: crate::Layout,
+    layout: crate::layout::ChannelLayout,
 ) -> Result<Tensor> {
     crate::device::check_supported(OP, dy.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;

@@ -65,6 +65,7 @@
 
 mod apply;
 mod arity;
+pub(crate) mod attach;
 mod backward_elemt;
 mod backward_reduce;
 mod conv;
@@ -72,9 +73,10 @@ mod conv_cpu;
 mod gather;
 mod max_pool;
 mod normalize;
+pub(crate) mod pack;
 mod stats;
 
-pub use crate::Layout;
+pub use crate::layout::ChannelLayout;
 pub use apply::batch_norm_elemt;
 pub use backward_elemt::batch_norm_backward_elemt;
 pub use backward_reduce::batch_norm_backward_reduce;

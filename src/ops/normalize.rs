@@ -59,7 +59,7 @@ impl std::fmt::Debug for StatsGrad {
 /// statistics), then [`super::batch_norm_backward_elemt`].
 ///
 /// # Arguments
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `ChannelLayout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
 /// * `mean`, `invstd` - `[C]` (any float dtype, used as f64) on `x`'s device.
 /// * `count` - the global number of values per channel `n` the statistics came from: `[C]`
 ///   (or any tensor whose first value is `n`) on `x`'s device; read in the backward only.
@@ -86,7 +86,7 @@ pub fn batch_norm_elemt_autograd(
     affine: Option<(&Tensor, &Tensor)>,
     residual: Option<&Tensor>,
     relu: bool,
-    layout: crate::Layout,
+    layout: crate::layout::ChannelLayout,
     stats: StatsGrad,
 ) -> Result<Tensor> {
     crate::device::check_supported(OP, x.device())?;

@@ -221,7 +221,7 @@ fn stats_cuda(
 /// Local shifted sums of `x` per channel, the input of the cross-rank all-reduce.
 ///
 /// # Arguments
-/// * `x` - `(N, C, *)`, or `(N, *, C)` with `Layout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
+/// * `x` - `(N, C, *)`, or `(N, *, C)` with `ChannelLayout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
 ///   `N` may be 0 (an empty local batch gives zero sums).
 /// * `shift` - `[C]` on `x`'s device, the shift `K` (any float dtype, used as f64); must be
 ///   identical on every rank, ideally close to the channel means (e.g. the previous step's
@@ -236,7 +236,7 @@ fn stats_cuda(
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `shift` is not
 /// of shape `[C]` in a float dtype or not on `x`'s device; on a GPU, when a CUDA allocation or kernel launch
 /// fails.
-pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, layout: crate::Layout) -> Result<Tensor> {
+pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, layout: crate::layout::ChannelLayout) -> Result<Tensor> {
     crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let shift = per_channel_f64("shift", shift, &[geometry.c])?;

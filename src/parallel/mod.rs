@@ -62,7 +62,6 @@
 //! What the overlap buys, with an injected latency, is in the crate's `docs/benchmarks.md`
 //! (`cargo bench --bench overlap`).
 
-mod attach;
 mod linear;
 
 pub use linear::{gather_features, ColumnParallelLinear, ParallelMode, RowParallelLinear};
@@ -72,8 +71,8 @@ use std::sync::Arc;
 use candle_core::{bail, Result, Tensor};
 
 use crate::collective::{Collective, ReduceOp};
-use attach::attach;
-pub(crate) use attach::attach2;
+use crate::ops::attach::{self, attach};
+pub(crate) use crate::ops::attach::attach2;
 
 /// A gradient function that communicates, announced first to an overlapped data-parallel
 /// backward on this thread ([`crate::collective::in_backward`]), which places its buckets

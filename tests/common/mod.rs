@@ -97,14 +97,14 @@ pub fn to_channels_first(x: &Tensor) -> Tensor {
     x.permute(perm).unwrap().contiguous().unwrap()
 }
 
-pub use candle_distributed::Layout;
+pub use candle_distributed::ChannelLayout;
 
-/// The [`Layout`] of a test case that iterates over `[false, true]`.
-pub fn layout_of(channels_last: bool) -> Layout {
+/// The [`ChannelLayout`] of a test case that iterates over `[false, true]`.
+pub fn layout_of(channels_last: bool) -> ChannelLayout {
     if channels_last {
-        Layout::ChannelsLast
+        ChannelLayout::ChannelsLast
     } else {
-        Layout::ChannelsFirst
+        ChannelLayout::ChannelsFirst
     }
 }
 

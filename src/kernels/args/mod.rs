@@ -67,7 +67,7 @@ mod tests {
             n: 2,
             c: 3,
             s: 4,
-            layout: crate::Layout::ChannelsFirst,
+            layout: crate::layout::ChannelLayout::ChannelsFirst,
         };
         let r = e.reduction().unwrap();
         let scratch = Scratch {
@@ -116,7 +116,7 @@ mod tests {
             n: 0,
             c: 3,
             s: 4,
-            layout: crate::Layout::ChannelsLast,
+            layout: crate::layout::ChannelLayout::ChannelsLast,
         };
         let b = buf(8, 64);
         let apply = Apply {

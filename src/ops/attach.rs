@@ -1,6 +1,6 @@
 //! A value computed outside candle's graph, put into the graph with a gradient function of our
-//! own: the differentiable collectives, the overlapped tensor-parallel layers and
-//! `ops::conv2d` are built this way.
+//! own: `ops::conv2d`, and `parallel`'s differentiable collectives and overlapped tensor-parallel
+//! layers are built this way.
 //!
 //! The op holds the value itself (not as an input of the graph node), and its forward hands
 //! over a copy and releases the value: the graph keeps the copy only, not the value beside it.
