@@ -1,5 +1,6 @@
-//! The MPI backend under `mpirun -np 4` (`scripts/test-mpi.sh`): every collective's values,
-//! argument and mismatch errors, process groups, and SyncBatchNorm training steps on 4
+//! The MPI backend under `mpirun -np 4` (`scripts/test-mpi.sh`): the contract every backend
+//! passes (`tests/common/conformance.rs`), `all_reduce_parts` read in place, argument and
+//! mismatch errors, and SyncBatchNorm training steps on 4
 //! processes against single-process batch norm on the concatenated batch, with unequal and
 //! empty per-rank batches. Every process runs this binary; a failed check panics, the process
 //! exits non-zero and mpirun reports the job as failed.
@@ -61,24 +62,14 @@ fn main() -> Result<()> {
         "run under mpirun -np {WORLD} (got {} processes)",
         comm.world_size()
     );
-    let checks: [(&str, Check); 15] = [
-        ("collective values", collective_values),
+    let checks: [(&str, Check); 11] = [
         (
             "all_reduce_parts reads large parts in place, as the concatenation",
             parts_in_place,
         ),
         (
-            "a wire dtype rounds like the casts it saves",
-            wire_rounds_like_casts,
-        ),
-        (
             "mismatched calls fail on every rank",
             mismatches_fail_everywhere,
-        ),
-        ("split and new_group", process_groups),
-        (
-            "asynchronous collectives beside a synchronous one",
-            async_collectives,
         ),
         ("SyncBatchNorm NCHW, batches [3, 0, 5, 2]", |c| {
             sync_bn_matches_one_process(c, false)
@@ -115,6 +106,13 @@ fn main() -> Result<()> {
             })
         }),
     ];
+    // The backend contract every backend passes (tests/common/conformance.rs).
+    conformance::run_suite("MPI", comm.rank() == 0, |check| {
+        check(&comm)?;
+        comm.barrier()?;
+        Ok(())
+    })
+    .map_err(|e| anyhow::anyhow!("rank {}: {e:?}", comm.rank()))?;
     for (name, check) in checks {
         check(&comm).map_err(|e| anyhow::anyhow!("rank {}: {name}: {e:?}", comm.rank()))?;
         comm.barrier()?;
@@ -122,57 +120,6 @@ fn main() -> Result<()> {
             println!("ok   {name}");
         }
     }
-    Ok(())
-}
-
-fn collective_values(comm: &Arc<dyn Collective>) -> Result<()> {
-    let r = comm.rank() as f64;
-    let t = Tensor::new(&[r + 1.0, 10.0 - r, -r], &Device::Cpu)?;
-    let expect = [
-        (ReduceOp::Sum, [10.0, 34.0, -6.0]),
-        (ReduceOp::Avg, [2.5, 8.5, -1.5]),
-        (ReduceOp::Max, [4.0, 10.0, 0.0]),
-        (ReduceOp::Min, [1.0, 7.0, -3.0]),
-    ];
-    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
-        for (op, want) in expect {
-            let got = comm.all_reduce(&t.to_dtype(dtype)?, op)?;
-            ensure!(got.dtype() == dtype, "{op:?} changed the dtype");
-            let got = got.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-            ensure!(got == want, "{dtype:?} {op:?}: {got:?} != {want:?}");
-        }
-    }
-    // The average of values whose sum overflows f16 (4 × 30000 > 65504) is still exact.
-    let big = Tensor::new(&[30000f32], &Device::Cpu)?.to_dtype(DType::F16)?;
-    let avg = comm
-        .all_reduce(&big, ReduceOp::Avg)?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?;
-    ensure!(avg == [30000.0], "f16 average {avg:?}");
-    let ints = Tensor::new(&[comm.rank() as i64 * 5], &Device::Cpu)?;
-    ensure!(comm.all_reduce(&ints, ReduceOp::Max)?.to_vec1::<i64>()? == [15]);
-    // reduce_scatter: rank r gets rows 2r, 2r+1 of the sum.
-    let big = randn(comm.rank() as u64, &[8, 3], 0.0, 1.0);
-    let full = comm.all_reduce(&big, ReduceOp::Sum)?;
-    let part = comm.reduce_scatter(&big, ReduceOp::Sum)?;
-    let mine = full.narrow(0, 2 * comm.rank(), 2)?;
-    ensure!(
-        part.to_vec2::<f64>()? == mine.to_vec2::<f64>()?,
-        "reduce_scatter rows"
-    );
-    // all_gather with unequal (and empty) rows.
-    let n = [2usize, 0, 3, 1][comm.rank()];
-    let rows = Tensor::full(comm.rank() as f32, (n, 2), &Device::Cpu)?;
-    let g = comm.all_gather(&rows)?;
-    ensure!(g.dims() == [6, 2], "all_gather shape {:?}", g.dims());
-    let col: Vec<f32> = g.to_vec2::<f32>()?.into_iter().map(|r| r[0]).collect();
-    ensure!(
-        col == [0.0, 0.0, 2.0, 2.0, 2.0, 3.0],
-        "all_gather order {col:?}"
-    );
-    // broadcast from rank 2.
-    let b = comm.broadcast(&Tensor::new(&[r * 7.0], &Device::Cpu)?, 2)?;
-    ensure!(b.to_vec1::<f64>()? == [14.0]);
     Ok(())
 }
 
@@ -291,53 +238,6 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     Ok(())
 }
 
-/// `all_reduce_wire` of f32 values on an f16 or bf16 wire rounds them in the host buffer:
-/// bitwise the result of casting to the wire dtype, reducing, and casting back.
-fn wire_rounds_like_casts(comm: &Arc<dyn Collective>) -> Result<()> {
-    // Seeded per rank, uniform in about ±17 around 0.5: most values change when rounded.
-    let t = randn(40 + comm.rank() as u64, &[3001], 0.5, 10.0).to_dtype(DType::F32)?;
-    for wire in [DType::BF16, DType::F16] {
-        for op in [ReduceOp::Sum, ReduceOp::Avg] {
-            let fused = comm.all_reduce_wire(&t, op, wire)?;
-            ensure!(
-                fused.dtype() == DType::F32,
-                "{wire:?} {op:?}: dtype {:?}",
-                fused.dtype()
-            );
-            let cast = comm
-                .all_reduce(&t.to_dtype(wire)?, op)?
-                .to_dtype(DType::F32)?;
-            let (a, b) = (fused.to_vec1::<f32>()?, cast.to_vec1::<f32>()?);
-            let bad = a
-                .iter()
-                .zip(&b)
-                .position(|(x, y)| x.to_bits() != y.to_bits());
-            ensure!(
-                bad.is_none(),
-                "{wire:?} {op:?}: element {bad:?} differs from the casts' result"
-            );
-        }
-    }
-    Ok(())
-}
-
-fn async_collectives(comm: &Arc<dyn Collective>) -> Result<()> {
-    let r = comm.rank() as f64;
-    let t = Tensor::new(&[r + 1.0], &Device::Cpu)?;
-    let sum = comm.all_reduce_async(&t, ReduceOp::Sum)?;
-    let gathered = comm.all_gather_async(&t.reshape((1, 1))?)?;
-    // A synchronous collective while two asynchronous ones are in flight (another communicator).
-    let max = comm.all_reduce(&t, ReduceOp::Max)?.to_vec1::<f64>()?;
-    let rows = Tensor::ones((4, 2), DType::F64, &Device::Cpu)?;
-    let scattered = comm.reduce_scatter_async(&rows, ReduceOp::Sum)?;
-    ensure!(max == [4.0], "max {max:?}");
-    ensure!(sum.wait()?.to_vec1::<f64>()? == [10.0]);
-    let g = gathered.wait()?.flatten_all()?.to_vec1::<f64>()?;
-    ensure!(g == [1.0, 2.0, 3.0, 4.0], "gathered {g:?}");
-    ensure!(scattered.wait()?.to_vec2::<f64>()? == [[4.0, 4.0]]);
-    Ok(())
-}
-
 /// Every argument check runs after the ranks agree on the call: a bad argument on one rank is
 /// an error on every rank (the group stays usable); ranks that disagree (dtype, shape, op) get
 /// a mismatch on every rank, and the group is broken for every later call. Each case runs on a
@@ -421,29 +321,6 @@ fn mismatches_fail_everywhere(comm: &Arc<dyn Collective>) -> Result<()> {
         .unwrap_err()
         .to_string();
     ensure!(err.contains("multiple of the world size"), "{err}");
-    Ok(())
-}
-
-fn process_groups(comm: &Arc<dyn Collective>) -> Result<()> {
-    let r = comm.rank();
-    // Colors by parity, keys reversing the order; rank 3 joins nothing.
-    let color = (r != 3).then_some((r % 2) as u32);
-    let sub = comm.split(color, (10 - r) as u32)?;
-    match sub {
-        None => ensure!(r == 3, "rank {r} got no group"),
-        Some(sub) => {
-            let t = Tensor::new(&[r as f32], &Device::Cpu)?;
-            let order = sub.all_gather(&t)?.to_vec1::<f32>()?;
-            let want: &[f32] = if r.is_multiple_of(2) {
-                &[2.0, 0.0]
-            } else {
-                &[1.0]
-            };
-            ensure!(order == want, "rank {r}: group order {order:?}");
-        }
-    }
-    let g = comm.new_group(&[3, 1])?;
-    ensure!(g.as_ref().map(|g| g.rank()) == [None, Some(1), None, Some(0)][r]);
     Ok(())
 }
 

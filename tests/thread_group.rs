@@ -1,5 +1,6 @@
-//! The `ThreadGroup` backend: every collective's values, rank order, bitwise identical results,
-//! argument checks.
+//! The `ThreadGroup` backend beyond the contract every backend passes (`tests/conformance.rs`):
+//! values at a world size that is not a power of two, a broadcast racing the root's writes,
+//! argument checks, ranks that leave, the parallel summation and its parts, the wire dtypes.
 
 mod common;
 
@@ -36,45 +37,6 @@ fn all_reduce_every_op() {
         assert_eq!(out[4], vec![10.0]);
         assert_eq!(out[5], vec![4.5, 6.0]);
     }
-}
-
-#[test]
-fn results_are_bitwise_identical_on_every_rank() {
-    let outs = run_ranks(4, |comm| {
-        let t = randn(comm.rank() as u64, &[1000], 0.0, 1e8).to_dtype(DType::F32)?;
-        Ok(comm.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?)
-    });
-    for o in &outs[1..] {
-        assert!(o
-            .iter()
-            .zip(&outs[0])
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
-    }
-}
-
-#[test]
-fn all_gather_concatenates_unequal_batches_in_rank_order() {
-    let outs = run_ranks(3, |comm| {
-        let n = [2usize, 0, 1][comm.rank()];
-        let v: Vec<f32> = (0..n * 2).map(|i| (comm.rank() * 10 + i) as f32).collect();
-        let t = Tensor::from_vec(v, (n, 2), &Device::Cpu)?;
-        Ok(comm.all_gather(&t)?.to_vec2::<f32>()?)
-    });
-    for o in outs {
-        assert_eq!(o, vec![vec![0.0, 1.0], vec![2.0, 3.0], vec![20.0, 21.0]]);
-    }
-}
-
-#[test]
-fn broadcast_and_barrier() {
-    let outs = run_ranks(3, |comm| {
-        comm.barrier()?;
-        let t = Tensor::new(&[comm.rank() as f64 + 0.5], &Device::Cpu)?;
-        let b = comm.broadcast(&t, 2)?.to_vec1::<f64>()?;
-        comm.barrier()?;
-        Ok(b)
-    });
-    assert!(outs.iter().all(|o| o == &vec![2.5]));
 }
 
 /// A broadcast's result on the other ranks is rank 0's value at the call, even when rank 0

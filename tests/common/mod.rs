@@ -2,6 +2,7 @@
 //! ranks, a counting communicator and an obviously-correct reference batch norm.
 #![allow(dead_code)]
 
+pub mod conformance;
 pub mod many_vars;
 pub mod mlp;
 pub mod overlap;
