@@ -4,84 +4,32 @@
 //! set ([`DistEnv`]), and the exchange with which rank 0 hands a small payload (NCCL's 128-byte
 //! unique id) to every other rank ([`share_bytes`]). Pure Rust, no GPU, no tensor:
 //! `candle-distributed`'s NCCL backend builds on it, and re-exports it as
-//! `candle_distributed::collective::rendezvous`.
+//! `candle_distributed::collective::rendezvous`. [`store`] holds [`Store`] and [`TcpStoreClient`],
+//! a client of PyTorch's TCPStore; [`progress`] publishes each rank's newest collective for hang
+//! reports; [`secret`] holds the optional shared key (feature `keys`, on by default).
 //!
-//! - [`store`]: [`Store`], what the exchange needs of a key-value store (set, get, add, check,
-//!   wait, each with a deadline), and [`TcpStoreClient`], a client of PyTorch's TCPStore.
-//! - [`progress`]: each rank's newest collective published in the store, for hang reports.
-//! - [`secret`]: the optional shared key (feature `keys`, on by default; without it the crate
-//!   depends on `log` and `getrandom` only, and a key set in the environment is refused).
+//! Two ways, chosen by the environment: under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`)
+//! rank 0 sets the payload in the TCPStore that torchrun's agent serves and the others get it;
+//! standalone (any other launcher, or none) rank 0 listens on `MASTER_ADDR:MASTER_PORT`, serves
+//! the clients over TCP and returns once every rank has acknowledged. The standalone exchange
+//! refuses to start without a run id (`TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_RUN_ID`),
+//! so that a client left over from an earlier run is refused instead of being served.
 //!
-//! Two ways, chosen by the environment:
-//! - **Under torchrun** (`TORCHELASTIC_USE_AGENT_STORE=True`): torchrun's agent already serves a
-//!   TCPStore at `MASTER_ADDR:MASTER_PORT`; rank 0 `set`s the payload there and the others `get`
-//!   it, through [`store::TcpStoreClient`], under the key
-//!   `candle-distributed/<TORCHELASTIC_RUN_ID>/<restart>/<n>`, where `n` counts this process's
-//!   rendezvous (every rank creates its communicators in the same order).
-//! - **Standalone** (any other launcher, or none): rank 0 listens on `MASTER_ADDR:MASTER_PORT`
-//!   (every address the name resolves to, IPv4 and IPv6) and serves clients concurrently, each
-//!   with a short deadline of its own. A client sends `MAGIC`, the run identity, the number of
-//!   the rendezvous, its rank, the world size, whether it holds a shared secret, and a fresh
-//!   nonce; rank 0 answers `MAGIC`, a status byte and a length-prefixed payload (or, for a
-//!   client of another run or restart or an impossible rank, the reason it is refused; for a
-//!   client already at the next rendezvous, "retry"), and the client acknowledges with one
-//!   byte. Rank 0 returns once every rank has acknowledged; a rank that retries is answered
-//!   again, an idle, garbled or foreign connection is dropped without failing the job, and
-//!   every length read is bounded.
+//! Trust: without a shared key, as PyTorch's TCPStore, a trusted network, where whoever reaches
+//! the port can read the payload or claim a rank. With one, the key never crosses the wire, a
+//! party without it can neither join, nor read or forge the payload, and the payload travels
+//! sealed; the key does not protect NCCL's own connections, a party that can read it from a
+//! rank's environment or file, or traffic recorded before it leaks.
 //!
-//! **Run identity.** A run id (`TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_RUN_ID`), the
-//! restart count, the world size and the port. The standalone exchange refuses to start without
-//! a run id: the launch gives every rank the same value, new for each launch, so that a client
-//! left over from an earlier run is refused instead of being served the new run's payload.
+//! Limits: rank 0 serves each client for at most 5 s, bounds every length it reads (64 KiB) and
+//! answers at most 4 × world size connections at once (16 to 256); a stranger that keeps them
+//! full does not keep the ranks out. The full text (the exchange, the run identity, the trust
+//! model, every limit and the tests that show them): docs/startup.md in the repository.
 //!
-//! **Trust model.** Without a secret, as PyTorch's TCPStore: a trusted network, where whoever
-//! reaches the port can read the payload or claim a rank. With a shared key (the same on every
-//! rank: `CANDLE_DISTRIBUTED_SECRET`, or a file named by `CANDLE_DISTRIBUTED_SECRET_FILE`; a
-//! generated key of at least 128 bits, `openssl rand -hex 32`, passphrases refused, see
-//! [`secret`]), rank 0 first sends a challenge: its nonce and an HMAC-SHA256 proof over the
-//! client's hello and that nonce; the client checks it and answers with its own proof, and
-//! acknowledges the payload with a third. Only then is it counted, and the payload travels
-//! sealed with XChaCha20-Poly1305, the exchange's hello and nonces as associated data. Under
-//! torchrun, each rank `r > 0` sets a fresh random nonce under `<key>/nonce/<r>`, and rank 0,
-//! once it has read every rank's nonce, sets one copy of the payload per rank under
-//! `<key>/for/<r>`, sealed with that key and that rank's nonce as associated data: a value
-//! recorded from an earlier launch does not open, whatever the run id (torchrun's default
-//! `none` and `--rdzv-id=100` included), and rank 0 knows every rank is there. Rank 0 also
-//! sets `<key>` itself to a marker, so that a rank without the key says so instead of waiting
-//! for a value meant for it. A verdict without a proof (a refusal, an answer without the
-//! challenge) is retried until the timeout, whose message quotes it. The key never crosses the
-//! wire; a party without it can neither join, nor read or forge the payload. What the key does
-//! not protect: NCCL's own connections, which the payload starts (NCCL has no authentication of
-//! its own), a party that can read the key from a rank's environment or file, and traffic
-//! recorded before a key leaks (no forward secrecy; the payloads are short-lived NCCL ids). A
-//! client of another protocol version is refused with the reason in its own framing.
-//!
-//! **Limits.** Rank 0 listens on the addresses `MASTER_ADDR` resolves to (one that is not this
-//! machine's, such as a NAT address, falls back to its family's wildcard; a port in use is an
-//! error); set `MASTER_ADDR` to an address the other machines reach (Debian-style `/etc/hosts`
-//! maps a machine's own name to 127.0.1.1). It serves each client for at most 5 s (per read, and
-//! cut when the exchange is over), gives each client 500 ms for its hello, bounds every length
-//! it reads (64 KiB), answers at most 4 × world size connections at once (16 to 256) and
-//! releases each when done; when they are all taken, the oldest connection that has not yet
-//! sent a hello of this job in time is closed to make room, else the oldest whose hello came
-//! but whose proof of the secret has not (a real rank between the two goes after every silent
-//! connection; a stranger who knows the run identity, which is no secret, can send a hello
-//! too, and compete in that stage by age), and only when every one is proven is the newcomer
-//! closed; a thread it cannot start closes that connection
-//! instead of panicking. A stranger that keeps the table full and reconnects the moment a
-//! connection closes does not keep the ranks out
-//! (`candle_rendezvous::tests::a_sustained_flood_does_not_keep_the_ranks_out`,
-//! `a_connection_flood_under_a_low_descriptor_limit`); while descriptors are exhausted its
-//! warning is logged once a second (`a_repeated_accept_failure_is_logged_once_a_second`).
-//! Rank 0 counts a client's acknowledgement that arrives up to 2 s after that client's 5 s
-//! (`a_late_acknowledgement_is_still_counted`). Clients try every
-//! address in turn, each attempt bounded by 5 s, so a silent listener costs one attempt
-//! (`candle_rendezvous::tests::a_silent_listener_costs_one_attempt`), and back off from 50 ms to 1 s.
-//! Name resolution (`getaddrinfo`, with timeouts of its own) is bounded by the caller's
-//! deadline (`a_slow_resolver_costs_only_the_deadline`).
 //! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and
 //! 2.15.0 tested by `tests/torch_interop.rs`; an older server is refused with an error naming
-//! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).#![cfg_attr(docsrs, feature(doc_cfg))]
+//! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![warn(clippy::missing_errors_doc)]
 

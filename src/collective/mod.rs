@@ -16,11 +16,56 @@
 //!
 //! # Backends
 //!
-//! | backend | feature | tensors | start-up | timeouts and faults |
-//! |---|---|---|---|---|
-//! | `ThreadGroup` | — | any device (reduced on the CPU) | `ThreadGroup::run(n, \|comm\| …)` or `ThreadGroup::new(n)` | a rank waiting past the timeout, or one that panics, makes every pending and later call fail on every rank; a rank that drops its communicator makes every call it never made fail at once, while the asynchronous calls it had started still complete, without its drop waiting for them (`tests/thread_group.rs::a_rank_that_leaves_with_an_async_call_outstanding_fails_its_peers_at_once`) |
-//! | `Mpi` | `mpi` | CPU (others are copied) | `Mpi::init()?.world()?` under `mpirun` | every call first agrees on op, dtype, shape and root, together with each rank's verdict on its own arguments (a 40-byte all-gather): ranks that disagree get a mismatch error on every rank and the group is broken for every later call; an argument invalid on some ranks (e.g. a split color beyond `i32` on one rank) is an error on every rank and leaves the group usable (`scripts/test-mpi.sh`, "mismatched calls fail on every rank"); waits are polled against the timeout, and since an MPI collective cannot be cancelled a timeout prints the reason and calls `MPI_Abort`, ending the job; `split` is blocking, without timeout |
-//! | `NcclCollective` | `nccl` | the rank's GPU | `NcclGroup::new(&[0, …, 7])` (one process, thread per GPU), `NcclCollective::from_env()` (torchrun variables; the id through torchrun's store, or over TCP from rank 0 without torchrun), `NcclCollective::from_collective(&*mpi_world, local_rank)` (id over MPI) | non-blocking communicators (`config.blocking = 0`: no thread ever waits inside NCCL, so an abort is legal between any two calls; NCCL ≥ 2.27 required, checked at creation); the start-up and `split` are polled under the timeout (a rank that never arrives is an error, not a hang); a watchdog thread per communicator polls `ncclCommGetAsyncError` and an event recorded after each collective every 10 ms, and on an NCCL error, a collective past the timeout or a CUDA error marks the communicator broken and calls `ncclCommAbort`: every later call, and the `wait` of a collective started before, fails with the reason; NCCL errors carry NCCL's code and text. Dropping finalizes (queued work flushed) under the timeout, then destroys, or aborts a broken communicator or one whose finalize does not finish (an `NcclGroup`'s communicators close together when the last one is dropped). NCCL does not compare the ranks' arguments: wrap it in `collective::Checked` to agree on op, dtype and count before each call (one small all-gather and a host wait per call; off by default, which costs nothing; `tests/checked.rs` on thread ranks). Layout: `collective/nccl/{ffi,raw,blocking,watchdog,enqueue,ops,mod}.rs`. Blocking mode (`NCCL_COMM_BLOCKING`, wherever NCCL finds it) is refused on every rank before any peer is contacted, on NCCL's own answer (a one-rank probe communicator): it would void every timeout. No host synchronisation except `barrier` and `all_gather` (which reads the per-rank row counts) |
+//! | backend | feature | device | how to create one |
+//! |---|---|---|---|
+//! | `ThreadGroup` | — | any | `ThreadGroup::run(n, \|comm\| …)` or `ThreadGroup::new(n)` |
+//! | `Mpi` | `mpi` | CPU (others are copied) | `Mpi::init()?.world()?` under `mpirun` |
+//! | `NcclCollective` | `nccl` | the rank's GPU | `NcclGroup::new`, `from_env`, `from_collective` |
+//!
+//! `ThreadGroup`'s tensors, timeouts and faults:
+//! - tensors on any device, reduced on the CPU;
+//! - a rank waiting past the timeout, or one that panics, makes every pending and later call
+//!   fail on every rank;
+//! - a rank that drops its communicator makes every call it never made fail at once, while the
+//!   asynchronous calls it had started still complete, without its drop waiting for them
+//!   (`tests/thread_group.rs::a_rank_that_leaves_with_an_async_call_outstanding_fails_its_peers_at_once`).
+//!
+//! `Mpi`'s timeouts and faults:
+//! - every call first agrees on op, dtype, shape and root, together with each rank's verdict on
+//!   its own arguments (a 40-byte all-gather): ranks that disagree get a mismatch error on every
+//!   rank and the group is broken for every later call; an argument invalid on some ranks (e.g.
+//!   a split color beyond `i32` on one rank) is an error on every rank and leaves the group
+//!   usable (`scripts/test-mpi.sh`, "mismatched calls fail on every rank");
+//! - waits are polled against the timeout, and since an MPI collective cannot be cancelled a
+//!   timeout prints the reason and calls `MPI_Abort`, ending the job;
+//! - `split` is blocking, without timeout.
+//!
+//! `NcclCollective`'s start-up, timeouts and faults:
+//! - created with `NcclGroup::new(&[0, …, 7])` (one process, thread per GPU),
+//!   `NcclCollective::from_env()` (torchrun variables; the id through torchrun's store, or over
+//!   TCP from rank 0 without torchrun) or
+//!   `NcclCollective::from_collective(&*mpi_world, local_rank)` (id over MPI);
+//! - non-blocking communicators (`config.blocking = 0`): no thread ever waits inside NCCL, so an
+//!   abort is legal between any two calls; NCCL ≥ 2.27 required, checked at creation;
+//! - the start-up and `split` are polled under the timeout (a rank that never arrives is an
+//!   error, not a hang);
+//! - a watchdog thread per communicator polls `ncclCommGetAsyncError` and an event recorded
+//!   after each collective every 10 ms, and on an NCCL error, a collective past the timeout or
+//!   a CUDA error marks the communicator broken and calls `ncclCommAbort`: every later call,
+//!   and the `wait` of a collective started before, fails with the reason; NCCL errors carry
+//!   NCCL's code and text;
+//! - dropping finalizes (queued work flushed) under the timeout, then destroys, or aborts a
+//!   broken communicator or one whose finalize does not finish (an `NcclGroup`'s communicators
+//!   close together when the last one is dropped);
+//! - NCCL does not compare the ranks' arguments: wrap it in `collective::Checked` to agree on
+//!   op, dtype and count before each call (one small all-gather and a host wait per call; off
+//!   by default, which costs nothing; `tests/checked.rs` on thread ranks);
+//! - blocking mode (`NCCL_COMM_BLOCKING`, wherever NCCL finds it) is refused on every rank
+//!   before any peer is contacted, on NCCL's own answer (a one-rank probe communicator): it
+//!   would void every timeout;
+//! - no host synchronisation except `barrier` and `all_gather` (which reads the per-rank row
+//!   counts);
+//! - layout: `collective/nccl/{ffi,raw,blocking,watchdog,enqueue,ops,mod}.rs`.
 //!
 //! What each fault does to every rank, and the test that shows it: the crate's `docs/faults.md`.
 //!

@@ -31,10 +31,9 @@
 //! `examples/sync_train.rs` is this loop end to end, in one file: a 2-layer CNN with
 //! `SyncBatchNorm` on 4 thread ranks of unequal batches (14, 10, 14, 10), each rank's loss scaled
 //! by `W·n_r/N`, stepped beside `candle_nn::BatchNorm` on one process with the concatenated batch
-//! (`cargo run --release --example sync_train`, measured on a 2-core machine, 2026-11-23: 60 SGD steps in
-//! 2.8 s, largest relative difference from the one process 2.0e-6 in f32 for `--seed 0`; seeds 1
-//! to 7 gave 1.5e-7 to 1.6e-4, f32 rounding amplified over 60 steps at lr 0.1; it exits non-zero
-//! above 1e-3).
+//! (`cargo run --release --example sync_train`); it exits non-zero when the largest relative
+//! difference from the one process is above 1e-3 (measured: docs/benchmarks.md, section "The
+//! `sync_train` example against one process").
 //!
 //! `DataParallel::new` receives every variable from rank 0 before it sets any, so a start that
 //! fails midway (a rank that left, a timeout) leaves every rank's variables as they were

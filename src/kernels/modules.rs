@@ -63,8 +63,8 @@ impl Module {
 }
 
 /// Loaded modules and kernels of each device. candle's own cache of custom kernels takes PTX
-/// text only, which the driver compiles at first use (16.6 s for these files on an H100 with
-/// an empty driver cache); the images here carry machine code and load in milliseconds.
+/// text only, which the driver compiles at first use (measured: docs/kernels.md, section
+/// "Building"); the images here carry machine code and load without that compilation.
 #[derive(Default)]
 struct Loaded {
     modules: HashMap<(DeviceId, Module), Arc<CudaModule>>,

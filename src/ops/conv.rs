@@ -1,11 +1,13 @@
 //! `conv2d` (PyTorch's, without bias, dilation or groups) with a faster CPU path and backward.
 //!
 //! - On the CPU in f32 and f64: the crate's own im2col + `gemm` forward and backward
-//!   (`conv_cpu.rs`), 4–6× faster than candle's `conv2d` and its backward at the main job's
-//!   ResNet shapes (docs/benchmarks.md).
+//!   (`conv_cpu.rs`), faster than candle's `conv2d` and its backward at the main job's ResNet
+//!   shapes (measured: docs/benchmarks.md, section "The convolution on the CPU: im2col + gemm,
+//!   and the cores shared among the ranks").
 //! - Elsewhere (a GPU, f16, bf16): candle's forward; for stride 1 the input's gradient as a
 //!   `conv2d` of the output gradient with the flipped, transposed kernel (candle's backward runs
-//!   `conv_transpose2d`, whose CPU loops took 1.2–2.5× as long); the weight's gradient candle's.
+//!   `conv_transpose2d`, whose CPU loops are slower; measured: docs/benchmarks.md, section "A
+//!   first step: the convolution's input gradient"); the weight's gradient candle's.
 
 use candle_core::{bail, Result, Tensor};
 

@@ -59,9 +59,11 @@
 //! # Convolution
 //!
 //! `ops::conv2d(x, w, padding, stride)` is PyTorch's `conv2d` without bias, dilation or groups.
-//! On the CPU in f32 and f64 it is the crate's own im2col + `gemm` forward and backward, 4–6×
-//! faster than candle's at the main job's shapes; elsewhere candle's forward with a faster
-//! input gradient at stride 1 (`tests/conv.rs`; docs/benchmarks.md).
+//! On the CPU in f32 and f64 it is the crate's own im2col + `gemm` forward and backward, faster
+//! than candle's at the main job's shapes; elsewhere candle's forward with a faster input
+//! gradient at stride 1 (`tests/conv.rs`; measured: docs/benchmarks.md, sections "The
+//! convolution on the CPU: im2col + gemm, and the cores shared among the ranks" and "A first
+//! step: the convolution's input gradient").
 
 mod apply;
 mod arity;

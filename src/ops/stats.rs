@@ -43,11 +43,11 @@ impl<T: Elem> Terms for Shifted<'_, T> {
         [self.x[i].load().to_f64() - self.k[j]; 3]
     }
 
-    /// Into the level-2 cache (64x256x14x14 NHWC, f32, 2 threads, variants interleaved call
-    /// by call in one process, Zen 4 EPYC, 2026-11-26; docs/benchmarks.md): with `x` evicted
-    /// before each call 715–784 µs, against 845–1035 µs with the level-1 hint and 1007–1210 µs
-    /// without a prefetch; with `x` in the L3 between calls 4 % slower than without (and the
-    /// level-1 hint as fast or slower there: 274–331 against 253–311 µs, 2026-11-25).
+    /// Into the level-2 cache: this was faster than the level-1 hint and than no prefetch with
+    /// `x` coming from memory, and a little slower than no prefetch with `x` staying in the L3
+    /// between calls, where the level-1 hint was as fast or slower (measured:
+    /// docs/benchmarks.md, section "SyncBatchNorm on the CPU, world size 1, against PyTorch
+    /// and candle-nn").
     #[inline(always)]
     fn prefetch(&self, i: usize) {
         prefetch_l2(self.x.get(i));

@@ -114,8 +114,9 @@ mod x86 {
 
     /// How far ahead of the sum each rank's input is prefetched, in values (1 KiB). The
     /// hardware prefetchers alone left the 16-bit wires' sums, which compute more per value,
-    /// about 1.1-1.2x the f32 sum's time; with this, 0.97-1.13x (25 MiB on 4 thread ranks,
-    /// 2-core EPYC, 2026-11-26, docs/benchmarks.md). The f32 sum took the same time either way.
+    /// slower than the f32 sum; with this they came near its time, and the f32 sum's own time
+    /// did not change (measured: docs/benchmarks.md, section "Gradient synchronisation on the
+    /// CPU backends").
     const AHEAD: usize = 256;
 
     /// The bits kept by bf16: the upper half of an f32.

@@ -14,10 +14,10 @@
 //! rank threads, from glibc's per-thread heaps, which hand a heap that becomes empty back to
 //! the system whatever `MALLOC_TRIM_THRESHOLD_` says; filling fresh pages again costs page
 //! faults on every call. `MALLOC_ARENA_MAX=1` (every thread on the main heap, which keeps what
-//! is freed under a high `MALLOC_TRIM_THRESHOLD_`) halved `DataParallel::sync_gradients` of a
-//! 25 MiB bucket on 4 ranks: 4.5–5.1 ms against 9.2–10.9 ms, both with that high trim
-//! threshold and `MALLOC_MMAP_THRESHOLD_` (docs/benchmarks.md). Another allocator may do the
-//! same; not tried.
+//! is freed under a high `MALLOC_TRIM_THRESHOLD_`) made `DataParallel::sync_gradients` of a
+//! large bucket much faster (measured with that high trim threshold and `MALLOC_MMAP_THRESHOLD_`:
+//! docs/benchmarks.md, section "Gradient synchronisation on the CPU backends"). Another
+//! allocator may do the same; not tried.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -13,9 +13,9 @@ const BLOCK: usize = 1 << 15;
 /// The fewest channels-last rows in a work item of [`reduce2`], up to [`MAX_ROW_ITEM`] values:
 /// each item also pays for `C`-long work of its own (its shifts, zeroed sums and their move to
 /// the common shift, the combination), which wide rows left at 1/128 of a [`BLOCK`]-sized
-/// item. Channels-last statistics of 64x256x14x14 (C = 256): 186 µs with 512-row items
-/// against 201 µs with 128-row ones, both with the single buffer of [`reduce2`] (f32, 2
-/// threads, interleaved in one process, 2-core EPYC, 2026-11-26; docs/benchmarks.md).
+/// item. With the single buffer of [`reduce2`], 512-row items made the channels-last
+/// statistics of C = 256 faster than 128-row ones (measured: docs/benchmarks.md, section
+/// "SyncBatchNorm on the CPU, world size 1, against PyTorch and candle-nn").
 const MIN_ITEM_ROWS: usize = 512;
 
 /// The most values in a work item of channels-last rows of [`reduce2`].
@@ -196,9 +196,9 @@ pub(crate) fn elementwise<T, P, Q>(
 /// Values (elements of the input) below which a kernel runs on the calling thread (see
 /// [`on_pool`]): a few tens of microseconds of work, against the pool's few microseconds to
 /// start a job. 2²⁰ before: the main job's model, whose batch norms see 2¹⁷–2¹⁹ values, then
-/// ran them on one of two threads (its batch norms took 1.4–1.8× as long in
-/// `benches/step_breakdown.rs`); thread ranks that queue for the pool trained as fast with
-/// either (docs/benchmarks.md).
+/// ran them on one of two threads, and they took longer in `benches/step_breakdown.rs`; thread
+/// ranks that queue for the pool trained as fast with either (measured: docs/benchmarks.md,
+/// section "The convolution on the CPU: im2col + gemm, and the cores shared among the ranks").
 const MIN_POOL_VALUES: usize = 1 << 16;
 
 /// Runs `f(i)` for every `i < items` of a job over `values` values: on candle's CPU worker pool,
@@ -208,15 +208,12 @@ const MIN_POOL_VALUES: usize = 1 << 16;
 ///
 /// Why shrinking runs: each thread streams through a few long regions of the tensors, as with
 /// one run per thread, while whichever thread is ahead takes over the last short runs instead of
-/// spinning at the end of the job. Measured on the 2-core EPYC development machine
-/// (2026-11-26, five alternating criterion rounds against one run per thread): forward
-/// 655–874 µs against 701–1220 µs for 64x256x14x14 NHWC and 305–337 against 313–429 µs for
-/// 32x64x32x32 NHWC, op backward 775–1125 µs against 978–1485 µs for 8x32x112x112 NCHW; a
-/// profile of the one-run split had put 8 % of the C = 256 forward in the pool's end-of-job
-/// wait. One run per thread had itself beaten runs of about an eighth of a thread's share
-/// handed out in turn (`execute_chunked`'s own split; 2026-11-25: normalisation 238–244 µs
-/// against 280–302 µs and op backward 1.00–1.09 ms against 1.30–1.38 ms for 64x256x14x14 NHWC)
-/// and single indices from a shared cursor.
+/// spinning at the end of the job (a profile of one run per thread had put part of the forward
+/// in that wait); the forward and the op backward were faster than with one run per thread,
+/// which had itself beaten runs of about an eighth of a thread's share handed out in turn
+/// (`execute_chunked`'s own split) and single indices from a shared cursor (measured:
+/// docs/benchmarks.md, section "SyncBatchNorm on the CPU, world size 1, against PyTorch and
+/// candle-nn").
 ///
 /// Why this pool: a second one beside it (rayon's, which this crate used before) competed with
 /// candle's workers, which spin for a while after every candle op. Why not always: the pool
@@ -370,8 +367,8 @@ impl<'a, T> Disjoint<'a, T> {
 
 /// A vector of `len` values written by `fill`, which gets them uninitialised and must write
 /// every one (the element-wise kernels through [`elementwise`]). Zero-filling a fresh output
-/// first, as `vec![0; len]` does, was a whole extra pass over it: the normalisation took 2.2×
-/// the time of the kernel alone (2-core Xeon, 2026-11-23).
+/// first, as `vec![0; len]` does, was a whole extra pass over it (measured: docs/benchmarks.md,
+/// section "SyncBatchNorm on the CPU, world size 1, against PyTorch and candle-nn").
 pub(crate) fn written<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
     let mut out = Vec::with_capacity(len);
     fill(&mut out.spare_capacity_mut()[..len]);

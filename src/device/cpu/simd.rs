@@ -20,9 +20,9 @@ pub(crate) trait Terms {
 
     /// `(u, p, q)` of the [`LANES`] consecutive values from flat index `i`, whose per-channel
     /// constants start at index `j` (channels-last: the channel of value `i`; a channels-first
-    /// segment: 0, its constants repeated [`LANES`] times). Reads without bounds checks, which
-    /// cost 7 % of the channels-last statistics pass (64x256x14x14 and 32x64x32x32, f32, 2
-    /// threads, interleaved in one process, 2-core EPYC, 2026-11-26).
+    /// segment: 0, its constants repeated [`LANES`] times). Reads without bounds checks (the
+    /// checks slowed the channels-last statistics pass; measured: docs/benchmarks.md, section
+    /// "SyncBatchNorm on the CPU, world size 1, against PyTorch and candle-nn").
     ///
     /// # Safety
     /// `i + LANES ≤ self.len().0` and `j + LANES ≤ self.len().1`.
@@ -48,9 +48,9 @@ pub(crate) fn prefetch<T>(v: Option<&T>) {
 /// one); a hint that reads nothing and changes nothing.
 ///
 /// For [`row_sums`]' strided reads of wide rows this is the faster hint: the level-1 hint was
-/// the slower one wherever the channels-last passes' inputs came from memory (64x256x14x14
-/// NHWC, f32, 2 threads, variants interleaved call by call in one process, Zen 4 EPYC,
-/// 2026-11-26; docs/benchmarks.md).
+/// the slower one wherever the channels-last passes' inputs came from memory (measured:
+/// docs/benchmarks.md, section "SyncBatchNorm on the CPU, world size 1, against PyTorch and
+/// candle-nn").
 #[inline(always)]
 pub(crate) fn prefetch_l2<T>(v: Option<&T>) {
     prefetch_into::<true, T>(v)
@@ -80,10 +80,10 @@ fn prefetch_into<const L2_ONLY: bool, T>(v: Option<&T>) {
 /// `p·q + acc`: one fused multiply-add (one rounding) when `FMA`, else a product and a sum (two
 /// roundings; without the FMA instructions `f64::mul_add` would be a slow library call).
 ///
-/// Measured for the channels-last statistics pass (64x256x14x14, f32, 2 threads, alternating
-/// criterion runs on the 2-core EPYC development machine, 2026-11-25; docs/benchmarks.md):
-/// 246–327 µs fused against 292–376 µs with a product and a sum, whose additions shared the
-/// adders with the subtractions and the plain sums.
+/// The fused form made the channels-last statistics pass faster than a product and a sum,
+/// whose additions shared the adders with the subtractions and the plain sums (measured:
+/// docs/benchmarks.md, section "SyncBatchNorm on the CPU, world size 1, against PyTorch and
+/// candle-nn").
 #[inline(always)]
 pub(crate) fn madd<const FMA: bool>(p: f64, q: f64, acc: f64) -> f64 {
     if FMA {
@@ -99,10 +99,9 @@ pub(crate) fn madd<const FMA: bool>(p: f64, q: f64, acc: f64) -> f64 {
 /// subtractions and conversions. `one` must be 1 from [`opaque_one`]: with a literal 1 the
 /// compiler turns the multiply-add back into an addition.
 ///
-/// Measured for the statistics pass (f32, 2 threads, five alternating criterion rounds on the
-/// 2-core EPYC development machine, 2026-11-26; docs/benchmarks.md): channels-first
-/// 8x32x112x112 135–153 µs against 175–200 µs, 32x64x32x32 112–120 against 143–157 µs;
-/// channels-last unchanged within the noise.
+/// This made the channels-first statistics pass faster and left the channels-last one
+/// unchanged within the noise (measured: docs/benchmarks.md, section "SyncBatchNorm on the
+/// CPU, world size 1, against PyTorch and candle-nn").
 #[inline(always)]
 fn add<const FMA: bool>(u: f64, acc: f64, one: f64) -> f64 {
     if FMA {
@@ -119,13 +118,14 @@ fn opaque_one() -> f64 {
 }
 
 /// Rows per sub-block of [`row_sums`]: at least [`MIN_SUB_ROWS`], else about 1 KiB of f32
-/// input. Measured on the benchmark's shapes (2-core Xeon, 2026-11-23): larger sub-blocks left
-/// the strided first reads of a tile to the hardware prefetcher, which missed them.
+/// input. Larger sub-blocks left the strided first reads of a tile to the hardware prefetcher,
+/// which missed them on the benchmark's shapes (measured: docs/benchmarks.md, section
+/// "SyncBatchNorm on the CPU, world size 1, against PyTorch and candle-nn").
 const SUB_BLOCK: usize = 256;
 /// The fewest rows a sub-block holds, so that a tile's sums are loaded and stored once per
-/// several rows even for wide rows. 8 rather than 4: channels-last statistics 224 against
-/// 240 µs (64x256x14x14) and 120 against 133 µs (32x64x32x32; f32, 2 threads, interleaved in
-/// one process, 2-core EPYC, 2026-11-26); 2 and 16 rows were slower than either.
+/// several rows even for wide rows. 8 rather than 4: of 2, 4, 8 and 16 rows, 8 gave the
+/// fastest channels-last statistics pass (measured: docs/benchmarks.md, section "SyncBatchNorm
+/// on the CPU, world size 1, against PyTorch and candle-nn").
 const MIN_SUB_ROWS: usize = 8;
 
 /// The fewest channels (values per row) for which [`row_sums`] prefetches each tile's next
