@@ -10,7 +10,8 @@ use common::conformance::run_suite;
 fn the_backend_contract_holds_on_thread_ranks() {
     run_suite("ThreadGroup", true, |check| {
         ThreadGroup::run(4, |comm| {
-            check(&comm).map_err(|e| candle_core::Error::Msg(format!("rank {}: {e:?}", comm.rank())))
+            check(&comm)
+                .map_err(|e| candle_core::Error::Msg(format!("rank {}: {e:?}", comm.rank())))
         })
         .map(drop)
         .map_err(anyhow::Error::from)

@@ -182,7 +182,11 @@ fn half_inputs_give_f64_statistics() -> anyhow::Result<()> {
         &shift,
         ChannelLayout::ChannelsFirst,
     )?;
-    let s16 = batch_norm_stats(&x.to_dtype(DType::F16)?, &shift, ChannelLayout::ChannelsFirst)?;
+    let s16 = batch_norm_stats(
+        &x.to_dtype(DType::F16)?,
+        &shift,
+        ChannelLayout::ChannelsFirst,
+    )?;
     assert_eq!(s16.dtype(), DType::F64);
     assert_close("f16 stats", &s16, &s64, 1e-12);
     Ok(())

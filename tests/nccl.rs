@@ -160,7 +160,9 @@ fn the_backend_contract_holds() {
                     })
                 })
                 .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect::<Result<Vec<()>>>()
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Result<Vec<()>>>()
         })?;
         Ok(())
     })

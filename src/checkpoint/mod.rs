@@ -50,8 +50,8 @@ use std::path::{Path, PathBuf};
 use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::VarMap;
 
-use crate::collective::{Collective, CollectiveError};
 use crate::batch_norm::SyncBatchNorm;
+use crate::collective::{Collective, CollectiveError};
 use files::{io_err, sync_file};
 pub use files::{write_atomic, FileLock};
 use manifest::Manifest;

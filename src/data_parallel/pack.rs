@@ -33,4 +33,3 @@ pub(super) fn unpack(
     }
     Ok(())
 }
-

@@ -11,8 +11,8 @@
 
 use candle_core::{bail, Result, Tensor};
 
-use super::conv_cpu;
 use super::attach::attach2;
+use super::conv_cpu;
 
 /// PyTorch's `conv2d` without bias, dilation or groups: `x` `(N, C_in, H, W)`, `w`
 /// `(C_out, C_in, k, k)` (a square kernel), `padding` on every side, `stride`; the output is

@@ -236,7 +236,11 @@ fn stats_cuda(
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `shift` is not
 /// of shape `[C]` in a float dtype or not on `x`'s device; on a GPU, when a CUDA allocation or kernel launch
 /// fails.
-pub fn batch_norm_stats(x: &Tensor, shift: &Tensor, layout: crate::layout::ChannelLayout) -> Result<Tensor> {
+pub fn batch_norm_stats(
+    x: &Tensor,
+    shift: &Tensor,
+    layout: crate::layout::ChannelLayout,
+) -> Result<Tensor> {
     crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let shift = per_channel_f64("shift", shift, &[geometry.c])?;

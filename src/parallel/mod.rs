@@ -71,8 +71,8 @@ use std::sync::Arc;
 use candle_core::{bail, Result, Tensor};
 
 use crate::collective::{Collective, ReduceOp};
-use crate::ops::attach::{self, attach};
 pub(crate) use crate::ops::attach::attach2;
+use crate::ops::attach::{self, attach};
 
 /// A gradient function that communicates, announced first to an overlapped data-parallel
 /// backward on this thread ([`crate::collective::in_backward`]), which places its buckets

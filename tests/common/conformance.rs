@@ -94,7 +94,12 @@ fn world(comm: &Arc<dyn Collective>) -> Result<usize> {
 
 /// `values` as a tensor of `dtype` on the communicator's device (built on the CPU and moved:
 /// candle's CUDA fills reject empty tensors).
-fn tensor(comm: &Arc<dyn Collective>, values: &[f64], dims: &[usize], dtype: DType) -> Result<Tensor> {
+fn tensor(
+    comm: &Arc<dyn Collective>,
+    values: &[f64],
+    dims: &[usize],
+    dtype: DType,
+) -> Result<Tensor> {
     let t = Tensor::from_vec(values.to_vec(), dims, &Device::Cpu)?.to_dtype(dtype)?;
     Ok(t.to_device(&comm.device())?)
 }
@@ -110,7 +115,11 @@ fn host(t: &Tensor) -> Result<Vec<f64>> {
 fn all_reduce_every_op_and_dtype(comm: &Arc<dyn Collective>) -> Result<()> {
     let n = world(comm)? as f64;
     let r = comm.rank() as f64;
-    let sum = [n * (n + 1.0) / 2.0, 10.0 * n - n * (n - 1.0) / 2.0, -n * (n - 1.0) / 2.0];
+    let sum = [
+        n * (n + 1.0) / 2.0,
+        10.0 * n - n * (n - 1.0) / 2.0,
+        -n * (n - 1.0) / 2.0,
+    ];
     let expect = [
         (ReduceOp::Sum, sum),
         (ReduceOp::Avg, sum.map(|s| s / n)),
@@ -121,7 +130,11 @@ fn all_reduce_every_op_and_dtype(comm: &Arc<dyn Collective>) -> Result<()> {
         let t = tensor(comm, &[r + 1.0, 10.0 - r, -r], &[3], dtype)?;
         for (op, want) in expect {
             let got = comm.all_reduce(&t, op)?;
-            ensure!(got.dtype() == dtype, "{dtype:?} {op:?} returned {:?}", got.dtype());
+            ensure!(
+                got.dtype() == dtype,
+                "{dtype:?} {op:?} returned {:?}",
+                got.dtype()
+            );
             let got = host(&got)?;
             ensure!(got == want, "{dtype:?} {op:?}: {got:?}, expected {want:?}");
         }
@@ -155,7 +168,10 @@ fn results_are_bitwise_identical_on_every_rank(comm: &Arc<dyn Collective>) -> Re
             .iter()
             .zip(&rows[0])
             .position(|(a, b)| a.to_bits() != b.to_bits());
-        ensure!(bad.is_none(), "rank {q}'s sum differs from rank 0's at element {bad:?}");
+        ensure!(
+            bad.is_none(),
+            "rank {q}'s sum differs from rank 0's at element {bad:?}"
+        );
     }
     Ok(())
 }
@@ -172,7 +188,11 @@ fn reduce_scatter_gives_each_rank_its_rows(comm: &Arc<dyn Collective>) -> Result
             .to_device(&comm.device())?;
         for op in [ReduceOp::Sum, ReduceOp::Max] {
             let part = comm.reduce_scatter(&t, op)?;
-            ensure!(part.dims() == [2, 3], "{dtype:?} {op:?}: dims {:?}", part.dims());
+            ensure!(
+                part.dims() == [2, 3],
+                "{dtype:?} {op:?}: dims {:?}",
+                part.dims()
+            );
             let mine = comm.all_reduce(&t, op)?.narrow(0, 2 * r, 2)?;
             ensure!(
                 host(&part)? == host(&mine)?,
@@ -191,7 +211,9 @@ fn all_gather_concatenates_unequal_rows_in_rank_order(comm: &Arc<dyn Collective>
     let n = world(comm)?;
     let rows_of = |q: usize| q % 3;
     let r = comm.rank();
-    let mine: Vec<f64> = (0..rows_of(r)).flat_map(|_| [r as f64, r as f64 + 0.5]).collect();
+    let mine: Vec<f64> = (0..rows_of(r))
+        .flat_map(|_| [r as f64, r as f64 + 0.5])
+        .collect();
     let t = tensor(comm, &mine, &[rows_of(r), 2], DType::F32)?;
     let got = comm.all_gather(&t)?;
     let want: Vec<f64> = (0..n)
@@ -216,7 +238,10 @@ fn broadcast_and_barrier(comm: &Arc<dyn Collective>) -> Result<()> {
         let t = tensor(comm, &[r * 7.0 + 0.5, -r], &[2], dtype)?;
         let got = host(&comm.broadcast(&t, n - 1)?)?;
         let last = (n - 1) as f64;
-        ensure!(got == [last * 7.0 + 0.5, -last], "{dtype:?} broadcast: {got:?}");
+        ensure!(
+            got == [last * 7.0 + 0.5, -last],
+            "{dtype:?} broadcast: {got:?}"
+        );
     }
     comm.barrier()?;
     Ok(())
@@ -233,14 +258,26 @@ fn a_wire_dtype_rounds_like_the_casts_it_saves(comm: &Arc<dyn Collective>) -> Re
     for wire in [DType::BF16, DType::F16] {
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let fused = comm.all_reduce_wire(&t, op, wire)?;
-            ensure!(fused.dtype() == DType::F32, "{wire:?} {op:?}: dtype {:?}", fused.dtype());
-            let cast = comm.all_reduce(&t.to_dtype(wire)?, op)?.to_dtype(DType::F32)?;
+            ensure!(
+                fused.dtype() == DType::F32,
+                "{wire:?} {op:?}: dtype {:?}",
+                fused.dtype()
+            );
+            let cast = comm
+                .all_reduce(&t.to_dtype(wire)?, op)?
+                .to_dtype(DType::F32)?;
             let (a, b) = (
                 fused.to_device(&Device::Cpu)?.to_vec1::<f32>()?,
                 cast.to_device(&Device::Cpu)?.to_vec1::<f32>()?,
             );
-            let bad = a.iter().zip(&b).position(|(x, y)| x.to_bits() != y.to_bits());
-            ensure!(bad.is_none(), "{wire:?} {op:?}: element {bad:?} differs from the casts'");
+            let bad = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
+            ensure!(
+                bad.is_none(),
+                "{wire:?} {op:?}: element {bad:?} differs from the casts'"
+            );
         }
     }
     Ok(())
@@ -260,11 +297,21 @@ fn asynchronous_collectives_beside_a_synchronous_one(comm: &Arc<dyn Collective>)
     let nf = n as f64;
     ensure!(max == [nf], "the synchronous maximum: {max:?}");
     let sum = host(&sum.wait()?)?;
-    ensure!(sum == [nf * (nf + 1.0) / 2.0], "the asynchronous sum: {sum:?}");
+    ensure!(
+        sum == [nf * (nf + 1.0) / 2.0],
+        "the asynchronous sum: {sum:?}"
+    );
     let g = host(&gathered.wait()?)?;
-    ensure!(g == (1..=n).map(|q| q as f64).collect::<Vec<_>>(), "gathered {g:?}");
+    ensure!(
+        g == (1..=n).map(|q| q as f64).collect::<Vec<_>>(),
+        "gathered {g:?}"
+    );
     let s = scattered.wait()?;
-    ensure!(s.dims() == [1, 2] && host(&s)? == [nf, nf], "scattered {:?}", host(&s)?);
+    ensure!(
+        s.dims() == [1, 2] && host(&s)? == [nf, nf],
+        "scattered {:?}",
+        host(&s)?
+    );
     Ok(())
 }
 
@@ -285,8 +332,15 @@ fn split_and_new_group(comm: &Arc<dyn Collective>) -> Result<()> {
                 .filter(|q| q % 2 == r % 2)
                 .map(|q| q as f64)
                 .collect();
-            ensure!(order == want, "rank {r}: group order {order:?}, expected {want:?}");
-            ensure!(sub.world_size() == want.len(), "rank {r}: group size {}", sub.world_size());
+            ensure!(
+                order == want,
+                "rank {r}: group order {order:?}, expected {want:?}"
+            );
+            ensure!(
+                sub.world_size() == want.len(),
+                "rank {r}: group size {}",
+                sub.world_size()
+            );
         }
     }
     let g = comm.new_group(&[n - 1, 0])?;
@@ -295,6 +349,10 @@ fn split_and_new_group(comm: &Arc<dyn Collective>) -> Result<()> {
         0 => Some(1),
         _ => None,
     };
-    ensure!(g.as_ref().map(|g| g.rank()) == want, "rank {r}: new_group rank {:?}", g.map(|g| g.rank()));
+    ensure!(
+        g.as_ref().map(|g| g.rank()) == want,
+        "rank {r}: new_group rank {:?}",
+        g.map(|g| g.rank())
+    );
     Ok(())
 }

@@ -60,7 +60,8 @@ fn finalize_matches_gather_stats_and_the_blend_weight() {
         let x = case.data(3, 7.0, DType::F64);
         let shift = per_channel(c, 4, 6.5, 7.5);
         let sums =
-            ops::batch_norm_stats(&x, &shift, candle_distributed::ChannelLayout::ChannelsFirst).unwrap();
+            ops::batch_norm_stats(&x, &shift, candle_distributed::ChannelLayout::ChannelsFirst)
+                .unwrap();
         let got = finalize(DType::F64, &sums, &shift, None, momentum, eps, "random:3");
         let row = |i: usize| got.get(i).unwrap();
         let count = (n * hw) as f64;
@@ -159,10 +160,11 @@ fn finalize_updates_the_running_statistics_in_place() {
     };
     let x = case.data(13, 4.0, DType::F64);
     let shift = per_channel(c, 14, 3.5, 4.5);
-    let mut sums = ops::batch_norm_stats(&x, &shift, candle_distributed::ChannelLayout::ChannelsFirst)
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
+    let mut sums =
+        ops::batch_norm_stats(&x, &shift, candle_distributed::ChannelLayout::ChannelsFirst)
+            .unwrap()
+            .to_vec2::<f64>()
+            .unwrap();
     sums[1][7] = f64::NAN;
     let sums = Tensor::new(sums, &Device::Cpu).unwrap();
     for (dtype, suffix) in DTYPES {

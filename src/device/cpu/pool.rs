@@ -468,7 +468,12 @@ mod tests {
             (256, 12_544),
             (2048, 600),
         ] {
-            let g = Geometry::of("test", &[nrows, c], crate::layout::ChannelLayout::ChannelsLast).unwrap();
+            let g = Geometry::of(
+                "test",
+                &[nrows, c],
+                crate::layout::ChannelLayout::ChannelsLast,
+            )
+            .unwrap();
             let value = |r: usize, ch: usize| ((r * 31 + ch * 7) % 97) as f64 - 48.0;
             let seen: Vec<AtomicU32> = (0..nrows).map(|_| AtomicU32::new(0)).collect();
             let rows = |lo: usize, hi: usize, acc: &mut [f64]| {
@@ -507,7 +512,12 @@ mod tests {
             [7, 3, 50_001],
             [2, 400_000, 2],
         ] {
-            let g = Geometry::of("test", &[n, c, s], crate::layout::ChannelLayout::ChannelsFirst).unwrap();
+            let g = Geometry::of(
+                "test",
+                &[n, c, s],
+                crate::layout::ChannelLayout::ChannelsFirst,
+            )
+            .unwrap();
             let value = |i: usize| ((i * 31) % 97) as f64 - 48.0;
             let calls = AtomicU32::new(0);
             let plane = |ch: usize, lo: usize, hi: usize| {
