@@ -143,7 +143,7 @@ impl FlightRecorder {
     }
 
     /// Records call `call` as enqueued.
-    pub fn enqueue(&self, call: u64, op: &'static str, dtype: Option<DType>, elems: usize) {
+    pub(crate) fn enqueue(&self, call: u64, op: &'static str, dtype: Option<DType>, elems: usize) {
         self.reached
             .fetch_max(call + 1, std::sync::atomic::Ordering::Relaxed);
         if self.capacity == 0 {
@@ -167,7 +167,7 @@ impl FlightRecorder {
     }
 
     /// Moves call `call` to `state` (`Started`, `Completed` or `Failed`), stamping the time.
-    pub fn mark(&self, call: u64, state: CallState) {
+    pub(crate) fn mark(&self, call: u64, state: CallState) {
         let t = self.now();
         let mut ring = self.lock();
         if let Some(r) = ring.iter_mut().rev().find(|r| r.call == call) {
@@ -182,7 +182,8 @@ impl FlightRecorder {
 
     /// Moves call `call` from `Started` to `Completed` (a backend that learns of a call's end
     /// only when the next one begins); any other state stays.
-    pub fn settle(&self, call: u64) {
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn settle(&self, call: u64) {
         let t = self.now();
         let mut ring = self.lock();
         if let Some(r) = ring.iter_mut().rev().find(|r| r.call == call) {
@@ -226,14 +227,14 @@ impl FlightRecorder {
 
 /// Where rank `rank` stands, for a report naming the ranks that are behind call `call` (`op`):
 /// "rank 2 never reached all_reduce #1207; its last collective: all_reduce #1206, completed ...".
-pub fn behind(rank: usize, op: &str, call: u64, last: Option<&CallRecord>) -> String {
+pub(crate) fn behind(rank: usize, op: &str, call: u64, last: Option<&CallRecord>) -> String {
     behind_as(rank, op, call, last)
 }
 
 /// Whether the rank whose recorder is `r` never reached call `call` (`op`), and if so how it
 /// stands ([`behind`]): by its newest call, which is known with recording off too (then the
 /// line says so instead of describing the call).
-pub fn behind_of(rank: usize, op: &str, call: u64, r: &FlightRecorder) -> Option<String> {
+pub(crate) fn behind_of(rank: usize, op: &str, call: u64, r: &FlightRecorder) -> Option<String> {
     let newest = r.newest_call();
     if newest.is_some_and(|n| n >= call) {
         return None;
@@ -248,7 +249,7 @@ pub fn behind_of(rank: usize, op: &str, call: u64, r: &FlightRecorder) -> Option
 }
 
 /// [`behind`] with the last collective as any text (another process's report of it).
-pub fn behind_as(rank: usize, op: &str, call: u64, last: Option<impl std::fmt::Display>) -> String {
+pub(crate) fn behind_as(rank: usize, op: &str, call: u64, last: Option<impl std::fmt::Display>) -> String {
     match last {
         Some(r) => format!("rank {rank} never reached {op} #{call}; its last collective: {r}"),
         None => format!("rank {rank} never reached {op} #{call}; it recorded no collective"),
