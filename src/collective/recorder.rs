@@ -249,7 +249,12 @@ pub(crate) fn behind_of(rank: usize, op: &str, call: u64, r: &FlightRecorder) ->
 }
 
 /// [`behind`] with the last collective as any text (another process's report of it).
-pub(crate) fn behind_as(rank: usize, op: &str, call: u64, last: Option<impl std::fmt::Display>) -> String {
+pub(crate) fn behind_as(
+    rank: usize,
+    op: &str,
+    call: u64,
+    last: Option<impl std::fmt::Display>,
+) -> String {
     match last {
         Some(r) => format!("rank {rank} never reached {op} #{call}; its last collective: {r}"),
         None => format!("rank {rank} never reached {op} #{call}; it recorded no collective"),
