@@ -79,6 +79,11 @@ pub(crate) mod pack;
 mod stats;
 
 pub use crate::layout::ChannelLayout;
+
+/// The former name of [`ChannelLayout`].
+#[deprecated(since = "0.1.0", note = "renamed `ChannelLayout`")]
+pub type Layout = ChannelLayout;
+
 pub use apply::batch_norm_elemt;
 pub use backward_elemt::batch_norm_backward_elemt;
 pub use backward_reduce::batch_norm_backward_reduce;
