@@ -25,6 +25,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::{Collective, NcclGroup, ReduceOp};
 use candle_distributed::{sync_batch_norm, DataParallel, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
+use gpu_sim::{Counts, GpuSim};
 
 /// The batch-norm inputs of ResNet-20 at batch 128: one per stage.
 const SHAPES: [[usize; 4]; 3] = [[128, 16, 32, 32], [128, 32, 16, 16], [128, 64, 8, 8]];
@@ -45,54 +46,17 @@ fn per_call(dev: &Device, f: &mut dyn FnMut() -> Result<()>, times: &mut Vec<f64
     Ok(())
 }
 
-/// `GpuSimCounts` of `gpu-sim/include/gpusim.h`: the simulated driver's calls by kind.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-struct Counts {
-    launches: u64,
-    copies_htod: u64,
-    copies_dtoh: u64,
-    copies_dtod: u64,
-    memsets: u64,
-    allocs: u64,
-    frees: u64,
-    event_records: u64,
-    stream_waits: u64,
-    host_syncs: u64,
-    host_tasks: u64,
-}
-
 /// The driver calls of one call of `f`, by kind, from the simulated driver's process-wide
 /// counters (`None` on a real driver, which has none).
 fn driver_calls(dev: &Device, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Counts>> {
-    type CountsFn = unsafe extern "C" fn(*mut std::ffi::c_void, i32, *mut Counts) -> i32;
-    type ResetFn = unsafe extern "C" fn();
-    // SAFETY: libcuda.so.1 is already loaded by this process (the cuda build links it); opening
-    // it again only takes a reference and runs no initialiser.
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }?;
-    // SAFETY: looking symbols up has no side effect; these two have these signatures in
-    // gpu-sim/include/gpusim.h.
-    let (counts, reset) = unsafe {
-        match (
-            lib.get::<CountsFn>(b"gpusim_counts"),
-            lib.get::<ResetFn>(b"gpusim_reset_counts"),
-        ) {
-            (Ok(c), Ok(r)) => (c, r),
-            _ => return Ok(None),
-        }
+    let Some(sim) = GpuSim::loaded() else {
+        return Ok(None);
     };
     dev.synchronize()?;
-    // SAFETY: `gpusim_reset_counts` takes nothing.
-    unsafe { reset() };
+    sim.reset();
     f()?;
     dev.synchronize()?;
-    let mut c = Counts::default();
-    // SAFETY: with `all` non-zero the stream is not read; `c` is a valid `GpuSimCounts`.
-    anyhow::ensure!(
-        unsafe { counts(std::ptr::null_mut(), 1, &mut c) } == 0,
-        "gpusim_counts failed"
-    );
-    Ok(Some(c))
+    Ok(Some(sim.total_counts()))
 }
 
 /// `launches / allocations / memsets and device copies / event records and waits` of a call.

@@ -2,7 +2,7 @@
 # What `cargo package` would publish, for both crates of the workspace: the library's sources,
 # its kernels, its build script and its documents, and nothing of the test machinery; the
 # start-up crate's sources, README and licences. Fails naming what is missing or extra; then
-# packages both and builds each packaged crate on its own (`cargo package --workspace`'s
+# packages both and builds each packaged crate on its own (`cargo package`'s
 # verification, default features: candle-distributed is built against the packaged
 # candle-rendezvous, not the folder).
 set -euo pipefail
@@ -29,5 +29,5 @@ for path in $(git ls-files candle-rendezvous/src); do
     grep -qx "${path#candle-rendezvous/}" <<<"$rlist" || { echo "FAIL: candle-rendezvous's package lacks $path"; exit 1; }
 done
 echo "ok   candle-rendezvous's package holds $(wc -l <<<"$rlist") files"
-cargo package --workspace --allow-dirty --quiet
+cargo package -p candle-rendezvous -p candle-distributed --allow-dirty --quiet
 echo "ok   both packaged crates build on their own"

@@ -6,117 +6,11 @@
 
 mod common;
 
-use std::ffi::{c_char, c_int, c_void};
-
 use candle_core::{DType, Tensor};
 use candle_distributed::collective::{ReduceOp, ThreadGroup};
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::ModuleT;
-
-/// `GpuSimCounts` of `gpu-sim/include/gpusim.h`.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-struct Counts {
-    launches: u64,
-    copies_htod: u64,
-    copies_dtoh: u64,
-    copies_dtod: u64,
-    memsets: u64,
-    allocs: u64,
-    frees: u64,
-    event_records: u64,
-    stream_waits: u64,
-    host_syncs: u64,
-    host_tasks: u64,
-}
-
-impl Counts {
-    fn minus(self, b: Counts) -> Counts {
-        Counts {
-            launches: self.launches - b.launches,
-            copies_htod: self.copies_htod - b.copies_htod,
-            copies_dtoh: self.copies_dtoh - b.copies_dtoh,
-            copies_dtod: self.copies_dtod - b.copies_dtod,
-            memsets: self.memsets - b.memsets,
-            allocs: self.allocs - b.allocs,
-            frees: self.frees - b.frees,
-            event_records: self.event_records - b.event_records,
-            stream_waits: self.stream_waits - b.stream_waits,
-            host_syncs: self.host_syncs - b.host_syncs,
-            host_tasks: self.host_tasks - b.host_tasks,
-        }
-    }
-}
-
-type CountsFn = unsafe extern "C" fn(*mut c_void, c_int, *mut Counts) -> c_int;
-type ResetFn = unsafe extern "C" fn();
-type LogFn = unsafe extern "C" fn(*mut c_char, usize) -> usize;
-
-/// The simulated driver's counters, or None on a real driver.
-struct Sim {
-    lib: libloading::Library,
-}
-
-impl Sim {
-    fn get() -> Option<Sim> {
-        // SAFETY: libcuda.so.1 is already loaded by this process (the cuda build links it);
-        // opening it again only takes a reference, and runs no initialiser.
-        let lib = unsafe { libloading::Library::new("libcuda.so.1") }.ok()?;
-        // SAFETY: looking a symbol up has no side effect.
-        unsafe { lib.get::<CountsFn>(b"gpusim_counts") }.ok()?;
-        Some(Sim { lib })
-    }
-
-    /// Counts of the calling thread's per-thread default stream (its current context's).
-    fn stream_counts(&self) -> Counts {
-        let mut c = Counts::default();
-        // SAFETY: `gpusim_counts` has this signature (gpu-sim/include/gpusim.h); 0x2 is the
-        // per-thread stream's handle; `c` is a valid `GpuSimCounts`.
-        let rc = unsafe {
-            let f = self.lib.get::<CountsFn>(b"gpusim_counts").unwrap();
-            f(2 as *mut c_void, 0, &mut c)
-        };
-        assert_eq!(rc, 0, "gpusim_counts failed");
-        c
-    }
-
-    /// Counts of the whole process since the last [`Sim::reset`] (every stream, NCCL's too).
-    fn total_counts(&self) -> Counts {
-        let mut c = Counts::default();
-        // SAFETY: as in `stream_counts`; with `all` non-zero the stream is not read.
-        let rc = unsafe {
-            let f = self.lib.get::<CountsFn>(b"gpusim_counts").unwrap();
-            f(std::ptr::null_mut(), 1, &mut c)
-        };
-        assert_eq!(rc, 0, "gpusim_counts failed");
-        c
-    }
-
-    /// Clears the launch log and the process-wide counts.
-    fn reset(&self) {
-        // SAFETY: `gpusim_reset_counts` takes nothing (gpu-sim/include/gpusim.h).
-        unsafe { self.lib.get::<ResetFn>(b"gpusim_reset_counts").unwrap()() }
-    }
-
-    /// The kernels launched since the last reset, in order.
-    fn launched(&self) -> Vec<String> {
-        let mut buf = vec![0 as c_char; 1 << 16];
-        // SAFETY: `gpusim_launch_log` writes at most `len` bytes, NUL-terminated.
-        unsafe {
-            self.lib.get::<LogFn>(b"gpusim_launch_log").unwrap()(buf.as_mut_ptr(), buf.len())
-        };
-        let bytes: Vec<u8> = buf
-            .iter()
-            .take_while(|&&b| b != 0)
-            .map(|&b| b as u8)
-            .collect();
-        String::from_utf8(bytes)
-            .unwrap()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-}
+use gpu_sim::{Counts, GpuSim as Sim};
 
 /// The tests of this file one at a time: the launch log and the totals are the process's.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -140,7 +34,7 @@ fn on_simulated_nccl() -> Option<(
     std::sync::MutexGuard<'static, ()>,
     std::sync::Arc<candle_distributed::collective::NcclCollective>,
 )> {
-    let Some(sim) = Sim::get() else {
+    let Some(sim) = Sim::loaded() else {
         eprintln!("not on the simulated driver: no counters to read");
         return None;
     };
@@ -168,7 +62,7 @@ fn on_simulated_nccl() -> Option<(
 ///   own and taken off. The NCCL backend's all-reduce stays on the device.
 #[test]
 fn a_training_step_launches_what_the_readme_states() {
-    let Some(sim) = Sim::get() else {
+    let Some(sim) = Sim::loaded() else {
         eprintln!("not on the simulated driver: no counters to read");
         return;
     };

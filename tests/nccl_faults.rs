@@ -37,15 +37,9 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 /// host's read of the stream, scheduling on a loaded 2-core machine).
 const SLACK: Duration = Duration::from_secs(8);
 
-/// Whether the loaded libcuda.so.1 is the simulated one (its `gpusim_counts` exists).
+/// Whether the loaded libcuda.so.1 is the simulated one.
 fn simulated() -> bool {
-    // SAFETY: opening a library that the cuda build already loaded only takes a reference;
-    // looking a symbol up has no side effect.
-    unsafe {
-        libloading::Library::new("libcuda.so.1")
-            .ok()
-            .is_some_and(|l| l.get::<unsafe extern "C" fn()>(b"gpusim_counts").is_ok())
-    }
+    gpu_sim::GpuSim::is_loaded()
 }
 
 fn is_child() -> bool {
