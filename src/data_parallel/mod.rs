@@ -169,6 +169,7 @@ use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::collective::{Collective, ReduceOp};
+use crate::ops;
 
 pub use hooks::GradHooks;
 pub use join::JoinStep;
@@ -445,11 +446,11 @@ impl DataParallel {
             // some rank has a gradient. Only a rank missing a gradient reads the flags back.
             let avg = if device.is_cpu() {
                 // Thread ranks sum the gradients where they lie; other backends concatenate.
-                let parts = pack::parts(&parts, &lens, dtype, &device)?;
+                let parts = ops::pack::parts(&parts, &lens, dtype, &device)?;
                 self.comm
                     .all_reduce_parts(&parts, ReduceOp::Avg, self.wire)?
             } else {
-                let flat = pack::pack(&parts, &lens, dtype, &device)?;
+                let flat = ops::pack::pack(&parts, &lens, dtype, &device)?;
                 match self.wire {
                     Some(w) => self.comm.all_reduce_wire(&flat, ReduceOp::Avg, w)?,
                     // The bucket is this call's own: NCCL averages it in place.

@@ -3,8 +3,6 @@
 
 use candle_core::{DType, Result, Tensor};
 
-pub(super) use crate::ops::pack::{pack, parts};
-
 /// Puts a bucket's averages (`avg`: the gradients of `vars` laid end to end, then one flag per
 /// variable) into `grads`, leaving out the variables no rank has a gradient for (their flag is
 /// 0 after the average; read back only when this rank missed one, `missing_here`).

@@ -5,7 +5,7 @@
 //! On the CPU the parts go to `Collective::all_reduce_parts` as they are ([`parts`]: thread
 //! ranks sum them where they lie, other backends concatenate them). On a GPU, `cat` launched
 //! one copy kernel per part and the zeros a memset each; here `kernels/pack.cu` fills up to
-//! [`PACK_SEGS`](crate::args::PACK_SEGS) gradients, their zeros and their flags per launch,
+//! [`PACK_SEGS`](crate::kernels::args::PACK_SEGS) gradients, their zeros and their flags per launch,
 //! reading each gradient where it lies.
 
 use candle_core::{DType, Device, Result, Tensor};

@@ -12,6 +12,7 @@ use super::{Learned, OverlapStats, Plan};
 use crate::collective::in_backward::Event;
 use crate::collective::{Collective, CollectiveError, Pending, ReduceOp};
 use crate::data_parallel::pack;
+use crate::ops;
 
 /// One started bucket.
 #[derive(Debug)]
@@ -219,7 +220,7 @@ impl Launcher {
             missing_here |= g.is_none();
             parts.push(g.map(|g| g.to_dtype(dtype)?.contiguous()).transpose()?);
         }
-        let flat = pack::pack(&parts, &lens, dtype, &device)?;
+        let flat = ops::pack::pack(&parts, &lens, dtype, &device)?;
         let pending = match self.wire {
             Some(w) => self.comm.all_reduce_wire_async(&flat, ReduceOp::Avg, w)?,
             None => self.comm.all_reduce_async(&flat, ReduceOp::Avg)?,
