@@ -1,14 +1,13 @@
-//! A client rank's side of the standalone exchange: the hello, every address tried in turn,
-//! the answer read and checked.
+//! A client rank's way into the store rank 0 hosts: the hello, every address tried in turn,
+//! the admission read and checked; then the exchange over the admitted session.
 
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::store::{remaining, resolve};
+use crate::store::{remaining, resolve, TcpStoreClient};
 use crate::wire::{read_by, write_by};
 use crate::{
-    bail, secret, DistEnv, Result, CHALLENGE, CLIENT_DEADLINE, MAGIC, MAX_PAYLOAD, OK, RETRY,
-    SECRET_VAR,
+    bail, secret, DistEnv, Result, CHALLENGE, CLIENT_DEADLINE, MAGIC, MAX_PAYLOAD, OK, SECRET_VAR,
 };
 
 /// The run identity as it travels: a 64-bit FNV-1a of the run id, the restart count, the world
@@ -69,18 +68,18 @@ pub(crate) fn read_answer(
     Ok(Ok((head[8], body)))
 }
 
-/// One attempt of a client rank at `addr`: the payload, or why the exchange cannot succeed
-/// (rank 0's refusal, a length beyond [`MAX_PAYLOAD`], a disagreement on the shared secret's
-/// use); an I/O error, or an answer that does not prove the secret, is worth a retry. The
-/// attempt, connect and exchange together, takes at most [`CLIENT_DEADLINE`] (as rank 0
+/// One attempt of a client rank at `addr`: the admitted connection, or why admission cannot
+/// succeed (rank 0's refusal, a length beyond what rank 0 sends, a disagreement on the shared
+/// secret's use); an I/O error, or an answer that does not prove the secret, is worth a retry.
+/// The admission, connect and hello together, takes at most [`CLIENT_DEADLINE`] (as rank 0
 /// grants each client): an address that accepts and then says nothing costs one attempt, not
 /// the whole timeout.
-pub(crate) fn fetch_from(
+pub(crate) fn admit_at(
     addr: SocketAddr,
     env: &DistEnv,
     seq: u64,
     deadline: Instant,
-) -> std::io::Result<std::result::Result<Vec<u8>, String>> {
+) -> std::io::Result<std::result::Result<TcpStream, String>> {
     let hello = hello(env, seq).map_err(std::io::Error::other)?;
     let deadline = deadline.min(Instant::now() + CLIENT_DEADLINE);
     let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline))?;
@@ -94,7 +93,6 @@ pub(crate) fn fetch_from(
         Ok(answer) => answer,
         Err(why) => return unproven(why),
     };
-    let mut context = hello.clone();
     match (&env.secret, status) {
         (None, CHALLENGE) => {
             return Ok(Err(format!(
@@ -112,7 +110,6 @@ pub(crate) fn fetch_from(
                 )));
             }
             write_by(&mut stream, &k.prove(&[b"rank", &hello, ns]), deadline)?;
-            context.extend_from_slice(ns);
             (status, body) = match read_answer(&mut stream, addr, deadline)? {
                 Ok(answer) => answer,
                 Err(why) => return unproven(why),
@@ -126,30 +123,11 @@ pub(crate) fn fetch_from(
         _ => {}
     }
     match status {
-        OK => {
-            let payload = match &env.secret {
-                Some(k) => k.open(&context, &body).map_err(std::io::Error::other)?,
-                None => body,
-            };
-            if payload.len() > MAX_PAYLOAD {
-                return Ok(Err(format!(
-                    "{addr} sent {} bytes (at most {MAX_PAYLOAD} accepted): not a rank 0 of ours",
-                    payload.len()
-                )));
-            }
-            // The acknowledgement: with a secret, a proof over this exchange (a relay that read
-            // the sealed payload cannot acknowledge in this rank's place).
-            let ack = match &env.secret {
-                Some(k) => k.prove(&[b"ack", &context]).to_vec(),
-                None => vec![1],
-            };
-            write_by(&mut stream, &ack, deadline)?;
-            Ok(Ok(payload))
-        }
-        RETRY => Err(std::io::Error::other(format!(
-            "asked to retry: {}",
-            peer_text(&body)
-        ))),
+        OK if body.is_empty() => Ok(Ok(stream)),
+        OK => unproven(format!(
+            "{addr} admits with a body of {} bytes: not a rank 0 of this version",
+            body.len()
+        )),
         // With a secret, a refusal carries no proof (anyone on the way could send it): retried
         // until the timeout, whose message quotes it. Without one, it ends this rank at once.
         _ if env.secret.is_some() => Err(std::io::Error::other(format!(
@@ -180,12 +158,19 @@ pub(crate) fn peer_text(body: &[u8]) -> String {
     format!("\"{escaped}\"{more}")
 }
 
-pub(crate) fn fetch(
+/// A session of the store rank 0 hosts, admitted as rank `env.rank` at rendezvous `seq`
+/// ([`SESSION`](crate::SESSION) for one that serves no rendezvous): every address `MASTER_ADDR`
+/// resolves to is tried in turn, backing off, until `deadline` (`timeout` is named in the error).
+///
+/// # Errors
+/// Rank 0's refusal (without a shared secret), a disagreement on the secret's use, or the
+/// deadline passing, with the last attempt's error.
+pub(crate) fn session(
     env: &DistEnv,
     seq: u64,
     deadline: Instant,
     timeout: Duration,
-) -> Result<Vec<u8>> {
+) -> Result<TcpStoreClient> {
     // Every address the name resolves to, in turn: one that refuses, answers garbage, stays
     // silent or is not rank 0 does not keep a rank from the others.
     let mut attempt = 0usize;
@@ -199,8 +184,13 @@ pub(crate) fn fetch(
                     "the address resolves to nothing".to_string()
                 } else {
                     let a = addrs[attempt % addrs.len()];
-                    match fetch_from(a, env, seq, deadline) {
-                        Ok(Ok(p)) => return Ok(p),
+                    match admit_at(a, env, seq, deadline) {
+                        Ok(Ok(stream)) => {
+                            match TcpStoreClient::over(stream, a.to_string(), deadline) {
+                                Ok(store) => return Ok(store),
+                                Err(e) => format!("{a}: {e}"),
+                            }
+                        }
                         Ok(Err(why)) => bail!("bootstrap: rank {}: {why}", env.rank),
                         Err(e) => format!("{a}: {e}"),
                     }

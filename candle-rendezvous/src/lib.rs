@@ -34,11 +34,13 @@
 #![warn(clippy::missing_errors_doc)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod client;
 mod env;
 mod error;
+mod host;
+mod job;
 mod launcher;
 pub mod progress;
 mod sealed;
@@ -50,26 +52,28 @@ pub mod secret;
 #[path = "keyless.rs"]
 pub mod secret;
 mod server;
+mod session;
 pub mod store;
 mod stored;
+mod table;
 #[cfg(all(test, feature = "keys"))]
 mod tests;
 mod wire;
 
 pub use env::{local_world_size, local_world_size_from, DistEnv};
 pub use error::{Error, Result};
+pub use job::JobStore;
 pub use secret::Secret;
 pub use store::{Store, TcpStoreClient};
 
 pub(crate) use error::bail;
 
 pub(crate) use client::peer_text;
-use client::{fetch, identity};
-use server::serve;
+pub(crate) use job::SESSION;
 use stored::store_key;
 
 /// Bytes that open every message of the standalone exchange (protocol name and version).
-const MAGIC: &[u8; 8] = b"CDBOOT04";
+const MAGIC: &[u8; 8] = b"CDBOOT05";
 /// Longest payload either side accepts: rendezvous payloads are tiny (NCCL's id is 128 bytes).
 pub const MAX_PAYLOAD: usize = 1 << 16;
 /// Time one client connection may take on rank 0 before it is dropped: an idle or slow
@@ -79,9 +83,6 @@ const CLIENT_DEADLINE: Duration = Duration::from_secs(5);
 const OK: u8 = 0;
 /// Answer status: refused, the reason follows.
 const REFUSED: u8 = 1;
-/// Answer status: this rank 0 serves another rendezvous of the job (the client is one ahead,
-/// the previous server has not closed yet): try again.
-const RETRY: u8 = 2;
 /// Answer status: prove that you hold the shared secret; rank 0's nonce and proof follow.
 const CHALLENGE: u8 = 3;
 /// Environment variable of the run id, where torchrun's `TORCHELASTIC_RUN_ID` is not set.
@@ -135,34 +136,5 @@ pub fn share_bytes_round(
     payload: Option<&[u8]>,
     timeout: Duration,
 ) -> Result<Vec<u8>> {
-    let deadline = Instant::now() + timeout;
-    env.check_run_id()?;
-    if env.rank == 0 {
-        let payload = match payload {
-            Some(p) if p.len() <= MAX_PAYLOAD => p,
-            Some(p) => bail!(
-                "bootstrap: the payload has {} bytes, at most {MAX_PAYLOAD} are allowed",
-                p.len()
-            ),
-            None => bail!("bootstrap: rank 0 must provide the payload"),
-        };
-        if env.agent_store {
-            let mut store = TcpStoreClient::connect(&env.master_addr, env.master_port, deadline)?;
-            stored::set_payload(env, &mut store, seq, payload, deadline)?;
-        } else {
-            serve(env, seq, payload, deadline, timeout)?;
-        }
-        Ok(payload.to_vec())
-    } else if env.agent_store {
-        let mut store = TcpStoreClient::connect(&env.master_addr, env.master_port, deadline)
-            .map_err(|e| {
-                Error::Msg(format!(
-                    "bootstrap: rank {} cannot reach torchrun's store: {e}",
-                    env.rank
-                ))
-            })?;
-        stored::get_payload(env, &mut store, seq, deadline, timeout)
-    } else {
-        fetch(env, seq, deadline, timeout)
-    }
+    JobStore::open(env, timeout)?.share(seq, payload, timeout)
 }

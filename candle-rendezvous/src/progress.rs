@@ -1,4 +1,5 @@
-//! Progress reports through torchrun's store: each rank of a multi-process communicator
+//! Progress reports through the job's store ([`JobStore`]: torchrun's, or the one rank 0
+//! hosts in any other launch): each rank of a multi-process communicator
 //! publishes its newest collective (its number, and the flight recorder's line for it), so that
 //! a rank whose collective times out can name the ranks of other processes that never reached
 //! it ("rank 5 never reached all_reduce #1207; its last collective: all_reduce #1206 ...").
@@ -6,8 +7,7 @@
 //! Keys: `candle-distributed/<run id>/<restart>/<rendezvous>/progress/<rank>`, next to the
 //! rendezvous key of the communicator's start-up. A value is `<call>\n<unix ms>\n<line>`
 //! (`call` -1 before the first collective), sealed with the shared secret when the ranks have
-//! one, so that a party without the key cannot plant a false report. Only under torchrun: the
-//! standalone rendezvous has no store once the start-up is over.
+//! one, so that a party without the key cannot plant a false report.
 //!
 //! A rank publishes at most once every [`PUBLISH_EVERY`] when its newest collective changes,
 //! and republishes an unchanged one every [`HEARTBEAT`] (a hung rank's publisher thread goes
@@ -21,8 +21,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::store::{Store, TcpStoreClient};
-use crate::{peer_text, store_key, DistEnv, Result};
+use crate::store::Store;
+use crate::{peer_text, store_key, JobStore, Result};
 
 /// How often a publisher looks for a newer collective to report.
 pub const PUBLISH_EVERY: Duration = Duration::from_secs(1);
@@ -33,10 +33,11 @@ pub const STALE_AFTER: Duration = Duration::from_secs(15);
 /// Time one publication may take.
 const PUBLISH_DEADLINE: Duration = Duration::from_secs(2);
 
-/// One communicator's reports in torchrun's store.
+/// One communicator's reports in the job's store.
 #[derive(Debug)]
 pub struct ProgressBoard {
-    env: DistEnv,
+    /// The store; on rank 0 of a launch without torchrun, holding it keeps the store hosted.
+    job: JobStore,
     prefix: String,
     /// One connection, made on first use and again after a failure.
     store: Mutex<Option<Box<dyn Store>>>,
@@ -67,11 +68,12 @@ fn unix_ms() -> u64 {
 }
 
 impl ProgressBoard {
-    /// The board of the communicator started by rendezvous `seq` of `env`'s job: `None`
-    /// unless the job runs under torchrun (its agent's store outlives the start-up).
-    pub fn new(env: &DistEnv, seq: u64) -> Option<Self> {
-        env.agent_store.then(|| Self {
-            env: env.clone(),
+    /// The board of the communicator started by rendezvous `seq` of `job`'s job: `None` for
+    /// a job of one process outside torchrun (no store, and no other rank to report on).
+    pub fn new(job: &JobStore, seq: u64) -> Option<Self> {
+        let env = job.env();
+        (env.agent_store || env.world_size > 1).then(|| Self {
+            job: job.clone(),
             prefix: format!("{}/progress", store_key(env, seq)),
             store: Mutex::new(None),
         })
@@ -79,12 +81,12 @@ impl ProgressBoard {
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        self.env.rank
+        self.job.env().rank
     }
 
     /// The ranks of the communicator.
     pub fn world_size(&self) -> usize {
-        self.env.world_size
+        self.job.env().world_size
     }
 
     fn key(&self, rank: usize) -> String {
@@ -100,11 +102,7 @@ impl ProgressBoard {
     ) -> Result<R> {
         let mut guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_none() {
-            *guard = Some(Box::new(TcpStoreClient::connect(
-                &self.env.master_addr,
-                self.env.master_port,
-                deadline,
-            )?));
+            *guard = Some(self.job.connect(deadline)?);
         }
         let out = f(guard.as_mut().expect("connected above").as_mut());
         if out.is_err() {
@@ -120,9 +118,9 @@ impl ProgressBoard {
     /// The store cannot be reached or the value not sent by `deadline`, or sealing fails.
     pub fn publish(&self, call: Option<u64>, line: &str, deadline: Instant) -> Result<()> {
         let call = call.map_or(-1, |c| c as i64);
-        let key = self.key(self.env.rank);
+        let key = self.key(self.job.env().rank);
         let text = format!("{call}\n{}\n{line}", unix_ms());
-        let value = match &self.env.secret {
+        let value = match &self.job.env().secret {
             Some(k) => k.seal(key.as_bytes(), text.as_bytes())?,
             None => text.into_bytes(),
         };
@@ -140,7 +138,7 @@ impl ProgressBoard {
             true => s.get(&key, deadline),
             false => crate::bail!("rank {rank} published none"),
         })?;
-        let value = match &self.env.secret {
+        let value = match &self.job.env().secret {
             Some(k) => k.open(key.as_bytes(), &value).map_err(|e| {
                 crate::Error::Msg(format!(
                     "the report under {key} does not open with this rank's key: {e}"
@@ -179,7 +177,7 @@ impl ProgressBoard {
         mut newest: impl FnMut() -> Option<(Option<u64>, String)> + Send + 'static,
     ) -> std::io::Result<()> {
         std::thread::Builder::new()
-            .name(format!("progress-{}", self.env.rank))
+            .name(format!("progress-{}", self.job.env().rank))
             .spawn(move || {
                 let mut published: Option<(Option<u64>, String)> = None;
                 let mut at = Instant::now();
@@ -195,8 +193,8 @@ impl ProgressBoard {
                             Err(e) if !warned => {
                                 warned = true;
                                 log::warn!(
-                                    "rank {}: cannot publish progress to torchrun's store (a hang report will lack it): {e}",
-                                    self.env.rank
+                                    "rank {}: cannot publish progress to the job's store (a hang report will lack it): {e}",
+                                    self.job.env().rank
                                 );
                             }
                             Err(_) => {}

@@ -1,11 +1,11 @@
-//! Rank 0's side of the standalone exchange: listening on every address of `MASTER_ADDR`,
-//! serving the clients concurrently, each under its own deadline, until every rank has
-//! acknowledged the payload.
+//! Rank 0's door to the store it hosts: listening on every address of `MASTER_ADDR`, the
+//! admission of a client (its hello, the proof of the shared secret, the run identity), and the
+//! bound on connections answered at once.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::AtomicU8;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::{bail, Result};
@@ -108,23 +108,17 @@ pub(super) fn bind(
     Ok(None)
 }
 
-/// Connections answered at once, at most: each holds a thread and two descriptors until its
-/// client is done (at most [`CLIENT_DEADLINE`]). One beyond is closed at once, and its client
-/// retries: a flood of connections cannot exhaust rank 0's threads or descriptors.
+/// Connections answered at once, at most: each holds a thread and two descriptors while it is
+/// open (an admitted rank's session as long as the rank keeps it, any other at most
+/// [`CLIENT_DEADLINE`]). One beyond is closed at once, and its client retries: a flood of
+/// connections cannot exhaust rank 0's threads or descriptors.
 pub(super) fn max_handlers(world: usize) -> usize {
     (4 * world).clamp(16, 256)
 }
 
 /// Time a client has from its connection to the end of its hello (49 bytes): a connection that
 /// says nothing frees its slot within this, not [`CLIENT_DEADLINE`].
-const HELLO_DEADLINE: Duration = Duration::from_millis(500);
-
-/// Time past a client's deadline that rank 0 still waits for its acknowledgement: the client
-/// takes the payload once its acknowledgement is written, by its own deadline, which began
-/// when it connected (before rank 0 accepted); an acknowledgement on its way at rank 0's
-/// deadline is still counted, instead of a rank that went on being waited for until the
-/// timeout.
-const ACK_GRACE: Duration = Duration::from_secs(2);
+pub(super) const HELLO_DEADLINE: Duration = Duration::from_millis(500);
 
 /// A warning repeated on every pass of a loop (an `accept` failing while descriptors are
 /// exhausted) is logged at most once per [`WARN_EVERY`], with the number left out since.
@@ -155,17 +149,17 @@ impl Throttle {
 }
 
 /// A connection being answered.
-struct Open {
+pub(super) struct Open {
     /// A handle to shut it down.
-    handle: TcpStream,
+    pub handle: TcpStream,
     /// When it was accepted.
-    since: Instant,
+    pub since: Instant,
     /// How far it got, set by its thread: [`SILENT`], [`HELLOED`], [`PROVEN`].
-    stage: Arc<AtomicU8>,
+    pub stage: Arc<AtomicU8>,
 }
 
 /// A connection that has not sent a hello of this job yet.
-const SILENT: u8 = 0;
+pub(super) const SILENT: u8 = 0;
 /// A hello of this job's run identity came in time; with a secret, its proof has not yet.
 const HELLOED: u8 = 1;
 /// A hello in time, and with a secret, its proof: never evicted.
@@ -177,7 +171,7 @@ const PROVEN: u8 = 2;
 /// silent connections that reconnect the moment they are closed keeps evicting itself, and a
 /// real rank between its hello and its proof is evicted only after every silent connection,
 /// and after older connections in its own stage.
-fn admit(open: &mut HashMap<u64, Open>, cap: usize) -> bool {
+pub(super) fn admit(open: &mut HashMap<u64, Open>, cap: usize) -> bool {
     if open.len() < cap {
         return true;
     }
@@ -198,174 +192,19 @@ fn admit(open: &mut HashMap<u64, Open>, cap: usize) -> bool {
 
 /// What one client connection turned out to be.
 pub(super) enum Client {
-    /// Rank `r` received the payload and acknowledged it.
-    Served(usize),
-    /// Dropped: not one of ours, another job, idle, or gone before acknowledging.
+    /// Rank `r` of this job, admitted to the store.
+    Admitted(usize),
+    /// Dropped: not one of ours, another job, idle, or refused.
     Dropped(String),
 }
 
-pub(super) fn serve(
+/// Admits one client to the store rank 0 hosts, or refuses it with the reason; `id`: the run
+/// identity, `latest`: the newest rendezvous rank 0 has begun (a client behind it is refused).
+pub(super) fn admission(
+    stream: &mut TcpStream,
     env: &DistEnv,
-    seq: u64,
-    payload: &[u8],
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<()> {
-    if env.world_size == 1 {
-        return Ok(());
-    }
-    let listeners = listeners(env, deadline)?;
-    let (tx, rx) = mpsc::channel::<(u64, Client)>();
-    let mut served: HashSet<usize> = HashSet::new();
-    let mut dropped: Vec<String> = Vec::new();
-    // A handle on every connection being answered, by number: shut down on the way out so that
-    // no answering thread (an idle or slow client) keeps rank 0 waiting once the exchange is
-    // over, and released as soon as its thread is done.
-    let mut open: HashMap<u64, Open> = HashMap::new();
-    let mut next_conn = 0u64;
-    let mut accept_warnings = Throttle::default();
-    let (id, cap) = (identity(env), max_handlers(env.world_size));
-    std::thread::scope(|s| -> Result<()> {
-        let result = (|| -> Result<()> {
-            while served.len() + 1 < env.world_size {
-                let mut idle = true;
-                for l in &listeners {
-                    match l.accept() {
-                        Ok((stream, _)) if !admit(&mut open, cap) => {
-                            // Over the bound, every connection proven: closed now (dropped),
-                            // the client retries.
-                            idle = false;
-                            drop(stream);
-                            if dropped.len() < 64 {
-                                dropped.push(format!("over {cap} connections at once: closed"));
-                            }
-                        }
-                        Ok((stream, peer)) => {
-                            idle = false;
-                            let Ok(handle) = stream.try_clone() else {
-                                continue; // no descriptor for the handle: closed, retried
-                            };
-                            let conn = next_conn;
-                            next_conn += 1;
-                            let tx = tx.clone();
-                            let now = Instant::now();
-                            let deadlines = (
-                                (now + HELLO_DEADLINE).min(deadline),
-                                (now + CLIENT_DEADLINE).min(deadline),
-                            );
-                            let stage = Arc::new(AtomicU8::new(SILENT));
-                            let mark = stage.clone();
-                            let spawned = std::thread::Builder::new()
-                                .name("bootstrap-answer".into())
-                                .spawn_scoped(s, move || {
-                                    let outcome =
-                                        answer(stream, env, (id, seq), payload, deadlines, &mark)
-                                            .unwrap_or_else(|e| {
-                                                Client::Dropped(format!("{peer}: {e}"))
-                                            });
-                                    let _ = tx.send((conn, outcome));
-                                });
-                            match spawned {
-                                Ok(_) => {
-                                    open.insert(
-                                        conn,
-                                        Open {
-                                            handle,
-                                            since: now,
-                                            stage,
-                                        },
-                                    );
-                                }
-                                Err(e) => {
-                                    // No thread to be had: the connection is closed (with the
-                                    // closure that owned it) and the client retries.
-                                    log::warn!(
-                                        "bootstrap: rank 0: cannot start a thread for {peer}: {e}"
-                                    );
-                                    dropped.push(format!("{peer}: no thread: {e}"));
-                                }
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(e) => {
-                            // Out of descriptors (EMFILE) or the like: the connection stays in
-                            // the backlog until one is free.
-                            match accept_warnings.admit(Instant::now()) {
-                                Some(0) => log::warn!("bootstrap: rank 0: accept failed: {e}"),
-                                Some(n) => log::warn!(
-                                    "bootstrap: rank 0: accept failed: {e} ({n} more since the last warning)"
-                                ),
-                                None => {}
-                            }
-                            if dropped.len() < 64 {
-                                dropped.push(format!("accept: {e}"));
-                            }
-                        }
-                    }
-                }
-                while let Ok((conn, c)) = rx.try_recv() {
-                    open.remove(&conn);
-                    match c {
-                        Client::Served(r) => {
-                            served.insert(r);
-                        }
-                        Client::Dropped(why) => {
-                            if dropped.len() < 64 {
-                                dropped.push(why)
-                            }
-                        }
-                    }
-                }
-                if served.len() + 1 >= env.world_size {
-                    break;
-                }
-                if Instant::now() >= deadline {
-                    return Err(timed_out(env, timeout, &served, &dropped));
-                }
-                if idle {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-            }
-            Ok(())
-        })();
-        for c in open.values() {
-            let _ = c.handle.shutdown(std::net::Shutdown::Both);
-        }
-        result
-    })
-}
-
-/// Rank 0's error when the deadline passed before every rank was served: the first missing
-/// ranks and dropped connections.
-fn timed_out(
-    env: &DistEnv,
-    timeout: Duration,
-    served: &HashSet<usize>,
-    dropped: &[String],
-) -> crate::Error {
-    let missing: Vec<usize> = (1..env.world_size)
-        .filter(|r| !served.contains(r))
-        .take(16)
-        .collect();
-    let dropped = &dropped[..dropped.len().min(4)];
-    crate::Error::Msg(format!(
-        "bootstrap: rank 0 timed out after {timeout:?} waiting for ranks {missing:?} to connect to {}:{}{}",
-        env.master_addr,
-        env.master_port,
-        if dropped.is_empty() {
-            String::new()
-        } else {
-            format!(" (dropped connections: {})", dropped.join("; "))
-        }
-    ))
-}
-
-/// Answers one client on rank 0; `(id, seq)`: the run identity and this rendezvous' number.
-pub(super) fn answer(
-    mut stream: TcpStream,
-    env: &DistEnv,
-    (id, seq): (u64, u64),
-    payload: &[u8],
+    id: u64,
+    latest: Option<u64>,
     (hello_deadline, deadline): (Instant, Instant),
     stage: &AtomicU8,
 ) -> std::io::Result<Client> {
@@ -373,7 +212,7 @@ pub(super) fn answer(
     // The magic first: a client of another protocol version (a shorter hello) is dropped at
     // once instead of holding this thread until the deadline.
     let mut hello = [0u8; HELLO];
-    read_by(&mut stream, &mut hello[..MAGIC.len()], hello_deadline)?;
+    read_by(stream, &mut hello[..MAGIC.len()], hello_deadline)?;
     if &hello[..MAGIC.len()] != MAGIC {
         // Another version of this protocol: refused in its own framing (its magic, the
         // refusal status, a length and the reason), which every version reads, so that it
@@ -385,22 +224,22 @@ pub(super) fn answer(
                 String::from_utf8_lossy(&hello[6..8]).escape_default()
             );
             let reply = frame_as(&hello[..MAGIC.len()], REFUSED, why.as_bytes());
-            write_by(&mut stream, &reply, deadline)?;
+            write_by(stream, &reply, deadline)?;
             return Ok(Client::Dropped(why));
         }
         return Ok(Client::Dropped(
             "not a candle-distributed bootstrap client of this version".into(),
         ));
     }
-    read_by(&mut stream, &mut hello[MAGIC.len()..], hello_deadline)?;
+    read_by(stream, &mut hello[MAGIC.len()..], hello_deadline)?;
     if hello[8..16] == id.to_le_bytes() {
         // This job's hello: evicted only after the silent connections.
         stage.store(HELLOED, Ordering::Relaxed);
     }
     // With a shared secret, the client proves it holds it before anything else is said.
     let mut context = hello.to_vec();
-    if let Some(why) = authenticate(&mut stream, env, &hello, &mut context, deadline)? {
-        write_by(&mut stream, &frame(REFUSED, why.as_bytes()), deadline)?;
+    if let Some(why) = authenticate(stream, env, &hello, &mut context, deadline)? {
+        write_by(stream, &frame(REFUSED, why.as_bytes()), deadline)?;
         return Ok(Client::Dropped(why));
     }
     // A hello of ours in time (and with a secret, its proof): no longer a candidate for
@@ -410,18 +249,12 @@ pub(super) fn answer(
     let (their_id, their_seq) = (word(8), word(16));
     let rank = u32::from_le_bytes(hello[24..28].try_into().expect("4 bytes")) as usize;
     let world = u32::from_le_bytes(hello[28..32].try_into().expect("4 bytes")) as usize;
-    if their_id == id && their_seq > seq {
-        // One rendezvous ahead: the next server answers it.
-        let msg = format!("rank 0 serves rendezvous {seq}, not {their_seq}");
-        write_by(&mut stream, &frame(RETRY, msg.as_bytes()), deadline)?;
-        return Ok(Client::Dropped(msg));
-    }
     let refusal = if their_id != id || world != env.world_size {
         Some(format!(
             "rank 0 runs run {:?}, restart {}, of {} ranks on port {}; this rank is of another run or restart (identity or world size {world} differs)",
             env.run_id, env.restart, env.world_size, env.master_port
         ))
-    } else if their_seq < seq {
+    } else if let Some(seq) = latest.filter(|&l| their_seq != SESSION && their_seq < l) {
         Some(format!(
             "rank 0 is at rendezvous {seq} of this process's communicators, this rank at {their_seq}: the ranks created different numbers of communicators"
         ))
@@ -433,30 +266,11 @@ pub(super) fn answer(
         None
     };
     if let Some(why) = refusal {
-        write_by(&mut stream, &frame(REFUSED, why.as_bytes()), deadline)?;
+        write_by(stream, &frame(REFUSED, why.as_bytes()), deadline)?;
         return Ok(Client::Dropped(why));
     }
-    let body = match &env.secret {
-        Some(k) => k.seal(&context, payload).map_err(std::io::Error::other)?,
-        None => payload.to_vec(),
-    };
-    write_by(&mut stream, &frame(OK, &body), deadline)?;
-    match &env.secret {
-        Some(k) => {
-            let mut ack = [0u8; secret::TAG];
-            read_by(&mut stream, &mut ack, deadline + ACK_GRACE)?;
-            if !k.check(&[b"ack", &context], &ack) {
-                return Ok(Client::Dropped(
-                    "an acknowledgement without the proof of the shared secret".into(),
-                ));
-            }
-        }
-        None => {
-            let mut ack = [0u8; 1];
-            read_by(&mut stream, &mut ack, deadline + ACK_GRACE)?;
-        }
-    }
-    Ok(Client::Served(rank))
+    write_by(stream, &frame(OK, &[]), deadline)?;
+    Ok(Client::Admitted(rank))
 }
 
 /// The challenge–response when either side has a shared secret: `None` when the client may go

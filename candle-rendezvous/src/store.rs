@@ -20,20 +20,20 @@ use std::time::{Duration, Instant};
 
 use crate::{bail, Result};
 
-const VALIDATE: u8 = 0;
-const SET: u8 = 1;
-const GET: u8 = 3;
-const ADD: u8 = 4;
-const CHECK: u8 = 5;
-const WAIT: u8 = 6;
-const CANCEL_WAIT: u8 = 12;
-const PING: u8 = 13;
-const MAGIC: u32 = 0x3C85_F7CE;
-const STOP_WAITING: u8 = 0;
-const WAIT_CANCELED: u8 = 1;
+pub(crate) const VALIDATE: u8 = 0;
+pub(crate) const SET: u8 = 1;
+pub(crate) const GET: u8 = 3;
+pub(crate) const ADD: u8 = 4;
+pub(crate) const CHECK: u8 = 5;
+pub(crate) const WAIT: u8 = 6;
+pub(crate) const CANCEL_WAIT: u8 = 12;
+pub(crate) const PING: u8 = 13;
+pub(crate) const MAGIC: u32 = 0x3C85_F7CE;
+pub(crate) const STOP_WAITING: u8 = 0;
+pub(crate) const WAIT_CANCELED: u8 = 1;
 /// CHECK's answers.
-const READY: u8 = 0;
-const NOT_READY: u8 = 1;
+pub(crate) const READY: u8 = 0;
+pub(crate) const NOT_READY: u8 = 1;
 
 /// The oldest PyTorch whose TCPStore servers (classic and libuv) this client speaks to: the
 /// first with PING. Tested against 2.5.1, 2.9.1 and 2.15.0, and refused by name against 2.4.1
@@ -160,6 +160,15 @@ impl TcpStoreClient {
     /// TCPStore).
     pub fn connect(host: &str, port: u16, deadline: Instant) -> Result<Self> {
         let (stream, peer) = connect_any(host, port, deadline)?;
+        Self::over(stream, peer, deadline)
+    }
+
+    /// The handshake (VALIDATE, then PING) on a connection already open to `peer`: a store
+    /// session of the store rank 0 hosts, once it has admitted this rank.
+    ///
+    /// # Errors
+    /// As [`TcpStoreClient::connect`], but for the connection itself.
+    pub(crate) fn over(stream: TcpStream, peer: String, deadline: Instant) -> Result<Self> {
         stream.set_nodelay(true)?;
         let mut c = Self {
             stream,

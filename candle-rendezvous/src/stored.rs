@@ -1,5 +1,6 @@
-//! The exchange through a key-value store (torchrun's agent store): rank 0 sets the payload,
-//! the others get it; with a shared key, one sealed copy per rank.
+//! The exchange through the job's key-value store (torchrun's agent store, or the one rank 0
+//! hosts): rank 0 sets the payload, the others get it and acknowledge; with a shared key, one
+//! sealed copy per rank.
 
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,9 @@ pub(crate) fn set_payload(
 }
 
 /// A rank's side other than 0: rank 0's payload of rendezvous `seq`, waiting for it until
-/// `deadline` (`timeout` is named in the error).
+/// `deadline` (`timeout` is named in the error), then the acknowledgement rank 0 may wait for
+/// ([`ack_key`]). With a shared key, rank 0 seals this rank's copy for `nonce` (the same in
+/// every attempt of one rendezvous, so that a copy sealed for an attempt cut short still opens).
 ///
 /// # Errors
 /// Nothing there by `deadline`, the store's error, or a value that does not match this rank's
@@ -35,7 +38,34 @@ pub(crate) fn set_payload(
 pub(crate) fn get_payload(
     env: &DistEnv,
     store: &mut dyn Store,
-    seq: u64,
+    (seq, nonce): (u64, &[u8]),
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<u8>> {
+    let payload = get_only(env, store, (seq, nonce), deadline, timeout)?;
+    let ack = ack_key(&store_key(env, seq), env.rank);
+    store.set(&ack, b"1", deadline)?;
+    // A round trip, so that the acknowledgement has reached the store when this returns. It
+    // may find the connection closed instead: rank 0, having every acknowledgement, stopped
+    // the store it hosted; the SET had gone out whole.
+    if let Err(e) = store.check(&ack, deadline) {
+        log::debug!(
+            "bootstrap: rank {}: after the acknowledgement: {e}",
+            env.rank
+        );
+    }
+    Ok(payload)
+}
+
+/// Where rank `r` acknowledges rendezvous `key`'s payload.
+pub(crate) fn ack_key(key: &str, r: usize) -> String {
+    format!("{key}/ack/{r}")
+}
+
+fn get_only(
+    env: &DistEnv,
+    store: &mut dyn Store,
+    (seq, nonce): (u64, &[u8]),
     deadline: Instant,
     timeout: Duration,
 ) -> Result<Vec<u8>> {
@@ -51,11 +81,10 @@ pub(crate) fn get_payload(
         return unseal_stored(env, &key, value);
     };
     // Rank 0 seals a copy for this rank's fresh nonce.
-    let nonce = secret::nonce()?;
-    store.set(&nonce_key(&key, env.rank), &nonce, deadline)?;
+    store.set(&nonce_key(&key, env.rank), nonce, deadline)?;
     let mine = per_rank_key(&key, env.rank);
     let value = store.get(&mine, deadline).map_err(waited)?;
-    open_per_rank(env, &mine, &nonce, &value)
+    open_per_rank(env, &mine, nonce, &value)
 }
 
 /// Where rank `r` leaves its nonce for rendezvous `key`.
@@ -76,8 +105,8 @@ pub(crate) fn per_rank_context(key: &str, nonce: &[u8]) -> Vec<u8> {
     ctx
 }
 
-/// Rank 0's side under torchrun with a key: the marker under `key`, then for each rank its
-/// nonce read (waiting for it) and its copy set.
+/// Rank 0's side with a key: the marker under `key`, then for each rank its nonce read
+/// (waiting for it) and its copy set.
 fn seal_per_rank(
     env: &DistEnv,
     k: &Secret,
@@ -90,12 +119,12 @@ fn seal_per_rank(
     for r in 1..env.world_size {
         let nonce = store.get(&nonce_key(key, r), deadline).map_err(|e| {
             Error::Msg(format!(
-                "bootstrap: rank 0 waited for rank {r}'s nonce in torchrun's store: {e} (does rank {r} run, with {SECRET_VAR} set?)"
+                "bootstrap: rank 0 waited for rank {r}'s nonce in the job's store: {e} (does rank {r} run, with {SECRET_VAR} set?)"
             ))
         })?;
         if nonce.len() != secret::NONCE {
             bail!(
-                "bootstrap: rank {r}'s nonce in torchrun's store has {} bytes, {} expected",
+                "bootstrap: rank {r}'s nonce in the job's store has {} bytes, {} expected",
                 nonce.len(),
                 secret::NONCE
             )
@@ -117,7 +146,7 @@ pub(crate) fn open_per_rank(
     let k = env.secret.as_ref().expect("called with a secret");
     k.open(&per_rank_context(key, nonce), value).map_err(|e| {
         Error::Msg(format!(
-            "bootstrap: rank {}: the value of {key} in torchrun's store: {e} (is {SECRET_VAR} the same on every rank?)",
+            "bootstrap: rank {}: the value of {key} in the job's store: {e} (is {SECRET_VAR} the same on every rank?)",
             env.rank
         ))
     })
@@ -128,7 +157,7 @@ pub(crate) fn open_per_rank(
 pub(crate) fn unseal_stored(env: &DistEnv, key: &str, value: Vec<u8>) -> Result<Vec<u8>> {
     match &env.secret {
         Some(_) if secret::is_sealed(&value) => bail!(
-            "bootstrap: rank {}: the value of {key} in torchrun's store is sealed but not for this rank (another protocol version, or not from this job's rank 0)",
+            "bootstrap: rank {}: the value of {key} in the job's store is sealed but not for this rank (another protocol version, or not from this job's rank 0)",
             env.rank
         ),
         Some(_) => bail!(

@@ -49,7 +49,7 @@ use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaStream};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Device, Result, Tensor};
 use candle_rendezvous::progress::ProgressBoard;
-use candle_rendezvous::{next_rendezvous, share_bytes_round, DistEnv};
+use candle_rendezvous::{next_rendezvous, DistEnv, JobStore};
 
 use super::recorder::FlightRecorder;
 use super::{Collective, CollectiveError, Op, Pending, ReduceOp};
@@ -282,9 +282,11 @@ impl NcclCollective {
             None
         };
         let seq = next_rendezvous();
-        let bytes =
-            share_bytes_round(&env, seq, id.as_ref().map(|b| &b[..]), timeout).map_err(startup)?;
-        let board = ProgressBoard::new(&env, seq).map(Arc::new);
+        let job = JobStore::open(&env, timeout).map_err(startup)?;
+        let bytes = job
+            .share(seq, id.as_ref().map(|b| &b[..]), timeout)
+            .map_err(startup)?;
+        let board = ProgressBoard::new(&job, seq).map(Arc::new);
         Self::init_rank(device, env.rank, env.world_size, &bytes, timeout, board)
     }
 
