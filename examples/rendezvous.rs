@@ -2,7 +2,8 @@
 //! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and `CANDLE_DISTRIBUTED_RUN_ID` set by
 //! hand; `CANDLE_DISTRIBUTED_SECRET` optional, on every rank) receives rank 0's bytes, twice
 //! (two rendezvous, as two communicators would make), and prints them. Under torchrun it goes
-//! through torchrun's own TCPStore; otherwise rank 0 serves the other ranks itself.
+//! through torchrun's own TCPStore; otherwise through a store that rank 0 hosts for each
+//! exchange.
 //!
 //! ```text
 //! cargo build --example rendezvous

@@ -1166,14 +1166,28 @@ fn a_hang_report_across_processes_names_the_rank_behind() {
     let store = TorchStore::start();
     let port = store.port.to_string();
     let run = format!("hang-report-{}", std::process::id());
+    hang_report_across_processes(&[
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ("TORCHELASTIC_RUN_ID", &run),
+        ("MASTER_PORT", &port),
+    ]);
+}
+
+/// The same two processes launched without torchrun (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+/// `MASTER_PORT` and a run id, as a script or `srun` sets them): rank 0 hosts the job's store,
+/// rank 1 publishes its progress there, and rank 0's error names rank 1 and where it stopped.
+#[test]
+fn a_hang_report_names_the_rank_behind_in_a_launch_without_torchrun() {
+    hang_report_across_processes(&[]);
+}
+
+/// Runs `child_process_rank_that_stops_after_one_collective` as 2 processes with `env` added,
+/// and checks rank 0's hang report.
+fn hang_report_across_processes(env: &[(&str, &str)]) {
     let Some(out) = as_processes(
         "child_process_rank_that_stops_after_one_collective",
         2,
-        &[
-            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
-            ("TORCHELASTIC_RUN_ID", &run),
-            ("MASTER_PORT", &port),
-        ],
+        env,
         LIMIT,
     ) else {
         return;

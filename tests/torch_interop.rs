@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use candle_distributed::collective::hang_report::ranks_behind;
 use candle_rendezvous::progress::ProgressBoard;
 use candle_rendezvous::store::TcpStoreClient;
-use candle_rendezvous::{share_bytes_round, DistEnv, Secret};
+use candle_rendezvous::{share_bytes_round, DistEnv, JobStore, Secret};
 
 fn python() -> String {
     std::env::var("TORCH_PYTHON")
@@ -203,6 +203,11 @@ fn share_bytes_through_a_pytorch_store() {
     .unwrap();
 }
 
+/// The job's store of `env`: under torchrun, a client of the agent's store.
+fn job(env: DistEnv) -> JobStore {
+    JobStore::open(&env, Duration::from_secs(5)).unwrap()
+}
+
 /// Progress reports through a PyTorch TCPStore, as the NCCL ranks of a torchrun job publish
 /// them: rank 1 publishes its newest collective (#4), rank 2 one still before the call in
 /// question (#3), rank 3 nothing at all; rank 0, whose call #4 timed out, names rank 2 with
@@ -221,7 +226,7 @@ fn progress_reports_through_a_pytorch_store() {
             Some("a shared secret of 32 bytes....."),
         ),
     ] {
-        let board = |rank| ProgressBoard::new(&env(rank, run, secret), 7).unwrap();
+        let board = |rank| ProgressBoard::new(&job(env(rank, run, secret)), 7).unwrap();
         board(1)
             .publish(Some(3), "all_reduce #3 F32×6, completed", soon())
             .unwrap();
@@ -263,11 +268,11 @@ fn progress_reports_through_a_pytorch_store() {
         "sealed"
     );
     let other = ProgressBoard::new(
-        &env(
+        &job(env(
             0,
             "sealed-progress-run",
             Some("another secret, also long enough"),
-        ),
+        )),
         7,
     )
     .unwrap();
@@ -275,28 +280,17 @@ fn progress_reports_through_a_pytorch_store() {
     assert!(e.contains("does not open with this rank's key"), "{e}");
     c.set(key, b"9\n0\nforged", soon()).unwrap();
     let keyed = ProgressBoard::new(
-        &env(
+        &job(env(
             0,
             "sealed-progress-run",
             Some("a shared secret of 32 bytes....."),
-        ),
+        )),
         7,
     )
     .unwrap();
     assert!(
         keyed.read(1, soon()).is_err(),
         "a report in the clear is refused"
-    );
-    assert!(
-        ProgressBoard::new(
-            &DistEnv {
-                agent_store: false,
-                ..env(0, "standalone", None)
-            },
-            0
-        )
-        .is_none(),
-        "no board without torchrun's store"
     );
     // Unblock the server script (it waits for `from-rust`).
     c.set("candle-test/from-rust", b"done", soon()).unwrap();

@@ -18,8 +18,8 @@ pub struct DistEnv {
     pub master_addr: String,
     /// `MASTER_PORT`: port rank 0 listens on (or torchrun's agent store).
     pub master_port: u16,
-    /// The run id: `TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_RUN_ID`; the standalone
-    /// exchange needs one (the same on every rank, new for each launch). Rank 0 refuses a rank
+    /// The run id: `TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_RUN_ID`; a launch without
+    /// torchrun needs one (the same on every rank, new for each launch). Rank 0 refuses a rank
     /// of another run or restart (a leftover of an earlier run that reaches the port).
     pub run_id: String,
     /// `TORCHELASTIC_RESTART_COUNT` (0 when unset): torchrun's restart of the job.
@@ -72,8 +72,7 @@ impl DistEnv {
     /// # Errors
     /// When a required variable is missing or not a number, `RANK ≥ WORLD_SIZE`, the shared
     /// key is not a generated key (see [`secret`]), both of its variables are set or its file
-    /// cannot be read, a standalone launch (no torchrun agent store) has no run id, or a key
-    /// under torchrun comes with its default run id `none`.
+    /// cannot be read, or a launch without torchrun (no agent store) has no run id.
     pub fn from_env() -> Result<Self> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -134,7 +133,7 @@ impl DistEnv {
         Ok(env)
     }
 
-    /// A standalone exchange needs a run id.
+    /// A launch without torchrun needs a run id.
     pub(crate) fn check_run_id(&self) -> Result<()> {
         // One rank alone meets nobody: no identity is needed.
         if !self.agent_store && self.world_size > 1 && self.run_id.is_empty() {

@@ -57,8 +57,8 @@ mod tests {
         assert!(from_vars(&|_: &str| None).unwrap().is_none());
     }
 
-    /// Without the feature, the standalone exchange runs as with it when no key is set: 3
-    /// ranks over loopback get rank 0's payload.
+    /// Without the feature, the exchange through the store rank 0 hosts runs as with it when
+    /// no key is set: 3 ranks over loopback get rank 0's payload.
     #[test]
     fn the_standalone_exchange_runs_without_the_keys_feature() {
         let port = std::net::TcpListener::bind(("127.0.0.1", 0))

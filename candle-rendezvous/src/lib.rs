@@ -1,30 +1,37 @@
 //! # candle-rendezvous
 //!
 //! Start-up of multi-process groups from the environment that `torchrun` and similar launchers
-//! set ([`DistEnv`]), and the exchange with which rank 0 hands a small payload (NCCL's 128-byte
-//! unique id) to every other rank ([`share_bytes`]). Pure Rust, no GPU, no tensor:
-//! `candle-distributed`'s NCCL backend builds on it, and re-exports it as
-//! `candle_distributed::collective::rendezvous`. [`store`] holds [`Store`] and [`TcpStoreClient`],
-//! a client of PyTorch's TCPStore; [`progress`] publishes each rank's newest collective for hang
-//! reports; [`secret`] holds the optional shared key (feature `keys`, on by default).
+//! set ([`DistEnv`]), the key-value store every rank of a job reaches ([`JobStore`]), and the
+//! exchange through it with which rank 0 hands a small payload (NCCL's 128-byte unique id) to
+//! every other rank ([`share_bytes`]). Pure Rust, no GPU, no tensor: `candle-distributed`'s NCCL
+//! backend builds on it, and re-exports it as `candle_distributed::collective::rendezvous`.
+//! [`store`] holds [`Store`] and [`TcpStoreClient`], a client of PyTorch's TCPStore; [`progress`]
+//! publishes each rank's newest collective in the job's store for hang reports; [`secret`] holds
+//! the optional shared key (feature `keys`, on by default).
 //!
-//! Two ways, chosen by the environment: under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`)
-//! rank 0 sets the payload in the TCPStore that torchrun's agent serves and the others get it;
-//! standalone (any other launcher, or none) rank 0 listens on `MASTER_ADDR:MASTER_PORT`, serves
-//! the clients over TCP and returns once every rank has acknowledged. The standalone exchange
-//! refuses to start without a run id (`TORCHELASTIC_RUN_ID`, else `CANDLE_DISTRIBUTED_RUN_ID`),
-//! so that a client left over from an earlier run is refused instead of being served.
+//! One store per launch: under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) the TCPStore that
+//! torchrun's agent serves; in any other launch (by hand, a script, `srun`, `mpirun`'s
+//! environment) one that rank 0 hosts on `MASTER_ADDR:MASTER_PORT`, answering TCPStore's requests
+//! behind an admission (the run identity, and with a shared key its proof), as PyTorch's `env://`
+//! start-up hosts a TCPStore on rank 0. In both, rank 0 sets the payload, and the others get it
+//! and acknowledge; when rank 0 hosts the store, it returns once every rank has acknowledged. A
+//! launch without torchrun refuses to start without a run id (`TORCHELASTIC_RUN_ID`, else
+//! `CANDLE_DISTRIBUTED_RUN_ID`), so that a client left over from an earlier run is refused at the
+//! admission instead of joining the store.
 //!
 //! Trust: without a shared key, as PyTorch's TCPStore, a trusted network, where whoever reaches
-//! the port can read the payload or claim a rank. With one, the key never crosses the wire, a
-//! party without it can neither join, nor read or forge the payload, and the payload travels
-//! sealed; the key does not protect NCCL's own connections, a party that can read it from a
-//! rank's environment or file, or traffic recorded before it leaks.
+//! the port can read the payload or claim a rank (the store rank 0 hosts refuses a client of
+//! another run or restart). With one, the key never crosses the wire, a party without it is not
+//! admitted to the store rank 0 hosts and can neither read nor forge the payload, and the payload
+//! travels sealed, one copy per rank; the key does not protect NCCL's own connections, a party
+//! that can read it from a rank's environment or file, or traffic recorded before it leaks.
 //!
-//! Limits: rank 0 serves each client for at most 5 s, bounds every length it reads (64 KiB) and
-//! answers at most 4 × world size connections at once (16 to 256); a stranger that keeps them
-//! full does not keep the ranks out. The full text (the exchange, the run identity, the trust
-//! model, every limit and the tests that show them): docs/startup.md in the repository.
+//! Limits: rank 0 gives each client 5 s for its admission, bounds every length it reads (64 KiB
+//! for a payload) and what its store holds (keys of 4096 bytes, values of 64 KiB + 256, 1024 keys
+//! per WAIT or CHECK, 64 MiB in all), and answers at most 4 × world size connections at once (16
+//! to 256); a stranger that keeps them full does not keep the ranks out. The full text (the
+//! store, the admission, the run identity, the trust model, every limit and the tests that show
+//! them): docs/startup.md in the repository.
 //!
 //! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and
 //! 2.15.0 tested by `tests/torch_interop.rs`; an older server is refused with an error naming
@@ -72,14 +79,16 @@ pub(crate) use client::peer_text;
 pub(crate) use job::SESSION;
 use stored::store_key;
 
-/// Bytes that open every message of the standalone exchange (protocol name and version).
+/// Bytes that open every message of the admission to the store rank 0 hosts (protocol name
+/// and version).
 const MAGIC: &[u8; 8] = b"CDBOOT05";
 /// Longest payload either side accepts: rendezvous payloads are tiny (NCCL's id is 128 bytes).
 pub const MAX_PAYLOAD: usize = 1 << 16;
-/// Time one client connection may take on rank 0 before it is dropped: an idle or slow
-/// connection costs this much of one serving thread, never the job.
+/// Time a client connection has on rank 0 for its admission, and an admitted session for each
+/// request from its first byte, before it is dropped: an idle or slow connection costs this much
+/// of one serving thread, never the job.
 const CLIENT_DEADLINE: Duration = Duration::from_secs(5);
-/// Answer status: the payload follows.
+/// Answer status: admitted (an empty body); the connection is a session of the store from here.
 const OK: u8 = 0;
 /// Answer status: refused, the reason follows.
 const REFUSED: u8 = 1;
@@ -104,22 +113,26 @@ pub fn next_rendezvous() -> u64 {
     RENDEZVOUS.fetch_add(1, Ordering::SeqCst)
 }
 
-/// Hands rank 0's `payload` to every rank of `env`'s job and returns it on every rank: through
-/// torchrun's agent store when `env.agent_store`, else over the standalone TCP exchange.
+/// Hands rank 0's `payload` to every rank of `env`'s job and returns it on every rank, through
+/// the job's store ([`JobStore`]): torchrun's agent store when `env.agent_store`, else one that
+/// rank 0 hosts on `MASTER_ADDR:MASTER_PORT`, which stops when this returns unless another
+/// [`JobStore`] of it is held.
 ///
 /// Rank 0 passes `Some(payload)` (at most [`MAX_PAYLOAD`] bytes), the others `None` (what they
 /// pass is ignored). Collective: every rank calls it the same number of times, in the same
 /// order.
 ///
 /// # Errors
-/// On every rank that does not complete within `timeout`, naming what it waited for (standalone
-/// rank 0 waits until every rank has its copy). On rank 0, also when it passes no payload or
-/// one of more than [`MAX_PAYLOAD`] bytes (the others then time out), when it cannot listen on
-/// `master_port` (standalone), or when it cannot reach torchrun's store or write the payload
-/// there. On the other ranks, also when rank 0 refuses them (another job or restart, a rank
-/// outside the world), with its reason, when the address answering announces more than
-/// [`MAX_PAYLOAD`] bytes (not a rank 0 of ours), and, through torchrun's store, when the store
-/// cannot be reached or answers outside its protocol.
+/// On every rank that does not complete within `timeout`, naming what it waited for (rank 0,
+/// when it hosts the store, waits until every rank has acknowledged its copy, and names the
+/// ranks that have not), and on every rank of a launch without torchrun that has no run id. On
+/// rank 0, also when it passes no payload or one of more than [`MAX_PAYLOAD`] bytes (the others
+/// then time out), when it cannot listen on `master_port` (without torchrun), or when it cannot
+/// reach torchrun's store or write the payload there. On the other ranks, also when rank 0
+/// refuses them (another job or restart, a rank outside the world, a rendezvous behind rank
+/// 0's), with its reason, when the address answering announces more than [`MAX_PAYLOAD`] bytes
+/// (not a rank 0 of ours), and when the store cannot be reached or answers outside its
+/// protocol.
 pub fn share_bytes(env: &DistEnv, payload: Option<&[u8]>, timeout: Duration) -> Result<Vec<u8>> {
     share_bytes_round(env, next_rendezvous(), payload, timeout)
 }

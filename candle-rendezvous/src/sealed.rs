@@ -27,7 +27,7 @@ pub(crate) fn nonce() -> crate::Result<[u8; NONCE]> {
     Ok(n)
 }
 
-/// What rank 0 sets under a rendezvous key in torchrun's store when it seals one copy of the
+/// What rank 0 sets under a rendezvous key in the job's store when it seals one copy of the
 /// payload per rank: sealed-looking (a rank without the key says so), opening for nobody.
 pub(crate) fn per_rank_marker() -> Vec<u8> {
     let mut m = SEALED.to_vec();

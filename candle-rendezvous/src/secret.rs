@@ -1,8 +1,8 @@
 //! The job's optional shared key (`CANDLE_DISTRIBUTED_SECRET`, or a file named by
 //! `CANDLE_DISTRIBUTED_SECRET_FILE`): HMAC-SHA256 proofs for the challenge–response of the
-//! standalone exchange, and the payload sealed with XChaCha20-Poly1305, so that the key itself
-//! never crosses the wire and a party without it can neither join, nor read or forge rank 0's
-//! payload.
+//! admission to the store rank 0 hosts, and the payload sealed with XChaCha20-Poly1305, so that
+//! the key itself never crosses the wire and a party without it can neither join, nor read or
+//! forge rank 0's payload.
 //!
 //! **A generated key, not a passphrase.** Rank 0 sends a proof over a client's hello to anyone
 //! who connects, and every exchange shows one to an eavesdropper: either is enough to test

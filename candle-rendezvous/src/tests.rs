@@ -1197,3 +1197,122 @@ fn the_store_exchange_runs_over_any_store() {
     .to_string();
     assert!(e.contains("fails authentication"), "{e}");
 }
+
+/// The store rank 0 hosts answers PyTorch TCPStore's requests over an admitted session as
+/// rank 0 sees them in process: a SET read back by a GET that waited for it, ADD's running
+/// total (stored as decimal text), CHECK of a key set and one not, a WAIT that times out and
+/// is cancelled with the session still usable; a request over the bounds (a value of 1 MiB)
+/// ends only its own session. The store stops with the last `JobStore` of it: the port is
+/// free again.
+#[test]
+fn the_hosted_store_serves_tcpstore_requests() {
+    let port = free_port();
+    let soon = || Instant::now() + Duration::from_secs(5);
+    let root = JobStore::open(&env(0, 2, port), LONG).unwrap();
+    let mut local = root.connect(soon()).unwrap();
+    let one = JobStore::open(&env(1, 2, port), LONG).unwrap();
+    let mut s = one.connect(soon()).unwrap();
+    std::thread::scope(|t| {
+        let later = t.spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            root.connect(soon())
+                .unwrap()
+                .set("late", b"from rank 0", soon())
+                .unwrap();
+        });
+        assert_eq!(s.get("late", soon()).unwrap(), b"from rank 0", "waited");
+        later.join().unwrap();
+    });
+    s.set("k", b"value 1", soon()).unwrap();
+    assert_eq!(local.get("k", soon()).unwrap(), b"value 1");
+    assert_eq!(s.add("n", 5, soon()).unwrap(), 5);
+    assert_eq!(local.add("n", -7, soon()).unwrap(), -2);
+    assert_eq!(s.get("n", soon()).unwrap(), b"-2", "decimal text");
+    assert!(s.check("k", soon()).unwrap());
+    assert!(!s.check("absent", soon()).unwrap());
+    let t0 = Instant::now();
+    let e = s
+        .get("absent", Instant::now() + Duration::from_millis(300))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("timed out waiting for key"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    s.set("after", b"the cancellation", soon()).unwrap();
+    assert_eq!(local.get("after", soon()).unwrap(), b"the cancellation");
+    let mut big = one.connect(soon()).unwrap();
+    let _ = big.set("big", &vec![7u8; 1 << 20], soon());
+    let e = big.get("k", soon()).unwrap_err().to_string();
+    assert!(e.contains("127.0.0.1"), "the oversized session is closed: {e}");
+    assert!(!local.check("big", soon()).unwrap(), "not stored");
+    assert_eq!(s.get("k", soon()).unwrap(), b"value 1", "the others go on");
+    drop((s, big, local, root));
+    let t0 = Instant::now();
+    while TcpListener::bind(("127.0.0.1", port)).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the store still listens");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Progress reports through the store rank 0 hosts, in a launch without torchrun: ranks 1 and
+/// 2 publish, rank 3 does not; rank 0 and rank 3 each name the ranks behind call #4 (rank 2
+/// with its line, rank 3 as having published none), with and without a shared key (with one,
+/// a rank with another key is not admitted). The boards keep the store: rank 0's exchange
+/// returned long before.
+#[test]
+fn progress_reports_through_the_store_rank_0_hosts() {
+    use crate::progress::ProgressBoard;
+    let soon = || Instant::now() + Duration::from_secs(5);
+    for key in [None, Some(SECRET)] {
+        let port = free_port();
+        let world = 4;
+        let jobs: Vec<JobStore> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    s.spawn(move || {
+                        let job = JobStore::open(&env_secret(r, world, port, key), LONG).unwrap();
+                        let p = (r == 0).then_some(&b"id"[..]);
+                        assert_eq!(job.share(9, p, LONG).unwrap(), b"id");
+                        job
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let boards: Vec<ProgressBoard> = jobs
+            .iter()
+            .map(|j| ProgressBoard::new(j, 9).unwrap())
+            .collect();
+        drop(jobs);
+        boards[1]
+            .publish(Some(4), "all_reduce #4 F32×6, enqueued", soon())
+            .unwrap();
+        boards[2]
+            .publish(Some(3), "all_reduce #3 F32×6, completed", soon())
+            .unwrap();
+        // A SET has no answer: a round trip on each publisher's connection makes sure it landed.
+        for r in [1, 2] {
+            boards[r].read(r, soon()).unwrap();
+        }
+        for reader in [0, 3] {
+            let r = boards[reader].read(1, soon()).unwrap();
+            assert_eq!(r.call, Some(4), "{key:?}");
+            let r = boards[reader].read(2, soon()).unwrap();
+            assert_eq!((r.call, r.line.as_str()), (Some(3), "\"all_reduce #3 F32×6, completed\""));
+            let e = boards[reader].read(3, soon()).unwrap_err().to_string();
+            assert!(e.contains("published none"), "{e}");
+        }
+        if key.is_some() {
+            let stranger = JobStore::open(
+                &env_secret(1, world, port, Some("another secret, long enough")),
+                LONG,
+            )
+            .unwrap();
+            let e = ProgressBoard::new(&stranger, 9)
+                .unwrap()
+                .read(2, Instant::now() + Duration::from_millis(1500))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("does not prove the job's shared secret"), "{e}");
+        }
+    }
+}

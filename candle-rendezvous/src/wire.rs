@@ -1,5 +1,5 @@
-//! Framing of the standalone exchange: reads and writes bounded by a deadline, and the answer
-//! frame.
+//! Framing of the admission to the store rank 0 hosts: reads and writes bounded by a deadline,
+//! and the answer frame.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -42,8 +42,8 @@
 //!
 //! `NcclCollective`'s start-up, timeouts and faults:
 //! - created with `NcclGroup::new(&[0, …, 7])` (one process, thread per GPU),
-//!   `NcclCollective::from_env()` (torchrun variables; the id through torchrun's store, or over
-//!   TCP from rank 0 without torchrun) or
+//!   `NcclCollective::from_env()` (torchrun variables; the id through the job's store: torchrun's,
+//!   or without torchrun one that rank 0 hosts) or
 //!   `NcclCollective::from_collective(&*mpi_world, local_rank)` (id over MPI);
 //! - non-blocking communicators (`config.blocking = 0`): no thread ever waits inside NCCL, so an
 //!   abort is legal between any two calls; NCCL ≥ 2.27 required, checked at creation;
@@ -93,8 +93,12 @@
 //! (`tests/errors.rs::a_timeout_names_where_the_laggard_stopped`; on the simulated NCCL,
 //! `tests/nccl_faults.rs::a_hang_report_names_the_rank_behind`: "all_reduce #1 did not complete
 //! within 2s (rank 1 never reached all_reduce #1; its last collective: all_reduce #0 …)").
-//! Not yet: ranks in separate processes (NCCL under a launcher, MPI) report only their own
-//! calls: publishing each rank's progress (through torchrun's store) is not built.
+//! Ranks in separate processes: NCCL started by `NcclCollective::from_env` names the ranks
+//! behind from the progress each rank publishes in the job's store (torchrun's, or the one
+//! that rank 0 hosts in any other launch:
+//! `tests/nccl_faults.rs::a_hang_report_across_processes_names_the_rank_behind`,
+//! `a_hang_report_names_the_rank_behind_in_a_launch_without_torchrun`); NCCL started from
+//! another collective, and MPI, report only their own calls.
 //!
 //! Rules for every backend: every rank issues the same collectives in the same order.
 //! ThreadGroup reduces once, in rank order, so every rank gets bitwise the same result; MPI and
@@ -146,7 +150,8 @@ pub(crate) use pending::Worker;
 pub use threads::ThreadGroup;
 
 /// The start-up of multi-process jobs (the crate `candle-rendezvous`): the launcher's variables
-/// ([`rendezvous::DistEnv`]), torchrun's store, and NCCL's id handed from rank 0 to every rank.
+/// ([`rendezvous::DistEnv`]), the job's store (torchrun's, or one rank 0 hosts), and NCCL's id
+/// handed from rank 0 to every rank.
 pub use candle_rendezvous as rendezvous;
 
 use std::sync::Arc;

@@ -70,7 +70,7 @@ fn probe(ctx: &CudaContext, timeout: Duration) -> Result<Option<String>, NcclFai
 /// `NCCL_COMM_ID` fixes the address of every communicator's bootstrap root, which NCCL then
 /// creates on whichever process is rank 0 of a communicator: the probe's one-rank communicator
 /// on every process, and the communicators this backend makes, whose id it hands over itself
-/// (through torchrun's store, TCP or MPI). Refused, on every process where it is set, before
+/// (through the job's store or MPI). Refused, on every process where it is set, before
 /// NCCL is asked to start anything.
 fn refuse_comm_id() -> Result<(), NcclFail> {
     match std::env::var("NCCL_COMM_ID") {

@@ -248,16 +248,18 @@ impl NcclCollective {
 
     /// One process per GPU from torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
     /// `MASTER_ADDR`, `MASTER_PORT`): this rank runs on GPU `LOCAL_RANK`; rank 0 creates NCCL's
-    /// unique id and hands it to the others with [`share_bytes`](candle_rendezvous::share_bytes) (through
-    /// torchrun's own TCPStore under torchrun, else over TCP from rank 0, where every rank also
-    /// needs `CANDLE_DISTRIBUTED_RUN_ID`; see [`candle_rendezvous`] for the run identity and the
+    /// unique id and hands it to the others through the job's store
+    /// ([`JobStore`](candle_rendezvous::JobStore): torchrun's own TCPStore under torchrun, else
+    /// one that rank 0 hosts on `MASTER_ADDR:MASTER_PORT`, where every rank also needs
+    /// `CANDLE_DISTRIBUTED_RUN_ID`; see [`candle_rendezvous`] for the run identity and the
     /// optional shared secret). Default timeout ([`super::default_timeout`]) for the start-up and for
     /// every collective.
     ///
-    /// Under torchrun every rank also publishes its newest collective in the store
-    /// ([`candle_rendezvous::progress`], checked every 200 ms), and a rank whose collective times
+    /// In every multi-process launch each rank also publishes its newest collective in that store
+    /// ([`candle_rendezvous::progress`], checked once a second), and a rank whose collective times
     /// out reads the others' to name the ranks behind: "rank 1 never reached all_reduce #1207;
-    /// its last collective: all_reduce #1206 ...".
+    /// its last collective: all_reduce #1206 ...". Without torchrun, rank 0's store lives as
+    /// long as its communicator.
     ///
     /// # Errors
     /// A missing or invalid variable (a launch without torchrun and without a run id), the

@@ -175,7 +175,8 @@ impl Watch {
 
     /// The ranks that never enqueued call `call` (`op`), and where each stopped: from the
     /// recorders of this process's group, or for a rank of a multi-process job from the
-    /// progress reports in torchrun's store; `None` when neither is at hand.
+    /// progress reports in the job's store (torchrun's, or the one rank 0 hosts); `None` when
+    /// neither is at hand.
     fn behind(&self, op: &str, call: u64) -> Option<Vec<String>> {
         if let Some(board) = &self.board {
             return Some(ranks_behind(
