@@ -1128,7 +1128,7 @@ impl Drop for TorchStore {
 }
 
 #[test]
-#[ignore = "run by a_hang_report_across_processes_names_the_rank_behind, as one rank"]
+#[ignore = "run by the two hang reports across processes (under torchrun and without), as one rank"]
 fn child_process_rank_that_stops_after_one_collective() {
     if !is_child() {
         return;

@@ -11,7 +11,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::client::identity;
-use crate::server::{admission, admit, listeners, max_handlers, Client, Open, Throttle};
+use crate::server::{
+    admission, admit, listeners, max_handlers, max_sessions, Client, Open, Throttle,
+};
 use crate::server::{HELLO_DEADLINE, SILENT};
 use crate::store::Store;
 use crate::table::Table;
@@ -135,17 +137,23 @@ fn accept_loop(listeners: &[TcpListener], env: &DistEnv, shared: &Arc<Shared>) {
     let mut threads: HashMap<u64, JoinHandle<()>> = HashMap::new();
     let mut next_conn = 0u64;
     let mut accept_warnings = Throttle::default();
-    let (id, cap) = (identity(env), max_handlers(env.world_size));
+    let (id, cap, most) = (
+        identity(env),
+        max_handlers(env.world_size),
+        max_sessions(env.world_size),
+    );
     let mut idle_passes = 0u32;
     while !shared.stop.load(Ordering::Relaxed) {
         let mut idle = true;
         for l in listeners {
             match l.accept() {
-                Ok((stream, _)) if !admit(&mut open, cap) => {
-                    // Over the bound, every connection admitted: closed now, the client retries.
+                Ok((stream, _)) if !admit(&mut open, cap, most) => {
+                    // Over the bounds, every connection proven: closed now, the client retries.
                     idle = false;
                     drop(stream);
-                    shared.note_dropped(format!("over {cap} connections at once: closed"));
+                    shared.note_dropped(format!(
+                        "over {cap} connections awaiting admission or {most} in all: closed"
+                    ));
                 }
                 Ok((stream, peer)) => {
                     idle = false;

@@ -108,12 +108,18 @@ pub(super) fn bind(
     Ok(None)
 }
 
-/// Connections answered at once, at most: each holds a thread and two descriptors while it is
-/// open (an admitted rank's session as long as the rank keeps it, any other at most
-/// [`CLIENT_DEADLINE`]). One beyond is closed at once, and its client retries: a flood of
-/// connections cannot exhaust rank 0's threads or descriptors.
+/// Connections not yet admitted (no hello of this job, or with a secret no proof yet) answered
+/// at once, at most: each holds a thread and two descriptors for at most [`CLIENT_DEADLINE`].
+/// One beyond is closed at once (or closes the oldest silent one), and its client retries: a
+/// flood of connections cannot exhaust rank 0's threads or descriptors.
 pub(super) fn max_handlers(world: usize) -> usize {
     (4 * world).clamp(16, 256)
+}
+
+/// Connections open at once, admitted sessions included, at most: a rank keeps one session per
+/// communicator for its progress reports, and opens one more for each start-up.
+pub(super) fn max_sessions(world: usize) -> usize {
+    16 * world + 64
 }
 
 /// Time a client has from its connection to the end of its hello (49 bytes): a connection that
@@ -162,17 +168,22 @@ pub(super) struct Open {
 pub(super) const SILENT: u8 = 0;
 /// A hello of this job's run identity came in time; with a secret, its proof has not yet.
 const HELLOED: u8 = 1;
-/// A hello in time, and with a secret, its proof: never evicted.
+/// A hello in time, and with a secret, its proof (then admitted or refused): never evicted.
 const PROVEN: u8 = 2;
 
-/// Whether a new connection gets a slot now: when the table has room, or room can be made by
-/// closing a connection that has not proven itself: the oldest silent one (no hello of this
-/// job yet), else the oldest whose hello came but whose proof of the secret has not. A flood of
-/// silent connections that reconnect the moment they are closed keeps evicting itself, and a
-/// real rank between its hello and its proof is evicted only after every silent connection,
-/// and after older connections in its own stage.
-pub(super) fn admit(open: &mut HashMap<u64, Open>, cap: usize) -> bool {
-    if open.len() < cap {
+/// Whether a new connection gets a slot now: when fewer than `cap` connections await their
+/// admission and fewer than `most` are open, or room can be made by closing a connection that
+/// has not proven itself: the oldest silent one (no hello of this job yet), else the oldest
+/// whose hello came but whose proof of the secret has not. A flood of silent connections that
+/// reconnect the moment they are closed keeps evicting itself, a real rank between its hello
+/// and its proof is evicted only after every silent connection, and after older connections in
+/// its own stage, and admitted sessions (the ranks' progress boards) take no slot of `cap`.
+pub(super) fn admit(open: &mut HashMap<u64, Open>, cap: usize, most: usize) -> bool {
+    let waiting = open
+        .values()
+        .filter(|c| c.stage.load(Ordering::Relaxed) < PROVEN)
+        .count();
+    if waiting < cap && open.len() < most {
         return true;
     }
     let victim = open
@@ -311,8 +322,10 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
-    /// A full table makes room by closing the oldest silent connection, then the oldest whose
-    /// hello came but not its proof (a real rank between the two); a proven one never.
+    /// A full table (too many connections awaiting admission, or too many in all) makes room
+    /// by closing the oldest silent connection, then the oldest whose hello came but not its
+    /// proof (a real rank between the two); a proven one never, and admitted sessions do not
+    /// count against the bound on connections awaiting admission.
     #[test]
     fn admission_evicts_silent_connections_before_helloed_ones() {
         let l = TcpListener::bind(("127.0.0.1", 0)).unwrap();
@@ -331,29 +344,36 @@ mod tests {
                 },
             );
         };
-        let cap = 4;
+        let (cap, most) = (3, 6);
         add(&mut open, 0, HELLOED, 900);
         add(&mut open, 1, SILENT, 10);
+        assert!(admit(&mut open, cap, most) && open.len() == 2, "room");
         add(&mut open, 2, SILENT, 300);
-        assert!(admit(&mut open, cap), "room");
-        add(&mut open, 3, PROVEN, 2000);
         assert!(
-            admit(&mut open, cap) && !open.contains_key(&2),
-            "the oldest silent one"
+            admit(&mut open, cap, most) && !open.contains_key(&2),
+            "three await admission: the oldest silent one goes"
         );
-        add(&mut open, 4, HELLOED, 5);
+        for (id, age) in [(3, 2000), (4, 1), (5, 1)] {
+            add(&mut open, id, PROVEN, age);
+        }
         assert!(
-            admit(&mut open, cap) && !open.contains_key(&1),
-            "then the other silent one"
+            admit(&mut open, cap, most) && open.len() == 5,
+            "admitted sessions take no slot of the cap"
         );
-        add(&mut open, 5, PROVEN, 1);
+        add(&mut open, 6, HELLOED, 5);
         assert!(
-            admit(&mut open, cap) && !open.contains_key(&0),
+            admit(&mut open, cap, most) && !open.contains_key(&1),
+            "six in all: the silent one goes"
+        );
+        add(&mut open, 7, PROVEN, 1);
+        assert!(
+            admit(&mut open, cap, most) && !open.contains_key(&0),
             "then the oldest helloed one"
         );
-        add(&mut open, 6, PROVEN, 1);
-        assert!(admit(&mut open, cap) && !open.contains_key(&4));
-        add(&mut open, 7, PROVEN, 1);
-        assert!(!admit(&mut open, cap), "every connection proven");
+        add(&mut open, 8, PROVEN, 1);
+        assert!(admit(&mut open, cap, most) && !open.contains_key(&6));
+        add(&mut open, 9, PROVEN, 1);
+        assert!(!admit(&mut open, cap, most), "every connection proven");
+        assert_eq!(open.len(), 6);
     }
 }

@@ -1242,13 +1242,19 @@ fn the_hosted_store_serves_tcpstore_requests() {
     let mut big = one.connect(soon()).unwrap();
     let _ = big.set("big", &vec![7u8; 1 << 20], soon());
     let e = big.get("k", soon()).unwrap_err().to_string();
-    assert!(e.contains("127.0.0.1"), "the oversized session is closed: {e}");
+    assert!(
+        e.contains("127.0.0.1"),
+        "the oversized session is closed: {e}"
+    );
     assert!(!local.check("big", soon()).unwrap(), "not stored");
     assert_eq!(s.get("k", soon()).unwrap(), b"value 1", "the others go on");
     drop((s, big, local, root));
     let t0 = Instant::now();
     while TcpListener::bind(("127.0.0.1", port)).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(5), "the store still listens");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the store still listens"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -1297,7 +1303,10 @@ fn progress_reports_through_the_store_rank_0_hosts() {
             let r = boards[reader].read(1, soon()).unwrap();
             assert_eq!(r.call, Some(4), "{key:?}");
             let r = boards[reader].read(2, soon()).unwrap();
-            assert_eq!((r.call, r.line.as_str()), (Some(3), "\"all_reduce #3 F32×6, completed\""));
+            assert_eq!(
+                (r.call, r.line.as_str()),
+                (Some(3), "\"all_reduce #3 F32×6, completed\"")
+            );
             let e = boards[reader].read(3, soon()).unwrap_err().to_string();
             assert!(e.contains("published none"), "{e}");
         }
@@ -1314,5 +1323,58 @@ fn progress_reports_through_the_store_rank_0_hosts() {
                 .to_string();
             assert!(e.contains("does not prove the job's shared secret"), "{e}");
         }
+    }
+}
+
+/// A rank still at an earlier rendezvous than rank 0's newest (the ranks created different
+/// numbers of communicators) is refused with both numbers, at once; the rank at rank 0's
+/// rendezvous is served.
+#[test]
+fn a_client_at_an_earlier_rendezvous_is_refused() {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let root = s.spawn(|| share_bytes_round(&env(0, 2, port), 3, Some(b"third"), LONG));
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        let e = share_bytes_round(&env(1, 2, port), 2, None, LONG)
+            .unwrap_err()
+            .to_string();
+        assert!(t.elapsed() < Duration::from_secs(5), "refused promptly");
+        assert!(
+            e.contains("rank 0 is at rendezvous 3") && e.contains("this rank at 2"),
+            "{e}"
+        );
+        assert_eq!(
+            share_bytes_round(&env(1, 2, port), 3, None, LONG).unwrap(),
+            b"third"
+        );
+        root.join().unwrap().unwrap();
+    });
+}
+
+/// Every rank of a job of 300 keeps a session of the store rank 0 hosts at once (as each
+/// rank's progress board does), beyond the bound on connections awaiting admission (256):
+/// admitted sessions do not count against it. Each answers a request afterwards.
+#[test]
+fn every_rank_of_a_large_job_keeps_a_session() {
+    let port = free_port();
+    let world = 300;
+    let soon = || Instant::now() + Duration::from_secs(20);
+    let root = JobStore::open(&env(0, world, port), LONG).unwrap();
+    root.connect(soon())
+        .unwrap()
+        .set("k", b"v", soon())
+        .unwrap();
+    let mut sessions: Vec<Box<dyn Store>> = (1..world)
+        .map(|r| {
+            JobStore::open(&env(r, world, port), LONG)
+                .unwrap()
+                .connect(soon())
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"))
+        })
+        .collect();
+    assert!(world - 1 > server::max_handlers(world));
+    for (r, s) in sessions.iter_mut().enumerate() {
+        assert!(s.check("k", soon()).unwrap(), "rank {}", r + 1);
     }
 }
