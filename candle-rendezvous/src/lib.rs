@@ -28,8 +28,9 @@
 //!
 //! Limits: rank 0 gives each client 5 s for its admission, bounds every length it reads (64 KiB
 //! for a payload) and what its store holds (keys of 4096 bytes, values of 64 KiB + 256, 1024 keys
-//! per WAIT or CHECK, 64 MiB in all), and answers at most 4 × world size connections at once (16
-//! to 256); a stranger that keeps them full does not keep the ranks out. The full text (the
+//! per WAIT or CHECK, 64 MiB in all), and answers at most 4 × world size connections awaiting
+//! admission at once (16 to 256), admitted sessions aside; a stranger that keeps them full does
+//! not keep the ranks out. The full text (the
 //! store, the admission, the run identity, the trust model, every limit and the tests that show
 //! them): docs/startup.md in the repository.
 //!
