@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
-use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::collective::{AllReduce, Collective, ReduceOp, ThreadGroup};
 use candle_distributed::DataParallel;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -211,7 +211,10 @@ fn rank(comm: Arc<dyn Collective>, a: &Args, raw: Option<Raw>) -> Result<Vec<Row
                     let x = fresh.as_ref().unwrap_or(&g);
                     _ = match wire {
                         None => comm.all_reduce(x, ReduceOp::Avg)?,
-                        Some(w) => comm.all_reduce_wire(x, ReduceOp::Avg, *w)?,
+                        Some(w) => comm.all_reduce_with(
+                            std::slice::from_ref(x),
+                            AllReduce::new(ReduceOp::Avg).wire(*w),
+                        )?,
                     }
                 }
                 Variant::Sync(_) => {

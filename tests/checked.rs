@@ -26,7 +26,9 @@ fn agreeing_calls_pass_through() {
         let gathered = c.all_gather(&rows)?;
         let b = c.broadcast(&x, 1)?;
         c.barrier()?;
-        let pending = c.all_reduce_async(&x, ReduceOp::Max)?.wait()?;
+        let pending = c
+            .start_all_reduce(std::slice::from_ref(&x), ReduceOp::Max.into())?
+            .wait()?;
         let sub = c.new_group(&[2, 0])?;
         let sub_sum = match &sub {
             Some(s) => Some(s.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?),

@@ -167,7 +167,7 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
         ];
         let flat = concat(&parts)?;
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-            let got = comm.all_reduce_parts(&parts, op, None)?;
+            let got = comm.all_reduce_with(&parts, op.into())?;
             let want = comm.all_reduce(&flat, op)?;
             ensure!(
                 got.dims() == want.dims(),
@@ -193,7 +193,7 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     } else {
         [big, small]
     };
-    let err = error_of(g.all_reduce_parts(&parts, ReduceOp::Sum, None));
+    let err = error_of(g.all_reduce_with(&parts, ReduceOp::Sum.into()));
     ensure!(
         err.contains("every rank must call the same collective"),
         "parts that differ between ranks: {err:?}"
@@ -210,7 +210,7 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     ensure!(big.is_contiguous() == (comm.rank() != 1));
     let parts = [whole(10, &[7])?, big, whole(11, &[3])?];
     let flat = concat(&parts)?;
-    let got = g.all_reduce_parts(&parts, ReduceOp::Sum, None)?;
+    let got = g.all_reduce_with(&parts, ReduceOp::Sum.into())?;
     let want = g.all_reduce(&flat, ReduceOp::Sum)?;
     ensure!(
         got.to_vec1::<f64>()? == want.to_vec1::<f64>()?,
@@ -223,7 +223,7 @@ fn parts_in_place(comm: &Arc<dyn Collective>) -> Result<()> {
     } else {
         vec![whole(12, &[5])?]
     };
-    let err = error_of(g.all_reduce_parts(&parts, ReduceOp::Sum, None));
+    let err = error_of(g.all_reduce_with(&parts, ReduceOp::Sum.into()));
     ensure!(
         err.contains("invalid arguments on rank(s) [2]"),
         "bad parts on rank 2: {err:?}"

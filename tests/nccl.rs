@@ -41,7 +41,8 @@ use anyhow::Result;
 use candle_core::cuda_backend::cudarc::driver::CudaContext;
 use candle_core::{DType, Device, Tensor};
 use candle_distributed::collective::{
-    Checked, Collective, CollectiveError, NcclCollective, NcclGroup, Pending, ReduceOp, ThreadGroup,
+    AllReduce, Checked, Collective, CollectiveError, NcclCollective, NcclGroup, Pending, ReduceOp,
+    ThreadGroup,
 };
 use candle_distributed::parallel::ParallelMode;
 use candle_distributed::{sync_batch_norm, DataParallel, GradHooks, SyncBatchNormConfig};
@@ -96,7 +97,7 @@ fn collectives_on_every_gpu() {
             .to_vec1::<f32>()?;
         c.barrier()?;
         // Asynchronous (side stream): the same sum, with a synchronous call in between.
-        let pending = c.all_reduce_async(&t, ReduceOp::Sum)?;
+        let pending = c.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into())?;
         let _ = c.all_reduce(&t, ReduceOp::Max)?;
         got.push(pending.wait()?.to_vec1::<f32>()?);
         Ok((got, gathered, scattered, b))
@@ -512,7 +513,7 @@ fn a_tensor_on_another_gpu_is_refused_by_name() {
             c.all_reduce(&t, ReduceOp::Sum).unwrap_err().to_string(),
             c.all_gather(&t).unwrap_err().to_string(),
             c.broadcast(&t, 0).unwrap_err().to_string(),
-            c.all_reduce_async(&t, ReduceOp::Sum)
+            c.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into())
                 .err()
                 .unwrap()
                 .to_string(),
@@ -622,9 +623,6 @@ impl Collective for AloneOfTwo {
     fn broadcast(&self, t: &Tensor, _root: usize) -> candle_core::Result<Tensor> {
         Ok(t.clone())
     }
-    fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> candle_core::Result<Tensor> {
-        unreachable!("only the id broadcast is used")
-    }
     fn all_gather(&self, _: &Tensor) -> candle_core::Result<Tensor> {
         unreachable!("only the id broadcast is used")
     }
@@ -634,7 +632,7 @@ impl Collective for AloneOfTwo {
     fn reduce_scatter(&self, _: &Tensor, _: ReduceOp) -> candle_core::Result<Tensor> {
         unreachable!("only the id broadcast is used")
     }
-    fn all_reduce_async(&self, _: &Tensor, _: ReduceOp) -> candle_core::Result<Pending> {
+    fn start_all_reduce(&self, _: &[Tensor], _: AllReduce) -> candle_core::Result<Pending> {
         unreachable!("only the id broadcast is used")
     }
     fn all_gather_async(&self, _: &Tensor) -> candle_core::Result<Pending> {
@@ -683,7 +681,7 @@ fn a_started_collective_aborted_by_the_watchdog_fails_its_wait() {
             return Ok(None);
         }
         let t = Tensor::new(&[1f32, 2.0], &c.device())?;
-        let pending = c.all_reduce_async(&t, ReduceOp::Sum)?;
+        let pending = c.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into())?;
         std::thread::sleep(Duration::from_secs(4));
         let err = pending
             .wait()
@@ -813,7 +811,7 @@ fn an_owned_all_reduce_reduces_in_place() {
                     Ok(v.into_iter().map(f64::to_bits).collect())
                 };
                 let kept = t.clone();
-                let got = c.all_reduce_owned(t, op)?;
+                let got = c.all_reduce_with(&[t], AllReduce::new(op).in_place())?;
                 assert_eq!(bits(&got)?, bits(&want)?, "{dtype:?} {op:?}");
                 assert_eq!(bits(&kept)?, bits(&want)?, "{dtype:?} {op:?}: not in place");
             }
@@ -821,7 +819,10 @@ fn an_owned_all_reduce_reduces_in_place() {
         // Rows 2..5 of a contiguous tensor: a view at an offset, reduced where it lies.
         let whole = host.to_device(&dev)?.to_dtype(DType::F32)?;
         let want = c.all_reduce(&whole.narrow(0, 2, 3)?, ReduceOp::Sum)?;
-        let got = c.all_reduce_owned(whole.narrow(0, 2, 3)?, ReduceOp::Sum)?;
+        let got = c.all_reduce_with(
+            &[whole.narrow(0, 2, 3)?],
+            AllReduce::new(ReduceOp::Sum).in_place(),
+        )?;
         assert_eq!(got.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
         assert_eq!(
             whole.narrow(0, 2, 3)?.to_vec2::<f32>()?,
@@ -837,7 +838,7 @@ fn an_owned_all_reduce_reduces_in_place() {
         // Transposed: not contiguous, so reduced into a new tensor; the input keeps its values.
         let t = host.to_device(&dev)?.to_dtype(DType::F32)?.t()?;
         let kept = t.clone();
-        let got = c.all_reduce_owned(t, ReduceOp::Sum)?;
+        let got = c.all_reduce_with(&[t], AllReduce::new(ReduceOp::Sum).in_place())?;
         assert_eq!(
             got.to_vec2::<f32>()?,
             c.all_reduce(&kept, ReduceOp::Sum)?.to_vec2::<f32>()?
@@ -850,7 +851,7 @@ fn an_owned_all_reduce_reduces_in_place() {
         let checked = Checked::new(c.clone() as Arc<dyn Collective>, &dev);
         let t = host.to_device(&dev)?.to_dtype(DType::F32)?;
         let kept = t.clone();
-        let got = checked.all_reduce_owned(t, ReduceOp::Sum)?;
+        let got = checked.all_reduce_with(&[t], AllReduce::new(ReduceOp::Sum).in_place())?;
         assert_eq!(kept.to_vec2::<f32>()?, got.to_vec2::<f32>()?);
         Ok(())
     });
@@ -895,7 +896,7 @@ fn a_pending_that_outlives_its_communicator_completes() {
     let comms = NcclGroup::new(&(0..n).collect::<Vec<_>>()).unwrap();
     let sums = on_ranks(comms, |c| {
         let t = Tensor::ones(LEN, DType::F32, &c.device())?;
-        let p = c.all_reduce_async(&t, ReduceOp::Sum)?;
+        let p = c.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into())?;
         drop(c);
         let v = p.wait()?;
         Ok(v.sum_all()?.to_scalar::<f32>()?)

@@ -269,8 +269,10 @@ fn opposite_orders() -> Vec<(bool, String, Duration)> {
                         |c: &NcclCollective| Tensor::new(&[1f32 + c.rank() as f32], &c.device());
                     let (x1, x2) = (x(&first)?, x(&second)?);
                     let t0 = Instant::now();
-                    let one = first.all_reduce_async(&x1, ReduceOp::Sum)?;
-                    let two = second.all_reduce_async(&x2, ReduceOp::Sum)?;
+                    let one =
+                        first.start_all_reduce(std::slice::from_ref(&x1), ReduceOp::Sum.into())?;
+                    let two =
+                        second.start_all_reduce(std::slice::from_ref(&x2), ReduceOp::Sum.into())?;
                     let (one, two) = (one.wait()?, two.wait()?);
                     // Returns once the GPU's stream is free: after the collectives, or after
                     // the watchdog's abort stopped them.
@@ -494,7 +496,7 @@ fn queue_through_a_fault(k: usize) -> Vec<Queued> {
         let t0 = Instant::now();
         // A start may itself fail, when the fault is already known.
         let pending: Vec<_> = (0..k)
-            .map(|_| c.all_reduce_async(&t, ReduceOp::Sum))
+            .map(|_| c.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into()))
             .collect();
         std::thread::sleep(TIMEOUT + Duration::from_millis(500));
         let lost = pending
@@ -576,7 +578,7 @@ fn child_an_abort_between_the_call_and_its_tracking_is_not_missed() {
         c.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?;
         // Give the watchdog time to drop the first collective's event: nothing is pending.
         std::thread::sleep(Duration::from_millis(100));
-        let p = c.all_reduce_async(&t, ReduceOp::Sum)?;
+        let p = c.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into())?;
         // Both communicators aborted by now: rank 0's at once, rank 1's at its timeout.
         std::thread::sleep(TIMEOUT + Duration::from_millis(500));
         Ok(match p.wait() {

@@ -330,7 +330,8 @@ fn async_collectives_return_before_the_peers_arrive() {
                 s.spawn(move || -> candle_core::Result<Vec<f32>> {
                     let t = Tensor::new(&[c.rank() as f32 + 1.0, 2.0], &Device::Cpu)?;
                     if c.rank() == 0 {
-                        let sum = c.all_reduce_async(&t, ReduceOp::Sum)?;
+                        let sum =
+                            c.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into())?;
                         let gather = c.all_gather_async(&t.reshape((1, 2))?)?;
                         tx.send(()).unwrap();
                         let g = gather.wait()?.flatten_all()?.to_vec1::<f32>()?;

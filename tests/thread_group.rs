@@ -5,7 +5,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
+use candle_distributed::collective::{AllReduce, Collective, ReduceOp, ThreadGroup};
 use common::*;
 
 #[test]
@@ -169,7 +169,8 @@ fn a_rank_that_leaves_with_an_async_call_outstanding_fails_its_peers_at_once() {
                     let x = Tensor::new(&[rank as f32 + 1.0, 10.0], &Device::Cpu)?;
                     if rank == 1 {
                         // Starts the subgroup's call, then leaves (as an error return would).
-                        let pending = sub.all_reduce_async(&x, ReduceOp::Sum)?;
+                        let pending =
+                            sub.start_all_reduce(std::slice::from_ref(&x), ReduceOp::Sum.into())?;
                         drop((pending, sub, world));
                         return Ok((String::new(), Vec::new()));
                     }
@@ -296,7 +297,10 @@ fn a_result_larger_than_the_caches_is_the_same_sum() {
         let outs = run_ranks(4, |comm| {
             let t = Tensor::new(inputs[comm.rank()].as_slice(), &Device::Cpu)?;
             let out = match wire {
-                Some(w) => comm.all_reduce_wire(&t, ReduceOp::Avg, w)?,
+                Some(w) => comm.all_reduce_with(
+                    std::slice::from_ref(&t),
+                    AllReduce::new(ReduceOp::Avg).wire(w),
+                )?,
                 None => comm.all_reduce(&t, ReduceOp::Avg)?,
             };
             Ok(out.to_vec1::<f32>()?)
@@ -371,13 +375,16 @@ fn parts_are_summed_where_they_lie() {
                 });
                 at += n;
             }
-            let got = comm.all_reduce_parts(&parts, op, wire)?;
+            let got = comm.all_reduce_with(&parts, AllReduce { wire, ..op.into() })?;
             assert_eq!(got.dims(), [total]);
             let whole = match wire {
-                Some(w) => comm.all_reduce_wire(&all, op, w)?,
+                Some(w) => {
+                    comm.all_reduce_with(std::slice::from_ref(&all), AllReduce::new(op).wire(w))?
+                }
                 None => comm.all_reduce(&all, op)?,
             };
-            let default = Probe::new(comm.clone()).all_reduce_parts(&parts, op, wire)?;
+            let default = Probe::new(comm.clone())
+                .all_reduce_with(&parts, AllReduce { wire, ..op.into() })?;
             Ok([bits(got)?, bits(whole)?, bits(default)?])
         });
         for (r, [got, whole, default]) in outs.into_iter().enumerate() {
@@ -399,10 +406,10 @@ fn parts_in_logical_order_and_their_errors() {
         let ones = |n: usize| Tensor::ones(n, DType::F32, &Device::Cpu);
         let m = (Tensor::arange(0f32, 6.0, &Device::Cpu)?.reshape((2, 3))? + f64::from(r))?;
         let parts = [Tensor::new(&[r, 1.0], &Device::Cpu)?, m.t()?];
-        let got = comm.all_reduce_parts(&parts, ReduceOp::Sum, None)?;
-        let default = Probe::new(comm.clone()).all_reduce_parts(&parts, ReduceOp::Sum, None)?;
+        let got = comm.all_reduce_with(&parts, ReduceOp::Sum.into())?;
+        let default = Probe::new(comm.clone()).all_reduce_with(&parts, ReduceOp::Sum.into())?;
         let sum = |parts: &[Tensor]| {
-            comm.all_reduce_parts(parts, ReduceOp::Sum, None)
+            comm.all_reduce_with(parts, ReduceOp::Sum.into())
                 .map_err(|e| e.to_string())
         };
         let uneven = sum(&[ones(if comm.rank() == 0 { 2 } else { 3 })?]);
@@ -459,7 +466,7 @@ fn parts_in_logical_order_and_their_errors() {
 fn a_single_part_on_one_rank_is_not_its_own_result() {
     let outs = run_ranks(1, |comm| {
         let v = candle_core::Var::new(&[1.5f64, -2.0, 4.0], &Device::Cpu)?;
-        let got = comm.all_reduce_parts(&[v.as_tensor().clone()], ReduceOp::Sum, None)?;
+        let got = comm.all_reduce_with(&[v.as_tensor().clone()], ReduceOp::Sum.into())?;
         v.set(&Tensor::zeros(3, DType::F64, &Device::Cpu)?)?;
         Ok(got.to_vec1::<f64>()?)
     });
@@ -477,9 +484,11 @@ fn a_wire_dtype_rounds_like_the_casts_it_saves() {
         for (op, avg) in [(ReduceOp::Sum, false), (ReduceOp::Avg, true)] {
             let outs = run_ranks(3, |comm| {
                 let t = Tensor::new(inputs[comm.rank()].as_slice(), &Device::Cpu)?;
-                let fused = comm.all_reduce_wire(&t, op, wire)?;
+                let fused =
+                    comm.all_reduce_with(std::slice::from_ref(&t), AllReduce::new(op).wire(wire))?;
                 let probe = Probe::new(comm.clone());
-                let decorated = probe.all_reduce_wire(&t, op, wire)?;
+                let decorated = probe
+                    .all_reduce_with(std::slice::from_ref(&t), AllReduce::new(op).wire(wire))?;
                 // One all-reduce of `t` itself reached the probe's hooks: f32, not cast.
                 assert_eq!(probe.elements(), [t.elem_count()]);
                 assert_eq!(probe.dtypes(), [DType::F32]);
@@ -512,20 +521,26 @@ fn wire_errors_name_the_dtypes() {
     let outs = run_ranks(2, |comm| {
         let ints = Tensor::new(&[1u32, 2], &Device::Cpu)?;
         let int_err = comm
-            .all_reduce_wire(&ints, ReduceOp::Sum, DType::BF16)
+            .all_reduce_with(
+                std::slice::from_ref(&ints),
+                AllReduce::new(ReduceOp::Sum).wire(DType::BF16),
+            )
             .unwrap_err()
             .to_string();
         let wire = [DType::BF16, DType::F16][comm.rank()];
         let t = Tensor::new(&[1.5f32, -2.0], &Device::Cpu)?;
         let mismatch = comm
-            .all_reduce_wire(&t, ReduceOp::Sum, wire)
+            .all_reduce_with(
+                std::slice::from_ref(&t),
+                AllReduce::new(ReduceOp::Sum).wire(wire),
+            )
             .unwrap_err()
             .to_string();
         Ok((int_err, mismatch))
     });
     for (int_err, mismatch) in outs {
         assert!(
-            int_err.contains("all_reduce_wire: a U32 tensor cannot be carried on a BF16 wire"),
+            int_err.contains("all_reduce: a U32 tensor cannot be carried on a BF16 wire"),
             "{int_err}"
         );
         assert!(

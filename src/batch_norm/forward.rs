@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::{Snapshot, SyncBatchNorm, OP};
-use crate::collective::{Collective, ReduceOp};
+use crate::collective::{AllReduce, Collective, ReduceOp};
 use crate::ops::{
     batch_norm_elemt_autograd, batch_norm_gather_stats_update, batch_norm_stats, GatheredStats,
     RunningStats, StatsGrad,
@@ -120,7 +120,10 @@ impl SyncBatchNorm {
         let mut sums = batch_norm_stats(x, &k, self.config.layout)?;
         if train {
             // The sums are this call's own: NCCL reduces them in place.
-            sums = self.comm.all_reduce_owned(sums, ReduceOp::Sum)?;
+            let given = [sums];
+            sums = self
+                .comm
+                .all_reduce_with(&given, AllReduce::new(ReduceOp::Sum).in_place())?;
         }
         let running = self
             .running

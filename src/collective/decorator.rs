@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
-use super::{Collective, Op, Pending, ReduceOp};
+use super::{AllReduce, Collective, Op, Pending, ReduceOp};
 
 /// A communicator that wraps another one: implement [`Decorator::inner`] and the hooks you
 /// need, and the type is a [`Collective`] whose every call goes to `inner` through them.
@@ -57,7 +57,7 @@ pub trait Decorator: Send + Sync + std::fmt::Debug {
 
     /// Runs before every call, with its tensor (none for `barrier` and `split`).
     ///
-    /// For [`Collective::all_reduce_owned`] the tensor is one the caller gave up: `inner` may
+    /// For an all-reduce with [`AllReduce::in_place`](field@AllReduce::in_place) the tensor is one the caller gave up: `inner` may
     /// write the result into its storage once this returns, so a clone kept here would show the
     /// result, not the input (copy it, e.g. with `Tensor::copy`, to keep the input).
     ///
@@ -134,29 +134,17 @@ impl<D: Decorator> Collective for D {
         self.tensor_device()
     }
 
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let call = Op::AllReduce(op);
+    /// One tensor goes to `inner`'s own all-reduce with the options (its hooks see an
+    /// all-reduce of that tensor), so that a decorated backend keeps the way it carries them
+    /// (NCCL reduces in place, thread ranks and MPI round a wire on the host); several parts are
+    /// concatenated first, and the hooks see the concatenation.
+    fn all_reduce_with(&self, parts: &[Tensor], options: AllReduce) -> Result<Tensor> {
+        let [t] = parts else {
+            return super::all_reduce_as_one(self, parts, options);
+        };
+        let call = Op::AllReduce(options.op);
         self.before(call, Some(t))?;
-        let out = self.inner().all_reduce(t, op)?;
-        self.after(call, out)
-    }
-
-    /// Goes to `inner`'s own `all_reduce_owned` (its hooks see an all-reduce of `t`), so that a
-    /// decorated NCCL communicator still reduces in place.
-    fn all_reduce_owned(&self, t: Tensor, op: ReduceOp) -> Result<Tensor> {
-        let call = Op::AllReduce(op);
-        self.before(call, Some(&t))?;
-        let out = self.inner().all_reduce_owned(t, op)?;
-        self.after(call, out)
-    }
-
-    /// Goes to `inner`'s own `all_reduce_wire` (its hooks see an all-reduce of `t`), so that a
-    /// decorated backend keeps the way it carries a wire dtype (thread ranks and MPI round on
-    /// the host instead of casting).
-    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
-        let call = Op::AllReduce(op);
-        self.before(call, Some(t))?;
-        let out = self.inner().all_reduce_wire(t, op, wire)?;
+        let out = self.inner().all_reduce_with(parts, options)?;
         self.after(call, out)
     }
 
@@ -185,18 +173,14 @@ impl<D: Decorator> Collective for D {
         self.after(call, out)
     }
 
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        let call = Op::AllReduce(op);
+    /// As [`Collective::all_reduce_with`] on this type, started.
+    fn start_all_reduce(&self, parts: &[Tensor], options: AllReduce) -> Result<Pending> {
+        let [t] = parts else {
+            return super::start_as_one(self, parts, options);
+        };
+        let call = Op::AllReduce(options.op);
         self.before(call, Some(t))?;
-        let pending = self.inner().all_reduce_async(t, op)?;
-        self.after_async(call, pending)
-    }
-
-    /// Goes to `inner`'s own `all_reduce_wire_async` (its hooks see an all-reduce of `t`).
-    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
-        let call = Op::AllReduce(op);
-        self.before(call, Some(t))?;
-        let pending = self.inner().all_reduce_wire_async(t, op, wire)?;
+        let pending = self.inner().start_all_reduce(parts, options)?;
         self.after_async(call, pending)
     }
 

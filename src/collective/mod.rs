@@ -118,6 +118,7 @@
 //! mpirun -np 4 ./target/release/examples/your_training_binary
 //! ```
 
+mod all_reduce;
 mod checked;
 mod decorator;
 mod error;
@@ -134,6 +135,8 @@ pub mod recorder;
 mod round;
 mod threads;
 
+pub use all_reduce::AllReduce;
+pub(crate) use all_reduce::{all_reduce_as_one, check_parts, check_wire, start_as_one};
 pub use checked::Checked;
 pub use decorator::Decorator;
 pub use error::CollectiveError;
@@ -157,7 +160,7 @@ pub use candle_rendezvous as rendezvous;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 /// Default time a collective may take before it fails (every backend; 5 minutes), unless
 /// [`TIMEOUT_VAR`] says otherwise.
@@ -220,7 +223,8 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// Element-wise reduction of `t` over all ranks.
+    /// Element-wise reduction of `t` over all ranks: the all-reduce of one tensor, with
+    /// `op` and no other option ([`Collective::all_reduce_with`]).
     ///
     /// `t`: any shape, identical on every rank. Returns a tensor of the same shape, dtype and
     /// device, identical on every rank (see the module documentation).
@@ -241,78 +245,41 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     ///   of returning. On NCCL the watchdog aborts the communicator, and a later call (or
     ///   [`Collective::deferred_error`]) reports it.
     /// - [`CollectiveError::Library`] when NCCL rejects the call.
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
-
-    /// [`Collective::all_reduce`] of a tensor the caller gives up: the result may be written
-    /// into `t`'s own storage and returned in it, which saves the result's allocation on a
-    /// backend that reduces in place (NCCL, for a contiguous `t`: its send and receive buffers
-    /// are then one). Any other handle to that storage (a clone, a view) sees the result, so
-    /// give up only a tensor nothing else reads. `SyncBatchNorm`'s forward hands its local sums
-    /// over this way, `DataParallel::sync_gradients` its packed buckets.
-    ///
-    /// `t`: as for `all_reduce`. Returns what `all_reduce` returns. The default calls
-    /// `all_reduce` (`ThreadGroup` and MPI, whose results live on the host first, keep it).
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce`]. After an error `t`'s values are unspecified (NCCL may have
-    /// written part of the result before a failure it reports later).
-    fn all_reduce_owned(&self, t: Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.all_reduce(&t, op)
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.all_reduce_with(std::slice::from_ref(t), op.into())
     }
 
-    /// The all-reduce of `parts` laid end to end, as one collective: a `[Σ nᵢ]` result, where
-    /// `nᵢ` is part `i`'s element count (each part read flattened, in its row-major order).
-    /// With `wire`, carried as [`Collective::all_reduce_wire`] carries it.
-    /// `DataParallel::sync_gradients` sends a bucket of host gradients (and their flags) this
-    /// way.
+    /// The all-reduce, with its [`AllReduce`] options: of one tensor (`parts` of one, whose
+    /// shape the result keeps), or of several laid end to end as one collective (a `[Σ nᵢ]`
+    /// result, where `nᵢ` is part `i`'s element count, each part read flattened in its
+    /// row-major order). `DataParallel::sync_gradients` sends a bucket of host gradients this
+    /// way, `SyncBatchNorm`'s forward its sums in place.
     ///
-    /// `parts`: at least one tensor, one dtype; every rank passes as many parts, with the same
-    /// element counts and dtype.
+    /// `parts`: at least one tensor, one dtype and device; every rank passes as many parts,
+    /// with the same element counts and dtype, and the same options. Returns the result in
+    /// the parts' dtype and device, identical on every rank.
     ///
-    /// The default concatenates the parts and all-reduces that (given up to
-    /// [`Collective::all_reduce_owned`] when it is a new tensor). `ThreadGroup` sums each
-    /// rank's parts where they lie, without the concatenation's copy; its result is bitwise
-    /// the default's (`tests/thread_group.rs::parts_are_summed_where_they_lie`). MPI reduces
-    /// each host part of f32 or f64 of at least 64 Ki elements where it lies, into its place in
-    /// the result, and copies only the smaller parts between them (without a wire; the MPI
-    /// suite's "all_reduce_parts reads large parts in place", `scripts/test-mpi.sh`).
-    ///
-    /// # Errors
-    ///
-    /// When `parts` is empty or its tensors differ in dtype or device (on `ThreadGroup` the
-    /// call then fails on every rank, with this rank's reason), when the ranks' parts differ
-    /// in number, element counts or dtype ([`CollectiveError::Mismatch`] on `ThreadGroup`), with
-    /// `wire` as [`Collective::all_reduce_wire`], and otherwise as [`Collective::all_reduce`].
-    fn all_reduce_parts(
-        &self,
-        parts: &[Tensor],
-        op: ReduceOp,
-        wire: Option<DType>,
-    ) -> Result<Tensor> {
-        all_reduce_concatenated(self, parts, op, wire)
-    }
-
-    /// [`Collective::all_reduce`] of `t` carried in the float dtype `wire`: each rank's values
-    /// rounded to `wire`, reduced (f16 and bf16 accumulate in f32), the result rounded to `wire`
-    /// and returned in `t`'s dtype. `DataParallel::with_wire_dtype` sends its buckets this way.
-    ///
-    /// `t`: any shape, identical on every rank, float. Returns the shape and dtype of `t`.
-    ///
-    /// The default casts `t` to `wire`, reduces that, and casts the result back: on NCCL the
-    /// reduction then moves `wire`'s bytes. The backends without a 16-bit wire round the values
-    /// instead, without the two casts: `ThreadGroup`, whose ranks share memory, while it sums
-    /// them; MPI, which has no 16-bit float type and sends f32 either way, in the host buffer it
-    /// sends (f32 tensors; other dtypes take the default). Their results are bitwise those of
-    /// the default (`tests/thread_group.rs::a_wire_dtype_rounds_like_the_casts_it_saves`, and
-    /// the MPI suite's check of the same name, `scripts/test-mpi.sh`).
+    /// The default starts the call ([`Collective::start_all_reduce`]) and waits for it; every
+    /// backend of this crate reduces on the calling thread instead. How each carries the
+    /// options: a wire dtype is cast to and from on NCCL (which then moves the wire's bytes),
+    /// while thread ranks and MPI round the values on the host as they reduce them, without
+    /// the casts, bitwise the casts' result
+    /// (`tests/thread_group.rs::a_wire_dtype_rounds_like_the_casts_it_saves`, and the MPI
+    /// suite's check of that name, `scripts/test-mpi.sh`); several parts are concatenated,
+    /// except on thread ranks, which sum each rank's parts where they lie, bitwise the
+    /// concatenation's result (`tests/thread_group.rs::parts_are_summed_where_they_lie`), and
+    /// MPI, which reduces each host part of f32 or f64 of at least 64 Ki elements in place
+    /// (without a wire); `in_place` saves the result's allocation on NCCL.
     ///
     /// # Errors
     ///
-    /// When `t` or `wire` is not a float dtype, and as [`Collective::all_reduce`] (the ranks must
-    /// also agree on `wire`).
-    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
-        all_reduce_cast(self, t, op, wire)
+    /// When `parts` is empty or its tensors differ in dtype or device (on thread ranks and MPI
+    /// the call then fails on every rank, with this rank's reason), when the input or `wire` is
+    /// not a float dtype while a wire is set, when the ranks' parts differ in number, element
+    /// counts or dtype ([`CollectiveError::Mismatch`] on thread ranks and MPI), and otherwise as
+    /// [`Collective::all_reduce`].
+    fn all_reduce_with(&self, parts: &[Tensor], options: AllReduce) -> Result<Tensor> {
+        self.start_all_reduce(parts, options)?.wait()
     }
 
     /// Concatenation of every rank's `t` along dimension 0, in rank order.
@@ -370,64 +337,47 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// broken group, a timeout, an NCCL error.
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
 
-    /// Starts [`Collective::all_reduce`] and returns at once; [`Pending::wait`] gives the result.
+    /// Starts [`Collective::all_reduce_with`] and returns at once; [`Pending::wait`] gives what
+    /// the blocking call returns, bit for bit (`DataParallel::backward` sends its buckets this
+    /// way). The one all-reduce every backend must implement.
     ///
     /// The call takes its place in the group's call order when it is started: every rank must
     /// start it at the same position relative to its other collectives. Progress happens while
     /// the caller computes (a communication thread on `ThreadGroup` and MPI, a side stream on
     /// NCCL).
     ///
-    /// The collective sends what `t` holds when the call is made. Once [`Pending::wait`] has
-    /// returned, or the handle was dropped, the caller may write into `t` (and into the result)
-    /// at once: `ThreadGroup` and MPI copy `t` when the call starts, and on NCCL the device's
+    /// The collective sends what the parts hold when the call is made. Once [`Pending::wait`] has
+    /// returned, or the handle was dropped, the caller may write into the parts (and into the result)
+    /// at once: `ThreadGroup` and MPI copy the input when the call starts, and on NCCL the device's
     /// stream waits for the collective before anything enqueued after the wait or the drop.
-    /// Between the start and the wait, a write into `t` is a race on NCCL (the side stream may
+    /// Between the start and the wait, a write into a part is a race on NCCL (the side stream may
     /// still be reading it).
     ///
     /// # Errors
     ///
     /// Here only for what is found when starting: on NCCL, the failures of
-    /// [`Collective::all_reduce`] that need no communication (a broken communicator, a tensor on
-    /// another device, an unsupported dtype, NCCL rejecting the call); on `ThreadGroup` and MPI, a
+    /// [`Collective::all_reduce_with`] that need no communication (parts or a wire refused, a
+    /// broken communicator, a tensor on another device, an unsupported dtype, NCCL rejecting the
+    /// call); on `ThreadGroup` and MPI, a
     /// communication thread that cannot be started or has stopped; with [`Checked`], a mismatch
-    /// between the ranks. Everything else, which on `ThreadGroup` and MPI is every failure of
-    /// [`Collective::all_reduce`], comes from [`Pending::wait`].
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
+    /// between the ranks. Everything else, which on `ThreadGroup` and MPI is every other failure of
+    /// [`Collective::all_reduce_with`], comes from [`Pending::wait`].
+    fn start_all_reduce(&self, parts: &[Tensor], options: AllReduce) -> Result<Pending>;
 
-    /// Starts [`Collective::all_reduce_wire`] and returns at once, as
-    /// [`Collective::all_reduce_async`] starts [`Collective::all_reduce`]: [`Pending::wait`]
-    /// gives what the synchronous call returns, bit for bit (`DataParallel::backward` sends its
-    /// buckets on a wire dtype this way). The default casts, as the default
-    /// [`Collective::all_reduce_wire`] does; thread ranks and MPI round on the host, as their
-    /// synchronous calls do.
+    /// Starts [`Collective::all_gather`]; see [`Collective::start_all_reduce`].
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce_async`]; `t` or `wire` not a float dtype (here).
-    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
-        check_wire(t, wire)?;
-        if wire == t.dtype() {
-            return self.all_reduce_async(t, op);
-        }
-        let dtype = t.dtype();
-        let pending = self.all_reduce_async(&t.to_dtype(wire)?, op)?;
-        Ok(Pending::new(move || pending.wait()?.to_dtype(dtype)))
-    }
-
-    /// Starts [`Collective::all_gather`]; see [`Collective::all_reduce_async`].
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce_async`], with the conditions of [`Collective::all_gather`]. NCCL
+    /// As [`Collective::start_all_reduce`], with the conditions of [`Collective::all_gather`]. NCCL
     /// exchanges the row counts before starting the gather, so on NCCL a scalar `t` and the
     /// failures of that exchange are returned here.
     fn all_gather_async(&self, t: &Tensor) -> Result<Pending>;
 
-    /// Starts [`Collective::reduce_scatter`]; see [`Collective::all_reduce_async`].
+    /// Starts [`Collective::reduce_scatter`]; see [`Collective::start_all_reduce`].
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce_async`], with the conditions of [`Collective::reduce_scatter`].
+    /// As [`Collective::start_all_reduce`], with the conditions of [`Collective::reduce_scatter`].
     /// On NCCL a scalar `t`, or a dimension 0 that is not a multiple of `world_size()`, is returned
     /// here.
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending>;
@@ -504,79 +454,6 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         let me = ranks.iter().position(|&r| r == self.rank());
         self.split(me.map(|_| 0), me.unwrap_or(0) as u32)
     }
-}
-
-/// Errors unless `parts` holds at least one tensor, all of one dtype and on one device
-/// ([`Collective::all_reduce_parts`]).
-pub(crate) fn check_parts(parts: &[Tensor]) -> Result<()> {
-    let Some(first) = parts.first() else {
-        candle_core::bail!("all_reduce_parts: expected at least one part, got none")
-    };
-    for (i, p) in parts.iter().enumerate() {
-        if p.dtype() != first.dtype() {
-            candle_core::bail!(
-                "all_reduce_parts: part {i} is {:?}, part 0 {:?}: the parts must share one dtype",
-                p.dtype(),
-                first.dtype()
-            )
-        }
-        if !p.device().same_device(first.device()) {
-            candle_core::bail!(
-                "all_reduce_parts: part {i} is on {:?}, part 0 on {:?}: the parts must share one device",
-                p.device(),
-                first.device()
-            )
-        }
-    }
-    Ok(())
-}
-
-/// [`Collective::all_reduce_parts`] by concatenation: the parts laid end to end in one new
-/// tensor, all-reduced (the trait's default).
-pub(crate) fn all_reduce_concatenated<C: Collective + ?Sized>(
-    c: &C,
-    parts: &[Tensor],
-    op: ReduceOp,
-    wire: Option<DType>,
-) -> Result<Tensor> {
-    check_parts(parts)?;
-    let flat = parts
-        .iter()
-        .map(Tensor::flatten_all)
-        .collect::<Result<Vec<_>>>()?;
-    // `cat` of one part is that part itself (the caller's storage): not given up then.
-    let fresh = flat.len() > 1;
-    let flat = Tensor::cat(&flat, 0)?;
-    match wire {
-        Some(w) => c.all_reduce_wire(&flat, op, w),
-        None if fresh => c.all_reduce_owned(flat, op),
-        None => c.all_reduce(&flat, op),
-    }
-}
-
-/// [`Collective::all_reduce_wire`] by casting: `t` to `wire`, the all-reduce, back to `t`'s dtype.
-pub(crate) fn all_reduce_cast<C: Collective + ?Sized>(
-    c: &C,
-    t: &Tensor,
-    op: ReduceOp,
-    wire: DType,
-) -> Result<Tensor> {
-    check_wire(t, wire)?;
-    if wire == t.dtype() {
-        return c.all_reduce(t, op);
-    }
-    c.all_reduce(&t.to_dtype(wire)?, op)?.to_dtype(t.dtype())
-}
-
-/// Errors unless `t` and `wire` are float dtypes ([`Collective::all_reduce_wire`]).
-pub(crate) fn check_wire(t: &Tensor, wire: DType) -> Result<()> {
-    if !t.dtype().is_float() || !wire.is_float() {
-        candle_core::bail!(
-            "all_reduce_wire: a {:?} tensor cannot be carried on a {wire:?} wire: both must be float dtypes",
-            t.dtype()
-        )
-    }
-    Ok(())
 }
 
 /// The rows `[rank·k, (rank+1)·k)` of a `(W·k, *rest)` tensor, `W = world`: the part of a

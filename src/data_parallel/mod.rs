@@ -168,7 +168,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 
-use crate::collective::{Collective, ReduceOp};
+use crate::collective::{AllReduce, Collective, ReduceOp};
 use crate::ops;
 
 pub use hooks::GradHooks;
@@ -444,18 +444,18 @@ impl DataParallel {
             }
             // One flag per variable rides along in the same all-reduce: non-zero after it when
             // some rank has a gradient. Only a rank missing a gradient reads the flags back.
+            let options = AllReduce {
+                wire: self.wire,
+                ..ReduceOp::Avg.into()
+            };
             let avg = if device.is_cpu() {
                 // Thread ranks sum the gradients where they lie; other backends concatenate.
                 let parts = ops::pack::parts(&parts, &lens, dtype, &device)?;
-                self.comm
-                    .all_reduce_parts(&parts, ReduceOp::Avg, self.wire)?
+                self.comm.all_reduce_with(&parts, options)?
             } else {
-                let flat = ops::pack::pack(&parts, &lens, dtype, &device)?;
-                match self.wire {
-                    Some(w) => self.comm.all_reduce_wire(&flat, ReduceOp::Avg, w)?,
-                    // The bucket is this call's own: NCCL averages it in place.
-                    None => self.comm.all_reduce_owned(flat, ReduceOp::Avg)?,
-                }
+                // The bucket is this call's own: NCCL averages it in place.
+                let flat = [ops::pack::pack(&parts, &lens, dtype, &device)?];
+                self.comm.all_reduce_with(&flat, options.in_place())?
             };
             let vars: Vec<&Var> = bucket.iter().map(|(_, v)| v).collect();
             pack::unpack(&vars, &avg, missing_here, &mut grads)?;

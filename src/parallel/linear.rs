@@ -196,7 +196,9 @@ impl Module for ColumnParallelLinear {
                 // Input gradient first, its collective started at once ...
                 let dx_full = g2.matmul(&w)?.contiguous()?;
                 let pending = match mode {
-                    ParallelMode::AllReduce => comm.all_reduce_async(&dx_full, ReduceOp::Sum)?,
+                    ParallelMode::AllReduce => {
+                        comm.start_all_reduce(std::slice::from_ref(&dx_full), ReduceOp::Sum.into())?
+                    }
                     ParallelMode::ReduceScatter => {
                         comm.reduce_scatter_async(&dx_full, ReduceOp::Sum)?
                     }

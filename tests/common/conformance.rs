@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::{Collective, ReduceOp};
+use candle_distributed::collective::{AllReduce, Collective, ReduceOp};
 
 use super::randn;
 
@@ -257,7 +257,8 @@ fn a_wire_dtype_rounds_like_the_casts_it_saves(comm: &Arc<dyn Collective>) -> Re
         .to_device(&comm.device())?;
     for wire in [DType::BF16, DType::F16] {
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
-            let fused = comm.all_reduce_wire(&t, op, wire)?;
+            let fused =
+                comm.all_reduce_with(std::slice::from_ref(&t), AllReduce::new(op).wire(wire))?;
             ensure!(
                 fused.dtype() == DType::F32,
                 "{wire:?} {op:?}: dtype {:?}",
@@ -289,7 +290,7 @@ fn asynchronous_collectives_beside_a_synchronous_one(comm: &Arc<dyn Collective>)
     let n = world(comm)?;
     let r = comm.rank() as f64;
     let t = tensor(comm, &[r + 1.0], &[1], DType::F64)?;
-    let sum = comm.all_reduce_async(&t, ReduceOp::Sum)?;
+    let sum = comm.start_all_reduce(std::slice::from_ref(&t), ReduceOp::Sum.into())?;
     let gathered = comm.all_gather_async(&t.reshape((1, 1))?)?;
     let max = host(&comm.all_reduce(&t, ReduceOp::Max)?)?;
     let rows = tensor(comm, &vec![1.0; 2 * n], &[n, 2], DType::F64)?;

@@ -50,7 +50,7 @@ pub const EVERY: [Which; 3] = [Which::AllReduce, Which::AllGather, Which::Reduce
 
 fn start(comm: &dyn Collective, which: Which, t: &Tensor) -> candle_core::Result<Pending> {
     match which {
-        Which::AllReduce => comm.all_reduce_async(t, ReduceOp::Sum),
+        Which::AllReduce => comm.start_all_reduce(std::slice::from_ref(t), ReduceOp::Sum.into()),
         Which::AllGather => comm.all_gather_async(t),
         Which::ReduceScatter => comm.reduce_scatter_async(t, ReduceOp::Sum),
     }

@@ -26,7 +26,7 @@ use mpi::Threading;
 use super::recorder::{CallState, FlightRecorder};
 use super::round::Wire;
 use super::{
-    all_reduce_cast, all_reduce_concatenated, check_parts, check_wire, scatter_rows, Collective,
+    all_reduce_as_one, check_parts, check_wire, scatter_rows, AllReduce, Collective,
     CollectiveError, Op, Pending, ReduceOp, Worker,
 };
 

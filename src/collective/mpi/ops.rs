@@ -22,84 +22,21 @@ impl Collective for MpiCollective {
         Some(&self.recorder)
     }
 
-    /// All-reduce on the host, after the ranks agree on the call.
+    /// One tensor is reduced on the host after the ranks agree on the call; on a wire of f16
+    /// or bf16, an f32 tensor's values are rounded in the host buffer instead of cast. Host
+    /// parts of f32 or f64 without a wire are reduced where they lie (see
+    /// `MpiCollective::reduce_parts`). `in_place` changes nothing: the result is made on the host.
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce`]; also when the tensor cannot be copied to the host or the
+    /// As [`Collective::all_reduce_with`]; also when a tensor cannot be copied to the host or the
     /// result back to its device. A timeout aborts the MPI job instead of returning.
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        const OP: &str = "all_reduce";
-        let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
-        let send = HostBuf::staged_source(t);
-        self.agree(OP, desc, input_of(t), send.verdict(avg_dtype(t, op)))?;
-        self.reduce(OP, send.take(OP)?, t, op, None)
-    }
-
-    /// The all-reduce of host parts of f32 or f64, without a wire, reads every contiguous part
-    /// of at least 64 Ki elements where it lies and reduces it into its place in the result
-    /// (one MPI call each); the parts between those are copied end to end and reduced with
-    /// one call per run. This saves the concatenation's copy of the large parts, which
-    /// `DataParallel::sync_gradients` sends. Other parts (f16, bf16, integers, not on the host)
-    /// and a wire take the default: the concatenation, all-reduced.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce_parts`]; ranks whose parts differ in number or element counts
-    /// make a mismatch on every rank, parts refused on one rank (none, mixed dtypes or devices)
-    /// an invalid argument on every rank, and parts that differ only in layout (contiguous on
-    /// one rank, strided on another) the same MPI calls. A timeout aborts the MPI job instead
-    /// of returning.
-    fn all_reduce_parts(
-        &self,
-        parts: &[Tensor],
-        op: ReduceOp,
-        wire: Option<DType>,
-    ) -> Result<Tensor> {
-        if let Err(e) = check_parts(parts) {
-            // This rank's refusal is its verdict in the agreement the other ranks make for
-            // their call: the call fails on every rank, with the reason, and no rank waits.
-            let desc = [Op::AllReduce(op).code(), -1, -1, -1];
-            self.agree("all_reduce_parts", desc, None, Err(e.to_string()))?;
-            return Err(e);
+    fn all_reduce_with(&self, parts: &[Tensor], options: AllReduce) -> Result<Tensor> {
+        match (parts, options.wire) {
+            ([t], None) => self.reduce_one(t, options.op),
+            ([t], Some(w)) => self.reduce_wire(t, options.op, w),
+            _ => self.reduce_parts(parts, options.op, options.wire),
         }
-        self.all_reduce_parts_in_place(parts, op, wire)
-    }
-
-    /// All-reduce of an f32 tensor on an f16 or bf16 wire: each value rounded to the wire dtype
-    /// in the host buffer, summed in f32 by MPI (which has no 16-bit float type, so the values
-    /// travel as f32 whatever the wire), averaged, rounded again: the default's result (cast,
-    /// reduce, cast back), without its two casts. Other dtypes and wires take the default.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce_wire`]; also when the tensor cannot be copied to the host or
-    /// the result back to its device. A timeout aborts the MPI job instead of returning.
-    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
-        const OP: &str = "all_reduce";
-        check_wire(t, wire)?;
-        if t.dtype() != DType::F32 || !matches!(wire, DType::F16 | DType::BF16) {
-            return all_reduce_cast(self, t, op, wire);
-        }
-        // The wire rides in the descriptor: a rank calling `all_reduce` meanwhile is a mismatch.
-        let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 1 + dtype_code(wire));
-        let send = HostBuf::staged_source(t);
-        self.agree(OP, desc, input_of(t), send.verdict(avg_dtype(t, op)))?;
-        let rounded = send.take(OP)?.with_slice(|s| match s {
-            HostSlice::F32(v) => {
-                let mut out = vec![0f32; v.len()];
-                Wire::to(Some(wire)).round_from(v, &mut out);
-                Ok(out)
-            }
-            _ => Err(invalid(OP, "an f32 input staged as another type".into())),
-        })??;
-        self.reduce(
-            OP,
-            host::Source::Copy(HostBuf::F32(rounded)),
-            t,
-            op,
-            Some(wire),
-        )
     }
 
     /// All-reduce on the host, after the ranks agree on the call, then this rank's rows.
@@ -283,30 +220,24 @@ impl Collective for MpiCollective {
         }))
     }
 
-    /// [`Collective::all_reduce`] on a duplicate of the communicator, run by this rank's
-    /// communication thread.
+    /// [`Collective::all_reduce_with`] on a duplicate of the communicator, run by this rank's
+    /// communication thread on copies of the parts (a wire rounded on the host, as the blocking
+    /// call rounds it).
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce_async`]: only a communication thread that cannot be started or
-    /// has stopped fails here; the failures of [`Collective::all_reduce`] come from
+    /// As [`Collective::start_all_reduce`]: only a communication thread that cannot be started or
+    /// has stopped fails here; the failures of [`Collective::all_reduce_with`] come from
     /// [`Pending::wait`].
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        let input = super::own_copy(t)?;
-        self.start(&input.clone(), move |c| c.all_reduce(&input, op))
-    }
-
-    /// [`Collective::all_reduce_wire`] on a duplicate of the communicator, run by this rank's
-    /// communication thread (rounded on the host, as the synchronous call).
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce_wire_async`]: only a communication thread that cannot be
-    /// started or has stopped fails here; the failures of [`Collective::all_reduce_wire`] come
-    /// from [`Pending::wait`].
-    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
-        let input = super::own_copy(t)?;
-        self.start(&input.clone(), move |c| c.all_reduce_wire(&input, op, wire))
+    fn start_all_reduce(&self, parts: &[Tensor], options: AllReduce) -> Result<Pending> {
+        check_parts(parts)?;
+        let input = parts
+            .iter()
+            .map(super::own_copy)
+            .collect::<Result<Vec<_>>>()?;
+        // Every copy is queued before the hand-off's mark: the first part's stream orders them.
+        let first = input[0].clone();
+        self.start(&first, move |c| c.all_reduce_with(&input, options))
     }
 
     /// [`Collective::all_gather`] on a duplicate of the communicator, run by this rank's
@@ -333,5 +264,83 @@ impl Collective for MpiCollective {
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
         let input = super::own_copy(t)?;
         self.start(&input.clone(), move |c| c.reduce_scatter(&input, op))
+    }
+}
+
+/// The all-reduce's forms on MPI ranks, behind [`Collective::all_reduce_with`].
+impl MpiCollective {
+    /// All-reduce on the host, after the ranks agree on the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce`]; also when the tensor cannot be copied to the host or the
+    /// result back to its device. A timeout aborts the MPI job instead of returning.
+    fn reduce_one(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "all_reduce";
+        let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 0);
+        let send = HostBuf::staged_source(t);
+        self.agree(OP, desc, input_of(t), send.verdict(avg_dtype(t, op)))?;
+        self.reduce(OP, send.take(OP)?, t, op, None)
+    }
+
+    /// The all-reduce of host parts of f32 or f64, without a wire, reads every contiguous part
+    /// of at least 64 Ki elements where it lies and reduces it into its place in the result
+    /// (one MPI call each); the parts between those are copied end to end and reduced with
+    /// one call per run. This saves the concatenation's copy of the large parts, which
+    /// `DataParallel::sync_gradients` sends. Other parts (f16, bf16, integers, not on the host)
+    /// and a wire take the default: the concatenation, all-reduced.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_with`] of several parts; ranks whose parts differ in number or element counts
+    /// make a mismatch on every rank, parts refused on one rank (none, mixed dtypes or devices)
+    /// an invalid argument on every rank, and parts that differ only in layout (contiguous on
+    /// one rank, strided on another) the same MPI calls. A timeout aborts the MPI job instead
+    /// of returning.
+    fn reduce_parts(&self, parts: &[Tensor], op: ReduceOp, wire: Option<DType>) -> Result<Tensor> {
+        if let Err(e) = check_parts(parts) {
+            // This rank's refusal is its verdict in the agreement the other ranks make for
+            // their call: the call fails on every rank, with the reason, and no rank waits.
+            let desc = [Op::AllReduce(op).code(), -1, -1, -1];
+            self.agree("all_reduce", desc, None, Err(e.to_string()))?;
+            return Err(e);
+        }
+        self.all_reduce_parts_in_place(parts, op, wire)
+    }
+
+    /// All-reduce of an f32 tensor on an f16 or bf16 wire: each value rounded to the wire dtype
+    /// in the host buffer, summed in f32 by MPI (which has no 16-bit float type, so the values
+    /// travel as f32 whatever the wire), averaged, rounded again: the default's result (cast,
+    /// reduce, cast back), without its two casts. Other dtypes and wires take the default.
+    ///
+    /// # Errors
+    ///
+    /// As [`Collective::all_reduce_with`] with a wire; also when the tensor cannot be copied to the host or
+    /// the result back to its device. A timeout aborts the MPI job instead of returning.
+    fn reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
+        const OP: &str = "all_reduce";
+        check_wire(t, wire)?;
+        if t.dtype() != DType::F32 || !matches!(wire, DType::F16 | DType::BF16) {
+            return all_reduce_as_one(self, &[t.clone()], AllReduce::new(op).wire(wire));
+        }
+        // The wire rides in the descriptor: a rank calling `all_reduce` meanwhile is a mismatch.
+        let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 1 + dtype_code(wire));
+        let send = HostBuf::staged_source(t);
+        self.agree(OP, desc, input_of(t), send.verdict(avg_dtype(t, op)))?;
+        let rounded = send.take(OP)?.with_slice(|s| match s {
+            HostSlice::F32(v) => {
+                let mut out = vec![0f32; v.len()];
+                Wire::to(Some(wire)).round_from(v, &mut out);
+                Ok(out)
+            }
+            _ => Err(invalid(OP, "an f32 input staged as another type".into())),
+        })??;
+        self.reduce(
+            OP,
+            host::Source::Copy(HostBuf::F32(rounded)),
+            t,
+            op,
+            Some(wire),
+        )
     }
 }

@@ -6,7 +6,7 @@ use candle_core::{DType, Result, Storage, Tensor, WithDType};
 use mpi::traits::Equivalence;
 
 use super::host::{avg_dtype, invalid, shape_code, HostBuf};
-use super::{all_reduce_concatenated, mpi_op, received, MpiCollective, Op, ReduceOp};
+use super::{all_reduce_as_one, mpi_op, received, AllReduce, MpiCollective, Op, ReduceOp};
 
 /// Parts of at least this many elements are read in place, one MPI call each; smaller ones are
 /// copied into the run they belong to, so that a bucket of many small parts (biases, batch-norm
@@ -68,7 +68,10 @@ impl MpiCollective {
         let recv = match (wire, first.device().is_cpu(), first.dtype()) {
             (None, true, DType::F32) => HostBuf::F32(self.reduce_runs(parts, rop, n, desc)?),
             (None, true, DType::F64) => HostBuf::F64(self.reduce_runs(parts, rop, n, desc)?),
-            _ => return all_reduce_concatenated(self, parts, rop, wire),
+            _ => {
+                let options = AllReduce { wire, ..rop.into() };
+                return all_reduce_as_one(self, parts, options);
+            }
         };
         self.finish(recv, &[n], first.dtype(), first.device(), rop, None)
     }
@@ -131,4 +134,4 @@ impl MpiCollective {
     }
 }
 
-const OP: &str = "all_reduce_parts";
+const OP: &str = "all_reduce";

@@ -52,7 +52,7 @@ use candle_rendezvous::progress::ProgressBoard;
 use candle_rendezvous::{next_rendezvous, DistEnv, JobStore};
 
 use super::recorder::FlightRecorder;
-use super::{Collective, CollectiveError, Op, Pending, ReduceOp};
+use super::{AllReduce, Collective, CollectiveError, Op, Pending, ReduceOp};
 use enqueue::{unpad, Enqueue};
 use raw::{Progress, RawComm};
 use watchdog::{finish_close, CallError, Watch};

@@ -46,35 +46,31 @@ impl Collective for NcclCollective {
         }
     }
 
-    /// Enqueues an NCCL all-reduce of `t` on the device's stream, with no host wait.
+    /// Enqueues an NCCL all-reduce of one tensor on the device's stream, with no host wait;
+    /// with `in_place`, of a contiguous tensor into that tensor itself (NCCL's in-place form:
+    /// one buffer sent and received, no allocation), returned. A wire dtype is cast to and from
+    /// around it (NCCL then moves the wire's bytes), several parts are concatenated first (and
+    /// reduced in place).
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce`]: [`CollectiveError::InvalidArgument`] for a tensor not on
-    /// [`NcclCollective::device`] or of a dtype NCCL does not take here,
+    /// As [`Collective::all_reduce_with`]: [`CollectiveError::InvalidArgument`] for a tensor not
+    /// on [`NcclCollective::device`] or of a dtype NCCL does not take here,
     /// [`CollectiveError::RankLeft`] once the communicator was aborted or dropped,
     /// [`CollectiveError::Library`] when NCCL rejects the call (which aborts the communicator), or
     /// a CUDA error recording the completion event. A failure after the collective was enqueued (a
     /// timeout, a peer that left) is reported by later calls and by [`Collective::deferred_error`],
     /// not by this one. The ranks' arguments are not compared (see [`crate::collective::Checked`]).
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.enqueue(Op::AllReduce(op), t)
-    }
-
-    /// Enqueues an NCCL all-reduce of `t` into `t` itself (NCCL's in-place form: one buffer
-    /// sent and received) on the device's stream, with no host wait and no allocation, and
-    /// returns `t`. A non-contiguous `t` takes [`Collective::all_reduce`] instead (its values
-    /// are then left as they were).
-    ///
-    /// # Errors
-    ///
-    /// As `all_reduce` on this type.
-    fn all_reduce_owned(&self, t: Tensor, op: ReduceOp) -> Result<Tensor> {
-        if !t.is_contiguous() {
-            return self.all_reduce(&t, op);
+    fn all_reduce_with(&self, parts: &[Tensor], options: AllReduce) -> Result<Tensor> {
+        let op = Op::AllReduce(options.op);
+        match (parts, options.wire) {
+            ([t], None) if options.in_place && t.is_contiguous() => {
+                self.enqueue_in_place(op, t)?;
+                Ok(t.clone())
+            }
+            ([t], None) => self.enqueue(op, t),
+            _ => crate::collective::all_reduce_as_one(self, parts, options),
         }
-        self.enqueue_in_place(Op::AllReduce(op), &t)?;
-        Ok(t)
     }
 
     /// Enqueues an NCCL reduce-scatter of `t` on the device's stream, with no host wait.
@@ -151,17 +147,21 @@ impl Collective for NcclCollective {
         self.check_usable("barrier")
     }
 
-    /// Enqueues an NCCL all-reduce of `t` on the side stream, after the work already queued on the
-    /// device's stream.
+    /// Enqueues an NCCL all-reduce of one tensor on the side stream, after the work already
+    /// queued on the device's stream (a wire cast and parts concatenated first, on the device's
+    /// stream).
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce_async`]: the enqueue failures of [`Collective::all_reduce`] are
-    /// returned here. [`Pending::wait`] fails with [`CollectiveError::RankLeft`] when the
+    /// As [`Collective::start_all_reduce`]: the enqueue failures of [`Collective::all_reduce_with`]
+    /// are returned here. [`Pending::wait`] fails with [`CollectiveError::RankLeft`] when the
     /// communicator was aborted before the collective was known complete, or on a CUDA error while
     /// making the device's stream wait for the side stream.
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.begin(Op::AllReduce(op), t, Ok)
+    fn start_all_reduce(&self, parts: &[Tensor], options: AllReduce) -> Result<Pending> {
+        match (parts, options.wire) {
+            ([t], None) => self.begin(Op::AllReduce(options.op), t, Ok),
+            _ => crate::collective::start_as_one(self, parts, options),
+        }
     }
 
     /// Enqueues an NCCL reduce-scatter of `t` on the side stream, after the work already queued on

@@ -35,8 +35,8 @@ use reduce::Work;
 
 use super::recorder::{self, CallState, FlightRecorder};
 use super::{
-    check_wire, scatter_rows, split_members, Collective, CollectiveError, Op, Pending, ReduceOp,
-    Worker,
+    check_wire, scatter_rows, split_members, AllReduce, Collective, CollectiveError, Op, Pending,
+    ReduceOp, Worker,
 };
 
 const BACKEND: &str = "ThreadGroup";
@@ -742,60 +742,40 @@ impl Collective for ThreadRank {
     ///
     /// As [`Collective::all_reduce`]; also when the tensor cannot be copied to the CPU or the
     /// result back to its device.
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.call(Op::AllReduce(op), t)
-    }
-
-    /// All-reduce with each value rounded to `wire` as it is summed: the ranks share memory, so
-    /// nothing is cast and the bytes moved are those of `t`'s dtype.
+    /// One tensor is reduced as it lies, its values rounded to a wire dtype as they are summed
+    /// (the ranks share memory, so nothing is cast and the bytes moved are those of its own
+    /// dtype). Several parts are summed where they lie: the ranks' threads read every rank's
+    /// parts in place, block by block, into one shared result, as for one tensor; nothing is
+    /// concatenated, and the result is bitwise the concatenation's. Parts on a GPU are copied to
+    /// the host one by one (a view copies its whole storage: make such parts contiguous first,
+    /// or pack them, as `DataParallel` does). `in_place` changes nothing here: the result is
+    /// made on the host.
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce_wire`].
-    fn all_reduce_wire(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Tensor> {
-        check_wire(t, wire)?;
-        let wire = (wire != t.dtype()).then_some(wire);
-        let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        let input = Input::One(t.clone());
-        complete(
-            &self.shared,
-            self.rank,
-            call,
-            (Op::AllReduce(op), wire),
-            Ok(&input),
-        )
-    }
-
-    /// The parts are summed where they lie: the ranks' threads read every rank's parts in
-    /// place, block by block, into one shared result, as for one tensor; nothing is
-    /// concatenated. Bitwise the default's result. Parts on a GPU are copied to the host one
-    /// by one (a view copies its whole storage: make such parts contiguous first, or pack
-    /// them, as `DataParallel` does).
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce_parts`]; also when a part cannot be copied to the CPU or the
+    /// As [`Collective::all_reduce_with`]; also when a part cannot be copied to the CPU or the
     /// result back to the first part's device.
-    fn all_reduce_parts(
-        &self,
-        parts: &[Tensor],
-        op: ReduceOp,
-        wire: Option<DType>,
-    ) -> Result<Tensor> {
-        // Checked after the call's number is taken: parts refused on one rank fail the call on
+    fn all_reduce_with(&self, parts: &[Tensor], options: AllReduce) -> Result<Tensor> {
+        let op = Op::AllReduce(options.op);
+        // Checked after the call's number is taken: input refused on one rank fails the call on
         // every rank (with the reason), instead of leaving the others waiting in its slot.
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        let checked = super::check_parts(parts).and_then(|()| match wire {
+        let checked = super::check_parts(parts).and_then(|()| match options.wire {
             Some(w) => check_wire(&parts[0], w),
             None => Ok(()),
         });
-        let wire = wire.filter(|&w| parts.first().is_some_and(|p| w != p.dtype()));
-        let input = Input::Parts(parts.to_vec());
+        let wire = options
+            .wire
+            .filter(|&w| parts.first().is_some_and(|p| w != p.dtype()));
+        let input = match parts {
+            [t] => Input::One(t.clone()),
+            _ => Input::Parts(parts.to_vec()),
+        };
         complete(
             &self.shared,
             self.rank,
             call,
-            (Op::AllReduce(op), wire),
+            (op, wire),
             checked.map(|()| &input).map_err(|e| e.to_string()),
         )
     }
@@ -841,28 +821,24 @@ impl Collective for ThreadRank {
         scatter_rows(&full, self.rank, self.shared.world)
     }
 
-    /// All-reduce completed on this rank's communication thread.
+    /// All-reduce of one tensor completed on this rank's communication thread, its values
+    /// rounded to a wire dtype as the blocking call rounds them; several parts are concatenated
+    /// first, here.
     ///
     /// # Errors
     ///
-    /// As [`Collective::all_reduce_async`]: only a communication thread that cannot be started or
-    /// has stopped fails here; the collective's own failures come from [`Pending::wait`].
-    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        self.call_async(Op::AllReduce(op), t)
-    }
-
-    /// [`Collective::all_reduce_wire`] completed on this rank's communication thread: the
-    /// values rounded to `wire` as they are summed, as the synchronous call does.
-    ///
-    /// # Errors
-    ///
-    /// As [`Collective::all_reduce_wire_async`]: a dtype that is not a float, or a communication
-    /// thread that cannot be started or has stopped; the collective's own failures come from
+    /// As [`Collective::start_all_reduce`]: parts or a wire refused, or a communication thread
+    /// that cannot be started or has stopped; the collective's own failures come from
     /// [`Pending::wait`].
-    fn all_reduce_wire_async(&self, t: &Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
-        check_wire(t, wire)?;
-        let wire = (wire != t.dtype()).then_some(wire);
-        self.call_async_on(Op::AllReduce(op), wire, t)
+    fn start_all_reduce(&self, parts: &[Tensor], options: AllReduce) -> Result<Pending> {
+        let [t] = parts else {
+            return super::start_as_one(self, parts, options);
+        };
+        if let Some(w) = options.wire {
+            check_wire(t, w)?;
+        }
+        let wire = options.wire.filter(|&w| w != t.dtype());
+        self.call_async_on(Op::AllReduce(options.op), wire, t)
     }
 
     /// All-gather completed on this rank's communication thread.

@@ -10,7 +10,7 @@ use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use super::exchange::{self, Mine};
 use super::{Learned, OverlapStats, Plan};
 use crate::collective::in_backward::Event;
-use crate::collective::{Collective, CollectiveError, Pending, ReduceOp};
+use crate::collective::{AllReduce, Collective, CollectiveError, Pending, ReduceOp};
 use crate::data_parallel::pack;
 use crate::ops;
 
@@ -221,10 +221,11 @@ impl Launcher {
             parts.push(g.map(|g| g.to_dtype(dtype)?.contiguous()).transpose()?);
         }
         let flat = ops::pack::pack(&parts, &lens, dtype, &device)?;
-        let pending = match self.wire {
-            Some(w) => self.comm.all_reduce_wire_async(&flat, ReduceOp::Avg, w)?,
-            None => self.comm.all_reduce_async(&flat, ReduceOp::Avg)?,
+        let options = AllReduce {
+            wire: self.wire,
+            ..ReduceOp::Avg.into()
         };
+        let pending = self.comm.start_all_reduce(&[flat], options)?;
         Ok(Started {
             bucket: b,
             pending,
