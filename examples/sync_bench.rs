@@ -78,9 +78,9 @@ enum Variant {
     /// backend uses, so that it can time a collective out.
     RawMpiNonBlocking,
     /// `Collective::all_reduce(bucket, Avg)` (`wire: None`) or
-    /// `Collective::all_reduce_wire(bucket, Avg, wire)`. `fresh`: the bucket is a gradient fresh
-    /// from `backward()` (made outside the timing, as the sync's); otherwise the same tensor
-    /// every round, written before the first.
+    /// `Collective::all_reduce_with([bucket], AllReduce::new(Avg).wire(wire))`. `fresh`: the
+    /// bucket is a gradient fresh from `backward()` (made outside the timing, as the sync's);
+    /// otherwise the same tensor every round, written before the first.
     AllReduce { wire: Option<DType>, fresh: bool },
     /// `Collective::all_reduce(bucket, Sum)` of the reused bucket: what raw MPI computes, without
     /// the average's scaling.

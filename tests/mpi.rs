@@ -1,5 +1,5 @@
 //! The MPI backend under `mpirun -np 4` (`scripts/test-mpi.sh`): the contract every backend
-//! passes (`tests/common/conformance.rs`), `all_reduce_parts` read in place, argument and
+//! passes (`tests/common/conformance.rs`), an all-reduce's parts read in place, argument and
 //! mismatch errors, and SyncBatchNorm training steps on 4
 //! processes against single-process batch norm on the concatenated batch, with unequal and
 //! empty per-rank batches. Every process runs this binary; a failed check panics, the process
@@ -123,7 +123,7 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// `all_reduce_parts` of host f32 and f64 parts, read in place where they are large and
+/// `all_reduce_with` of host f32 and f64 parts, read in place where they are large and
 /// contiguous (at least 64 Ki elements) and copied in runs where not: the values of the
 /// all-reduce of their concatenation, bit for bit, for a sum, an average and a maximum. The
 /// parts hold whole numbers, so that every order of MPI's additions gives the same bits (a

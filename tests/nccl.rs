@@ -785,10 +785,11 @@ fn the_layer_rolls_back_a_step_whose_all_reduce_was_aborted() {
     assert!(msg.contains("before the last training step"), "{msg}");
 }
 
-/// `all_reduce_owned` on NCCL: bitwise `all_reduce`'s result, every dtype and op, written into
-/// the given tensor's own storage when it is contiguous (a clone kept by the test sees the
-/// result: the storage is shared), a contiguous view at an offset included; a transposed
-/// tensor takes the allocating path and is left as it was. Checked (`Checked`) forwards it.
+/// An in-place all-reduce (`AllReduce::in_place`) on NCCL: bitwise `all_reduce`'s result,
+/// every dtype and op, written into the given tensor's own storage when it is contiguous (a
+/// clone kept by the test sees the result: the storage is shared), a contiguous view at an
+/// offset included; a transposed tensor takes the allocating path and is left as it was.
+/// Checked (`Checked`) forwards it.
 /// Needs 2 GPUs or more: on one, every reduction is its input, in place or not.
 #[test]
 fn an_owned_all_reduce_reduces_in_place() {

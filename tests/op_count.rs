@@ -8,7 +8,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_distributed::collective::{ReduceOp, ThreadGroup};
+use candle_distributed::collective::{AllReduce, ReduceOp, ThreadGroup};
 use candle_distributed::SyncBatchNormConfig;
 use candle_nn::ModuleT;
 
@@ -67,10 +67,23 @@ fn a_training_forward_creates_a_handful_of_tensors() {
             "the measured step counted"
         );
         let sums = Tensor::zeros((3, 8), DType::F64, &Device::Cpu)?;
+        let given = [sums.clone()];
+        let reduce = created(|| {
+            bn.comm()
+                .all_reduce_with(&given, AllReduce::new(ReduceOp::Sum).in_place())
+                .unwrap();
+        });
+        assert_eq!(
+            reduce, 0,
+            "a world-size-1 all-reduce in place makes no tensor"
+        );
         let reduce = created(|| {
             bn.comm().all_reduce(&sums, ReduceOp::Sum).unwrap();
         });
-        assert_eq!(reduce, 0, "a world-size-1 all-reduce makes no tensor");
+        assert_eq!(
+            reduce, 1,
+            "one otherwise: the result is not the caller's tensor"
+        );
         Ok(())
     })
     .unwrap();

@@ -316,9 +316,9 @@ fn a_result_larger_than_the_caches_is_the_same_sum() {
     }
 }
 
-/// `all_reduce_parts` on thread ranks sums each rank's parts where they lie: bitwise the
-/// all-reduce of the parts laid end to end, and the trait's default (through a decorator,
-/// `Probe`, which concatenates and then all-reduces). Parts that cross the sum's blocks, an
+/// An all-reduce of several parts on thread ranks sums each rank's parts where they lie:
+/// bitwise the all-reduce of the parts laid end to end, and a decorator's (`Probe`, which
+/// concatenates and then all-reduces). Parts that cross the sum's blocks, an
 /// empty part, a 2-D part, views at offsets into one tensor; f32, f16 and bf16 (the parallel
 /// sum) and f64 (summed on one thread); sum and average; an f32 average on a bf16 wire.
 #[test]
@@ -397,7 +397,7 @@ fn parts_are_summed_where_they_lie() {
 
 /// A transposed part is read in its logical (row-major) order, as the default reads it; ranks
 /// whose parts differ in element counts (also with the same total) get a mismatch naming every
-/// rank's parts; an empty list, or parts of two dtypes, on one rank only fails the call on every
+/// rank's parts (one part is one tensor, named by its shape); an empty list, or parts of two dtypes, on one rank only fails the call on every
 /// rank with that rank's reason, and the group goes on in step.
 #[test]
 fn parts_in_logical_order_and_their_errors() {
@@ -437,8 +437,8 @@ fn parts_in_logical_order_and_their_errors() {
         assert_eq!(got, vec![1.0, 2.0, 1.0, 7.0, 3.0, 9.0, 5.0, 11.0]);
         assert_eq!(got, default);
         assert!(
-            uneven.contains("rank 0: all_reduce(Sum) F32 parts [2]")
-                && uneven.contains("rank 1: all_reduce(Sum) F32 parts [3]"),
+            uneven.contains("rank 0: all_reduce(Sum) F32 [2]")
+                && uneven.contains("rank 1: all_reduce(Sum) F32 [3]"),
             "{uneven}"
         );
         assert!(
@@ -459,22 +459,30 @@ fn parts_in_logical_order_and_their_errors() {
     }
 }
 
-/// With one rank the result is still a new tensor: an f64 part (summed on one thread, where a
-/// result could be the input itself) is copied, so that setting the variable it came from
-/// leaves the result alone.
+/// With one rank the result is still a new tensor: an f64 part or tensor (summed on one
+/// thread, where a result could be the input itself), and an all-gather's, are copied, so that
+/// setting the variable they came from leaves the results alone.
 #[test]
 fn a_single_part_on_one_rank_is_not_its_own_result() {
     let outs = run_ranks(1, |comm| {
         let v = candle_core::Var::new(&[1.5f64, -2.0, 4.0], &Device::Cpu)?;
         let got = comm.all_reduce_with(&[v.as_tensor().clone()], ReduceOp::Sum.into())?;
+        let sum = comm.all_reduce(v.as_tensor(), ReduceOp::Max)?;
+        let gathered = comm.all_gather(v.as_tensor())?;
         v.set(&Tensor::zeros(3, DType::F64, &Device::Cpu)?)?;
-        Ok(got.to_vec1::<f64>()?)
+        let mut out = Vec::new();
+        for t in [got, sum, gathered] {
+            out.push(t.to_vec1::<f64>()?);
+        }
+        Ok(out)
     });
-    assert_eq!(outs[0], vec![1.5, -2.0, 4.0]);
+    for (r, what) in outs[0].iter().zip(["parts", "all_reduce", "all_gather"]) {
+        assert_eq!(r, &vec![1.5, -2.0, 4.0], "{what}");
+    }
 }
 
-/// `all_reduce_wire` on thread ranks rounds each value to the wire dtype as it sums, without
-/// casting: bitwise the result of the casts the trait's default makes (cast to the wire dtype,
+/// An all-reduce with a wire dtype on thread ranks rounds each value to the wire dtype as it
+/// sums, without casting: bitwise the result of the casts it saves (cast to the wire dtype,
 /// all-reduce, cast back), and of the reference; also through a decorator (`Probe`), which
 /// hands the call to the thread ranks' own method.
 #[test]

@@ -1,6 +1,6 @@
-//! Rounding f32 values to a 16-bit wire dtype and back, for `Collective::all_reduce_wire` on the
-//! backends that have no 16-bit wire (thread ranks, MPI): bitwise what `half`'s conversions
-//! give, in forms the CPU runs many lanes at a time.
+//! Rounding f32 values to a 16-bit wire dtype and back, for an all-reduce with a wire dtype
+//! (`AllReduce::wire`) on the backends that have no 16-bit wire (thread ranks, MPI): bitwise
+//! what `half`'s conversions give, in forms the CPU runs many lanes at a time.
 
 use half::f16;
 

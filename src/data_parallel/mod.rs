@@ -41,10 +41,10 @@
 //!
 //! Gradients are flattened into buckets (25 MiB by default, `with_bucket_bytes`), in name order,
 //! one all-reduce (average) per bucket (on the host handed over as the gradients themselves,
-//! `Collective::all_reduce_parts`: thread ranks sum them where they lie, without copying them
-//! into a bucket first); a variable without a gradient on some rank counts as zero
-//! there (one without a gradient on every rank gets none, so an optimizer leaves it alone), and
-//! every rank issues the same collectives. The result is PyTorch DDP's: the mean over
+//! the parts of one `Collective::all_reduce_with`: thread ranks sum them where they lie,
+//! without copying them into a bucket first); a variable without a gradient on some rank counts
+//! as zero there (one without a gradient on every rank gets none, so an optimizer leaves it
+//! alone), and every rank issues the same collectives. The result is PyTorch DDP's: the mean over
 //! ranks of each rank's gradient. With each rank's loss the mean over its own batch and equal
 //! per-rank batches, N ranks with `SyncBatchNorm` take exactly the steps of one process with plain
 //! batch norm on the concatenated batch (`tests/data_parallel.rs`: SGD and AdamW, rounding-level
@@ -101,8 +101,8 @@
 //!   micro-batches (`accumulation_all_reduces_gradients_once_per_step`; MPI: the same on 4
 //!   processes).
 //! - **16-bit gradients on the wire** (`DataParallel::with_wire_dtype(Some(BF16 | F16))`): the
-//!   bucket goes through `Collective::all_reduce_wire` (host gradients: `all_reduce_parts` with
-//!   the wire), which casts it before the all-reduce and
+//!   bucket goes through `Collective::all_reduce_with` with the wire dtype (`AllReduce::wire`;
+//!   host gradients as its parts), which casts it before the all-reduce and
 //!   back after (NCCL), or rounds each value to the wire dtype on the host, bitwise the same
 //!   without the casts (`ThreadGroup` while it sums, MPI in the buffer it sends); 16-bit values
 //!   are summed in f32 except on NCCL.
@@ -305,13 +305,13 @@ impl DataParallel {
 
     /// Gradients travel as `dtype` (`F16` or `BF16`: half the bytes of f32) and come back in
     /// their own dtype; `None` (the default) sends them as they are. Every rank must choose
-    /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_wire`]
-    /// (host gradients: [`crate::collective::Collective::all_reduce_parts`]); what
-    /// the sum is computed in is the backend's: [`crate::collective::ThreadGroup`] and MPI
-    /// accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit float type,
-    /// so it saves no bytes; both round f32 gradients to the wire dtype on the host instead of
-    /// casting them), NCCL in the wire dtype. f16's range is narrow: a
-    /// gradient above 65504 becomes Inf (with a [`crate::amp::GradScaler`] that reads as an
+    /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_with`]
+    /// with the wire dtype (a [`crate::collective::AllReduce`]'s `wire`; host gradients as its
+    /// parts); what the sum is computed in is the backend's: [`crate::collective::ThreadGroup`]
+    /// and MPI accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit
+    /// float type, so it saves no bytes; both round f32 gradients to the wire dtype on the host
+    /// instead of casting them), NCCL in the wire dtype. f16's range is narrow: a gradient
+    /// above 65504 becomes Inf (with a [`crate::amp::GradScaler`] that reads as an
     /// overflow and skips the step; without one it reaches the weights), and values below
     /// 6·10⁻⁵ lose precision, below 6·10⁻⁸ become 0. bf16 keeps f32's range with 8 significant
     /// bits.

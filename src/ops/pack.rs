@@ -2,7 +2,7 @@
 //! one flag per gradient (1 where this rank has one), all in the bucket's dtype: what
 //! `DataParallel` all-reduces.
 //!
-//! On the CPU the parts go to `Collective::all_reduce_parts` as they are ([`parts`]: thread
+//! On the CPU the parts go to `Collective::all_reduce_with` as they are ([`parts`]: thread
 //! ranks sum them where they lie, other backends concatenate them). On a GPU, `cat` launched
 //! one copy kernel per part and the zeros a memset each; here `kernels/pack.cu` fills up to
 //! [`PACK_SEGS`](crate::kernels::args::PACK_SEGS) gradients, their zeros and their flags per launch,
@@ -34,8 +34,8 @@ pub(crate) fn pack(
 }
 
 /// The parts [`pack`] lays end to end on the CPU: each gradient flattened (a view of it, or
-/// `lens[i]` zeros for `None`), then the `k` flags. `Collective::all_reduce_parts` takes them
-/// as they are.
+/// `lens[i]` zeros for `None`), then the `k` flags. `Collective::all_reduce_with` takes them as
+/// they are.
 pub(crate) fn parts(
     grads: &[Option<Tensor>],
     lens: &[usize],

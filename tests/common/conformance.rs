@@ -15,7 +15,7 @@
 //! in different orders.
 //!
 //! What stays with a backend's own tests: argument and mismatch checks (their texts differ by
-//! backend; NCCL checks arguments only under `Checked`), `all_reduce_parts` read in place
+//! backend; NCCL checks arguments only under `Checked`), an all-reduce's parts read in place
 //! (host memory), and faults.
 
 use std::sync::Arc;
@@ -247,8 +247,8 @@ fn broadcast_and_barrier(comm: &Arc<dyn Collective>) -> Result<()> {
     Ok(())
 }
 
-/// `all_reduce_wire` of f32 values on an f16 or bf16 wire: bitwise the result of casting to the
-/// wire dtype, reducing, and casting back, for a sum and an average.
+/// An all-reduce of f32 values on an f16 or bf16 wire (`AllReduce::wire`): bitwise the result
+/// of casting to the wire dtype, reducing, and casting back, for a sum and an average.
 fn a_wire_dtype_rounds_like_the_casts_it_saves(comm: &Arc<dyn Collective>) -> Result<()> {
     world(comm)?;
     // Seeded per rank, uniform in about ±17 around 0.5: most values change when rounded.

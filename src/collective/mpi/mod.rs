@@ -475,7 +475,7 @@ impl MpiCollective {
 
     /// The element-wise reduction of an agreed call (`agree` has run) of `t`, read from `send`
     /// (in place for a contiguous host tensor of an MPI type, else a copy); with a `wire`, the
-    /// f32 result rounded to it (`all_reduce_wire`).
+    /// f32 result rounded to it (`AllReduce::wire`).
     fn reduce(
         &self,
         op: &'static str,

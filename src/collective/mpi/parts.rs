@@ -1,6 +1,6 @@
-//! `all_reduce_parts` on MPI without the concatenation: large parts are reduced where they lie,
-//! each into its place in the result, and the smaller parts between them are copied end to end
-//! and reduced together.
+//! An all-reduce of several parts on MPI without the concatenation: large parts are reduced
+//! where they lie, each into its place in the result, and the smaller parts between them are
+//! copied end to end and reduced together.
 
 use candle_core::{DType, Result, Storage, Tensor, WithDType};
 use mpi::traits::Equivalence;
@@ -13,7 +13,7 @@ use super::{all_reduce_as_one, mpi_op, received, AllReduce, MpiCollective, Op, R
 /// weights) does not make as many calls. Chosen, not tuned: only a 25 MiB part was timed.
 const IN_PLACE_PART: usize = 1 << 16;
 
-/// The input of one MPI call of `all_reduce_parts`.
+/// The input of one MPI call of an all-reduce of several parts.
 enum Run<T> {
     /// A contiguous host part of at least [`IN_PLACE_PART`] elements.
     InPlace(Tensor),
@@ -49,7 +49,7 @@ fn runs<T: WithDType>(parts: &[Tensor]) -> Result<Vec<Run<T>>> {
 }
 
 impl MpiCollective {
-    /// [`crate::collective::Collective::all_reduce_parts`] of checked `parts` (at least one,
+    /// [`crate::collective::Collective::all_reduce_with`] of checked `parts` (at least one,
     /// one dtype and device): host parts of f32 or f64 without a wire by runs, into a `[Σ nᵢ]`
     /// result; anything else by the concatenation. The ranks agree on a call by runs with the
     /// parts' element counts in its descriptor, since the runs decide which MPI calls follow:

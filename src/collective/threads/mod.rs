@@ -324,7 +324,8 @@ struct Finished {
     readers_left: usize,
 }
 
-/// What one rank hands a call: one tensor, or the parts of `Collective::all_reduce_parts`.
+/// What one rank hands a call: one tensor, or the parts of a `Collective::all_reduce_with` of
+/// several.
 #[derive(Debug, Clone)]
 enum Input {
     One(Tensor),
@@ -385,7 +386,7 @@ impl Input {
 #[derive(Debug)]
 struct Contribution {
     kind: Op,
-    /// The dtype a reduction rounds each value to (`Collective::all_reduce_wire`).
+    /// The dtype a reduction rounds each value to (`AllReduce::wire`).
     wire: Option<DType>,
     input: std::result::Result<Input, String>,
 }
@@ -748,8 +749,8 @@ impl Collective for ThreadRank {
     /// parts in place, block by block, into one shared result, as for one tensor; nothing is
     /// concatenated, and the result is bitwise the concatenation's. Parts on a GPU are copied to
     /// the host one by one (a view copies its whole storage: make such parts contiguous first,
-    /// or pack them, as `DataParallel` does). `in_place` changes nothing here: the result is
-    /// made on the host.
+    /// or pack them, as `DataParallel` does). The result is made on the host; `in_place` only
+    /// lets one rank return its input as its result, without a copy.
     ///
     /// # Errors
     ///
@@ -768,6 +769,10 @@ impl Collective for ThreadRank {
             .wire
             .filter(|&w| parts.first().is_some_and(|p| w != p.dtype()));
         let input = match parts {
+            // One rank may be summed without a new tensor, and its result would then be the
+            // caller's own, which it may share only when the caller allowed it (`in_place`): a
+            // `Var` set after the call would change it.
+            [t] if self.shared.world == 1 && !options.in_place => Input::One(t.copy()?),
             [t] => Input::One(t.clone()),
             _ => Input::Parts(parts.to_vec()),
         };

@@ -7,7 +7,7 @@
 //! inputs are widened), so the result is bitwise the same on every rank, whichever thread
 //! computed which block.
 //!
-//! With a wire dtype (`Collective::all_reduce_wire`), each rank's value is rounded to the wire
+//! With a wire dtype (`AllReduce::wire`), each rank's value is rounded to the wire
 //! dtype before it is added and the result is rounded to it after the average: the values
 //! another backend would carry in that dtype, without the two casts that would carry them.
 //!
@@ -44,7 +44,7 @@ pub(super) trait Work: Send + Sync + std::fmt::Debug {
 }
 
 /// Builds the parallel reduction of `inputs` (`inputs[r]`: rank `r`'s values, one tensor or the
-/// parts of `Collective::all_reduce_parts` laid end to end; every rank's parts of the same
+/// parts of one `Collective::all_reduce_with` laid end to end; every rank's parts of the same
 /// element counts and dtype, on the host) into a result of `shape`, or `None` when the dtype
 /// or the operation is one it does not cover (integer dtypes, f64, maximum and minimum; the
 /// caller then reduces on one thread).
@@ -175,7 +175,7 @@ impl<T> std::fmt::Debug for Output<T> {
 /// The reduction of one call's inputs, in blocks.
 #[derive(Debug)]
 struct Job<T> {
-    /// `inputs[r][p]`: rank `r`'s part `p` (one part but for `all_reduce_parts`), contiguous.
+    /// `inputs[r][p]`: rank `r`'s part `p` (one part but for an all-reduce of several), contiguous.
     inputs: Vec<Vec<Tensor>>,
     /// Where each part starts in the result, then the result's length.
     starts: Vec<usize>,
