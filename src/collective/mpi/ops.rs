@@ -321,7 +321,7 @@ impl MpiCollective {
         const OP: &str = "all_reduce";
         check_wire(t, wire)?;
         if t.dtype() != DType::F32 || !matches!(wire, DType::F16 | DType::BF16) {
-            return all_reduce_as_one(self, &[t.clone()], AllReduce::new(op).wire(wire));
+            return all_reduce_as_one(self, std::slice::from_ref(t), AllReduce::new(op).wire(wire));
         }
         // The wire rides in the descriptor: a rank calling `all_reduce` meanwhile is a mismatch.
         let desc = Self::descriptor(Op::AllReduce(op), t, t.dims(), 1 + dtype_code(wire));
