@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::ops::{
     batch_norm_backward_elemt, batch_norm_backward_reduce, batch_norm_elemt,
-    batch_norm_gather_stats, batch_norm_stats, BatchStats,
+    batch_norm_gather_stats, batch_norm_stats, BackwardElemtConfig, BatchStats, ElemtConfig,
 };
 use candle_distributed::{sync_batch_norm, ChannelLayout, SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
@@ -111,7 +111,18 @@ fn bench_shape(
     group.bench_function("syncbn_apply", |b| {
         b.iter(|| {
             let (w, bi) = (Some(&weight), Some(&bias));
-            batch_norm_elemt(&x, &st.mean, &st.invstd, w, bi, None, false, layout).unwrap()
+            batch_norm_elemt(
+                &x,
+                &st.mean,
+                &st.invstd,
+                ElemtConfig {
+                    weight: w,
+                    bias: bi,
+                    layout,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
         })
     });
     group.throughput(Throughput::Bytes(5 * bytes));
@@ -123,12 +134,13 @@ fn bench_shape(
                 &x,
                 &st.mean,
                 &st.invstd,
-                Some(&weight),
                 &red,
                 &st.count,
-                None,
-                false,
-                layout,
+                BackwardElemtConfig {
+                    weight: Some(&weight),
+                    layout,
+                    ..Default::default()
+                },
             )
             .unwrap()
         })
@@ -233,12 +245,13 @@ impl Replay<'_> {
                 x,
                 &st.mean,
                 &st.invstd,
-                Some(self.weight),
                 &sums,
                 &st.count,
-                None,
-                false,
-                layout,
+                BackwardElemtConfig {
+                    weight: Some(self.weight),
+                    layout,
+                    ..Default::default()
+                },
             )
             .unwrap();
             let dgamma = (red.get(1).unwrap() * &st.invstd).unwrap();

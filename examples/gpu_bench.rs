@@ -78,11 +78,12 @@ fn main() -> Result<()> {
                         &x,
                         &st.mean,
                         &st.invstd,
-                        Some(&weight),
-                        Some(&bias),
-                        None,
-                        false,
-                        layout,
+                        ops::ElemtConfig {
+                            weight: Some(&weight),
+                            bias: Some(&bias),
+                            layout,
+                            ..Default::default()
+                        },
                     )?;
                     drop(y);
                     Ok(())
@@ -94,12 +95,13 @@ fn main() -> Result<()> {
                         &x,
                         &st.mean,
                         &st.invstd,
-                        Some(&weight),
                         &red,
                         &st.count,
-                        None,
-                        false,
-                        layout,
+                        ops::BackwardElemtConfig {
+                            weight: Some(&weight),
+                            layout,
+                            ..Default::default()
+                        },
                     )?;
                     drop(dx);
                     Ok(())

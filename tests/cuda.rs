@@ -99,11 +99,13 @@ fn ops_match_on(dev: &Device, dtype: DType, dims: &[usize], cl: bool, seed: u64)
             &on(&x, d),
             &m,
             &i,
-            Some(&w),
-            Some(&b),
-            Some(&z),
-            true,
-            layout_of(cl),
+            ops::ElemtConfig {
+                weight: Some(&w),
+                bias: Some(&b),
+                residual: Some(&z),
+                relu: true,
+                layout: layout_of(cl),
+            },
         )
         .unwrap()
     });
@@ -119,12 +121,14 @@ fn ops_match_on(dev: &Device, dtype: DType, dims: &[usize], cl: bool, seed: u64)
             &x,
             &m,
             &i,
-            Some(&w),
             &red,
             &n,
-            Some(&y),
-            true,
-            layout_of(cl),
+            ops::BackwardElemtConfig {
+                weight: Some(&w),
+                relu_output: Some(&y),
+                want_dz: true,
+                layout: layout_of(cl),
+            },
         )
         .unwrap();
         (dx, dz.unwrap())

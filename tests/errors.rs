@@ -423,7 +423,9 @@ device_tests!(
 /// naming which (`ops::backward_slices`, shared by both passes).
 #[test]
 fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
-    use candle_distributed::ops::{batch_norm_backward_elemt, batch_norm_backward_reduce};
+    use candle_distributed::ops::{
+        batch_norm_backward_elemt, batch_norm_backward_reduce, BackwardElemtConfig,
+    };
     let x = Tensor::randn(0f32, 1.0, (2, 3, 4), &Device::Cpu)?;
     let dy64 = Tensor::randn(0f64, 1.0, (2, 3, 4), &Device::Cpu)?;
     let mean = Tensor::new(&[0.1f64, 0.2, 0.3], &Device::Cpu)?;
@@ -443,12 +445,12 @@ fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
         &x,
         &mean,
         &invstd,
-        None,
         &sums,
         &count,
-        Some(&relu64),
-        false,
-        ChannelLayout::ChannelsFirst,
+        BackwardElemtConfig {
+            relu_output: Some(&relu64),
+            ..Default::default()
+        },
     )
     .map(|(dx, _)| dx);
     expect_err(err, &["relu output dtype F64 differs from input dtype F32"]);
@@ -461,7 +463,10 @@ fn backward_inputs_of_another_dtype_are_named() -> anyhow::Result<()> {
 /// form are accepted.
 #[test]
 fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
-    use candle_distributed::ops::{batch_norm_backward_elemt, batch_norm_elemt, batch_norm_stats};
+    use candle_distributed::ops::{
+        batch_norm_backward_elemt, batch_norm_elemt, batch_norm_stats, BackwardElemtConfig,
+        ElemtConfig,
+    };
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?;
     let mean = Tensor::new(&[0.1f64, 0.2, 0.3], &dev)?;
@@ -474,12 +479,11 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
             &x,
             &mean,
             &invstd,
-            None,
             sums,
             &count,
-            None,
-            false,
-            ChannelLayout::ChannelsFirst,
+            BackwardElemtConfig {
+                ..Default::default()
+            },
         )
         .map(|(dx, _)| dx)
     };
@@ -498,11 +502,9 @@ fn per_channel_arguments_need_their_shape() -> anyhow::Result<()> {
             &x,
             mean,
             &invstd,
-            None,
-            None,
-            None,
-            false,
-            ChannelLayout::ChannelsFirst,
+            ElemtConfig {
+                ..Default::default()
+            },
         )
     };
     apply(&mean)?;

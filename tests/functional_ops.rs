@@ -100,11 +100,13 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
             &x,
             &st.mean,
             &st.invstd,
-            Some(&w),
-            Some(&b),
-            Some(&z),
-            true,
-            layout_of(channels_last),
+            ElemtConfig {
+                weight: Some(&w),
+                bias: Some(&b),
+                residual: Some(&z),
+                relu: true,
+                layout: layout_of(channels_last),
+            },
         )?;
         let local =
             batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), layout_of(channels_last))?;
@@ -114,12 +116,14 @@ fn check(dims_cf: &[usize], batches: &[usize], channels_last: bool) {
             &x,
             &st.mean,
             &st.invstd,
-            Some(&w),
             &red,
             &st.count,
-            Some(&y),
-            true,
-            layout_of(channels_last),
+            BackwardElemtConfig {
+                weight: Some(&w),
+                relu_output: Some(&y),
+                want_dz: true,
+                layout: layout_of(channels_last),
+            },
         )?;
         let dgamma = (local.get(1)? * &st.invstd)?;
         Ok((
@@ -221,10 +225,13 @@ fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
                 &st.mean,
                 &st.invstd,
                 &st.count,
-                Some((wv.as_tensor(), bv.as_tensor())),
-                Some(zv.as_tensor()),
-                true,
-                layout_of(channels_last),
+                ElemtConfig {
+                    weight: Some(wv.as_tensor()),
+                    bias: Some(bv.as_tensor()),
+                    residual: Some(zv.as_tensor()),
+                    relu: true,
+                    layout: layout_of(channels_last),
+                },
                 candle_distributed::batch_norm::synced(comm.clone()),
             )?;
             let g = (&y * &dy)?.sum_all()?.backward()?;
@@ -244,7 +251,8 @@ fn the_autograd_form_matches_the_whole_batch_reference() -> anyhow::Result<()> {
 }
 
 /// `batch_norm_elemt_autograd` with `StatsGrad::Constant` (running statistics): no gradient
-/// through the statistics, `dx = γ·invstd·dy` (no ReLU here).
+/// through the statistics, `dx = γ·invstd·dy` (no ReLU here); `γ` without `β`, or `β` without
+/// `γ`, is refused.
 #[test]
 fn the_autograd_form_with_constant_statistics() -> anyhow::Result<()> {
     let (dims, c) = (&[5, 3, 4, 6][..], 3);
@@ -264,10 +272,11 @@ fn the_autograd_form_with_constant_statistics() -> anyhow::Result<()> {
         &mean,
         &invstd,
         &count,
-        Some((&w, &b)),
-        None,
-        false,
-        ChannelLayout::ChannelsFirst,
+        ElemtConfig {
+            weight: Some(&w),
+            bias: Some(&b),
+            ..Default::default()
+        },
         StatsGrad::Constant,
     )?;
     let g = (&y * &dy)?.sum_all()?.backward()?;
@@ -278,6 +287,21 @@ fn the_autograd_form_with_constant_statistics() -> anyhow::Result<()> {
         &want,
         TOL,
     );
+    // The gradient is taken for γ and β together: one without the other is refused by name.
+    for (weight, bias, named) in [(Some(&w), None, "weight"), (None, Some(&b), "bias")] {
+        let config = ElemtConfig {
+            weight,
+            bias,
+            ..Default::default()
+        };
+        let e = batch_norm_elemt_autograd(&x, &mean, &invstd, &count, config, StatsGrad::Constant)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("batch_norm_elemt") && e.contains(&format!("got only the {named}")),
+            "{e}"
+        );
+    }
     Ok(())
 }
 
@@ -300,12 +324,12 @@ fn per_channel_counts_are_per_channel() -> anyhow::Result<()> {
         &x,
         &mean,
         &invstd,
-        Some(&w),
         &sums,
         &count,
-        None,
-        false,
-        ChannelLayout::ChannelsFirst,
+        BackwardElemtConfig {
+            weight: Some(&w),
+            ..Default::default()
+        },
     )?;
     let (xv, dyv, dxv) = (
         x.flatten_all()?.to_vec1::<f64>()?,

@@ -30,11 +30,11 @@ fn fingerprint() -> anyhow::Result<String> {
             &x,
             &st.mean,
             &st.invstd,
-            None,
-            None,
-            None,
-            true,
-            layout_of(cl),
+            ops::ElemtConfig {
+                relu: true,
+                layout: layout_of(cl),
+                ..Default::default()
+            },
         )?;
         let red = ops::batch_norm_backward_reduce(&dy, &x, &st.mean, Some(&y), layout_of(cl))?;
         let (dx, _) = ops::batch_norm_backward_elemt(
@@ -42,12 +42,13 @@ fn fingerprint() -> anyhow::Result<String> {
             &x,
             &st.mean,
             &st.invstd,
-            None,
             &red,
             &st.count,
-            Some(&y),
-            false,
-            layout_of(cl),
+            ops::BackwardElemtConfig {
+                relu_output: Some(&y),
+                layout: layout_of(cl),
+                ..Default::default()
+            },
         )?;
         let pooled = ops::max_pool2d(&x.reshape((dims[0], dims[1], dims[2], dims[3]))?, 3, 2, 1)?;
         for t in [&sums, &red] {

@@ -11,8 +11,8 @@ use candle_core::{bail, DType, Result, Tensor};
 use super::{Snapshot, SyncBatchNorm, OP};
 use crate::collective::{AllReduce, Collective, ReduceOp};
 use crate::ops::{
-    batch_norm_elemt_autograd, batch_norm_gather_stats_update, batch_norm_stats, GatheredStats,
-    RunningStats, StatsGrad,
+    batch_norm_elemt_autograd, batch_norm_gather_stats_update, batch_norm_stats, ElemtConfig,
+    GatheredStats, RunningStats, StatsGrad,
 };
 
 /// The [`StatsGrad`] of statistics synchronized over `comm`: the backward all-reduces (sum)
@@ -245,17 +245,13 @@ impl SyncBatchNorm {
             (false, None) => StatsGrad::Local,
             (false, Some(_)) => StatsGrad::Constant,
         };
-        let affine = self.weight.as_ref().zip(self.bias.as_ref());
-        batch_norm_elemt_autograd(
-            x,
-            &plan.mean,
-            &plan.invstd,
-            &plan.count,
-            affine,
-            z,
-            self.config.fuse_relu,
-            self.config.layout,
-            stats,
-        )
+        let options = ElemtConfig {
+            weight: self.weight.as_ref(),
+            bias: self.bias.as_ref(),
+            residual: z,
+            relu: self.config.fuse_relu,
+            layout: self.config.layout,
+        };
+        batch_norm_elemt_autograd(x, &plan.mean, &plan.invstd, &plan.count, options, stats)
     }
 }

@@ -340,9 +340,8 @@ impl AnyArity for ApplyOp {
 /// # Arguments
 /// * `x` - `(N, C, *)`, or `(N, *, C)` with `ChannelLayout::ChannelsLast`; rank 2 to 5; f32, f64, f16, bf16.
 /// * `mean`, `invstd` - `[C]` on `x`'s device (any float dtype; used as f64).
-/// * `weight`, `bias` - `[C]` or `None` (1 and 0).
-/// * `residual` - same shape and dtype as `x`, added before the activation, or `None`.
-/// * `relu` - apply ReLU to the result.
+/// * `options` - [`super::ElemtConfig`]: `γ` and `β` (`[C]` or `None`, for 1 and 0), the
+///   residual (`x`'s shape and dtype, added before the activation), ReLU, and the layout.
 ///
 /// Returns a tensor of `x`'s shape and dtype. Not differentiable by itself: the
 /// [`crate::SyncBatchNorm`] layer wraps this arithmetic in an op with a backward.
@@ -352,17 +351,19 @@ impl AnyArity for ApplyOp {
 /// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `mean`, `invstd`,
 /// `weight` or `bias` is not on `x`'s device, not of shape `[C]` or not of a float dtype; when `residual` differs
 /// from `x` in shape, dtype or device; on a GPU, when a CUDA allocation or kernel launch fails.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_elemt(
     x: &Tensor,
     mean: &Tensor,
     invstd: &Tensor,
-    weight: Option<&Tensor>,
-    bias: Option<&Tensor>,
-    residual: Option<&Tensor>,
-    relu: bool,
-    layout: crate::layout::ChannelLayout,
+    options: super::ElemtConfig<'_>,
 ) -> Result<Tensor> {
+    let super::ElemtConfig {
+        weight,
+        bias,
+        residual,
+        relu,
+        layout,
+    } = options;
     crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let c = geometry.c;

@@ -318,14 +318,14 @@ impl AnyArity for BackwardElemtOp {
 /// * `dy` - gradient of the output, shape and dtype of `x`.
 /// * `x` - `(N, C, *)`, or `(N, *, C)` with `ChannelLayout::ChannelsLast`.
 /// * `mean`, `invstd` - `[C]`, the statistics used in the forward.
-/// * `weight` - `[C]` or `None` (1).
 /// * `sums` - `[2, C]`: `[Σg, Σg·(x − mean)]` summed over **all ranks** (from
 ///   [`super::batch_norm_backward_reduce`] and an all-reduce). Pass zeros when the statistics
 ///   were constants (eval with running statistics): then `dx = g·γ·invstd`.
 /// * `count` - values per channel in the global batch (`n`): one value, or `[C]` (as
 ///   [`super::BatchStats::count`]).
-/// * `relu_output` - the forward output when ReLU was fused, else `None`.
-/// * `want_dz` - also return `dz = g` (the residual's gradient).
+/// * `options` - [`super::BackwardElemtConfig`]: `γ` (`[C]` or `None`, for 1), the forward
+///   output when ReLU was fused, whether to return `dz = g` (the residual's gradient), and the
+///   layout.
 ///
 /// Every per-channel tensor lives on `x`'s device; nothing is read back to the host.
 /// Returns `(dx, dz)`: `dx` of `x`'s shape and dtype; `dz` the same when `want_dz`.
@@ -336,19 +336,21 @@ impl AnyArity for BackwardElemtOp {
 /// `relu_output` differs from `x` in shape, dtype or device; when `mean`, `invstd`, `weight`,
 /// `sums` or `count` is not on `x`'s device or of the wrong shape (`[C]` each, `[2, C]` for
 /// `sums`, one value or `[C]` for `count`) or not of a float dtype; on a GPU, when a CUDA allocation or kernel launch fails.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_backward_elemt(
     dy: &Tensor,
     x: &Tensor,
     mean: &Tensor,
     invstd: &Tensor,
-    weight: Option<&Tensor>,
     sums: &Tensor,
     count: &Tensor,
-    relu_output: Option<&Tensor>,
-    want_dz: bool,
-    layout: crate::layout::ChannelLayout,
+    options: super::BackwardElemtConfig<'_>,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let super::BackwardElemtConfig {
+        weight,
+        relu_output,
+        want_dz,
+        layout,
+    } = options;
     crate::device::check_supported(OP, dy.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let c = geometry.c;

@@ -9,10 +9,10 @@
 //! sums   = batch_norm_stats(x, shift)                 [3, C] f64, local
 //! sums   = comm.all_reduce(sums, Sum)                  one collective, 3C values
 //! stats  = batch_norm_gather_stats(sums, shift, eps)   mean, invstd, ... [C] f64
-//! y      = batch_norm_elemt(x, mean, invstd, γ, β, z, relu, layout)
+//! y      = batch_norm_elemt(x, mean, invstd, ElemtConfig { γ, β, z, relu, layout })
 //! red    = batch_norm_backward_reduce(dy, x, mean, y?) [2, C] f64, local: dβ = red[0], dγ = red[1]·invstd
 //! red    = comm.all_reduce(red, Sum)                   one collective, 2C values
-//! dx, dz = batch_norm_backward_elemt(dy, x, mean, invstd, γ, red, n, y?)
+//! dx, dz = batch_norm_backward_elemt(dy, x, mean, invstd, red, n, BackwardElemtConfig { γ, y?, dz? })
 //! ```
 //!
 //! [`batch_norm_elemt_autograd`] is the last line of the forward with the three backward lines
@@ -24,9 +24,9 @@
 //!
 //! # Autograd
 //!
-//! `batch_norm_elemt_autograd(x, mean, invstd, count, Some((γ, β)), z, relu, layout,
-//! StatsGrad::Global(reduce))` is `batch_norm_elemt` with the last three lines as its gradient,
-//! for candle's autograd, `reduce` standing for the all-reduce: `loss.backward()` calls it on
+//! `batch_norm_elemt_autograd(x, mean, invstd, count, config, StatsGrad::Global(reduce))`, with
+//! `config` an [`ElemtConfig`] of `γ` and `β` (both, or neither), is `batch_norm_elemt` with the
+//! last three lines as its gradient, for candle's autograd, `reduce` standing for the all-reduce: `loss.backward()` calls it on
 //! every rank (`StatsGrad::Local` for one rank's own batch statistics, `StatsGrad::Constant`
 //! for running statistics). These ops issue no collective themselves: the reduction is the
 //! caller's, and `crate::batch_norm::synced(comm)` makes the all-reduce that `SyncBatchNorm`
@@ -75,6 +75,7 @@ mod conv_cpu;
 mod gather;
 mod max_pool;
 mod normalize;
+mod options;
 pub(crate) mod pack;
 mod stats;
 
@@ -94,6 +95,7 @@ pub use gather::{
 };
 pub use max_pool::max_pool2d;
 pub use normalize::{batch_norm_elemt_autograd, StatsGrad, SumsReduction};
+pub use options::{BackwardElemtConfig, ElemtConfig};
 
 /// The GPU architectures whose machine code the `cuda` build embeds (`sm_XX` as `XX`): 80 and
 /// 90 always, and `CUDA_COMPUTE_CAP` at build time when it named another; the newest of them

@@ -18,7 +18,7 @@ use super::arity::CudaIn;
 use super::arity::{self, AnyArity, CpuIn};
 use super::{
     acc_dtype, batch_norm_backward_elemt, batch_norm_backward_reduce, check_device,
-    check_per_channel, check_same_shape, per_channel_f64, OP,
+    check_per_channel, check_same_shape, per_channel_f64, BackwardElemtConfig, OP,
 };
 use crate::device::cpu::slice;
 use crate::device::Geometry;
@@ -63,32 +63,44 @@ impl std::fmt::Debug for StatsGrad {
 /// * `mean`, `invstd` - `[C]` (any float dtype, used as f64) on `x`'s device.
 /// * `count` - the global number of values per channel `n` the statistics came from: `[C]`
 ///   (or any tensor whose first value is `n`) on `x`'s device; read in the backward only.
-/// * `affine` - `(γ, β)`, each `[C]`, or `None` for 1 and 0 (then no parameter gradient).
-/// * `residual` - `z`, of `x`'s shape, dtype and device, added before the activation.
-/// * `relu` - apply ReLU after the sum (its mask is applied to the incoming gradient).
-/// * `layout` - where `x`'s channel dimension sits.
+/// * `options` - [`super::ElemtConfig`]: `γ` and `β`, each `[C]`, both or neither (1 and 0,
+///   then no parameter gradient); the residual `z`, of `x`'s shape, dtype and device, added
+///   before the activation; ReLU after the sum (its mask applied to the incoming gradient);
+///   where `x`'s channel dimension sits.
 /// * `stats` - what `mean` and `invstd` are ([`StatsGrad`]).
 ///
 /// Returns `y` of `x`'s shape and dtype.
 ///
 /// # Errors
 ///
-/// When `x` is not of rank 2 to 5 or its dtype is not f32, f64, f16 or bf16; when `mean`,
+/// When only one of `γ` and `β` is given; when `x` is not of rank 2 to 5 or its dtype is not
+/// f32, f64, f16 or bf16; when `mean`,
 /// `invstd`, `count`, `γ` or `β` is not on `x`'s device or `mean`, `invstd`, `γ` or `β`
 /// is not of shape `[C]` in a float dtype; when `residual` differs from `x` in shape, dtype or device; on a GPU, when a
 /// CUDA allocation or kernel launch fails. The backward fails as the reduction does.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_elemt_autograd(
     x: &Tensor,
     mean: &Tensor,
     invstd: &Tensor,
     count: &Tensor,
-    affine: Option<(&Tensor, &Tensor)>,
-    residual: Option<&Tensor>,
-    relu: bool,
-    layout: crate::layout::ChannelLayout,
+    options: super::ElemtConfig<'_>,
     stats: StatsGrad,
 ) -> Result<Tensor> {
+    let super::ElemtConfig {
+        weight,
+        bias,
+        residual,
+        relu,
+        layout,
+    } = options;
+    let affine = match (weight, bias) {
+        (Some(w), Some(b)) => Some((w, b)),
+        (None, None) => None,
+        (w, _) => bail!(
+            "{OP}: the weight and the bias come together here (the gradient is taken for both), got only the {}",
+            if w.is_some() { "weight" } else { "bias" }
+        ),
+    };
     crate::device::check_supported(OP, x.device())?;
     let geometry = Geometry::of(OP, x.dims(), layout)?;
     let (c, dev) = (geometry.c, x.device());
@@ -234,12 +246,14 @@ impl NormFn {
             x,
             mean,
             invstd,
-            weight.as_ref(),
             &sums,
             &self.count,
-            relu_y,
-            want_dz,
-            layout,
+            BackwardElemtConfig {
+                weight: weight.as_ref(),
+                relu_output: relu_y,
+                want_dz,
+                layout,
+            },
         )?;
         let dz = match (self.residual, dz) {
             (false, _) => None,

@@ -25,11 +25,13 @@ fn apply_matches_the_cpu_op() {
             &x,
             &mean,
             &invstd,
-            affine.then_some(&w),
-            affine.then_some(&b),
-            residual.then_some(&z),
-            relu,
-            crate::common::layout_of(case.cl),
+            ops::ElemtConfig {
+                weight: affine.then_some(&w),
+                bias: affine.then_some(&b),
+                residual: residual.then_some(&z),
+                relu,
+                layout: crate::common::layout_of(case.cl),
+            },
         )
         .unwrap();
         let (mut xb, mut zb, mut mb, mut ib, mut wb, mut bb) = (

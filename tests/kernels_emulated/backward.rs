@@ -73,12 +73,14 @@ fn backward_elemt_matches_the_cpu_op() {
             &x,
             &mean,
             &invstd,
-            affine.then_some(&w),
             &sums,
             &counts,
-            relu.then_some(&y),
-            want_dz,
-            crate::common::layout_of(case.cl),
+            ops::BackwardElemtConfig {
+                weight: affine.then_some(&w),
+                relu_output: relu.then_some(&y),
+                want_dz,
+                layout: crate::common::layout_of(case.cl),
+            },
         )
         .unwrap();
         let (mut db, mut xb, mut yb, mut mb, mut ib, mut wb, mut sb, mut cb) = (
