@@ -4,8 +4,10 @@
 //! Every input is seen as `(n, c, hw)`: `N` batch entries, `C` channels and `HW` positions per
 //! channel and entry (`(N, C, *)`, or `(N, *, C)` with `channels_last`, where the `N·HW` rows of
 //! `C` channels are contiguous). Grids use ceiling divisions, never power-of-two rounding.
+//! The [`Launch`] they return is named, with `Call`, `Arg` and `Buffer`, at one path:
+//! `candle_distributed::args`.
 
-pub use crate::device::Launch;
+use crate::device::Launch;
 
 /// Threads per block of the channels-first kernels (`BN_THREADS` in `kernels/reduce.cuh`).
 pub const THREADS: u32 = 256;

@@ -8,9 +8,9 @@
 //! the launch configuration of [`super::launch`](mod@super::launch) and the parameters in the kernel's order.
 //! `None` when there is nothing to launch (no channel, or an empty elementwise pass).
 
-use super::launch::{self, Launch};
+use super::launch;
 use crate::device::List;
-pub use crate::device::{Arg, Buffer, Call, Geometry};
+pub use crate::device::{Arg, Buffer, Call, Geometry, Launch};
 
 mod batch_norm;
 mod max_pool;
