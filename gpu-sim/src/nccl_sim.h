@@ -88,6 +88,7 @@ struct alignas(64) Slot {
     std::atomic<uint32_t> joined;     // 1 once the rank has arrived at init
     std::atomic<int32_t> pid;
     std::atomic<int32_t> device;
+    std::atomic<uint64_t> host;       // the host's identity (host_identity in nccl_world.cpp)
     std::atomic<uint32_t> gone;       // 1 once aborted or destroyed
     std::atomic<uint64_t> posted;     // steps whose data this rank has posted
     std::atomic<uint64_t> consumed;   // steps this rank has finished reading

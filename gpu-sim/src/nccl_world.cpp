@@ -279,6 +279,28 @@ bool wait_until(Comm* c, const std::function<bool()>& cond, bool task) {
     }
 }
 
+// The identity of the host a rank runs on, as NCCL's getHostHash forms it: NCCL_HOSTID when
+// set, else the host name followed by the kernel's boot id; FNV-1a of that text. Read at each
+// init (NCCL reads it once per process; the self-test forks a child that sets NCCL_HOSTID).
+uint64_t host_identity() {
+    std::string text;
+    if (const char* id = std::getenv("NCCL_HOSTID")) {
+        text = id;
+    } else {
+        char name[1024] = {0};
+        if (gethostname(name, sizeof name - 1) != 0) std::strcpy(name, "unknown");
+        text = name;
+        if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+            char boot[128] = {0};
+            if (std::fscanf(f, "%127s", boot) == 1) text += boot;
+            std::fclose(f);
+        }
+    }
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (unsigned char ch : text) h = (h ^ ch) * 0x100000001b3ull;
+    return h;
+}
+
 bool join(Comm* c) {
     std::string why;
     if (ncclResult_t r = map_world(c->key, c->nranks, &c->world, why)) {
@@ -289,6 +311,7 @@ bool join(Comm* c) {
     uint32_t zero = 0;
     s.pid.store(getpid());
     s.device.store(c->device);
+    s.host.store(host_identity());
     if (!s.joined.compare_exchange_strong(zero, 1)) {
         set_async(c, ncclInvalidUsage,
                   "rank " + std::to_string(c->rank) + " was claimed twice in one communicator");
@@ -301,13 +324,17 @@ bool join(Comm* c) {
 bool all_joined(Comm* c) {
     for (int p = 0; p < c->nranks; ++p)
         if (!c->world.h->slots[p].joined.load()) return false;
-    // NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected").
+    // NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU
+    // detected": same host hash and bus id); the same ordinal on two hosts is two GPUs.
+    const uint64_t host = c->world.h->slots[c->rank].host.load();
     for (int p = 0; p < c->nranks; ++p) {
-        int d = c->world.h->slots[p].device.load();
-        if (p != c->rank && d == c->device) {
+        const Slot& s = c->world.h->slots[p];
+        int d = s.device.load();
+        if (p != c->rank && d == c->device && s.host.load() == host) {
             set_async(c, ncclInvalidUsage,
                       "ranks " + std::to_string(c->rank) + " and " + std::to_string(p) +
-                          " of one communicator are both on device " + std::to_string(d));
+                          " of one communicator are both on device " + std::to_string(d) +
+                          " of one host");
             return false;
         }
     }

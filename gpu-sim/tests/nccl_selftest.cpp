@@ -680,6 +680,42 @@ bool a_killed_peer_process_is_a_remote_error() {
     return true;
 }
 
+// Two ranks of one communicator on device 0 of two processes: refused (ncclInvalidUsage on
+// both) when both processes are on one host; one GPU each, and the init completes, when the
+// second process is on another host (NCCL_HOSTID, which NCCL's host hash takes instead of the
+// host name and boot id).
+bool one_ordinal_is_two_gpus_only_on_two_hosts() {
+    for (int two_hosts = 0; two_hosts < 2; ++two_hosts) {
+        const int want = two_hosts ? kSuccess : kInvalidUsage;
+        ncclUniqueId id;
+        ncclGetUniqueId(&id);
+        pid_t kid = fork();
+        if (kid == 0) {  // rank 1, on device 0 of its own (or the same) host
+            if (two_hosts) setenv("NCCL_HOSTID", "another-machine", 1);
+            bind(0);
+            ncclComm_t c;
+            ncclConfig cfg = nonblocking();
+            ncclCommInitRankConfig(&c, 2, id, 1, &cfg);
+            // Only the init: a forked child has none of the parent's stream workers (the
+            // collectives of ranks on two hosts run in the two-node launch of
+            // scripts/test-two-nodes.sh).
+            _exit(settle(c) == want ? 0 : 1);
+        }
+        bind(0);
+        ncclComm_t c;
+        ncclConfig cfg = nonblocking();
+        ncclCommInitRankConfig(&c, 2, id, 0, &cfg);
+        int state = settle(c);
+        EXPECT(state == want, "two hosts %d: init state %d, %d expected", two_hosts, state, want);
+        int status = 0;
+        waitpid(kid, &status, 0);
+        EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "two hosts %d: rank 1 saw it too",
+               two_hosts);
+        ncclCommAbort(c);
+    }
+    return true;
+}
+
 }  // namespace
 
 int main() {
@@ -689,6 +725,7 @@ int main() {
     const std::pair<const char*, std::function<bool()>> tests[] = {
         {"conf_files_are_read_as_nccl_reads_them", conf_files_are_read_as_nccl_reads_them},
         {"a_killed_peer_process_is_a_remote_error", a_killed_peer_process_is_a_remote_error},
+        {"one_ordinal_is_two_gpus_only_on_two_hosts", one_ordinal_is_two_gpus_only_on_two_hosts},
         {"a_nonblocking_group_init_is_in_progress_then_ready", a_nonblocking_group_init_is_in_progress_then_ready},
         {"collectives_compute_across_ranks", collectives_compute_across_ranks},
         {"in_place_forms_compute_across_ranks", in_place_forms_compute_across_ranks},
