@@ -11,6 +11,8 @@ use crate::train::{run, Config, Precision, Summary};
 /// How far the N-rank run ended from the one-process run.
 #[derive(Debug, Clone, Copy)]
 pub struct Difference {
+    /// The ranks of the N-rank run (under torchrun the launch's, not `--world-size`).
+    pub world_size: usize,
     /// The largest absolute difference over the trainable parameters.
     pub max_abs: f64,
     /// ‖θ_N − θ_1‖₂ / ‖θ_1 − θ_0‖₂ over all trainable parameters: the difference relative to
@@ -89,6 +91,7 @@ pub fn check(cfg: &Config, steps: usize, sync: bool) -> Result<Difference> {
         }
     };
     Ok(Difference {
+        world_size: multi.world_size,
         max_abs,
         relative_update,
         precision_noise,

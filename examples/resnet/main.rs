@@ -62,7 +62,7 @@ fn main() -> Result<ExitCode> {
         };
         println!(
             "check: {} ranks SyncBatchNorm vs 1 rank BatchNorm, {steps} steps, {:?} precision: {what} {diff:.3e} (tolerance {tol:.1e}; largest parameter difference {:.3e}, relative update difference {:.3e}, reduced precision alone {:.3e})",
-            cfg.world_size, cfg.precision, d.max_abs, d.relative_update, d.precision_noise.unwrap_or(0.0)
+            d.world_size, cfg.precision, d.max_abs, d.relative_update, d.precision_noise.unwrap_or(0.0)
         );
         return Ok(if diff <= tol {
             ExitCode::SUCCESS
