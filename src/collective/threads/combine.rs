@@ -119,11 +119,6 @@ fn combine(
         Op::AllReduce(op) | Op::ReduceScatter(op) => {
             reduce_through(tensors, op, wire).map_err(|e| invalid(e.to_string()))?
         }
-        // One rank's `cat` is its own tensor: copied, so that the result never shares the
-        // caller's storage (a `Var` set after the call would change it).
-        Op::AllGather | Op::Split if tensors.len() == 1 => {
-            tensors[0].copy().map_err(|e| invalid(e.to_string()))?
-        }
         Op::AllGather | Op::Split => Tensor::cat(tensors, 0).map_err(|e| invalid(e.to_string()))?,
         Op::Broadcast(root) => {
             if root >= world {

@@ -426,12 +426,18 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 impl ThreadRank {
     fn call(&self, kind: Op, t: &Tensor) -> Result<Tensor> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
+        // One rank's result may be its input itself (a gather of one): a variable's tensor is
+        // copied first, so that a `Var` set after the call does not change the result.
+        let t = match self.shared.world == 1 && t.is_variable() {
+            true => t.copy()?,
+            false => t.clone(),
+        };
         complete(
             &self.shared,
             self.rank,
             call,
             (kind, None),
-            Ok(&Input::One(t.clone())),
+            Ok(&Input::One(t)),
         )
     }
 
@@ -750,7 +756,7 @@ impl Collective for ThreadRank {
     /// concatenated, and the result is bitwise the concatenation's. Parts on a GPU are copied to
     /// the host one by one (a view copies its whole storage: make such parts contiguous first,
     /// or pack them, as `DataParallel` does). The result is made on the host; `in_place` only
-    /// lets one rank return its input as its result, without a copy.
+    /// lets one rank return a variable's tensor as its result, without a copy.
     ///
     /// # Errors
     ///
@@ -769,10 +775,12 @@ impl Collective for ThreadRank {
             .wire
             .filter(|&w| parts.first().is_some_and(|p| w != p.dtype()));
         let input = match parts {
-            // One rank may be summed without a new tensor, and its result would then be the
-            // caller's own, which it may share only when the caller allowed it (`in_place`): a
-            // `Var` set after the call would change it.
-            [t] if self.shared.world == 1 && !options.in_place => Input::One(t.copy()?),
+            // One rank may be summed without a new tensor, and its result is then the caller's
+            // own: for a variable's tensor, a copy unless the caller allowed it (`in_place`), as
+            // a `Var` set after the call would change the result.
+            [t] if self.shared.world == 1 && !options.in_place && t.is_variable() => {
+                Input::One(t.copy()?)
+            }
             [t] => Input::One(t.clone()),
             _ => Input::Parts(parts.to_vec()),
         };
