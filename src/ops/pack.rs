@@ -3,7 +3,8 @@
 //! `DataParallel` all-reduces.
 //!
 //! On the CPU the parts go to `Collective::all_reduce_with` as they are ([`parts`]: thread
-//! ranks sum them where they lie, other backends concatenate them). On a GPU, `cat` launched
+//! ranks sum them where they lie, MPI reads the large f32 and f64 ones in place, other
+//! backends concatenate them). On a GPU, `cat` launched
 //! one copy kernel per part and the zeros a memset each; here `kernels/pack.cu` fills up to
 //! [`PACK_SEGS`](crate::kernels::args::PACK_SEGS) gradients, their zeros and their flags per launch,
 //! reading each gradient where it lies.
