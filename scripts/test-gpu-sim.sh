@@ -178,16 +178,8 @@ if [ -x "$torchrun" ]; then
     grep -q "rank 1: exiting after step 3" <<<"$log" || { echo "FAIL: rank 1 did not exit"; exit 1; }
     grep -q "resuming from .*: epoch 0, step 2" <<<"$log" ||
         { echo "FAIL: the restarted group did not resume from step 2's checkpoint"; exit 1; }
-    python3 - "$resnet_out/restart-straight" "$resnet_out/restart-killed" <<'PY'
-import json, sys
-a, b = (json.load(open(f"{d}/checkpoint.json")) for d in sys.argv[1:])
-for m in (a, b):
-    assert m["metadata"]["epoch"] == 1 and m["metadata"]["step"] == 4, m["metadata"]
-assert a["tensors_crc32"] == b["tensors_crc32"], (
-    f"the restarted run's final checkpoint differs: CRC-32 {b['tensors_crc32']:08x} "
-    f"against {a['tensors_crc32']:08x}")
-print(f"ok   the restarted run's final checkpoint equals the uninterrupted one (CRC-32 {a['tensors_crc32']:08x})")
-PY
+    python3 scripts/same_checkpoint.py "$resnet_out/restart-straight" "$resnet_out/restart-killed" \
+        "the restarted run"
 elif [ -n "${GPU_SIM_SKIP_TORCHRUN:-}" ]; then
     echo "torchrun: skipped (GPU_SIM_SKIP_TORCHRUN set)"
 else

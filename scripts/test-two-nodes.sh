@@ -123,14 +123,5 @@ grep -q "rank 1: exiting after step 3" "$out/killed-0" ||
     { echo "FAIL: rank 1 did not exit"; tail -n 30 "$out/killed-0"; exit 1; }
 cat "$out/killed-0" "$out/killed-1" | grep -q "resuming from .*: epoch 0, step 2" ||
     { echo "FAIL: the restarted group did not resume from step 2's checkpoint"; tail -n 30 "$out/killed-0" "$out/killed-1"; exit 1; }
-python3 - "$out/straight" "$out/killed" <<'PY'
-import json, sys
-a, b = (json.load(open(f"{d}/checkpoint.json")) for d in sys.argv[1:])
-for m in (a, b):
-    assert m["metadata"]["epoch"] == 1 and m["metadata"]["step"] == 4, m["metadata"]
-assert a["tensors_crc32"] == b["tensors_crc32"], (
-    f"the restarted run's final checkpoint differs: CRC-32 {b['tensors_crc32']:08x} "
-    f"against {a['tensors_crc32']:08x}")
-print(f"ok   the restarted two-machine run's final checkpoint equals the uninterrupted one (CRC-32 {a['tensors_crc32']:08x})")
-PY
+python3 scripts/same_checkpoint.py "$out/straight" "$out/killed" "the restarted two-machine run"
 echo "-- two machines rehearsed in $((SECONDS - started)) s"

@@ -105,71 +105,68 @@ fn concatenated(parts: &[Tensor]) -> Result<Tensor> {
     Tensor::cat(&flat, 0)
 }
 
-/// Refuses a call that [`all_reduce_as_one`] cannot make simpler (one tensor, no wire): the
-/// backend must reduce it itself.
-fn nothing_to_simplify() -> candle_core::Error {
-    candle_core::Error::Msg(
-        "all_reduce: one tensor without a wire is each backend's own to reduce".into(),
-    )
-}
+/// One step simpler: the tensor to reduce, its options, and the dtype to cast the result back
+/// to (`None`: the result as it comes).
+type Simpler = (Tensor, AllReduce, Option<DType>);
 
-/// `c`'s all-reduce of `parts` with `options` made simpler, for the forms a backend carries no
-/// other way: several parts concatenated into a new tensor (reduced in place, the wire kept,
-/// so that the backend carries it its own way), or one tensor cast to the wire dtype and the
-/// result cast back.
+/// The call made one step simpler, for the forms a backend carries no other way: several parts
+/// concatenated into a new tensor (reduced in place, the wire kept, so that the backend carries
+/// it its own way), or one tensor cast to the wire dtype (the result to be cast back).
 ///
 /// # Errors
-/// Parts refused by [`check_parts`], a wire refused by [`check_wire`], one tensor without a
-/// wire (the caller's to reduce), and `c`'s.
+/// Parts refused by [`check_parts`], a wire refused by [`check_wire`], or one tensor without a
+/// wire: each backend reduces that itself (simplifying it would recurse).
+fn simpler(parts: &[Tensor], options: AllReduce) -> Result<Simpler> {
+    check_parts(parts)?;
+    let ([t], Some(w)) = (parts, options.wire) else {
+        if parts.len() == 1 {
+            candle_core::bail!(
+                "all_reduce: one tensor without a wire is each backend's own to reduce"
+            )
+        }
+        return Ok((concatenated(parts)?, options.in_place(), None));
+    };
+    check_wire(t, w)?;
+    let plain = AllReduce {
+        wire: None,
+        ..options
+    };
+    Ok(match w == t.dtype() {
+        true => (t.clone(), plain, None),
+        false => (t.to_dtype(w)?, plain.in_place(), Some(t.dtype())),
+    })
+}
+
+/// `c`'s all-reduce of `parts` with `options`, made one step simpler ([`simpler`]).
+///
+/// # Errors
+/// As [`simpler`], and `c`'s.
 pub(crate) fn all_reduce_as_one<C: Collective + ?Sized>(
     c: &C,
     parts: &[Tensor],
     options: AllReduce,
 ) -> Result<Tensor> {
-    check_parts(parts)?;
-    let ([t], Some(w)) = (parts, options.wire) else {
-        return match parts.len() {
-            1 => Err(nothing_to_simplify()),
-            _ => c.all_reduce_with(&[concatenated(parts)?], options.in_place()),
-        };
-    };
-    check_wire(t, w)?;
-    let plain = AllReduce {
-        wire: None,
-        ..options
-    };
-    if w == t.dtype() {
-        return c.all_reduce_with(parts, plain);
+    let (t, options, back) = simpler(parts, options)?;
+    let out = c.all_reduce_with(&[t], options)?;
+    match back {
+        None => Ok(out),
+        Some(d) => out.to_dtype(d),
     }
-    c.all_reduce_with(&[t.to_dtype(w)?], plain.in_place())?
-        .to_dtype(t.dtype())
 }
 
 /// [`all_reduce_as_one`] started: [`Pending::wait`] gives what it returns.
 ///
 /// # Errors
-/// As [`all_reduce_as_one`], for what is found when starting.
+/// As [`simpler`], and what `c` finds when starting.
 pub(crate) fn start_as_one<C: Collective + ?Sized>(
     c: &C,
     parts: &[Tensor],
     options: AllReduce,
 ) -> Result<Pending> {
-    check_parts(parts)?;
-    let ([t], Some(w)) = (parts, options.wire) else {
-        return match parts.len() {
-            1 => Err(nothing_to_simplify()),
-            _ => c.start_all_reduce(&[concatenated(parts)?], options.in_place()),
-        };
-    };
-    check_wire(t, w)?;
-    let plain = AllReduce {
-        wire: None,
-        ..options
-    };
-    if w == t.dtype() {
-        return c.start_all_reduce(parts, plain);
-    }
-    let dtype = t.dtype();
-    let pending = c.start_all_reduce(&[t.to_dtype(w)?], plain.in_place())?;
-    Ok(Pending::new(move || pending.wait()?.to_dtype(dtype)))
+    let (t, options, back) = simpler(parts, options)?;
+    let pending = c.start_all_reduce(&[t], options)?;
+    Ok(match back {
+        None => pending,
+        Some(d) => Pending::new(move || pending.wait()?.to_dtype(d)),
+    })
 }

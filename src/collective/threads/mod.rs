@@ -426,12 +426,7 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 impl ThreadRank {
     fn call(&self, kind: Op, t: &Tensor) -> Result<Tensor> {
         let call = self.next_call.fetch_add(1, Ordering::SeqCst);
-        // One rank's result may be its input itself (a gather of one): a variable's tensor is
-        // copied first, so that a `Var` set after the call does not change the result.
-        let t = match self.shared.world == 1 && t.is_variable() {
-            true => t.copy()?,
-            false => t.clone(),
-        };
+        let t = self.own(t, false)?;
         complete(
             &self.shared,
             self.rank,
@@ -439,6 +434,16 @@ impl ThreadRank {
             (kind, None),
             Ok(&Input::One(t)),
         )
+    }
+
+    /// `t` as a synchronous call hands it on. One rank's result may be its input itself (a sum
+    /// or a gather of one): a variable's tensor is copied first, unless the caller allowed the
+    /// result to be it (`may_share`), as a `Var` set after the call would change the result.
+    fn own(&self, t: &Tensor, may_share: bool) -> Result<Tensor> {
+        match self.shared.world == 1 && !may_share && t.is_variable() {
+            true => t.copy(),
+            false => Ok(t.clone()),
+        }
     }
 
     /// Takes the call's place in the order now and completes it on the communication thread.
@@ -775,13 +780,7 @@ impl Collective for ThreadRank {
             .wire
             .filter(|&w| parts.first().is_some_and(|p| w != p.dtype()));
         let input = match parts {
-            // One rank may be summed without a new tensor, and its result is then the caller's
-            // own: for a variable's tensor, a copy unless the caller allowed it (`in_place`), as
-            // a `Var` set after the call would change the result.
-            [t] if self.shared.world == 1 && !options.in_place && t.is_variable() => {
-                Input::One(t.copy()?)
-            }
-            [t] => Input::One(t.clone()),
+            [t] => Input::One(self.own(t, options.in_place)?),
             _ => Input::Parts(parts.to_vec()),
         };
         complete(
