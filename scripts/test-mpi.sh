@@ -31,12 +31,12 @@ for hang in all_reduce dup; do
     if [ "$rc" = 0 ] || [ "$rc" = 124 ]; then
         echo "FAIL: the job's exit status is $rc (expected an aborted job)"; exit 1
     fi
-    echo "$out" | grep -q "timed out after 2s in $hang; aborting the MPI job" ||
+    grep -q "timed out after 2s in $hang; aborting the MPI job" <<<"$out" ||
         { echo "FAIL: no timeout message"; exit 1; }
     # The flight recorder's lines follow the message: the stuck all-reduce, never agreed on.
     if [ "$hang" = all_reduce ]; then
-        echo "$out" | grep -q "mpi rank 0: the last 1 collectives" &&
-            echo "$out" | grep -q "all_reduce #0 F32×2, enqueued, enqueued at" ||
+        grep -q "mpi rank 0: the last 1 collectives" <<<"$out" &&
+            grep -q "all_reduce #0 F32×2, enqueued, enqueued at" <<<"$out" ||
             { echo "FAIL: no flight record of the stuck call"; exit 1; }
     fi
     [ "$took" -lt 45 ] || { echo "FAIL: the job took ${took} s"; exit 1; }

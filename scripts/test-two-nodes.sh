@@ -12,6 +12,7 @@
 #      checkpoint, bit for bit.
 # Needs root (network namespaces; CI runs as root), iproute2, and torchrun from the PyTorch of
 # scripts/test-torch.sh (TORCH_VENV). Builds in target/cuda, as scripts/test-gpu-sim.sh.
+# KEEP_OUT=1 keeps the agents' logs (their folder is printed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -36,7 +37,7 @@ cleanup() {
         ip netns del "$n" 2>/dev/null || true
         rm -rf "/etc/netns/$n"
     done
-    rm -rf "$out"
+    if [ -n "${KEEP_OUT:-}" ]; then echo "the agents' logs are kept in $out"; else rm -rf "$out"; fi
 }
 trap cleanup EXIT
 for i in 0 1; do
@@ -121,7 +122,9 @@ two 4 4 straight "$resnet" "${restart[@]}" --out-dir "$out/straight"
 RESTARTS=2 two 4 4 killed "$resnet" "${restart[@]}" --out-dir "$out/killed" --exit-at-step 3
 grep -q "rank 1: exiting after step 3" "$out/killed-0" ||
     { echo "FAIL: rank 1 did not exit"; tail -n 30 "$out/killed-0"; exit 1; }
-cat "$out/killed-0" "$out/killed-1" | grep -q "resuming from .*: epoch 0, step 2" ||
+# (Files, not a pipe: `grep -q` stops reading at its match, and under pipefail the writer's
+# SIGPIPE would fail the check.)
+grep -q "resuming from .*: epoch 0, step 2" "$out/killed-0" "$out/killed-1" ||
     { echo "FAIL: the restarted group did not resume from step 2's checkpoint"; tail -n 30 "$out/killed-0" "$out/killed-1"; exit 1; }
 python3 scripts/same_checkpoint.py "$out/straight" "$out/killed" "the restarted two-machine run"
 echo "-- two machines rehearsed in $((SECONDS - started)) s"
