@@ -2,6 +2,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use super::client::{hello, read_answer};
@@ -56,27 +57,63 @@ fn free_port() -> u16 {
 
 const LONG: Duration = Duration::from_secs(20);
 
+/// Holds the ranks after 0 of [`job`] until its meddler calls [`Go::now`] or returns (or
+/// panics): rank 0 serves until the others have their id, so a meddler scheduled late would
+/// otherwise find the job over and nobody listening.
+struct Go<'a> {
+    start: &'a Barrier,
+    done: std::cell::Cell<bool>,
+}
+
+impl Go<'_> {
+    /// Lets the other ranks start (once; later calls do nothing).
+    fn now(&self) {
+        if !self.done.replace(true) {
+            self.start.wait();
+        }
+    }
+}
+
+impl Drop for Go<'_> {
+    fn drop(&mut self) {
+        self.now();
+    }
+}
+
 /// Runs `world` ranks of `share_bytes` on `addr:port`, rank 0 sharing `id`, while `meddle`
-/// does something to rank 0 on the side; returns every rank's result and the time taken.
+/// does something to rank 0 on the side (the other ranks start when it says so, see [`Go`]);
+/// returns every rank's result and the time taken.
 fn job(
     world: usize,
     addr: &str,
     port: u16,
-    meddle: impl FnOnce() + Send,
+    meddle: impl FnOnce(&Go) + Send,
 ) -> (Vec<Result<Vec<u8>>>, Duration) {
     let id: Vec<u8> = (0..128u32).map(|i| (i * 7 + 3) as u8).collect();
+    let start = Barrier::new(world);
     let t = Instant::now();
     let got = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
                 let id = id.clone();
+                let start = &start;
                 s.spawn(move || {
+                    if r > 0 {
+                        start.wait();
+                    }
                     let p = (r == 0).then_some(id.as_slice());
                     share_bytes_round(&env_at(r, world, addr, port, "job"), 0, p, LONG)
                 })
             })
             .collect();
-        s.spawn(meddle);
+        let start = &start;
+        s.spawn(move || {
+            let go = Go {
+                start,
+                done: std::cell::Cell::new(false),
+            };
+            meddle(&go);
+        });
         hs.into_iter()
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
@@ -145,7 +182,7 @@ fn names_the_missing_or_bad_variable() {
 
 #[test]
 fn every_rank_receives_rank_zeros_payload() {
-    job(4, "127.0.0.1", free_port(), || {});
+    job(4, "127.0.0.1", free_port(), |_| {});
 }
 
 #[test]
@@ -195,9 +232,10 @@ fn a_stray_from_another_job_is_refused_and_the_job_completes() {
 #[test]
 fn an_idle_connection_does_not_stall_the_job() {
     let port = free_port();
-    let (_, took) = job(3, "127.0.0.1", port, || {
+    let (_, took) = job(3, "127.0.0.1", port, |go| {
         let (idle, _) =
             connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
+        go.now();
         std::thread::sleep(Duration::from_secs(3));
         drop(idle);
     });
@@ -211,7 +249,7 @@ fn an_idle_connection_does_not_stall_the_job() {
 #[test]
 fn garbage_is_dropped() {
     let port = free_port();
-    job(3, "127.0.0.1", port, || {
+    job(3, "127.0.0.1", port, |_| {
         let deadline = Instant::now() + Duration::from_secs(5);
         let (mut g, _) = connect_any("127.0.0.1", port, deadline).unwrap();
         let _ = g.write_all(&[0xAB; 100]);
@@ -278,14 +316,14 @@ fn an_oversized_length_is_refused() {
 /// this machine has IPv6.
 #[test]
 fn ipv6_and_localhost() {
-    job(2, "localhost", free_port(), || {});
+    job(2, "localhost", free_port(), |_| {});
     if TcpListener::bind(("::1", 0)).is_ok() {
         let port = TcpListener::bind(("::1", 0))
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        job(3, "::1", port, || {});
+        job(3, "::1", port, |_| {});
     } else {
         eprintln!("no IPv6 loopback on this machine: the ::1 case did not run");
     }
@@ -875,7 +913,7 @@ fn a_store_value_from_another_launch_is_refused() {
 #[test]
 fn a_client_of_another_protocol_version_gets_the_reason() {
     let port = free_port();
-    job(2, "127.0.0.1", port, || {
+    job(2, "127.0.0.1", port, |_| {
         let (mut old, _) =
             connect_any("127.0.0.1", port, Instant::now() + Duration::from_secs(5)).unwrap();
         old.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
