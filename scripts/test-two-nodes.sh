@@ -89,7 +89,7 @@ two() {
 
 for split in "4 4" "3 5"; do
     read -r n0 n1 <<<"$split"
-    echo "-- node-local groups on two machines of $n0 and $n1 ranks"
+    echo "-- [$((SECONDS - started)) s] node-local groups on two machines of $n0 and $n1 ranks"
     two "$n0" "$n1" "groups-$n0-$n1" "$node_groups"
     cat "$out/groups-$n0-$n1-0" "$out/groups-$n0-$n1-1" | python3 -c '
 import json, sys
@@ -110,13 +110,13 @@ print(f"ok   {world} ranks: node0 holds ranks 0..{n0 - 1}, node1 ranks {n0}..{wo
 done
 
 small=(--backend nccl --image-size 8 --train-size 64 --val-size 32 --batch-size 16)
-echo "-- the ResNet example's --check on two machines of 4 ranks: 8 ranks against one process"
+echo "-- [$((SECONDS - started)) s] the ResNet example's --check on two machines of 4 ranks: 8 ranks against one process"
 two 4 4 check "$resnet" "${small[@]}" --check --check-steps 2 --out-dir "$out/check"
 grep -h "^check: " "$out/check-0" "$out/check-1" | sort -u
 grep -q "^check: 8 ranks SyncBatchNorm" "$out/check-0" ||
     { echo "FAIL: the check did not run 8 ranks"; tail -n 30 "$out/check-0"; exit 1; }
 
-echo "-- a worker of machine 0 exits after step 3 of 4: both agents restart the group (--max-restarts 2), which resumes from step 2's checkpoint and ends with the uninterrupted run's checkpoint, bit for bit"
+echo "-- [$((SECONDS - started)) s] a worker of machine 0 exits after step 3 of 4: both agents restart the group (--max-restarts 2), which resumes from step 2's checkpoint and ends with the uninterrupted run's checkpoint, bit for bit"
 restart=("${small[@]}" --epochs 1 --save-every 2 --resume auto)
 two 4 4 straight "$resnet" "${restart[@]}" --out-dir "$out/straight"
 RESTARTS=2 two 4 4 killed "$resnet" "${restart[@]}" --out-dir "$out/killed" --exit-at-step 3

@@ -34,8 +34,8 @@
 //! store, the admission, the run identity, the trust model, every limit and the tests that show
 //! them): docs/startup.md in the repository.
 //!
-//! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (2.5.1, 2.9.1 and
-//! 2.15.0 tested by `tests/torch_interop.rs`; an older server is refused with an error naming
+//! Under torchrun, [`store`] speaks to the TCPStore of PyTorch 2.5 and later (the oldest,
+//! 2.5.1, and the newest, 2.15.0, tested by `tests/torch_interop.rs` in CI; an older server is refused with an error naming
 //! that range, `tests/torch_interop.rs::an_unsupported_pytorch_is_named`, run against 2.4.1).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]

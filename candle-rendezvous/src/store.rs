@@ -36,7 +36,7 @@ pub(crate) const READY: u8 = 0;
 pub(crate) const NOT_READY: u8 = 1;
 
 /// The oldest PyTorch whose TCPStore servers (classic and libuv) this client speaks to: the
-/// first with PING. Tested against 2.5.1, 2.9.1 and 2.15.0, and refused by name against 2.4.1
+/// first with PING. Tested against 2.5.1 and 2.15.0, and refused by name against 2.4.1
 /// (`scripts/test-torch-versions.sh`).
 pub const OLDEST_PYTORCH: &str = "2.5";
 

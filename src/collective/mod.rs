@@ -112,7 +112,7 @@
 //! # 8 GPUs in one process: let comms = NcclGroup::new(&[0, 1, 2, 3, 4, 5, 6, 7])?; one thread each
 //! # one process per GPU, on one or many machines (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*):
 //! torchrun --nproc_per_node 8 --no-python ./target/release/examples/your_training_binary
-//! # the start-up exchange alone, on CPU processes (run in CI with the torchrun of PyTorch 2.5.1, 2.9.1 and 2.15.0):
+//! # the start-up exchange alone, on CPU processes (run in CI with the torchrun of PyTorch 2.5.1 and 2.15.0):
 //! cargo build --example rendezvous && torchrun --nproc_per_node 2 --no-python target/debug/examples/rendezvous
 //! # MPI processes (CPU tensors, or NCCL bootstrapped over MPI with NcclCollective::from_collective):
 //! mpirun -np 4 ./target/release/examples/your_training_binary
