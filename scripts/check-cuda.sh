@@ -11,8 +11,11 @@ cd "$(dirname "$0")/.."
 echo "-- clippy --features $features --all-targets"
 cargo clippy --features $features --all-targets -- -D warnings
 
-echo "-- cargo doc --features $features (warnings are errors)"
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --features $features
+echo "-- cargo doc --features $features, the library and the examples (warnings are errors)"
+# With the examples, whose dev-dependencies unify features as clippy's --all-targets did: the
+# dependencies checked for clippy serve here. The library alone is another feature set, and
+# rebuilt every dependency down to candle's CUDA kernels (minutes).
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --examples --features $features
 
 echo "-- link every test and example binary"
 # JSON on stdout (diagnostics rendered on stderr): the binaries, and the library's OUT_DIR with
