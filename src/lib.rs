@@ -57,7 +57,11 @@
 pub mod amp;
 pub mod batch_norm;
 pub mod checkpoint;
-pub mod collective;
+/// The collectives, the crate `candle-collective`: the [`collective::Collective`] trait, its
+/// backends ([`collective::ThreadGroup`]; `Mpi` with the `mpi` feature; `NcclCollective` and
+/// `NcclGroup` with the `nccl` feature), process groups, decorators, the flight recorder and the
+/// start-up of multi-process jobs ([`collective::rendezvous`]).
+pub use candle_collective as collective;
 pub mod data_parallel;
 mod device;
 mod kernels;

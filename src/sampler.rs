@@ -25,7 +25,7 @@
 
 use candle_core::{bail, Result};
 
-use crate::collective::Collective;
+use candle_collective::Collective;
 
 /// What becomes of the `len mod W` samples of an epoch that do not divide evenly among the
 /// `W` ranks.

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::{Snapshot, SyncBatchNorm, OP};
-use crate::collective::{AllReduce, Collective, ReduceOp};
 use crate::ops::{
     batch_norm_elemt_autograd, batch_norm_gather_stats_update, batch_norm_stats, ElemtConfig,
     GatheredStats, RunningStats, StatsGrad,
 };
+use candle_collective::{AllReduce, Collective, ReduceOp};
 
 /// The [`StatsGrad`] of statistics synchronized over `comm`: the backward all-reduces (sum)
 /// its `[2, C]` gradient sums over the ranks, on every rank, whatever its batch. What

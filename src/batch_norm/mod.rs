@@ -94,8 +94,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::{bail, DType, Result, Tensor, Var};
 use candle_nn::{Init, ModuleT, VarBuilder};
 
-use crate::collective::Collective;
 use crate::ops::GatheredStats;
+use candle_collective::Collective;
 
 /// The name errors of the layer and its ops begin with.
 pub(crate) const OP: &str = "sync-batch-norm";
@@ -396,7 +396,7 @@ impl SyncBatchNorm {
     /// undone here.
     ///
     /// # Errors
-    /// The communicator's failure (e.g. a [`crate::collective::CollectiveError::RankLeft`]),
+    /// The communicator's failure (e.g. a [`candle_collective::CollectiveError::RankLeft`]),
     /// with a note that the layer rolled back.
     pub fn check_collectives(&self) -> Result<()> {
         let Err(e) = self.comm.deferred_error() else {

@@ -51,7 +51,7 @@ use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::VarMap;
 
 use crate::batch_norm::SyncBatchNorm;
-use crate::collective::{Collective, CollectiveError};
+use candle_collective::{Collective, CollectiveError};
 use files::{io_err, sync_file};
 pub use files::{write_atomic, FileLock};
 use manifest::Manifest;

@@ -3,7 +3,7 @@
 
 use candle_core::{bail, Device, Result, Tensor, Var};
 
-use crate::collective::Collective;
+use candle_collective::Collective;
 
 /// Errors on every rank unless every rank has the same variable names, shapes and dtypes.
 pub(super) fn same_model(

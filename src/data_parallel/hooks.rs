@@ -168,7 +168,7 @@ impl GradHooks {
     }
 
     /// What the overlapped backward runs at each announced collective of the backward.
-    pub(super) fn announcer(&self) -> crate::collective::in_backward::Listener {
+    pub(super) fn announcer(&self) -> candle_collective::in_backward::Listener {
         let state = self.state.clone();
         Arc::new(move |e| {
             if let Some(a) = lock(&state).armed.as_mut() {

@@ -27,7 +27,7 @@
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::DataParallel;
-use crate::collective::ReduceOp;
+use candle_collective::ReduceOp;
 
 /// One step of a loop over uneven inputs, as every rank sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

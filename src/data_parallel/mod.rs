@@ -168,8 +168,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 
-use crate::collective::{AllReduce, Collective, ReduceOp};
 use crate::ops;
+use candle_collective::{AllReduce, Collective, ReduceOp};
 
 pub use hooks::GradHooks;
 pub use join::JoinStep;
@@ -305,9 +305,9 @@ impl DataParallel {
 
     /// Gradients travel as `dtype` (`F16` or `BF16`: half the bytes of f32) and come back in
     /// their own dtype; `None` (the default) sends them as they are. Every rank must choose
-    /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_with`]
-    /// with the wire dtype (a [`crate::collective::AllReduce`]'s `wire`; host gradients as its
-    /// parts); what the sum is computed in is the backend's: [`crate::collective::ThreadGroup`]
+    /// the same. The bucket goes through [`candle_collective::Collective::all_reduce_with`]
+    /// with the wire dtype (a [`candle_collective::AllReduce`]'s `wire`; host gradients as its
+    /// parts); what the sum is computed in is the backend's: [`candle_collective::ThreadGroup`]
     /// and MPI accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit
     /// float type, so it saves no bytes; both round f32 gradients to the wire dtype on the host
     /// instead of casting them), NCCL in the wire dtype. f16's range is narrow: a gradient
@@ -406,7 +406,7 @@ impl DataParallel {
                 )
             }
             if any > 0.0 {
-                return Err(crate::collective::CollectiveError::elsewhere(
+                return Err(candle_collective::CollectiveError::elsewhere(
                     self.comm.rank(),
                     format!(
                         "DataParallel::sync_gradients: rank {}: another rank's model computed \
@@ -607,7 +607,7 @@ impl DataParallel {
             // Disarmed however the backward ends, a panic included.
             let _armed = hooks.armed_until_dropped();
             // The collectives of the backward place the buckets.
-            let _listening = crate::collective::in_backward::listen(hooks.announcer());
+            let _listening = candle_collective::in_backward::listen(hooks.announcer());
             let result = loss.backward();
             (result, hooks.disarm())
         };
@@ -689,7 +689,7 @@ impl DataParallel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::ThreadGroup;
+    use candle_collective::ThreadGroup;
     use candle_core::{DType, Device};
 
     #[test]

@@ -236,7 +236,7 @@ impl NormFn {
             // Called on every rank, whatever its local batch: for an all-reduce, the others
             // wait for it. Announced first: an overlapped data-parallel backward places its
             // buckets around the collectives of the backward (`collective::in_backward`).
-            (Some(reduce), _) => crate::collective::in_backward::collective(|| reduce(&local))?,
+            (Some(reduce), _) => candle_collective::in_backward::collective(|| reduce(&local))?,
             (None, true) => local.clone(),
             (None, false) => local.zeros_like()?,
         };

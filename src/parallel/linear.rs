@@ -12,7 +12,7 @@ use candle_nn::{Init, VarBuilder};
 use super::{
     attach2, copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter,
 };
-use crate::collective::{Collective, ReduceOp};
+use candle_collective::{Collective, ReduceOp};
 
 /// How activations are laid out across the ranks around a tensor-parallel pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,7 +191,7 @@ impl Module for ColumnParallelLinear {
         let x_dims = x.dims().to_vec();
         let backward = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
             // The collectives below, told to an overlapped data-parallel backward.
-            crate::collective::in_backward::collective(|| {
+            candle_collective::in_backward::collective(|| {
                 let g2 = rows2(g)?;
                 // Input gradient first, its collective started at once ...
                 let dx_full = g2.matmul(&w)?.contiguous()?;

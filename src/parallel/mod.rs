@@ -70,17 +70,17 @@ use std::sync::Arc;
 
 use candle_core::{bail, Result, Tensor};
 
-use crate::collective::{Collective, ReduceOp};
 pub(crate) use crate::ops::attach::attach2;
 use crate::ops::attach::{self, attach};
+use candle_collective::{Collective, ReduceOp};
 
 /// A gradient function that communicates, announced first to an overlapped data-parallel
-/// backward on this thread ([`crate::collective::in_backward`]), which places its buckets
+/// backward on this thread ([`candle_collective::in_backward`]), which places its buckets
 /// around such collectives.
 fn communicating(
     f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 ) -> attach::Backward {
-    Box::new(move |g| crate::collective::in_backward::collective(|| f(g)))
+    Box::new(move |g| candle_collective::in_backward::collective(|| f(g)))
 }
 
 /// `f` applied with `dim` moved to the front (collectives work along dimension 0).

@@ -3,7 +3,7 @@
 
 use candle_core::{bail, Device, Result, Tensor};
 
-use crate::collective::{Collective, ReduceOp};
+use candle_collective::{Collective, ReduceOp};
 
 /// One rank's part.
 pub(super) struct Mine<'a> {

@@ -9,10 +9,10 @@ use candle_core::{bail, DType, Device, Result, Tensor, Var};
 
 use super::exchange::{self, Mine};
 use super::{Learned, OverlapStats, Plan};
-use crate::collective::in_backward::Event;
-use crate::collective::{AllReduce, Collective, CollectiveError, Pending, ReduceOp};
 use crate::data_parallel::pack;
 use crate::ops;
+use candle_collective::in_backward::Event;
+use candle_collective::{AllReduce, Collective, CollectiveError, Pending, ReduceOp};
 
 /// One started bucket.
 #[derive(Debug)]

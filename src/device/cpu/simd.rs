@@ -1,6 +1,9 @@
 //! The vectorised inner loops of the CPU reductions, and the run-time choice between the
 //! baseline and the AVX2 + FMA build of each kernel leaf function.
 
+// The run-time choice and the cache hints are the collectives' too: one definition, below them.
+pub(crate) use candle_collective::device::cpu::{has_avx2_fma, prefetch_l2};
+
 /// Lanes of the reduction inner loops: partial sums of `LANES` consecutive values (or channels)
 /// kept apart so that the compiler keeps them in vector registers (four AVX2 registers of f64)
 /// without reassociating floating-point additions. Enough independent additions per step to
@@ -34,47 +37,6 @@ pub(crate) trait Terms {
     /// Asks for the cache lines of the inputs at flat index `i` ([`prefetch_l2`]); an index
     /// past the end is ignored.
     fn prefetch(&self, i: usize);
-}
-
-/// Asks the CPU to bring the cache line holding `v` into its caches, if there is one; a hint
-/// that reads nothing and changes nothing.
-#[inline(always)]
-pub(crate) fn prefetch<T>(v: Option<&T>) {
-    prefetch_into::<false, T>(v)
-}
-
-/// Asks the CPU to bring the cache line holding `v` into its level-2 cache, not the level-1
-/// ([`prefetch`] asks for both; on cores older than AMD's Zen 4 this hint may act like that
-/// one); a hint that reads nothing and changes nothing.
-///
-/// For [`row_sums`]' strided reads of wide rows this is the faster hint: the level-1 hint was
-/// the slower one wherever the channels-last passes' inputs came from memory (measured:
-/// docs/benchmarks.md, section "SyncBatchNorm on the CPU, world size 1, against PyTorch and
-/// candle-nn").
-#[inline(always)]
-pub(crate) fn prefetch_l2<T>(v: Option<&T>) {
-    prefetch_into::<true, T>(v)
-}
-
-/// [`prefetch`] (`L2_ONLY = false`, x86's `T0` hint) or [`prefetch_l2`] (`true`, `T1`); nothing
-/// on other architectures.
-#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-#[inline(always)]
-fn prefetch_into<const L2_ONLY: bool, T>(v: Option<&T>) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(v) = v {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        let p = (v as *const T).cast::<i8>();
-        // SAFETY: a prefetch reads no memory architecturally and cannot fault; the pointer
-        // comes from a reference, so it is valid and aligned anyway.
-        unsafe {
-            if L2_ONLY {
-                _mm_prefetch::<_MM_HINT_T1>(p)
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(p)
-            }
-        }
-    }
 }
 
 /// `p·q + acc`: one fused multiply-add (one rounding) when `FMA`, else a product and a sum (two
@@ -229,21 +191,6 @@ fn lane_sum(mut v: [f64; LANES]) -> f64 {
         }
     }
     v[0]
-}
-
-/// Set to a non-empty value other than `0` to run the baseline (SSE2) kernels even on a CPU
-/// with AVX2 (read once per process; the test suite runs both ways).
-pub const NO_SIMD_ENV: &str = "CANDLE_DISTRIBUTED_NO_SIMD";
-
-/// True when the CPU has AVX2 and FMA and [`NO_SIMD_ENV`] does not forbid them.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-pub(crate) fn has_avx2_fma() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| {
-        let off = std::env::var(NO_SIMD_ENV).is_ok_and(|v| !v.is_empty() && v != "0");
-        !off && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    })
 }
 
 /// Defines a kernel leaf function `$name<T: Elem>` compiled twice, for the baseline target and

@@ -1,7 +1,19 @@
-//! Collective communication between the ranks of a data-parallel group.
+//! # candle-collective
 //!
-//! [`Collective`] is the object-safe interface every backend implements; the synchronized
-//! layers of this crate hold an `Arc<dyn Collective>` and never know which backend is behind it.
+//! Collective communication between the ranks of a data-parallel (or tensor-parallel) group of
+//! [candle](https://github.com/huggingface/candle) programs: all-reduce, broadcast, all-gather,
+//! reduce-scatter, barrier and split, on threads of one process, MPI processes or NCCL GPUs,
+//! with timeouts that end in errors instead of hangs, hang reports and a flight recorder.
+//!
+//! [`Collective`] is the object-safe interface every backend implements; whatever is built on
+//! it holds an `Arc<dyn Collective>` and never knows which backend is behind it.
+//! `candle-distributed` builds its synchronized batch norm, data-parallel training and
+//! tensor-parallel layers on this crate alone and re-exports it as
+//! `candle_distributed::collective`; a program that needs the collectives without batch norm
+//! (a transformer fine-tune with its own data-parallel loop) can depend on this crate alone.
+//!
+//! Features: `cuda` (tensors on CUDA devices), `nccl` (the NCCL backend; implies `cuda`),
+//! `mpi` (the MPI backend; an MPI library at build and run time).
 //!
 //! Rules every backend follows (and every caller must follow):
 //! - every rank issues the same collectives, in the same order, whatever its local data;
@@ -57,7 +69,7 @@
 //! - dropping finalizes (queued work flushed) under the timeout, then destroys, or aborts a
 //!   broken communicator or one whose finalize does not finish (an `NcclGroup`'s communicators
 //!   close together when the last one is dropped);
-//! - NCCL does not compare the ranks' arguments: wrap it in `collective::Checked` to agree on
+//! - NCCL does not compare the ranks' arguments: wrap it in [`Checked`] to agree on
 //!   op, dtype and count before each call (one small all-gather and a host wait per call; off
 //!   by default, which costs nothing; `tests/checked.rs` on thread ranks);
 //! - blocking mode (`NCCL_COMM_BLOCKING`, wherever NCCL finds it) is refused on every rank
@@ -65,13 +77,14 @@
 //!   would void every timeout;
 //! - no host synchronisation except `barrier` and `all_gather` (which reads the per-rank row
 //!   counts);
-//! - layout: `collective/nccl/{ffi,raw,blocking,watchdog,enqueue,ops,mod}.rs`.
+//! - layout: `src/nccl/{ffi,raw,blocking,watchdog,enqueue,ops,mod}.rs`.
 //!
-//! What each fault does to every rank, and the test that shows it: the crate's `docs/faults.md`.
+//! What each fault does to every rank, and the test that shows it: `docs/faults.md` in
+//! `candle-distributed`'s repository.
 //!
 //! # Timeouts and launching
 //!
-//! All timeouts default to `collective::DEFAULT_TIMEOUT` (5 minutes), or to
+//! All timeouts default to [`DEFAULT_TIMEOUT`] (5 minutes), or to
 //! `CANDLE_DISTRIBUTED_TIMEOUT` seconds where that variable is set (one setting for every
 //! backend; PyTorch's is `init_process_group`'s `timeout` argument), and have a
 //! `*_with_timeout` constructor.
@@ -118,9 +131,17 @@
 //! mpirun -np 4 ./target/release/examples/your_training_binary
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs)]
+// Every public fallible function says when it fails (a `# Errors` section); `cargo clippy -- -D
+// warnings` in CI holds it.
+#![warn(clippy::missing_errors_doc)]
+
 mod all_reduce;
 mod checked;
 mod decorator;
+#[doc(hidden)]
+pub mod device;
 mod error;
 mod groups;
 pub mod hang_report;
@@ -387,7 +408,7 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// communication, no device wait).
     ///
     /// Only NCCL has such failures: a collective is enqueued when its call returns, and the
-    /// watchdog may abort it later (a peer that died, a timeout). [`crate::SyncBatchNorm`] asks
+    /// watchdog may abort it later (a peer that died, a timeout). `candle-distributed`'s `SyncBatchNorm` asks
     /// before each training step and rolls its running statistics back when the answer is an
     /// error. Backends whose calls return their final result (`ThreadGroup`, MPI) fail the call
     /// itself, and keep the default.

@@ -45,7 +45,7 @@ const BACKEND: &str = "ThreadGroup";
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_distributed::collective::{ReduceOp, ThreadGroup};
+/// use candle_collective::{ReduceOp, ThreadGroup};
 ///
 /// let sums = ThreadGroup::run(3, |comm| {
 ///     let t = Tensor::new(&[comm.rank() as f32 + 1.0], &Device::Cpu)?;

@@ -6,7 +6,7 @@ use candle_core::{DType, Result, Tensor};
 
 use super::reduce::{self, Work};
 use super::{Contribution, Input, BACKEND};
-use crate::collective::{scatter_rows, CollectiveError, Op, ReduceOp};
+use crate::{scatter_rows, CollectiveError, Op, ReduceOp};
 
 /// How a call's result comes about.
 pub(super) enum Plan {

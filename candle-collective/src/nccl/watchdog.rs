@@ -13,8 +13,8 @@ use candle_core::cuda_backend::cudarc::driver::{sys as cu, CudaContext, CudaEven
 use candle_rendezvous::progress::ProgressBoard;
 
 use super::raw::{NcclFail, Progress, RawComm};
-use crate::collective::hang_report::ranks_behind;
-use crate::collective::recorder::{self, CallState, FlightRecorder};
+use crate::hang_report::ranks_behind;
+use crate::recorder::{self, CallState, FlightRecorder};
 
 /// Time a timed-out rank spends reading the other processes' progress reports.
 const REPORT_DEADLINE: Duration = Duration::from_secs(3);

@@ -179,7 +179,7 @@ fn duplicate(comm: &SimpleCommunicator, rank: usize, timeout: Duration) -> Simpl
 ///
 /// ```no_run
 /// # fn main() -> candle_core::Result<()> {
-/// let mpi = candle_distributed::collective::Mpi::init()?;
+/// let mpi = candle_collective::Mpi::init()?;
 /// let comm = mpi.world()?; // Arc<dyn Collective>, rank = MPI rank
 /// # Ok(()) }
 /// ```

@@ -22,8 +22,8 @@ use candle_core::{bail, DType, Device, Result, Shape, Storage, Tensor, WithDType
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 use super::fused;
-use crate::collective::round::Wire;
-use crate::collective::ReduceOp;
+use crate::round::Wire;
+use crate::ReduceOp;
 
 /// Elements per claimed block (64 KiB of f32): few enough claims that their atomic counter
 /// costs nothing, enough blocks that the ranks share a large reduction evenly.

@@ -49,7 +49,7 @@ fn runs<T: WithDType>(parts: &[Tensor]) -> Result<Vec<Run<T>>> {
 }
 
 impl MpiCollective {
-    /// [`crate::collective::Collective::all_reduce_with`] of checked `parts` (at least one,
+    /// [`crate::Collective::all_reduce_with`] of checked `parts` (at least one,
     /// one dtype and device): host parts of f32 or f64 without a wire by runs, into a `[Σ nᵢ]`
     /// result; anything else by the concatenation. The ranks agree on a call by runs with the
     /// parts' element counts in its descriptor, since the runs decide which MPI calls follow:

@@ -20,7 +20,7 @@ use super::{AllReduce, Collective, Op, Pending, ReduceOp};
 /// use std::sync::atomic::{AtomicUsize, Ordering};
 /// use std::sync::Arc;
 /// use candle_core::Tensor;
-/// use candle_distributed::collective::{Collective, Decorator, Op, ReduceOp, ThreadGroup};
+/// use candle_collective::{Collective, Decorator, Op, ReduceOp, ThreadGroup};
 ///
 /// /// Counts the calls that carry a tensor.
 /// #[derive(Debug)]

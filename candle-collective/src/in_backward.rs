@@ -1,7 +1,8 @@
 //! Collectives issued inside a backward, announced to whoever schedules other collectives
 //! around them.
 //!
-//! An overlapped data-parallel backward (`DataParallel::with_overlap`) starts gradient buckets
+//! An overlapped data-parallel backward (`candle-distributed`'s `DataParallel::with_overlap`,
+//! which hears them through [`listen`]) starts gradient buckets
 //! while candle's backward runs. Layers whose backward communicates too (`SyncBatchNorm`, the
 //! differentiable collectives of `parallel`) issue their collectives at fixed points of the
 //! graph; a bucket started between two of them on one rank and after them on another would
@@ -21,7 +22,7 @@ use candle_core::Result;
 
 /// What a listener hears.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Event {
+pub enum Event {
     /// Collectives of the backward follow.
     Before,
     /// They were issued and returned.
@@ -29,7 +30,7 @@ pub(crate) enum Event {
 }
 
 /// What an overlapped backward runs at each event.
-pub(crate) type Listener = Arc<dyn Fn(Event) + Send + Sync>;
+pub type Listener = Arc<dyn Fn(Event) + Send + Sync>;
 
 thread_local! {
     static LISTENER: RefCell<Option<Listener>> = const { RefCell::new(None) };
@@ -57,14 +58,17 @@ pub fn collective<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
     Ok(out)
 }
 
-/// Runs `f` at every event of this thread until the returned guard is dropped.
-pub(crate) fn listen(f: Listener) -> Listening {
+/// Runs `f` at every event of this thread until the returned guard is dropped: what an
+/// overlapped backward installs on the thread running candle's backward. A listener installed
+/// while another listens replaces it until the guard is dropped.
+pub fn listen(f: Listener) -> Listening {
     let previous = LISTENER.with(|l| l.borrow_mut().replace(f));
     Listening { previous }
 }
 
 /// Restores the listener that was there before [`listen`] when dropped.
-pub(crate) struct Listening {
+#[must_use = "the listener is removed when this guard is dropped"]
+pub struct Listening {
     previous: Option<Listener>,
 }
 

@@ -16,7 +16,7 @@ impl Collective for NcclCollective {
         self.world
     }
 
-    fn recorder(&self) -> Option<&crate::collective::recorder::FlightRecorder> {
+    fn recorder(&self) -> Option<&crate::recorder::FlightRecorder> {
         Some(self.watch.recorder())
     }
 
@@ -60,7 +60,7 @@ impl Collective for NcclCollective {
     /// [`CollectiveError::Library`] when NCCL rejects the call (which aborts the communicator), or
     /// a CUDA error recording the completion event. A failure after the collective was enqueued (a
     /// timeout, a peer that left) is reported by later calls and by [`Collective::deferred_error`],
-    /// not by this one. The ranks' arguments are not compared (see [`crate::collective::Checked`]).
+    /// not by this one. The ranks' arguments are not compared (see [`crate::Checked`]).
     fn all_reduce_with(&self, parts: &[Tensor], options: AllReduce) -> Result<Tensor> {
         let op = Op::AllReduce(options.op);
         match (parts, options.wire) {
@@ -69,7 +69,7 @@ impl Collective for NcclCollective {
                 Ok(t.clone())
             }
             ([t], None) => self.enqueue(op, t),
-            _ => crate::collective::all_reduce_as_one(self, parts, options),
+            _ => crate::all_reduce_as_one(self, parts, options),
         }
     }
 
@@ -85,9 +85,9 @@ impl Collective for NcclCollective {
     /// the communicator), or a CUDA error recording the completion event. A failure after the
     /// collective was enqueued (a timeout, a peer that left) is reported by later calls and by
     /// [`Collective::deferred_error`], not by this one. The ranks' arguments are not compared (see
-    /// [`crate::collective::Checked`]).
+    /// [`crate::Checked`]).
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        crate::collective::scatter_rows(t, self.rank, self.world)?;
+        crate::scatter_rows(t, self.rank, self.world)?;
         self.enqueue(Op::ReduceScatter(op), t)
     }
 
@@ -121,7 +121,7 @@ impl Collective for NcclCollective {
     /// the communicator), or a CUDA error recording the completion event. A failure after the
     /// collective was enqueued (a timeout, a peer that left) is reported by later calls and by
     /// [`Collective::deferred_error`], not by this one. The ranks' arguments are not compared (see
-    /// [`crate::collective::Checked`]).
+    /// [`crate::Checked`]).
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if root >= self.world {
             return Err(invalid(
@@ -160,7 +160,7 @@ impl Collective for NcclCollective {
     fn start_all_reduce(&self, parts: &[Tensor], options: AllReduce) -> Result<Pending> {
         match (parts, options.wire) {
             ([t], None) => self.begin(Op::AllReduce(options.op), t, Ok),
-            _ => crate::collective::start_as_one(self, parts, options),
+            _ => crate::start_as_one(self, parts, options),
         }
     }
 
@@ -175,7 +175,7 @@ impl Collective for NcclCollective {
     /// before the collective was known complete, or on a CUDA error while making the device's
     /// stream wait for the side stream.
     fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Pending> {
-        crate::collective::scatter_rows(t, self.rank, self.world)?;
+        crate::scatter_rows(t, self.rank, self.world)?;
         self.begin(Op::ReduceScatter(op), t, Ok)
     }
 

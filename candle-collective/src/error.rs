@@ -7,12 +7,12 @@ use std::time::Duration;
 /// [`CollectiveError::find`] gets it back out of one, to match on the kind of failure:
 ///
 /// ```
-/// use candle_distributed::collective::{CollectiveError, ThreadGroup};
+/// use candle_collective::{CollectiveError, ThreadGroup};
 /// # fn main() -> candle_core::Result<()> {
 /// let err = ThreadGroup::run(2, |comm| {
 ///     // Rank 1 passes another length than rank 0: every rank gets a `Mismatch`.
 ///     let t = candle_core::Tensor::zeros(2 + comm.rank(), candle_core::DType::F32, &candle_core::Device::Cpu)?;
-///     comm.all_reduce(&t, candle_distributed::collective::ReduceOp::Sum)
+///     comm.all_reduce(&t, candle_collective::ReduceOp::Sum)
 /// })
 /// .unwrap_err();
 /// assert!(matches!(CollectiveError::find(&err), Some(CollectiveError::Mismatch { .. })));

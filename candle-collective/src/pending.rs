@@ -59,7 +59,7 @@ impl Pending {
     /// # Errors
     ///
     /// Whatever `finish` returns. For a handle from a `*_async` method of
-    /// [`crate::collective::Collective`], the failures of the corresponding blocking collective
+    /// [`crate::Collective`], the failures of the corresponding blocking collective
     /// that were not reported when it started, or, on backends with a communication thread
     /// (`ThreadGroup`, MPI), an error when that thread stopped before finishing the collective.
     pub fn wait(mut self) -> Result<Tensor> {

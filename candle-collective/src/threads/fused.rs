@@ -14,7 +14,7 @@
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use crate::collective::round::Wire;
+use crate::round::Wire;
 
 /// Results of at least this many bytes are written with non-temporal stores: they do not fit
 /// the caches, so reading each line before overwriting it (what a plain store does) would only
@@ -42,7 +42,7 @@ pub(super) fn sum(
         "fused::sum: output of another length"
     );
     #[cfg(target_arch = "x86_64")]
-    if crate::device::cpu::has_avx2_fma() && crate::collective::round::has_f16c() {
+    if crate::device::cpu::has_avx2_fma() && crate::round::has_f16c() {
         let run = match wire {
             Wire::None => x86::sum::<{ x86::NONE }>,
             Wire::F16 => x86::sum::<{ x86::F16 }>,
@@ -83,8 +83,8 @@ mod x86 {
     use std::ops::Range;
 
     use super::one;
-    use crate::collective::round::Wire;
     use crate::device::cpu::prefetch;
+    use crate::round::Wire;
 
     /// The wire of a monomorphised [`sum`]: none, f16, bf16.
     pub(super) const NONE: u8 = 0;

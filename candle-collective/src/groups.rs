@@ -20,7 +20,7 @@ use super::Collective;
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use candle_distributed::collective::{groups_of, ReduceOp, ThreadGroup};
+/// use candle_collective::{groups_of, ReduceOp, ThreadGroup};
 ///
 /// let sums = ThreadGroup::run(4, |comm| {
 ///     let node = groups_of(&*comm, 2)?; // ranks {0, 1} and {2, 3}
@@ -90,7 +90,7 @@ fn blocks_of(sizes: &[usize]) -> std::result::Result<Vec<usize>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::ThreadGroup;
+    use crate::ThreadGroup;
 
     #[test]
     fn a_size_that_does_not_divide_the_world_is_refused_on_every_rank() {

@@ -1,0 +1,48 @@
+//! The device floor the collectives stand on, and which `candle-distributed`'s ops share (one
+//! definition of each): the run-time choice of the AVX2 + FMA builds and cache hints ([`cpu`]);
+//! with feature `cuda`, device views of storage, the per-thread default stream and the
+//! hand-offs between threads' streams (`cuda`). Not part of the API: it may change in any
+//! release.
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// A point in the stream of the thread that wrote a tensor, which another thread waits for
+/// before it reads the tensor: a hand-off between threads that does not wait for the GPU.
+///
+/// A device made with `Device::new_cuda` enqueues on each host thread's own per-thread default
+/// stream, and the streams of two threads are not ordered: a tensor one thread computed and
+/// another reads (a collective's input on a communication thread, its result back on the
+/// rank's thread) needs an event recorded by the writer and waited for by the reader's
+/// stream. Nothing for CPU tensors.
+pub(crate) struct Handoff {
+    #[cfg(feature = "cuda")]
+    event: Option<cuda::Handoff>,
+}
+
+impl Handoff {
+    /// On the thread that wrote `t`: marks the work enqueued so far on its stream.
+    pub(crate) fn mark(t: &candle_core::Tensor) -> candle_core::Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = t.device() {
+            return Ok(Self {
+                event: Some(cuda::Handoff::mark(dev)?),
+            });
+        }
+        let _ = t;
+        Ok(Self {
+            #[cfg(feature = "cuda")]
+            event: None,
+        })
+    }
+
+    /// On the thread that reads the tensor: its stream waits for the mark (the host does not).
+    pub(crate) fn wait(self) -> candle_core::Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(e) = self.event {
+            return e.wait();
+        }
+        Ok(())
+    }
+}
