@@ -8,7 +8,8 @@ lines under `src/`) for two forms of test reference:
     name it as a whole word);
   - `<module path>::tests::<name>` (a unit test in `src/`): some file of that module path under
     `src/` (`a/b.rs`, `a/b/mod.rs`, `a/b/tests.rs`, at any depth) must define `fn <name>`; a
-    path that starts with `candle_rendezvous::` is looked up under `candle-rendezvous/src/`.
+    path that starts with `candle_rendezvous::` or `candle_collective::` is looked up under that
+    crate's `src/`.
 A `*` as the name accepts any test of the module. Prints each reference that does not resolve
 and exits 1 if there is one.
 """
@@ -19,11 +20,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md"] + sorted(
     p
-    for d in ("docs", "examples", "gpu-sim", "scripts", "candle-rendezvous")
+    for d in ("docs", "examples", "gpu-sim", "scripts", "candle-rendezvous", "candle-collective")
     for p in (ROOT / d).rglob("*.md")
 )
+CRATES = {"candle_rendezvous": "candle-rendezvous", "candle_collective": "candle-collective"}
 SOURCES = sorted((ROOT / "src").rglob("*.rs")) + sorted(
-    (ROOT / "candle-rendezvous" / "src").rglob("*.rs")
+    p for d in CRATES.values() for p in (ROOT / d / "src").rglob("*.rs")
 )
 INTEGRATION = re.compile(r"tests/([A-Za-z0-9_/]+\.rs)((?:::[A-Za-z0-9_*]+)+)")
 UNIT = re.compile(r"\b((?:[a-z_][a-z0-9_]*::)+)tests::([A-Za-z0-9_*]+)")
@@ -40,8 +42,8 @@ def defines(path: pathlib.Path, name: str, loose: bool) -> bool:
 
 def unit_files(modules: list[str]) -> list[pathlib.Path]:
     base = ROOT / "src"
-    if modules[0] == "candle_rendezvous":
-        base, modules = ROOT / "candle-rendezvous" / "src", modules[1:]
+    if modules[0] in CRATES:
+        base, modules = ROOT / CRATES[modules[0]] / "src", modules[1:]
         if not modules:
             return [base / "lib.rs", base / "tests.rs"]
     stem = "/".join(modules)

@@ -17,7 +17,7 @@
 # patch applies; a patch is reverted even when the script is interrupted.
 #
 # Not in CI (about 5 minutes after scripts/test-gpu-sim.sh, which would take CI past its 80):
-# run it before a change to gpu-sim/, kernels/, tests/emu/ or src/collective/, and after
+# run it before a change to gpu-sim/, kernels/, tests/emu/ or candle-collective/src/, and after
 # adding a test meant to catch one of these.
 set -euo pipefail
 cd "$(dirname "$0")/.."

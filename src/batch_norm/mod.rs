@@ -396,7 +396,7 @@ impl SyncBatchNorm {
     /// undone here.
     ///
     /// # Errors
-    /// The communicator's failure (e.g. a [`candle_collective::CollectiveError::RankLeft`]),
+    /// The communicator's failure (e.g. a [`crate::collective::CollectiveError::RankLeft`]),
     /// with a note that the layer rolled back.
     pub fn check_collectives(&self) -> Result<()> {
         let Err(e) = self.comm.deferred_error() else {

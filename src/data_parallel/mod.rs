@@ -305,9 +305,9 @@ impl DataParallel {
 
     /// Gradients travel as `dtype` (`F16` or `BF16`: half the bytes of f32) and come back in
     /// their own dtype; `None` (the default) sends them as they are. Every rank must choose
-    /// the same. The bucket goes through [`candle_collective::Collective::all_reduce_with`]
-    /// with the wire dtype (a [`candle_collective::AllReduce`]'s `wire`; host gradients as its
-    /// parts); what the sum is computed in is the backend's: [`candle_collective::ThreadGroup`]
+    /// the same. The bucket goes through [`crate::collective::Collective::all_reduce_with`]
+    /// with the wire dtype (a [`crate::collective::AllReduce`]'s `wire`; host gradients as its
+    /// parts); what the sum is computed in is the backend's: [`crate::collective::ThreadGroup`]
     /// and MPI accumulate 16-bit values in f32 (MPI also sends them as f32, having no 16-bit
     /// float type, so it saves no bytes; both round f32 gradients to the wire dtype on the host
     /// instead of casting them), NCCL in the wire dtype. f16's range is narrow: a gradient

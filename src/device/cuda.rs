@@ -1,7 +1,7 @@
 //! The CUDA floor the kernels, the ops and the NCCL backend stand on (feature `cuda`): the
 //! launch of a [`Call`] with the guards of its buffers, device views of inputs, the dtype
 //! dispatch (device views of storage and the hand-offs between threads' streams are
-//! `candle_collective::device::cuda`'s). Every kernel is enqueued on the candle
+//! `crate::collective::device::cuda`'s). Every kernel is enqueued on the candle
 //! device's stream; nothing here waits for the GPU.
 
 use candle_core::cuda_backend::cudarc::driver::{

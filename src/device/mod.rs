@@ -9,7 +9,7 @@
 //!   stream-ordering guards, the dtype dispatch of the CUDA paths.
 //!
 //! What the collectives need as well (the run-time SIMD choice, cache hints, device views of
-//! storage, the per-thread stream) is defined once, below them, in `candle_collective::device`.
+//! storage, the per-thread stream) is defined once, below them, in `crate::collective::device`.
 //!
 //! Errors raised here name their caller (the `op` argument): an op's errors name the op.
 

@@ -75,7 +75,7 @@ use crate::ops::attach::{self, attach};
 use candle_collective::{Collective, ReduceOp};
 
 /// A gradient function that communicates, announced first to an overlapped data-parallel
-/// backward on this thread ([`candle_collective::in_backward`]), which places its buckets
+/// backward on this thread ([`crate::collective::in_backward`]), which places its buckets
 /// around such collectives.
 fn communicating(
     f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,

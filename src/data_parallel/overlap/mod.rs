@@ -14,7 +14,7 @@
 //!
 //! Layers whose backward communicates too (`SyncBatchNorm`, the tensor-parallel layers) issue
 //! their collectives at fixed points of the graph, announced through
-//! [`candle_collective::in_backward`]. When a bucket's last gradient arrives depends on this
+//! [`crate::collective::in_backward`]. When a bucket's last gradient arrives depends on this
 //! rank's graph: with a variable used on some ranks only (stochastic depth, expert routing, a
 //! data-dependent branch) a bucket would start before such a collective on one rank and after
 //! it on another, and the ranks' collectives would no longer match. So every bucket has an
@@ -89,6 +89,6 @@ pub struct OverlapStats {
     /// again, whole, after the backward on every rank.
     pub sent_again: usize,
     /// Collectives the backward announced (`SyncBatchNorm`'s and the tensor-parallel layers'
-    /// backward all-reduces, [`candle_collective::in_backward`]).
+    /// backward all-reduces, [`crate::collective::in_backward`]).
     pub announced: usize,
 }
