@@ -12,7 +12,7 @@ pub struct DistEnv {
     /// `LOCAL_RANK`: this process's index on its machine (its GPU), 0 when unset.
     pub local_rank: usize,
     /// `LOCAL_WORLD_SIZE`: the processes on this machine, when the launcher says
-    /// (for node-local groups: `candle_distributed::collective::groups_of`).
+    /// (for node-local groups: `candle_collective::groups_of`).
     pub local_world_size: Option<usize>,
     /// `MASTER_ADDR`: host name or address of rank 0 (or of torchrun's agent store).
     pub master_addr: String,

@@ -38,7 +38,7 @@ pub(crate) fn from_vars(get: &impl Fn(&str) -> Option<String>) -> Result<Option<
     match (get(SECRET_VAR), get(SECRET_FILE_VAR)) {
         (None, None) => Ok(None),
         _ => bail!(
-            "bootstrap: {SECRET_VAR} or {SECRET_FILE_VAR} is set, but candle-rendezvous was built without its `keys` feature, which holds the shared key's cryptography: build with it (candle-distributed's `nccl` feature turns it on) or unset the variable"
+            "bootstrap: {SECRET_VAR} or {SECRET_FILE_VAR} is set, but candle-rendezvous was built without its `keys` feature, which holds the shared key's cryptography: build with it (the `nccl` feature of candle-collective and candle-distributed turns it on) or unset the variable"
         ),
     }
 }

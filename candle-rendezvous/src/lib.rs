@@ -3,8 +3,9 @@
 //! Start-up of multi-process groups from the environment that `torchrun` and similar launchers
 //! set ([`DistEnv`]), the key-value store every rank of a job reaches ([`JobStore`]), and the
 //! exchange through it with which rank 0 hands a small payload (NCCL's 128-byte unique id) to
-//! every other rank ([`share_bytes`]). Pure Rust, no GPU, no tensor: `candle-distributed`'s NCCL
-//! backend builds on it, and re-exports it as `candle_distributed::collective::rendezvous`.
+//! every other rank ([`share_bytes`]). Pure Rust, no GPU, no tensor: `candle-collective`'s NCCL
+//! backend builds on it, and re-exports it as `candle_collective::rendezvous` (and so
+//! `candle_distributed::collective::rendezvous`).
 //! [`store`] holds [`Store`] and [`TcpStoreClient`], a client of PyTorch's TCPStore; [`progress`]
 //! publishes each rank's newest collective in the job's store for hang reports; [`secret`] holds
 //! the optional shared key (feature `keys`, on by default).
