@@ -1,6 +1,6 @@
 //! The CUDA side (feature `cuda`): device views of storage, the per-thread default stream, and
 //! the hand-offs between threads' streams. Nothing here waits for the GPU except
-//! [`finish_thread_work`].
+//! `finish_thread_work`.
 
 use std::sync::Arc;
 
