@@ -23,7 +23,7 @@
 //! Checked in `tests/sampler.rs`: every data set length 0–150 and world sizes 1–9, with each
 //! remainder policy, batch sizes 1–5, shuffled or not.
 
-use candle_core::{bail, Result};
+use candle_core::{bail, Device, Result, Tensor};
 
 use candle_collective::Collective;
 
@@ -311,6 +311,28 @@ impl DistributedSampler {
             mine[start..end].to_vec()
         }))
     }
+}
+
+/// A batch's sample indices (from [`DistributedSampler::batches`] or
+/// [`DistributedSampler::indices`]) as the `u32` tensor of shape `(len,)` on `device` that
+/// candle's `Tensor::index_select` takes: `data.index_select(&index_tensor(&batch, &dev)?, 0)?`
+/// gathers the batch's rows of a data set held as one tensor.
+///
+/// # Errors
+///
+/// When an index does not fit in `u32` (naming it), or the tensor cannot be made on `device`.
+pub fn index_tensor(batch: &[usize], device: &Device) -> Result<Tensor> {
+    let ids = batch
+        .iter()
+        .map(|&i| {
+            u32::try_from(i).map_err(|_| {
+                candle_core::Error::Msg(format!(
+                    "sampler::index_tensor: sample index {i} does not fit in u32, the index type of index_select"
+                ))
+            })
+        })
+        .collect::<Result<Vec<u32>>>()?;
+    Tensor::from_vec(ids, batch.len(), device)
 }
 
 /// Shuffles `v` in place: Fisher–Yates driven by SplitMix64 seeded from `(seed, epoch)`.

@@ -84,6 +84,22 @@ fn bad_inputs_are_named_and_change_nothing(dev: &Device) -> anyhow::Result<()> {
             "[8, 3, 7, 7]",
         ],
     );
+    // A channels-last input given to a channels-first layer: the error says which setting to use.
+    expect_err(
+        bn.forward_t(&f32t(&[8, 3, 7, 4]), true),
+        &[
+            "expected 4 channels, got 3",
+            "a channels-last input? make the layer with `SyncBatchNormConfig::default().with_layout(ChannelLayout::ChannelsLast)`",
+        ],
+    );
+    let plain = bn
+        .forward_t(&f32t(&[8, 3, 7, 7]), true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        !plain.contains("channels-last input?"),
+        "no hint when no layout fits: {plain}"
+    );
     expect_err(bn.forward_t(&f32t(&[8]), true), &["rank 2 to 5", "[8]"]);
     expect_err(
         bn.forward_t(&f32t(&[2, 4, 1, 1, 1, 2]), true),

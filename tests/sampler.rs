@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use candle_distributed::sampler::{DistributedSampler, Remainder};
+use candle_distributed::sampler::{index_tensor, DistributedSampler, Remainder};
 
 const POLICIES: [Remainder; 3] = [Remainder::Pad, Remainder::Drop, Remainder::Exact];
 
@@ -239,4 +239,37 @@ fn ranks_that_disagree_about_the_data_are_refused() {
             "{e}"
         );
     }
+}
+
+/// A batch's indices as the tensor `index_select` takes: the same rows as gathering them one by
+/// one; an index beyond `u32` is refused by name.
+#[test]
+fn a_batch_gathers_its_rows_with_index_select() -> anyhow::Result<()> {
+    use candle_core::{Device, Tensor};
+    let dev = Device::Cpu;
+    // 23 distinct rows of 3 values (never zeros), 3 ranks, 4 samples per rank and step.
+    let data = Tensor::arange(1f32, 70., &dev)?.reshape((23, 3))?;
+    let rows = data.to_vec2::<f32>()?;
+    for rank in 0..3 {
+        let s = DistributedSampler::new(23, rank, 3)?.with_seed(7);
+        for batch in s.batches(2, 4, 0)? {
+            let got = data
+                .index_select(&index_tensor(&batch, &dev)?, 0)?
+                .to_vec2::<f32>()?;
+            let want: Vec<Vec<f32>> = batch.iter().map(|&i| rows[i].clone()).collect();
+            assert_eq!(got, want, "rank {rank}, batch {batch:?}");
+        }
+    }
+    assert_eq!(index_tensor(&[], &dev)?.dims(), [0]);
+    #[cfg(target_pointer_width = "64")]
+    {
+        let e = index_tensor(&[3, u32::MAX as usize + 1], &dev)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("index_tensor") && e.contains("4294967296"),
+            "{e}"
+        );
+    }
+    Ok(())
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::{Snapshot, SyncBatchNorm, OP};
+use crate::layout::ChannelLayout;
 use crate::ops::{
     batch_norm_elemt_autograd, batch_norm_gather_stats_update, batch_norm_stats, ElemtConfig,
     GatheredStats, RunningStats, StatsGrad,
@@ -49,10 +50,11 @@ impl SyncBatchNorm {
         };
         if c != self.num_features {
             bail!(
-                "{OP}: expected {} channels, got {c} (input shape {:?}, {:?})",
+                "{OP}: expected {} channels, got {c} (input shape {:?}, {:?}){}",
                 self.num_features,
                 x.dims(),
-                layout
+                layout,
+                other_layout_hint(layout, x.dims(), self.num_features)
             )
         }
         if !matches!(
@@ -253,5 +255,22 @@ impl SyncBatchNorm {
             layout: self.config.layout,
         };
         batch_norm_elemt_autograd(x, &plan.mean, &plan.invstd, &plan.count, options, stats)
+    }
+}
+
+/// A hint for a channel count that is wrong in `layout` but right in the other one (an NHWC
+/// input given to a channels-first layer, or the reverse): which setting to use. Empty
+/// otherwise.
+fn other_layout_hint(layout: ChannelLayout, dims: &[usize], channels: usize) -> String {
+    let (other, words) = match layout {
+        ChannelLayout::ChannelsFirst => (ChannelLayout::ChannelsLast, "channels-last"),
+        ChannelLayout::ChannelsLast => (ChannelLayout::ChannelsFirst, "channels-first"),
+    };
+    if other.channels(dims) == Some(channels) {
+        format!(
+            "; a {words} input? make the layer with `SyncBatchNormConfig::default().with_layout(ChannelLayout::{other:?})`"
+        )
+    } else {
+        String::new()
     }
 }
