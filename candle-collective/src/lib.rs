@@ -139,6 +139,7 @@
 
 mod all_reduce;
 mod checked;
+mod cores;
 mod decorator;
 #[doc(hidden)]
 pub mod device;
@@ -159,6 +160,7 @@ mod threads;
 pub use all_reduce::AllReduce;
 pub(crate) use all_reduce::{all_reduce_as_one, check_parts, check_wire, start_as_one};
 pub use checked::Checked;
+pub use cores::{share_cores, THREAD_VARS};
 pub use decorator::Decorator;
 pub use error::CollectiveError;
 pub use groups::groups_of;

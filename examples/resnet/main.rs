@@ -21,7 +21,6 @@ mod data;
 mod model;
 mod report;
 mod state;
-mod threads;
 mod train;
 
 use std::process::ExitCode;
@@ -40,11 +39,6 @@ fn main() -> Result<ExitCode> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = cli::Cli::parse();
     let cfg = args.config()?;
-    // Before any thread starts: the cores shared among this machine's ranks.
-    threads::share_cores(match cfg.backend.as_str() {
-        "threads" => cfg.world_size,
-        _ => candle_distributed::collective::rendezvous::local_world_size().unwrap_or(1),
-    });
     if args.check {
         let (steps, tol) = (args.check_steps, args.check_tol);
         let d = check::check(&cfg, steps, true)?;

@@ -196,12 +196,15 @@ impl std::fmt::Debug for Mpi {
 impl Mpi {
     /// Initialises MPI (`MPI_Init_thread` asking for `MPI_THREAD_SERIALIZED`). Errors when MPI
     /// was already initialised in this process, or provides less than serialised threading.
+    /// First the machine's cores are shared among the processes `mpirun` placed on it
+    /// ([`crate::share_cores`], unless `CANDLE_NUM_THREADS` or `RAYON_NUM_THREADS` is set).
     ///
     /// # Errors
     ///
     /// [`CollectiveError::InvalidArgument`] when MPI is already initialised in this process, or
     /// when the library provides less than `MPI_THREAD_SERIALIZED`.
     pub fn init() -> Result<Self> {
+        crate::share_cores(candle_rendezvous::local_world_size().unwrap_or(1));
         let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| invalid("init", "MPI is already initialised in this process".into()))?;
         if provided < Threading::Serialized {

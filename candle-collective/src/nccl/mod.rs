@@ -158,6 +158,7 @@ impl NcclGroup {
                 format!("GPU ordinals {ordinals:?} must be distinct and not empty (NCCL allows one rank per GPU)"),
             ));
         }
+        crate::share_cores(ordinals.len());
         let devices: Vec<CudaDevice> = ordinals
             .iter()
             .map(|&o| CudaDevice::new_with_stream(o))
@@ -275,6 +276,7 @@ impl NcclCollective {
     /// As [`NcclCollective::from_env`].
     pub fn from_env_with_timeout(timeout: Duration) -> Result<Arc<Self>> {
         let env = DistEnv::from_env().map_err(startup)?;
+        crate::share_cores(env.local_world_size.unwrap_or(1));
         let device = CudaDevice::new_with_stream(env.local_rank)?;
         blocking::refuse_blocking_mode(device.cuda_stream().context(), timeout)
             .map_err(|f| f.error("init", env.rank))?;

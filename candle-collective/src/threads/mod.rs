@@ -64,7 +64,9 @@ impl ThreadGroup {
     /// One communicator per rank (`result[r]` has rank `r`), with the default timeout
     /// ([`super::default_timeout`]: `CANDLE_DISTRIBUTED_TIMEOUT`, else
     /// [`DEFAULT_TIMEOUT`](super::DEFAULT_TIMEOUT)).
-    /// Hand each to its own thread.
+    /// Hand each to its own thread. The machine's cores are shared among the ranks
+    /// ([`crate::share_cores`]: `max(1, cores / world_size)` candle threads each, unless
+    /// `CANDLE_NUM_THREADS` or `RAYON_NUM_THREADS` is set).
     ///
     /// # Errors
     ///
@@ -88,6 +90,7 @@ impl ThreadGroup {
             )
             .into());
         }
+        crate::share_cores(world_size);
         let shared = Shared::new(world_size, timeout);
         Ok((0..world_size)
             .map(|rank| {
@@ -106,7 +109,8 @@ impl ThreadGroup {
     /// (the others' usual reaction to the failed rank's departure), with its rank and the other
     /// ranks' errors (their first lines) as context; a [`CollectiveError`] stays matchable
     /// through [`CollectiveError::find`]. A rank that panics is an error naming it, and its
-    /// departure makes the others' pending collectives fail promptly.
+    /// departure makes the others' pending collectives fail promptly. The cores are shared among
+    /// the ranks first, as by [`ThreadGroup::new`].
     ///
     /// With the `cuda` feature, each rank's thread waits for the GPU work it enqueued on its
     /// per-thread default stream before its result is handed back: the per-thread streams of
