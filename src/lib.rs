@@ -14,6 +14,8 @@
 //! - [`DataParallel`]: replicas that train as one model (broadcast at start, bucketed gradient
 //!   averaging, gradient accumulation, 16-bit gradients on the wire, uneven inputs), with the
 //!   gradient all-reduce overlapped with the backward through [`GradHooks`].
+//! - [`conv`]: [`Conv2d`], candle-nn's convolution layer (same constructors and variables) on
+//!   the crate's faster convolution: a one-line swap.
 //! - [`sampler`]: [`DistributedSampler`], each rank's share of a data set per epoch (PyTorch's
 //!   `DistributedSampler`), shuffled by (seed, epoch), resumable mid-epoch.
 //! - [`checkpoint`]: checkpoints every rank agrees on (atomic, written by rank 0, loaded by
@@ -57,6 +59,7 @@
 pub mod amp;
 pub mod batch_norm;
 pub mod checkpoint;
+pub mod conv;
 /// The collectives, the crate `candle-collective`: the [`collective::Collective`] trait, its
 /// backends ([`collective::ThreadGroup`]; `Mpi` with the `mpi` feature; `NcclCollective` and
 /// `NcclGroup` with the `nccl` feature), process groups, decorators, the flight recorder and the
@@ -78,6 +81,7 @@ pub mod sampler;
 
 pub use amp::GradScaler;
 pub use batch_norm::{sync_batch_norm, SyncBatchNorm, SyncBatchNormConfig};
+pub use conv::{conv2d, conv2d_no_bias, Conv2d};
 pub use data_parallel::{DataParallel, GradHooks, OverlapStats};
 pub use layout::ChannelLayout;
 
