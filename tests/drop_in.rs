@@ -4,7 +4,7 @@
 
 mod common;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_distributed::collective::ThreadGroup;
 use candle_distributed::{sync_batch_norm, ChannelLayout, SyncBatchNormConfig};
 use candle_nn::{BatchNormConfig, ModuleT, VarBuilder, VarMap};
@@ -139,5 +139,96 @@ fn the_candle_batch_norm_gives_the_same_eval_output() -> anyhow::Result<()> {
         .unwrap_err()
         .to_string();
     assert!(e.contains("channels-last") && e.contains("permute"), "{e}");
+    Ok(())
+}
+
+/// One model definition for both kinds of norm (`NormFactory`): a model trained with
+/// synchronized norms on 2 ranks, its variables loaded into the same definition made with
+/// `NormFactory::Local` (candle-nn's layer), gives the same eval output within 2e-6 of its
+/// largest value; the same variable names either way; what candle-nn's layer cannot do is
+/// refused by name.
+#[test]
+fn one_model_definition_serves_both_norms() -> anyhow::Result<()> {
+    use candle_distributed::batch_norm::{Norm, NormFactory};
+    fn model(norms: &NormFactory, vb: VarBuilder) -> candle_core::Result<(Norm, Norm)> {
+        Ok((
+            norms.make(5, 1e-5, vb.pp("bn1"))?,
+            norms.make(5, 1e-5, vb.pp("bn2"))?,
+        ))
+    }
+    fn run((a, b): &(Norm, Norm), x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        b.forward_t(&(a.forward_t(x, train)? * 2.0)?, train)
+    }
+    let x = randn(99, &[3, 5, 4, 4], 3.0, 2.0).to_dtype(DType::F32)?;
+    let trained = ThreadGroup::run(2, |comm| {
+        let vm = VarMap::new();
+        let m = model(
+            &NormFactory::Sync(comm.clone()),
+            VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        )?;
+        for step in 0..3u64 {
+            let seed = 10 * step + comm.rank() as u64;
+            run(
+                &m,
+                &randn(seed, &[7, 5, 4, 4], 3.0, 2.0).to_dtype(DType::F32)?,
+                true,
+            )?;
+        }
+        let vars: Vec<(String, Tensor)> = vm
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
+            .collect();
+        Ok((vars, run(&m, &x, false)?))
+    })?;
+    let (vars, ours) = trained[0].clone();
+    let vm = VarMap::new();
+    let local = model(
+        &NormFactory::Local,
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+    )?;
+    {
+        let data = vm.data().lock().unwrap();
+        for (name, v) in data.iter() {
+            let t = &vars
+                .iter()
+                .find(|(n, _)| n == name)
+                .unwrap_or_else(|| panic!("{name} not in the synchronized model"))
+                .1;
+            v.set(t)?;
+        }
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "bn1.bias",
+                "bn1.running_mean",
+                "bn1.running_var",
+                "bn1.weight",
+                "bn2.bias",
+                "bn2.running_mean",
+                "bn2.running_var",
+                "bn2.weight"
+            ]
+        );
+    }
+    assert!(matches!(local.0, Norm::Local(_)));
+    let theirs = run(&local, &x, false)?;
+    let scale = ours.abs()?.max_all()?.to_scalar::<f32>()?;
+    let diff = (&ours - &theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff <= 2e-6 * scale, "max difference {diff}, scale {scale}");
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    let e = NormFactory::Local
+        .make(
+            5,
+            SyncBatchNormConfig::default().with_fuse_relu(true),
+            vb.pp("bn3"),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not support a fused ReLU"), "{e}");
     Ok(())
 }

@@ -85,9 +85,11 @@
 mod config;
 mod convert;
 mod forward;
+mod norm;
 
 pub use config::SyncBatchNormConfig;
 pub use forward::synced;
+pub use norm::{Norm, NormFactory};
 
 use std::sync::{Arc, Mutex};
 
