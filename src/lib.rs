@@ -95,3 +95,8 @@ pub use sampler::{DistributedSampler, Remainder};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The porting guide's Rust code blocks (`docs/porting.md`), compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/porting.md")]
+pub struct PortingDoctests;
