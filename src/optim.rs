@@ -100,6 +100,16 @@ impl AdamW {
     /// When a moment is missing or of another shape or dtype (naming it), or cannot be moved to
     /// its variable's device.
     pub fn load_state(&mut self, step: usize, tensors: &HashMap<String, Tensor>) -> Result<()> {
+        let found = self.checked_state(tensors)?;
+        self.put_state(step, found)
+    }
+
+    /// The moments [`Self::load_state`] would set, checked and on their variables' devices;
+    /// nothing changes.
+    pub(crate) fn checked_state(
+        &self,
+        tensors: &HashMap<String, Tensor>,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
         let mut found = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
             let get = |kind: &str| -> Result<Tensor> {
@@ -120,6 +130,11 @@ impl AdamW {
             };
             found.push((get("m")?, get("v")?));
         }
+        Ok(found)
+    }
+
+    /// Sets the moments [`Self::checked_state`] returned, and the step count.
+    pub(crate) fn put_state(&mut self, step: usize, found: Vec<(Tensor, Tensor)>) -> Result<()> {
         for (s, (m, v)) in self.slots.iter().zip(found) {
             s.m.set(&m)?;
             s.v.set(&v)?;

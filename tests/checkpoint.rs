@@ -121,6 +121,114 @@ fn a_checkpoint_round_trips_and_resumes_bitwise() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The caller's metadata of `save_training`: any `Serialize`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct RunInfo {
+    model: String,
+    batch_size: usize,
+    seed: u64,
+}
+
+/// `save_training` / `restore_training`: the whole state in one call each way, the layers'
+/// shifts found by their own names; the restored run's next step equals the uninterrupted
+/// run's bit for bit; the position and the caller's metadata come back typed; `read_model`
+/// reads the weights without a communicator; a checkpoint one rank refuses (another model
+/// there) or metadata of another type fails every rank and restores nothing anywhere.
+#[test]
+fn the_training_state_saves_and_restores_in_one_call() -> anyhow::Result<()> {
+    use checkpoint::{Position, TrainingState};
+    let dir = fresh_dir("training");
+    let info = RunInfo {
+        model: "fc+bn".into(),
+        batch_size: 5,
+        seed: 7,
+    };
+    let outs = ThreadGroup::run(2, |comm| {
+        let run = || -> anyhow::Result<Vec<(String, Vec<u64>)>> {
+            let mut a = model(comm.clone())?;
+            a.step(comm.rank(), 0)?;
+            a.step(comm.rank(), 1)?;
+            assert_eq!(a.bn.name(), "bn");
+            let state = TrainingState {
+                model: &a.vm,
+                optimizer: Some(&a.opt),
+                norms: std::slice::from_ref(&a.bn),
+                position: Position { epoch: 1, step: 3 },
+            };
+            checkpoint::save_training(&dir, "s0002", &state, &info, &*comm)?;
+
+            // Refused on one rank (a model of another width there): every rank fails, and
+            // nothing is restored anywhere.
+            let b = model(comm.clone())?;
+            let before = checkpoint::varmap_tensors(&b.vm)?;
+            let other = VarMap::new();
+            let width = if comm.rank() == 1 { 5 } else { 4 };
+            linear(
+                width,
+                3,
+                VarBuilder::from_varmap(&other, DType::F32, &Device::Cpu).pp("fc"),
+            )?;
+            let vm = if comm.rank() == 1 { &other } else { &b.vm };
+            let e = checkpoint::restore_training::<RunInfo>(Some(&dir), vm, None, &[], &*comm)
+                .unwrap_err()
+                .to_string();
+            match comm.rank() {
+                1 => assert!(
+                    e.contains("rank 1 refused") && e.contains("fc.weight"),
+                    "{e}"
+                ),
+                _ => assert!(e.contains("rank(s) [1] refused"), "{e}"),
+            }
+            for ((k, x), (_, y)) in before.iter().zip(checkpoint::varmap_tensors(&b.vm)?.iter()) {
+                assert_eq!(bits(x), bits(y), "{k} changed by a refused restore");
+            }
+            // Metadata of another type: refused by name.
+            let e = checkpoint::restore_training::<u64>(Some(&dir), &b.vm, None, &[], &*comm)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("its metadata is not what save_training wrote"),
+                "{e}"
+            );
+
+            let mut b = b;
+            let restored = checkpoint::restore_training::<RunInfo>(
+                checkpoint::latest(&dir).as_deref(),
+                &b.vm,
+                Some(&mut b.opt),
+                std::slice::from_ref(&b.bn),
+                &*comm,
+            )?
+            .expect("a checkpoint");
+            assert_eq!(restored.position, Position { epoch: 1, step: 3 });
+            assert_eq!(restored.metadata, info);
+            a.step(comm.rank(), 2)?;
+            b.step(comm.rank(), 2)?;
+            let (ta, tb) = (a.tensors()?, b.tensors()?);
+            for ((k, x), (_, y)) in ta.iter().zip(tb.iter()) {
+                assert_eq!(bits(x), bits(y), "{k} one step after the resume");
+            }
+            Ok(tb.iter().map(|(k, t)| (k.clone(), bits(t))).collect())
+        };
+        run().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+    })?;
+    assert!(outs[0].iter().any(|(k, _)| k == "syncbn_shift.bn"));
+    assert_eq!(outs[0], outs[1], "both ranks hold the same state");
+    // Inference: the weights alone, no communicator.
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    linear(4, 3, vb.pp("fc"))?;
+    let loaded = checkpoint::read_model(&dir, &vm)?;
+    let saved = &loaded.tensors["fc.weight"];
+    assert_eq!(
+        bits(&vm.data().lock().unwrap()["fc.weight"].as_tensor().clone()),
+        bits(saved)
+    );
+    assert_eq!(loaded.metadata["user"]["seed"], 7);
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
 /// One rank (every check is local; a one-rank group's agreement passes through).
 fn load_alone(path: &Path) -> candle_core::Result<Option<Loaded>> {
     let comm = ThreadGroup::new(1)?.remove(0);

@@ -193,6 +193,8 @@ struct Snapshot {
 /// ```
 #[derive(Debug, Clone)]
 pub struct SyncBatchNorm {
+    /// The `VarBuilder` prefix the layer was built under (`layer1.0.bn1`).
+    name: String,
     num_features: usize,
     config: SyncBatchNormConfig,
     comm: Arc<dyn Collective>,
@@ -267,6 +269,7 @@ pub fn sync_batch_norm(
         None
     };
     Ok(SyncBatchNorm {
+        name: vb.prefix(),
         num_features,
         config,
         comm,
@@ -342,7 +345,20 @@ impl SyncBatchNorm {
     /// # Errors
     /// A shape other than `[C]` or a non-finite value; the layer is then unchanged.
     pub fn set_shift(&self, shift: Option<&Tensor>) -> Result<()> {
-        let shift = match shift {
+        let shift = self.checked_shift(shift)?;
+        self.put_shift(shift);
+        Ok(())
+    }
+
+    /// The variable prefix the layer was built under (`vb.prefix()` at
+    /// [`sync_batch_norm`]: `layer1.0.bn1`), which names its shift in a checkpoint.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A shift for [`Self::set_shift`], checked and on the layer's device; nothing changes.
+    pub(crate) fn checked_shift(&self, shift: Option<&Tensor>) -> Result<Option<Tensor>> {
+        Ok(match shift {
             None => None,
             Some(t) => {
                 if t.dims() != [self.num_features] {
@@ -365,12 +381,15 @@ impl SyncBatchNorm {
                 }
                 Some(t)
             }
-        };
+        })
+    }
+
+    /// Sets a shift [`Self::checked_shift`] returned.
+    pub(crate) fn put_shift(&self, shift: Option<Tensor>) {
         let mut st = self.lock();
         st.shift = shift;
         // A rollback of the last step must not undo the restored shift.
         st.before_last_step = None;
-        Ok(())
     }
 
     /// The layer's configuration.

@@ -43,6 +43,7 @@
 
 mod files;
 mod manifest;
+mod training;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -55,6 +56,9 @@ use candle_collective::{Collective, CollectiveError};
 use files::{io_err, sync_file};
 pub use files::{write_atomic, FileLock};
 use manifest::Manifest;
+pub use training::{
+    read_model, restore_training, save_training, Position, Restored, TrainingState,
+};
 
 /// The version of the manifest's layout; a manifest of another is refused.
 pub const FORMAT: u32 = 2;
@@ -286,6 +290,14 @@ impl Loaded {
     /// When a variable is missing from the checkpoint or has another shape there (naming it),
     /// the lock is poisoned, or a conversion fails.
     pub fn set_varmap(&self, vm: &VarMap) -> Result<()> {
+        for (v, t) in self.varmap_values(vm)? {
+            v.set(&t)?;
+        }
+        Ok(())
+    }
+
+    /// The values [`Self::set_varmap`] would set, checked and converted; nothing changes.
+    pub(super) fn varmap_values(&self, vm: &VarMap) -> Result<Vec<(candle_core::Var, Tensor)>> {
         let data = vm.data().lock().map_err(|_| {
             candle_core::Error::Msg("checkpoint: the VarMap's lock is poisoned".into())
         })?;
@@ -305,12 +317,9 @@ impl Loaded {
                     v.dims()
                 )
             }
-            found.push((v, t.to_dtype(v.dtype())?.to_device(v.device())?));
+            found.push((v.clone(), t.to_dtype(v.dtype())?.to_device(v.device())?));
         }
-        for (v, t) in found {
-            v.set(&t)?;
-        }
-        Ok(())
+        Ok(found)
     }
 
     /// Restores the shifts [`shift_tensors`] saved into `layers` (a layer without one gets
