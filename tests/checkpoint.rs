@@ -201,6 +201,11 @@ fn the_training_state_saves_and_restores_in_one_call() -> anyhow::Result<()> {
             )?
             .expect("a checkpoint");
             assert_eq!(restored.position, Position { epoch: 1, step: 3 });
+            assert_eq!(
+                b.bn.num_batches_tracked(),
+                2,
+                "the layer's counter follows its variable"
+            );
             assert_eq!(restored.metadata, info);
             a.step(comm.rank(), 2)?;
             b.step(comm.rank(), 2)?;

@@ -384,6 +384,24 @@ impl SyncBatchNorm {
         })
     }
 
+    /// Reads `num_batches_tracked` again from its variable, after something outside the layer
+    /// set it (a checkpoint restored into the `VarMap`): the host counter the next step uses
+    /// (the cumulative average's momentum) follows it.
+    ///
+    /// # Errors
+    /// When the variable cannot be read to the host as an i64 scalar.
+    pub(crate) fn reread_num_batches_tracked(&self) -> Result<()> {
+        if let Some(r) = &self.running {
+            let n = r
+                .batches
+                .as_tensor()
+                .to_dtype(DType::I64)?
+                .to_scalar::<i64>()?;
+            self.lock().num_batches_tracked = n.max(0) as u64;
+        }
+        Ok(())
+    }
+
     /// Sets a shift [`Self::checked_shift`] returned.
     pub(crate) fn put_shift(&self, shift: Option<Tensor>) {
         let mut st = self.lock();

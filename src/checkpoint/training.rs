@@ -122,7 +122,8 @@ pub fn save_training<M: Serialize>(
 /// Collective: every rank calls it.
 ///
 /// A norm whose shift the checkpoint lacks (saved before its first step) gets none, as before
-/// its first step.
+/// its first step; each norm's `num_batches_tracked` (the host counter its next step uses)
+/// follows its restored variable.
 ///
 /// # Errors
 ///
@@ -174,6 +175,8 @@ pub fn restore_training<M: DeserializeOwned>(
     }
     for (bn, shift) in norms.iter().zip(shifts) {
         bn.put_shift(shift);
+        // The layer's host copy of `num_batches_tracked` follows the variable just restored.
+        bn.reread_num_batches_tracked()?;
     }
     Ok(Some(Restored {
         path: loaded.path,
