@@ -165,6 +165,7 @@ pub fn train_rank(
         .into_iter()
         .filter(|m| m.epoch <= st.epoch)
         .collect();
+    let earlier_seconds = metrics.last().map_or(0.0, |m| m.seconds);
     let mut images_seen = 0usize;
     for epoch in st.epoch..cfg.epochs {
         let epoch_start = Instant::now();
@@ -180,7 +181,8 @@ pub fn train_rank(
             val_loss,
             val_acc,
             images_per_sec: samples / epoch_start.elapsed().as_secs_f64(),
-            seconds: start.elapsed().as_secs_f64(),
+            // Continued across a resume: the run's time so far, the earlier rows' included.
+            seconds: earlier_seconds + start.elapsed().as_secs_f64(),
         });
         st.epoch = epoch + 1;
         // Nothing of the epoch was lost to an aborted collective (the evaluation's all-reduce

@@ -70,7 +70,8 @@ fn tiny_config(dir: &std::path::Path, precision: train::Precision) -> train::Con
 }
 
 /// A resume into another `--out-dir`: the new folder's `metrics.csv` continues the rows of
-/// the run that wrote the checkpoint (they were read from the new, empty folder).
+/// the run that wrote the checkpoint (they were read from the new, empty folder), its seconds
+/// counting on from theirs.
 #[test]
 fn a_resume_into_another_folder_continues_the_metrics() {
     let (a, b) = (fresh_dir("first-half"), fresh_dir("second-half"));
@@ -97,6 +98,12 @@ fn a_resume_into_another_folder_continues_the_metrics() {
     assert_eq!(
         rows[0].train_loss, first[0].train_loss,
         "epoch 1's row carried over"
+    );
+    // The run's time continues across the resume: epoch 3's seconds count on from epoch 2's.
+    assert!(
+        rows[2].seconds > rows[1].seconds && rows[1].seconds >= rows[0].seconds,
+        "seconds {:?}",
+        rows.iter().map(|r| r.seconds).collect::<Vec<_>>()
     );
     for d in [a, b] {
         std::fs::remove_dir_all(d).unwrap();
