@@ -11,6 +11,7 @@
 //! scripts/bench-user.sh                            # against the main job, alternating
 //! ```
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -21,7 +22,6 @@ use candle_distributed::SyncBatchNorm;
 use candle_distributed::{conv2d_no_bias, sync_batch_norm, Conv2d, DataParallel, GradHooks};
 use candle_nn::{linear, AdamW, Conv2dConfig, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use std::sync::Arc;
 
 const RANKS: usize = 4;
 const EPOCHS: u64 = 3;

@@ -69,6 +69,22 @@ impl Model {
     }
 }
 
+/// One more step of the uninterrupted model `a` and the resumed `b`: every tensor the same bit
+/// for bit after it; returns `b`'s, by name.
+fn step_both_alike(
+    a: &mut Model,
+    b: &mut Model,
+    rank: usize,
+) -> anyhow::Result<Vec<(String, Vec<u64>)>> {
+    a.step(rank, 2)?;
+    b.step(rank, 2)?;
+    let (ta, tb) = (a.tensors()?, b.tensors()?);
+    for ((k, x), (_, y)) in ta.iter().zip(tb.iter()) {
+        assert_eq!(bits(x), bits(y), "{k} one step after the resume");
+    }
+    Ok(tb.iter().map(|(k, t)| (k.clone(), bits(t))).collect())
+}
+
 fn bits(t: &Tensor) -> Vec<u64> {
     let v = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
     v.to_vec1::<f64>()
@@ -104,13 +120,7 @@ fn a_checkpoint_round_trips_and_resumes_bitwise() -> anyhow::Result<()> {
             for ((k, x), (_, y)) in a.tensors()?.iter().zip(b.tensors()?.iter()) {
                 assert_eq!(bits(x), bits(y), "{k} after loading");
             }
-            a.step(comm.rank(), 2)?;
-            b.step(comm.rank(), 2)?;
-            let (ta, tb) = (a.tensors()?, b.tensors()?);
-            for ((k, x), (_, y)) in ta.iter().zip(tb.iter()) {
-                assert_eq!(bits(x), bits(y), "{k} one step after the resume");
-            }
-            Ok(tb.iter().map(|(k, t)| (k.clone(), bits(t))).collect())
+            step_both_alike(&mut a, &mut b, comm.rank())
         };
         run().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
     })?;
@@ -207,13 +217,7 @@ fn the_training_state_saves_and_restores_in_one_call() -> anyhow::Result<()> {
                 "the layer's counter follows its variable"
             );
             assert_eq!(restored.metadata, info);
-            a.step(comm.rank(), 2)?;
-            b.step(comm.rank(), 2)?;
-            let (ta, tb) = (a.tensors()?, b.tensors()?);
-            for ((k, x), (_, y)) in ta.iter().zip(tb.iter()) {
-                assert_eq!(bits(x), bits(y), "{k} one step after the resume");
-            }
-            Ok(tb.iter().map(|(k, t)| (k.clone(), bits(t))).collect())
+            step_both_alike(&mut a, &mut b, comm.rank())
         };
         run().map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
     })?;

@@ -174,14 +174,7 @@ fn one_model_definition_serves_both_norms() -> anyhow::Result<()> {
                 true,
             )?;
         }
-        let vars: Vec<(String, Tensor)> = vm
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().copy().unwrap()))
-            .collect();
-        Ok((vars, run(&m, &x, false)?))
+        Ok((common::training::snapshot(&vm), run(&m, &x, false)?))
     })?;
     let (vars, ours) = trained[0].clone();
     let vm = VarMap::new();

@@ -50,7 +50,8 @@ pub fn share_cores(ranks_here: usize) -> Option<usize> {
             return None;
         }
     }
-    if !user.is_empty() || THREAD_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
+    // A count the user set (parseable or not) is theirs.
+    if THREAD_VARS.iter().any(|v| std::env::var_os(v).is_some()) {
         if let Some(&(var, n)) = user
             .iter()
             .find(|&&(_, n)| n.saturating_mul(ranks_here) > cores)

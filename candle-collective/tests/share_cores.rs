@@ -2,24 +2,12 @@
 //! warned about when it oversubscribes them. One test in a binary of its own: it changes the
 //! process environment and candle's worker pool, which start once per process.
 
+mod common;
+
 use std::sync::Mutex;
 
 use candle_collective::{share_cores, ThreadGroup, THREAD_VARS};
-
-/// The warnings logged, for the test to read.
-struct Warnings(Mutex<Vec<String>>);
-
-impl log::Log for Warnings {
-    fn enabled(&self, m: &log::Metadata) -> bool {
-        m.level() <= log::Level::Warn
-    }
-    fn log(&self, r: &log::Record) {
-        if self.enabled(r.metadata()) {
-            self.0.lock().unwrap().push(r.args().to_string());
-        }
-    }
-    fn flush(&self) {}
-}
+use common::Warnings;
 
 static WARNINGS: Warnings = Warnings(Mutex::new(Vec::new()));
 
@@ -29,8 +17,7 @@ fn vars() -> Vec<Option<String>> {
 
 #[test]
 fn ranks_share_the_cores_unless_the_user_chose() {
-    log::set_logger(&WARNINGS).unwrap();
-    log::set_max_level(log::LevelFilter::Warn);
+    common::capture(&WARNINGS);
     // This process only: the test starts from an environment without a count.
     for v in THREAD_VARS {
         std::env::remove_var(v);

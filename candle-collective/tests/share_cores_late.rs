@@ -2,30 +2,18 @@
 //! it, and a warning says so and what to do. A binary of its own: the pool starts once per
 //! process.
 
+mod common;
+
 use std::sync::Mutex;
 
 use candle_collective::{share_cores, THREAD_VARS};
-
-struct Warnings(Mutex<Vec<String>>);
-
-impl log::Log for Warnings {
-    fn enabled(&self, m: &log::Metadata) -> bool {
-        m.level() <= log::Level::Warn
-    }
-    fn log(&self, r: &log::Record) {
-        if self.enabled(r.metadata()) {
-            self.0.lock().unwrap().push(r.args().to_string());
-        }
-    }
-    fn flush(&self) {}
-}
+use common::Warnings;
 
 static WARNINGS: Warnings = Warnings(Mutex::new(Vec::new()));
 
 #[test]
 fn a_pool_started_before_the_cores_were_shared_is_named() {
-    log::set_logger(&WARNINGS).unwrap();
-    log::set_max_level(log::LevelFilter::Warn);
+    common::capture(&WARNINGS);
     for v in THREAD_VARS {
         std::env::remove_var(v);
     }
