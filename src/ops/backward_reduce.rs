@@ -16,10 +16,13 @@ use crate::device::Geometry;
 /// `g = dy`, or `0` where `y ≤ 0` when `MASK` (ReLU's derivative; NaN passes, as in PyTorch).
 #[inline(always)]
 fn grad<T: Elem, const MASK: bool>(dy: &T, y: &T) -> f64 {
-    if MASK && y.load() <= T::R::ZERO {
+    // Both values loaded first, then a select: the compiler keeps the loop vectorized (a load
+    // under the condition made it a branch per value, mispredicted half the time).
+    let (g, off) = (dy.load().to_f64(), MASK && y.load() <= T::R::ZERO);
+    if off {
         0.0
     } else {
-        dy.load().to_f64()
+        g
     }
 }
 
