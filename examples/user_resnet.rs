@@ -6,9 +6,16 @@
 //! defaults: 3 epochs of 8000 synthetic 16×16 images in 10 classes, a global batch of 128, an
 //! evaluation of 2000 images after each epoch.
 //!
+//! With `--fused` the ReLUs move into the batch norms, as the main job has them: the layers
+//! made with `SyncBatchNormConfig::with_fuse_relu(true)`, and a block's last norm, residual add
+//! and ReLU in one call of `SyncBatchNorm::forward_residual`, in place of candle's `relu()`
+//! and `+` (whose backward is four passes over the values: a comparison, a conversion, a
+//! product and a sum).
+//!
 //! ```sh
 //! cargo run --release --example user_resnet        # prints one JSON line, as the main job
-//! scripts/bench-user.sh                            # against the main job, alternating
+//! cargo run --release --example user_resnet -- --fused
+//! scripts/bench-user.sh                            # both against the main job, alternating
 //! ```
 
 use std::sync::Arc;
@@ -18,7 +25,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::sampler::{index_tensor, DistributedSampler};
-use candle_distributed::SyncBatchNorm;
+use candle_distributed::{SyncBatchNorm, SyncBatchNormConfig};
 use candle_distributed::{conv2d_no_bias, sync_batch_norm, Conv2d, DataParallel, GradHooks};
 use candle_nn::{linear, AdamW, Conv2dConfig, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -31,34 +38,63 @@ const CLASSES: usize = 10;
 const TRAIN: usize = 8000;
 const VAL: usize = 2000;
 
-/// A convolution and its batch norm.
+/// How the model is built: the ReLUs candle's (`Plain`) or inside the batch norms (`Fused`).
+#[derive(Clone, Copy, PartialEq)]
+enum Style {
+    Plain,
+    Fused,
+}
+
+/// A convolution and its batch norm, with a ReLU after it when `relu`.
 struct ConvBn {
     conv: Conv2d,
     bn: SyncBatchNorm,
+    relu: bool,
+    style: Style,
+}
+
+/// Where a [`ConvBn`] sits: its shapes, its ReLU, the model's style.
+struct Spec {
+    cin: usize,
+    cout: usize,
+    k: usize,
+    stride: usize,
+    relu: bool,
+    style: Style,
 }
 
 impl ConvBn {
-    fn new(
-        cin: usize,
-        cout: usize,
-        k: usize,
-        stride: usize,
-        vb: VarBuilder,
-        comm: &Arc<dyn Collective>,
-    ) -> Result<Self> {
+    fn new(s: Spec, vb: VarBuilder, comm: &Arc<dyn Collective>) -> Result<Self> {
         let cfg = Conv2dConfig {
-            padding: k / 2,
-            stride,
+            padding: s.k / 2,
+            stride: s.stride,
             ..Default::default()
         };
+        let norm = SyncBatchNormConfig::default().with_fuse_relu(s.relu && s.style == Style::Fused);
         Ok(Self {
-            conv: conv2d_no_bias(cin, cout, k, cfg, vb.pp("conv"))?,
-            bn: sync_batch_norm(cout, 1e-5, vb.pp("bn"), comm.clone())?,
+            conv: conv2d_no_bias(s.cin, s.cout, s.k, cfg, vb.pp("conv"))?,
+            bn: sync_batch_norm(s.cout, norm, vb.pp("bn"), comm.clone())?,
+            relu: s.relu,
+            style: s.style,
         })
     }
 
+    /// `relu(bn(conv(x)))`, or without the ReLU.
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        Ok(self.bn.forward_t(&self.conv.forward(x)?, train)?)
+        let y = self.bn.forward_t(&self.conv.forward(x)?, train)?;
+        match self.relu && self.style == Style::Plain {
+            true => Ok(y.relu()?),
+            false => Ok(y),
+        }
+    }
+
+    /// `relu(bn(conv(x)) + z)` (a layer made with `relu`).
+    fn forward_add_relu(&self, x: &Tensor, z: &Tensor, train: bool) -> Result<Tensor> {
+        let y = self.conv.forward(x)?;
+        match self.style {
+            Style::Plain => Ok((self.bn.forward_t(&y, train)? + z)?.relu()?),
+            Style::Fused => Ok(self.bn.forward_residual(&y, z, train)?),
+        }
     }
 }
 
@@ -71,13 +107,12 @@ struct Block {
 
 impl Block {
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let y = self.a.forward(x, train)?.relu()?;
-        let y = self.b.forward(&y, train)?;
+        let y = self.a.forward(x, train)?;
         let short = match &self.down {
             Some(d) => d.forward(x, train)?,
             None => x.clone(),
         };
-        Ok((y + short)?.relu()?)
+        self.b.forward_add_relu(&y, &short, train)
     }
 }
 
@@ -88,8 +123,16 @@ struct ResNet20 {
 }
 
 impl ResNet20 {
-    fn new(vb: VarBuilder, comm: &Arc<dyn Collective>) -> Result<Self> {
-        let stem = ConvBn::new(3, 16, 3, 1, vb.pp("stem"), comm)?;
+    fn new(vb: VarBuilder, comm: &Arc<dyn Collective>, style: Style) -> Result<Self> {
+        let spec = |cin, cout, k, stride, relu| Spec {
+            cin,
+            cout,
+            k,
+            stride,
+            relu,
+            style,
+        };
+        let stem = ConvBn::new(spec(3, 16, 3, 1, true), vb.pp("stem"), comm)?;
         let mut blocks = Vec::new();
         let mut cin = 16;
         for (s, cout) in [16, 32, 64].into_iter().enumerate() {
@@ -97,11 +140,11 @@ impl ResNet20 {
                 let stride = if s > 0 && i == 0 { 2 } else { 1 };
                 let vb = vb.pp(format!("layer{}.{i}", s + 1));
                 let down = (stride != 1 || cin != cout)
-                    .then(|| ConvBn::new(cin, cout, 1, stride, vb.pp("down"), comm))
+                    .then(|| ConvBn::new(spec(cin, cout, 1, stride, false), vb.pp("down"), comm))
                     .transpose()?;
                 blocks.push(Block {
-                    a: ConvBn::new(cin, cout, 3, stride, vb.pp("a"), comm)?,
-                    b: ConvBn::new(cout, cout, 3, 1, vb.pp("b"), comm)?,
+                    a: ConvBn::new(spec(cin, cout, 3, stride, true), vb.pp("a"), comm)?,
+                    b: ConvBn::new(spec(cout, cout, 3, 1, true), vb.pp("b"), comm)?,
                     down,
                 });
                 cin = cout;
@@ -115,7 +158,7 @@ impl ResNet20 {
     }
 
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let mut y = self.stem.forward(x, train)?.relu()?;
+        let mut y = self.stem.forward(x, train)?;
         for b in &self.blocks {
             y = b.forward(&y, train)?;
         }
@@ -149,11 +192,12 @@ fn train(
     comm: Arc<dyn Collective>,
     train: &(Tensor, Tensor),
     val: &(Tensor, Tensor),
+    style: Style,
 ) -> Result<(f64, f64, f32)> {
     let dev = Device::Cpu;
     let vm = VarMap::new();
     let hooks = GradHooks::new();
-    let model = ResNet20::new(hooks.var_builder(&vm, DType::F32, &dev), &comm)?;
+    let model = ResNet20::new(hooks.var_builder(&vm, DType::F32, &dev), &comm, style)?;
     let dp = DataParallel::new(&vm, comm.clone())?.with_overlap(&hooks)?;
     let params = ParamsAdamW {
         lr: 4e-3,
@@ -190,9 +234,14 @@ fn train(
 }
 
 fn main() -> Result<()> {
+    let style = match std::env::args().nth(1).as_deref() {
+        None => Style::Plain,
+        Some("--fused") => Style::Fused,
+        Some(other) => anyhow::bail!("user_resnet: unknown argument {other:?} (only --fused)"),
+    };
     let (tr, val) = (images(TRAIN, 1)?, images(VAL, 2)?);
     let out = ThreadGroup::run(RANKS, |comm| {
-        train(comm, &tr, &val).map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
+        train(comm, &tr, &val, style).map_err(|e| candle_core::Error::Msg(format!("{e:?}")))
     })?;
     let (seen, seconds, acc) = out[0];
     println!(
