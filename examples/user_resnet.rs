@@ -25,8 +25,8 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, ModuleT, Tensor, D};
 use candle_distributed::collective::{Collective, ReduceOp, ThreadGroup};
 use candle_distributed::sampler::{index_tensor, DistributedSampler};
-use candle_distributed::{SyncBatchNorm, SyncBatchNormConfig};
 use candle_distributed::{conv2d_no_bias, sync_batch_norm, Conv2d, DataParallel, GradHooks};
+use candle_distributed::{SyncBatchNorm, SyncBatchNormConfig};
 use candle_nn::{linear, AdamW, Conv2dConfig, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
