@@ -85,6 +85,12 @@ fn step_both_alike(
     Ok(tb.iter().map(|(k, t)| (k.clone(), bits(t))).collect())
 }
 
+/// Every variable's name and bits, sorted by name.
+fn var_bits(vm: &VarMap) -> candle_core::Result<Vec<(String, Vec<u64>)>> {
+    let tensors = checkpoint::varmap_tensors(vm)?;
+    Ok(tensors.iter().map(|(k, t)| (k.clone(), bits(t))).collect())
+}
+
 fn bits(t: &Tensor) -> Vec<u64> {
     let v = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
     v.to_vec1::<f64>()
@@ -143,7 +149,8 @@ struct RunInfo {
 /// shifts found by their own names; the restored run's next step equals the uninterrupted
 /// run's bit for bit; the position and the caller's metadata come back typed; `read_model`
 /// reads the weights without a communicator; a checkpoint one rank refuses (another model
-/// there) or metadata of another type fails every rank and restores nothing anywhere.
+/// there, or the caller's own check of the metadata: `restore_training_checked`) or metadata of
+/// another type fails every rank and restores nothing anywhere.
 #[test]
 fn the_training_state_saves_and_restores_in_one_call() -> anyhow::Result<()> {
     use checkpoint::{Position, TrainingState};
@@ -170,7 +177,8 @@ fn the_training_state_saves_and_restores_in_one_call() -> anyhow::Result<()> {
             // Refused on one rank (a model of another width there): every rank fails, and
             // nothing is restored anywhere.
             let b = model(comm.clone())?;
-            let before = checkpoint::varmap_tensors(&b.vm)?;
+            // Bits, not tensors: a variable's tensor shares its storage, which a restore sets.
+            let before = var_bits(&b.vm)?;
             let other = VarMap::new();
             let width = if comm.rank() == 1 { 5 } else { 4 };
             linear(
@@ -189,9 +197,7 @@ fn the_training_state_saves_and_restores_in_one_call() -> anyhow::Result<()> {
                 ),
                 _ => assert!(e.contains("rank(s) [1] refused"), "{e}"),
             }
-            for ((k, x), (_, y)) in before.iter().zip(checkpoint::varmap_tensors(&b.vm)?.iter()) {
-                assert_eq!(bits(x), bits(y), "{k} changed by a refused restore");
-            }
+            assert_eq!(before, var_bits(&b.vm)?, "changed by a refused restore");
             // Metadata of another type: refused by name.
             let e = checkpoint::restore_training::<u64>(Some(&dir), &b.vm, None, &[], &*comm)
                 .unwrap_err()
@@ -200,8 +206,45 @@ fn the_training_state_saves_and_restores_in_one_call() -> anyhow::Result<()> {
                 e.contains("its metadata is not what save_training wrote"),
                 "{e}"
             );
-
+            // The caller's own check refuses on one rank (another batch size there): every
+            // rank fails with the reason, the optimizer and the variables untouched.
             let mut b = b;
+            let opt_bits = |opt: &AdamW| {
+                let (step, moments) = opt.state();
+                let moments: Vec<(String, Vec<u64>)> = (moments.iter())
+                    .map(|(k, t)| (k.clone(), bits(t)))
+                    .collect();
+                (step, moments)
+            };
+            let opt_before = opt_bits(&b.opt);
+            let e = checkpoint::restore_training_checked::<RunInfo>(
+                Some(&dir),
+                &b.vm,
+                Some(&mut b.opt),
+                std::slice::from_ref(&b.bn),
+                &*comm,
+                |saved, path| match (comm.rank(), saved.batch_size) {
+                    (1, n) if n != 6 => Err(candle_core::Error::Msg(format!(
+                        "{}: batch size {n}, this run has 6",
+                        path.display()
+                    ))),
+                    _ => Ok(()),
+                },
+            )
+            .unwrap_err()
+            .to_string();
+            match comm.rank() {
+                1 => assert!(e.contains("batch size 5, this run has 6"), "{e}"),
+                _ => assert!(e.contains("rank(s) [1] refused"), "{e}"),
+            }
+            assert!(e.contains("nothing was restored on any rank"), "{e}");
+            assert_eq!(before, var_bits(&b.vm)?, "changed by a refused restore");
+            assert_eq!(
+                opt_before,
+                opt_bits(&b.opt),
+                "the optimizer changed by a refusal"
+            );
+
             let restored = checkpoint::restore_training::<RunInfo>(
                 checkpoint::latest(&dir).as_deref(),
                 &b.vm,

@@ -9,7 +9,7 @@ use candle_distributed::amp::{GradScaler, GradScalerConfig, GradScalerState};
 use candle_distributed::checkpoint as lib_checkpoint;
 use candle_distributed::collective::Collective;
 use candle_distributed::optim::AdamW;
-use candle_distributed::{DataParallel, GradHooks};
+use candle_distributed::{DataParallel, GradHooks, SyncBatchNorm};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 
 use crate::checkpoint;
@@ -56,33 +56,11 @@ pub fn setup(
     } else {
         NormKind::Bn
     };
-    let mut model = ResNet::new(cfg.arch, classes, &norm, vb.clone())?;
+    let model = ResNet::new(cfg.arch, classes, &norm, vb)?;
     init_weights(&vm, cfg.seed)?;
-    // Every rank loads the same checkpoint or every rank fails (the library's agreement): the
-    // weights would be re-broadcast anyway, but the optimizer's moments, the position and the
-    // loss scale would diverge silently.
-    let resumed = lib_checkpoint::load_on(cfg.resume.as_deref(), &**comm, device)?;
-    let meta = (resumed.as_ref())
-        .map(|l| checkpoint::meta_of(l, &identity(cfg, train_samples)))
-        .transpose()?;
-    if let (Some(loaded), Some(meta)) = (&resumed, &meta) {
-        if comm.rank() == 0 {
-            eprintln!(
-                "resuming from {}: epoch {}, step {}",
-                loaded.path.display(),
-                meta.epoch,
-                meta.step
-            );
-        }
-        loaded.set_varmap(&vm)?;
-        // Built again over the loaded variables: SyncBatchNorm reads `num_batches_tracked`
-        // when it is built.
-        model = ResNet::new(cfg.arch, classes, &norm, vb)?;
-        loaded.restore_shifts(model.sync_norms())?;
-    }
     let mut dp = DataParallel::new(&vm, comm.clone())?.with_bucket_bytes(cfg.bucket_bytes);
     if let Some(h) = &hooks {
-        dp = dp.with_overlap(h)?; // also copies the (loaded, broadcast) variables in
+        dp = dp.with_overlap(h)?;
     }
     let params = ParamsAdamW {
         lr: cfg.lr,
@@ -94,11 +72,40 @@ pub fn setup(
     let mut scaler = (cfg.precision == Precision::F16)
         .then(|| GradScaler::new(GradScalerConfig::default().with_init_scale(cfg.init_scale)))
         .transpose()?;
+    // Every rank restores the same checkpoint or none does (the library's agreement), and only
+    // one saved by a run of the same model, seed, batch size and data (checked on every rank
+    // before anything is set): the optimizer's moments, the position and the loss scale would
+    // otherwise diverge or land at other places of other epochs, silently.
+    let run = identity(cfg, train_samples);
+    let restored = lib_checkpoint::restore_training_checked::<checkpoint::Meta>(
+        cfg.resume.as_deref(),
+        &vm,
+        Some(&mut opt),
+        &norms_of(&model),
+        &**comm,
+        |meta, path| {
+            checkpoint::accept(&meta.identity, path, &run)
+                .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
+        },
+    )?;
     let (mut epoch, mut step, mut partial) = (0, 0, None);
-    if let (Some(meta), Some(loaded)) = (&meta, &resumed) {
-        opt.load_state(meta.optimizer_step, &loaded.tensors)?;
-        (epoch, step, partial) = (meta.epoch, meta.step, meta.partial);
-        if let (Some(s), Some(m)) = (scaler.as_mut(), meta.scaler) {
+    if let Some(r) = restored {
+        // The hooked copies the model computes with (--overlap) take the restored values.
+        dp.refresh()?;
+        if comm.rank() == 0 {
+            eprintln!(
+                "resuming from {}: epoch {}, step {}",
+                r.path.display(),
+                r.position.epoch,
+                r.metadata.step
+            );
+        }
+        (epoch, step, partial) = (
+            r.position.epoch as usize,
+            r.metadata.step,
+            r.metadata.partial,
+        );
+        if let (Some(s), Some(m)) = (scaler.as_mut(), r.metadata.scaler) {
             s.load_state(GradScalerState {
                 scale: m.scale,
                 growth_tracker: m.growth_tracker,
@@ -138,10 +145,17 @@ pub fn identity(cfg: &Config, train_samples: usize) -> checkpoint::Identity {
     }
 }
 
-/// A checkpoint into `cfg.out_dir`: variables, AdamW's state, SyncBatchNorm's shifts, and the
-/// position and loss scale as metadata; `partial`: the sums of the epoch in progress, for a save
-/// mid-epoch. Collective (rank 0 writes, every rank returns its outcome:
-/// `candle_distributed::checkpoint::save`).
+/// The model's synchronized batch norms (clones: they share the layers' state).
+fn norms_of(model: &ResNet) -> Vec<SyncBatchNorm> {
+    (model.sync_norms().into_iter())
+        .map(|(_, bn)| bn.clone())
+        .collect()
+}
+
+/// A checkpoint into `cfg.out_dir` (`candle_distributed::checkpoint::save_training`): the
+/// variables, AdamW's state, SyncBatchNorm's shifts and the position, with the run's step, loss
+/// scale and identity as metadata; `partial`: the sums of the epoch in progress, for a save
+/// mid-epoch. Collective (rank 0 writes, every rank returns its outcome).
 pub fn save_checkpoint(
     cfg: &Config,
     st: &State,
@@ -149,30 +163,30 @@ pub fn save_checkpoint(
     partial: Option<[f64; 3]>,
     train_samples: usize,
 ) -> Result<()> {
-    let mut tensors = lib_checkpoint::varmap_tensors(&st.vm)?;
-    let (optimizer_step, moments) = st.opt.state();
-    tensors.extend(moments);
-    // SyncBatchNorm's shifts: without them a resumed run rounds differently.
-    tensors.extend(lib_checkpoint::shift_tensors(st.model.sync_norms()));
+    let steps_per_epoch = train_samples.div_ceil(cfg.batch_size);
+    let state = lib_checkpoint::TrainingState {
+        model: &st.vm,
+        optimizer: Some(&st.opt),
+        // Without the shifts a resumed run rounds differently.
+        norms: &norms_of(&st.model),
+        position: lib_checkpoint::Position {
+            epoch: st.epoch as u64,
+            step: st.step.saturating_sub(st.epoch * steps_per_epoch),
+        },
+    };
     let meta = checkpoint::Meta {
-        epoch: st.epoch,
         step: st.step,
-        optimizer_step,
         scaler: st.scaler.as_ref().map(|s| checkpoint::ScalerMeta {
             scale: s.state().scale,
             growth_tracker: s.state().growth_tracker,
         }),
-        model: cfg.arch.name(),
         partial,
-        seed: Some(cfg.seed),
-        batch_size: Some(cfg.batch_size),
-        train_samples: Some(train_samples),
+        identity: identity(cfg, train_samples),
     };
     let tag = match partial {
         None => format!("e{:04}", st.epoch),
         Some(_) => format!("s{:08}", st.step),
     };
-    let metadata = serde_json::to_value(&meta)?;
-    lib_checkpoint::save(&cfg.out_dir, &tag, &tensors, &metadata, &**comm)?;
+    lib_checkpoint::save_training(&cfg.out_dir, &tag, &state, &meta, &**comm)?;
     Ok(())
 }

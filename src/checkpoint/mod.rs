@@ -57,7 +57,8 @@ use files::{io_err, sync_file};
 pub use files::{write_atomic, FileLock};
 use manifest::Manifest;
 pub use training::{
-    read_model, restore_training, save_training, Position, Restored, TrainingState,
+    read_model, restore_training, restore_training_checked, save_training, Position, Restored,
+    TrainingState,
 };
 
 /// The version of the manifest's layout; a manifest of another is refused.

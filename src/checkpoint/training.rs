@@ -138,10 +138,32 @@ pub fn restore_training<M: DeserializeOwned>(
     norms: &[SyncBatchNorm],
     comm: &dyn Collective,
 ) -> Result<Option<Restored<M>>> {
+    restore_training_checked(path, model, optimizer, norms, comm, |_, _| Ok(()))
+}
+
+/// [`restore_training`] with the caller's own check of the checkpoint among the checks every
+/// rank runs before any rank sets anything: `accept(&metadata, path)` runs right after the
+/// metadata is read, and an error from it on any rank refuses the checkpoint on every rank,
+/// changing nothing. For what a run must share with the run it resumes (the model, the seed,
+/// the batch size, the data: a resumed epoch under another order would skip or repeat samples
+/// silently).
+///
+/// # Errors
+///
+/// As [`restore_training`]; also on every rank when `accept` failed on some rank (that rank
+/// with `accept`'s error).
+pub fn restore_training_checked<M: DeserializeOwned>(
+    path: Option<&Path>,
+    model: &VarMap,
+    optimizer: Option<&mut AdamW>,
+    norms: &[SyncBatchNorm],
+    comm: &dyn Collective,
+    accept: impl FnOnce(&M, &Path) -> Result<()>,
+) -> Result<Option<Restored<M>>> {
     let Some(loaded) = load(path, comm)? else {
         return Ok(None);
     };
-    let checked = check(&loaded, model, optimizer.as_deref(), norms);
+    let checked = check(&loaded, model, optimizer.as_deref(), norms, accept);
     let ok = Tensor::new(&[[f64::from(u8::from(checked.is_ok()))]], &comm.device())?;
     let all = comm.all_gather(&ok)?.to_vec2::<f64>()?;
     let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == 0.0).collect();
@@ -198,6 +220,7 @@ fn check<M: DeserializeOwned>(
     model: &VarMap,
     optimizer: Option<&AdamW>,
     norms: &[SyncBatchNorm],
+    accept: impl FnOnce(&M, &Path) -> Result<()>,
 ) -> Result<Checked<M>> {
     let saved: Saved<M> = serde_json::from_value(loaded.metadata.clone()).map_err(|e| {
         candle_core::Error::Msg(format!(
@@ -205,6 +228,7 @@ fn check<M: DeserializeOwned>(
             loaded.path.display()
         ))
     })?;
+    accept(&saved.user, &loaded.path)?;
     let names = norm_names("restore_training", norms)?;
     let vars = loaded.varmap_values(model)?;
     let moments = match (optimizer, saved.optimizer_step) {

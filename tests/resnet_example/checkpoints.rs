@@ -297,10 +297,16 @@ fn a_resume_mid_epoch_continues_bitwise() {
     let loaded = candle_distributed::checkpoint::load(Some(&b), &*comm)
         .unwrap()
         .unwrap();
-    let id = state::identity(&tiny_config(&b, train::Precision::Full), 50);
-    let meta = checkpoint::meta_of(&loaded, &id).unwrap();
-    assert_eq!((meta.epoch, meta.step), (1, 6), "{meta:?}");
+    // The library's position (epoch 1, its third step: 4 steps an epoch) and the example's
+    // metadata beside it.
+    let saved = &loaded.metadata;
+    let position = serde_json::json!({ "epoch": 1, "step": 2 });
+    assert_eq!(saved["position"], position, "{saved}");
+    let meta: checkpoint::Meta = serde_json::from_value(saved["user"].clone()).unwrap();
+    assert_eq!(meta.step, 6, "{meta:?}");
     assert!(meta.partial.is_some_and(|p| p[2] > 0.0), "{meta:?}");
+    let id = state::identity(&tiny_config(&b, train::Precision::Full), 50);
+    assert_eq!(meta.identity, id);
     let resumed = tiny_run(&b, None, true, train::Precision::Full);
     assert_params_bitwise(
         &straight.params,
@@ -407,28 +413,28 @@ fn overlap_on_and_off_train_the_same_weights_bitwise() {
     }
 }
 
-/// A checkpoint of another model is refused, naming both models and the file (damage of every
-/// kind is the library's: `tests/checkpoint.rs::a_damaged_checkpoint_is_refused_naming_the_file`).
+/// A checkpoint of another model is refused, naming both models and the file, and nothing is
+/// restored (damage of every kind is the library's:
+/// `tests/checkpoint.rs::a_damaged_checkpoint_is_refused_naming_the_file`).
 #[test]
 fn a_checkpoint_of_another_model_is_refused() {
     let dir = fresh_dir("other-model");
     tiny_run(&dir, Some(1), false, train::Precision::Full);
-    let comm = candle_distributed::collective::ThreadGroup::new(1)
-        .unwrap()
-        .remove(0);
-    let loaded = candle_distributed::checkpoint::load(Some(&dir), &*comm)
-        .unwrap()
-        .unwrap();
-    let id = state::identity(&tiny_config(&dir, train::Precision::Full), 50);
-    assert_eq!(checkpoint::meta_of(&loaded, &id).unwrap().epoch, 1);
-    let other = checkpoint::Identity {
-        model: "resnet56".into(),
-        ..id.clone()
+    let manifest = std::fs::read(dir.join("checkpoint.json")).unwrap();
+    let cfg = train::Config {
+        arch: Arch::ResNet56,
+        resume: Some(dir.join("checkpoint.json")),
+        ..tiny_config(&dir, train::Precision::Full)
     };
-    let err = format!("{:#}", checkpoint::meta_of(&loaded, &other).unwrap_err());
+    let err = format!("{:#}", train::run(&cfg).unwrap_err());
     assert!(
         err.contains("resnet20") && err.contains("resnet56") && err.contains("checkpoint.json"),
         "{err}"
+    );
+    assert!(err.contains("nothing was restored on any rank"), "{err}");
+    assert_eq!(
+        std::fs::read(dir.join("checkpoint.json")).unwrap(),
+        manifest
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
