@@ -24,8 +24,7 @@ pub enum NormKind {
 /// one op for `SyncBatchNorm`.
 enum Norm {
     Bn(BatchNorm, bool),
-    /// The layer and its variables' prefix (`layer1.0.bn1`).
-    Sync(Box<SyncBatchNorm>, String),
+    Sync(Box<SyncBatchNorm>),
 }
 
 impl Norm {
@@ -34,8 +33,7 @@ impl Norm {
             NormKind::Bn => Norm::Bn(candle_nn::batch_norm(c, 1e-5, vb)?, relu),
             NormKind::SyncBn(comm) => {
                 let cfg = SyncBatchNormConfig::default().with_fuse_relu(relu);
-                let name = vb.prefix();
-                Norm::Sync(Box::new(sync_batch_norm(c, cfg, vb, comm.clone())?), name)
+                Norm::Sync(Box::new(sync_batch_norm(c, cfg, vb, comm.clone())?))
             }
         })
     }
@@ -51,7 +49,7 @@ impl Norm {
                     y
                 }
             }
-            Norm::Sync(bn, _) => bn.forward_t(x, train)?,
+            Norm::Sync(bn) => bn.forward_t(x, train)?,
         })
     }
 
@@ -59,7 +57,7 @@ impl Norm {
     fn forward_add_relu(&self, x: &Tensor, z: &Tensor, train: bool) -> Result<Tensor> {
         Ok(match self {
             Norm::Bn(bn, _) => (bn_in_own_dtype(bn, x, train)? + z)?.relu()?,
-            Norm::Sync(bn, _) => bn.forward_residual(x, z, train)?,
+            Norm::Sync(bn) => bn.forward_residual(x, z, train)?,
         })
     }
 }
@@ -348,13 +346,14 @@ impl ResNet {
         })
     }
 
-    /// Every `SyncBatchNorm` layer with its variables' prefix (none with plain batch norm).
-    pub fn sync_norms(&self) -> Vec<(&str, &SyncBatchNorm)> {
+    /// Every `SyncBatchNorm` layer (clones: they share the layers' state; none with plain batch
+    /// norm). A checkpoint keys each one's shift by its `SyncBatchNorm::name()`.
+    pub fn sync_norms(&self) -> Vec<SyncBatchNorm> {
         let blocks = self.layers.iter().flatten().flat_map(Block::norms);
         std::iter::once(&self.bn1)
             .chain(blocks)
             .filter_map(|n| match n {
-                Norm::Sync(bn, name) => Some((name.as_str(), &**bn)),
+                Norm::Sync(bn) => Some((**bn).clone()),
                 Norm::Bn(..) => None,
             })
             .collect()

@@ -9,7 +9,7 @@ use candle_distributed::amp::{GradScaler, GradScalerConfig, GradScalerState};
 use candle_distributed::checkpoint as lib_checkpoint;
 use candle_distributed::collective::Collective;
 use candle_distributed::optim::AdamW;
-use candle_distributed::{DataParallel, GradHooks, SyncBatchNorm};
+use candle_distributed::{DataParallel, GradHooks};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 
 use crate::checkpoint;
@@ -81,7 +81,7 @@ pub fn setup(
         cfg.resume.as_deref(),
         &vm,
         Some(&mut opt),
-        &norms_of(&model),
+        &model.sync_norms(),
         &**comm,
         |meta, path| {
             checkpoint::accept(&meta.identity, path, &run)
@@ -145,13 +145,6 @@ pub fn identity(cfg: &Config, train_samples: usize) -> checkpoint::Identity {
     }
 }
 
-/// The model's synchronized batch norms (clones: they share the layers' state).
-fn norms_of(model: &ResNet) -> Vec<SyncBatchNorm> {
-    (model.sync_norms().into_iter())
-        .map(|(_, bn)| bn.clone())
-        .collect()
-}
-
 /// A checkpoint into `cfg.out_dir` (`candle_distributed::checkpoint::save_training`): the
 /// variables, AdamW's state, SyncBatchNorm's shifts and the position, with the run's step, loss
 /// scale and identity as metadata; `partial`: the sums of the epoch in progress, for a save
@@ -168,7 +161,7 @@ pub fn save_checkpoint(
         model: &st.vm,
         optimizer: Some(&st.opt),
         // Without the shifts a resumed run rounds differently.
-        norms: &norms_of(&st.model),
+        norms: &st.model.sync_norms(),
         position: lib_checkpoint::Position {
             epoch: st.epoch as u64,
             step: st.step.saturating_sub(st.epoch * steps_per_epoch),

@@ -112,7 +112,8 @@ fn a_resume_into_another_folder_continues_the_metrics() {
 
 /// Ranks given different checkpoints (one after epoch 1, one after epoch 2): every rank refuses
 /// to start, naming both (only the weights would have been re-broadcast). The library's
-/// agreement (`candle_distributed::checkpoint::load_on`), as the example uses it.
+/// agreement (`candle_distributed::checkpoint::restore_training_checked`, which loads through
+/// `checkpoint::load`), as the example uses it.
 #[test]
 fn ranks_with_different_checkpoints_refuse_to_start() {
     let (a, b) = (fresh_dir("after-one"), fresh_dir("after-two"));
