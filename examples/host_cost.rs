@@ -17,6 +17,9 @@
 //!
 //! Then the same for `DataParallel::sync_gradients` of ResNet-20's parameters (one bucket),
 //! against one bare all-reduce of as many values.
+//!
+//! `--json` prints one JSON object per row instead of the tables (times in µs; what
+//! `scripts/bench-gpu.sh` reads beside `scripts/torch_gpu_bench.py host`).
 
 use std::time::Instant;
 
@@ -100,7 +103,7 @@ fn resnet20_shapes() -> Vec<Vec<usize>> {
 /// Host time of `DataParallel::sync_gradients` of ResNet-20's parameters against one bare
 /// all-reduce of as many values, each call timed alone (its gradients made before, the device
 /// drained after), median of `BATCHES × CALLS` calls; and their driver calls.
-fn sync_row(comm: &std::sync::Arc<dyn Collective>, dev: &Device) -> Result<()> {
+fn sync_row(comm: &std::sync::Arc<dyn Collective>, dev: &Device, json: bool) -> Result<()> {
     let vars: Vec<(String, Var)> = resnet20_shapes()
         .into_iter()
         .enumerate()
@@ -144,6 +147,16 @@ fn sync_row(comm: &std::sync::Arc<dyn Collective>, dev: &Device) -> Result<()> {
         Ok(())
     })?;
     let (a, b) = (median(sync_t), median(bare_t));
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "bench": "host_sync", "variables": vars.len(), "values": total,
+                "sync_gradients_us": us(a), "all_reduce_us": us(b),
+            })
+        );
+        return Ok(());
+    }
     println!(
         "\n| parameters | sync_gradients µs | one all_reduce µs | ratio | driver calls: sync_gradients | all_reduce |"
     );
@@ -160,6 +173,11 @@ fn sync_row(comm: &std::sync::Arc<dyn Collective>, dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// Seconds as µs to one decimal.
+fn us(s: f64) -> f64 {
+    (s * 1e7).round() / 10.0
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -167,21 +185,24 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let skip = std::env::var("GPU_SIM_SKIP_KERNELS").is_ok_and(|v| v == "1");
+    let json = std::env::args().skip(1).any(|a| a == "--json");
     let nccl = NcclGroup::new(&[0])?.remove(0);
     let dev = nccl.device();
     let comm: std::sync::Arc<dyn Collective> = nccl;
-    println!(
-        "host time per call (median of {BATCHES} batches of {CALLS} calls){}",
-        if skip {
-            ", simulated GPU, kernels skipped"
-        } else {
-            ""
-        }
-    );
-    println!(
+    if !json {
+        println!(
+            "host time per call (median of {BATCHES} batches of {CALLS} calls){}",
+            if skip {
+                ", simulated GPU, kernels skipped"
+            } else {
+                ""
+            }
+        );
+        println!(
         "| shape | what | SyncBatchNorm µs | candle-nn BatchNorm µs | ratio | driver calls (launches / allocations / memsets and device copies / events): SyncBatchNorm | candle-nn |"
     );
-    println!("|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|");
+    }
     for [n, c, h, w] in SHAPES {
         // A variable, as an activation inside a network is: the backward computes its gradient.
         let x = Var::from_tensor(&Tensor::randn(0f32, 1f32, (n, c, h, w), &dev)?)?;
@@ -221,6 +242,16 @@ fn main() -> Result<()> {
                 }
             }
             let [a, b] = times.map(median);
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "bench": "host_layer", "shape": [n, c, h, w], "what": what,
+                        "sync_batch_norm_us": us(a), "candle_nn_us": us(b),
+                    })
+                );
+                continue;
+            }
             println!(
                 "| {n}×{c}×{h}×{w} | {what} | {:.1} | {:.1} | {:.2}× | {} | {} |",
                 a * 1e6,
@@ -231,5 +262,5 @@ fn main() -> Result<()> {
             );
         }
     }
-    sync_row(&comm, &dev)
+    sync_row(&comm, &dev, json)
 }

@@ -9,8 +9,10 @@
 # example on `--device cuda` (4 thread ranks on one simulated GPU) with its `--check`, and the
 # README's NCCL commands at tiny sizes on 8 GPUs: `--backend nccl --world-size 8 --check` in
 # f32 and bf16 with accumulation and several buckets, a stop and `--resume`, and
-# `torchrun --nproc_per_node 8` (torchrun from TORCH_VENV); a worker's crash under torchrun's
-# restarts is rehearsed across two machines by scripts/test-two-nodes.sh.
+# `torchrun --nproc_per_node 8` (torchrun from TORCH_VENV), and scripts/bench-gpu.sh
+# rehearsed (`--rehearse`: small sizes, kernels skipped, PyTorch from TORCH_VENV on the CPU);
+# a worker's crash under torchrun's restarts is rehearsed across two machines by
+# scripts/test-two-nodes.sh.
 # Builds the simulator and the cuda,nccl binaries in target/cuda with the flags of
 # scripts/check-cuda.sh (so that CI builds them once). GPU_SIM_DEVICES sets the number of
 # simulated GPUs (default 4); the 8-GPU steps set 8.
@@ -175,6 +177,15 @@ if [ -x "$torchrun" ]; then
     TORCH_PYTHON="$(cd "${TORCH_VENV:-.venv-torch}" && pwd)/bin/python" GPU_SIM_DEVICES=4 cargo test \
         --features $features --test nccl_faults -q -- --ignored --exact \
         a_hang_report_across_processes_names_the_rank_behind
+    echo "-- [$((SECONDS - started)) s] scripts/bench-gpu.sh rehearsed on 2 simulated GPUs: every step at small sizes, kernels skipped, PyTorch on the CPU (the figures are not a GPU's)"
+    cargo build --features $features -q --example gpu_bench --example host_cost --example resnet
+    bench_bins="$resnet_out/bench-bins"
+    mkdir -p "$bench_bins"
+    for b in gpu_bench host_cost resnet; do
+        ln -s "$(realpath "$CARGO_TARGET_DIR/debug/examples/$b")" "$bench_bins/$b"
+    done
+    TORCH_PYTHON="$(cd "${TORCH_VENV:-.venv-torch}" && pwd)/bin/python" \
+        BENCH_GPU_LOGS="$resnet_out/bench-gpu-logs" scripts/bench-gpu.sh --rehearse --bin-dir "$bench_bins"
 elif [ -n "${GPU_SIM_SKIP_TORCHRUN:-}" ]; then
     echo "torchrun: skipped (GPU_SIM_SKIP_TORCHRUN set)"
 else

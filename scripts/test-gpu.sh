@@ -36,47 +36,13 @@ case "${1:-}" in
 esac
 
 # ------------------------------------------------------------------------------ building
-# Builds every test and example binary with --features cuda,nccl (release) and copies them
-# into "$1" under plain names (tests/cuda.rs -> cuda).
-build_into() {
-    local dest=$1
-    . scripts/nvcc-env.sh || return 1
-    . scripts/cuda-stubs.sh || return 1
-    # Machine code for the GPUs present (nvidia-smi), else for sm_90; PTX for newer ones.
-    if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
-        CUDA_COMPUTE_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
-            head -1 | tr -d '.') || true
-        export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
-    fi
-    export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000} CARGO_TARGET_DIR="$root/target/gpu"
-    local exes
-    exes=$(cargo build --release --features cuda,nccl --tests --examples \
-        --message-format=json-render-diagnostics | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["executable"])') || return 1
-    rm -rf "$dest"
-    mkdir -p "$dest"
-    local e name
-    for e in $exes; do
-        name=$(basename "$e")
-        name=${name%-*[0-9a-f]} # a test binary's hash suffix
-        cp "$e" "$dest/$name" && strip "$dest/$name" || return 1
-    done
-}
+. scripts/gpu-bins.sh
 
 if [ "$mode" = build ]; then
     command -v zstd >/dev/null || { echo "test-gpu: --build-only needs zstd (apt-get install zstd)" >&2; exit 1; }
-    build_into "$bin_dir.raw" || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
-    # Every binary carries candle's kernel images: one stream with a long window stores them
-    # once (1.7 GB of binaries in ~44 MB; separate files would take ~245 MB).
-    mkdir -p "$bin_dir"
-    tar cf - -C "$bin_dir.raw" . | zstd -q -f --long=31 -12 -T0 -o "$bin_dir/binaries.tar.zst" ||
-        { echo "test-gpu: FAIL: packing the binaries" >&2; exit 1; }
+    gpu_build_into "$bin_dir.raw" --tests --examples || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
+    gpu_pack "$bin_dir.raw" "$bin_dir" || { echo "test-gpu: FAIL: packing the binaries" >&2; exit 1; }
     rm -rf "$bin_dir.raw"
-    du -sh "$bin_dir/binaries.tar.zst"
     echo "test-gpu: binaries in $bin_dir; on the GPU machine: scripts/test-gpu.sh --bin-dir $bin_dir"
     exit 0
 fi
@@ -102,28 +68,14 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 if [ "$mode" = source ]; then
     bin_dir="$root/target/gpu/named"
     echo "test-gpu: building (target/gpu)"
-    build_into "$bin_dir" || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
+    gpu_build_into "$bin_dir" --tests --examples || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
 else
     bin_dir=$(cd "$bin_dir" && pwd)
-    if [ -f "$bin_dir/binaries.tar.zst" ] && [ ! -e "$bin_dir/cuda" ]; then
-        command -v zstd >/dev/null ||
-            { echo "test-gpu: unpacking $bin_dir/binaries.tar.zst needs zstd" >&2; exit 1; }
-        zstd -q -d --long=31 -c "$bin_dir/binaries.tar.zst" | tar xf - -C "$bin_dir" ||
-            { echo "test-gpu: FAIL: unpacking the binaries" >&2; exit 1; }
-    fi
-    for f in "$bin_dir"/*.xz; do
-        [ -e "$f" ] || continue
-        [ -e "${f%.xz}" ] || xz -dk -T0 "$f"
-    done
-    find "$bin_dir" -maxdepth 1 -type f ! -name '*.zst' ! -name '*.xz' -exec chmod +x {} +
+    gpu_unpack "$bin_dir" cuda || { echo "test-gpu: FAIL: unpacking the binaries" >&2; exit 1; }
 fi
 
 # PyPI's NVIDIA libraries of this python3 (NCCL, cuBLAS, cuRAND, cudart), after the user's own.
-sp=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
-if [ -n "$sp" ] && [ -d "$sp/nvidia" ]; then
-    extra=$(find "$sp/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
-    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$extra"
-fi
+gpu_libraries
 sanitizer=$(command -v compute-sanitizer 2>/dev/null ||
     ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 

@@ -1,0 +1,79 @@
+# Sourced by scripts/test-gpu.sh and scripts/bench-gpu.sh: building the `cuda,nccl` binaries
+# on a machine without a GPU, carrying them as one zstd stream, and running them on a GPU
+# machine without Rust.
+#
+#   gpu_build_into DEST [CARGO ARGS...]   builds (release, --features cuda,nccl, target/gpu) the
+#                                         targets the arguments name, copies the executables
+#                                         into DEST under plain names (tests/cuda.rs -> cuda),
+#                                         stripped
+#   gpu_pack SRC DIR                      SRC's files into DIR/binaries.tar.zst
+#   gpu_unpack DIR WANT                   unpacks DIR/binaries.tar.zst (or DIR/*.xz) unless DIR
+#                                         already holds the binary WANT
+#   gpu_libraries                         appends PyPI's NVIDIA libraries of this python3 to
+#                                         LD_LIBRARY_PATH (NCCL, cuBLAS, cuRAND, cudart)
+
+_gpu_bins_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+gpu_build_into() {
+    local dest=$1
+    shift
+    (
+        cd "$_gpu_bins_root" || exit 1
+        . scripts/nvcc-env.sh || exit 1
+        . scripts/cuda-stubs.sh || exit 1
+        # Machine code for the GPUs present (nvidia-smi), else for sm_90; PTX for newer ones.
+        if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
+            CUDA_COMPUTE_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
+                head -1 | tr -d '.') || true
+            export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+        fi
+        export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
+        export CARGO_TARGET_DIR="$_gpu_bins_root/target/gpu"
+        exes=$(cargo build --release --features cuda,nccl "$@" \
+            --message-format=json-render-diagnostics | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])') || exit 1
+        rm -rf "$dest"
+        mkdir -p "$dest"
+        for e in $exes; do
+            name=$(basename "$e")
+            name=${name%-*[0-9a-f]} # a test binary's hash suffix
+            cp "$e" "$dest/$name" && strip "$dest/$name" || exit 1
+        done
+    )
+}
+
+gpu_pack() {
+    local src=$1 dir=$2
+    # Every binary carries candle's kernel images: one stream with a long window stores them
+    # once (1.7 GB of binaries in ~44 MB; separate files would take ~245 MB).
+    mkdir -p "$dir"
+    tar cf - -C "$src" . | zstd -q -f --long=31 -12 -T0 -o "$dir/binaries.tar.zst" || return 1
+    du -sh "$dir/binaries.tar.zst"
+}
+
+gpu_unpack() {
+    local dir=$1 want=$2 f
+    if [ -f "$dir/binaries.tar.zst" ] && [ ! -e "$dir/$want" ]; then
+        command -v zstd >/dev/null ||
+            { echo "unpacking $dir/binaries.tar.zst needs zstd" >&2; return 1; }
+        zstd -q -d --long=31 -c "$dir/binaries.tar.zst" | tar xf - -C "$dir" || return 1
+    fi
+    for f in "$dir"/*.xz; do
+        [ -e "$f" ] || continue
+        [ -e "${f%.xz}" ] || xz -dk -T0 "$f" || return 1
+    done
+    find "$dir" -maxdepth 1 -type f ! -name '*.zst' ! -name '*.xz' -exec chmod +x {} +
+}
+
+gpu_libraries() {
+    local sp extra
+    sp=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
+    if [ -n "$sp" ] && [ -d "$sp/nvidia" ]; then
+        extra=$(find "$sp/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$extra"
+    fi
+}
