@@ -7,17 +7,18 @@
 #     batch-norm sizes at batch 32 (examples/gpu_bench.rs; its kernels alone against a copy);
 #   - the host time to issue one layer call, ResNet-20's sizes, against candle-nn's BatchNorm
 #     and nn.BatchNorm2d (examples/host_cost.rs), and DataParallel::sync_gradients;
-#   - training steps: the ResNet example's ResNet-20 (32x32, batch 128, f32) and ResNet-50
-#     (224x224, batch 64, f32 and bf16) on one GPU, images/s of its second epoch, against the
-#     same models in PyTorch (eager, cuDNN);
+#   - training steps: the ResNet example's ResNet-20 (32x32, batch 128, f32; also built with
+#     the `cudnn` feature where DIR has that build) and ResNet-50 (224x224, batch 64, f32 and
+#     bf16) on one GPU, images/s of its second epoch, against the same models in PyTorch
+#     (eager, cuDNN);
 #   - the data-parallel step on every GPU present: the example over NCCL with the gradient
 #     all-reduce overlapped with the backward (--overlap on) and after it (off), against
 #     PyTorch's DistributedDataParallel; per-GPU batch 128.
 # The PyTorch side is scripts/torch_gpu_bench.py, run with TORCH_PYTHON (default python3).
 #
 #   scripts/bench-gpu.sh                    # on a GPU machine with Rust: builds, then runs
-#   scripts/bench-gpu.sh --build-only DIR   # on any machine (no GPU needed): builds the three
-#                                           # binaries into DIR/binaries.tar.zst (~12 MB)
+#   scripts/bench-gpu.sh --build-only DIR   # on any machine (no GPU needed): builds the four
+#                                           # binaries into DIR/binaries.tar.zst (~14 MB)
 #   scripts/bench-gpu.sh --bin-dir DIR      # on a GPU machine without Rust: runs DIR's binaries
 #                                           # (DIR from this script's --build-only, or from
 #                                           # scripts/test-gpu.sh --build-only: a superset)
@@ -61,7 +62,8 @@ bins=(--example gpu_bench --example host_cost --example resnet)
 
 if [ "$mode" = build ]; then
     command -v zstd >/dev/null || { echo "bench-gpu: --build-only needs zstd (apt-get install zstd)" >&2; exit 1; }
-    gpu_build_into "$bin_dir.raw" "${bins[@]}" || { echo "bench-gpu: FAIL: the build" >&2; exit 1; }
+    gpu_build_into "$bin_dir.raw" "${bins[@]}" && gpu_build_cudnn "$bin_dir.raw" ||
+        { echo "bench-gpu: FAIL: the build" >&2; exit 1; }
     gpu_pack "$bin_dir.raw" "$bin_dir" || { echo "bench-gpu: FAIL: packing the binaries" >&2; exit 1; }
     rm -rf "$bin_dir.raw"
     echo "bench-gpu: binaries in $bin_dir; on the GPU machine: scripts/bench-gpu.sh --bin-dir $bin_dir"
@@ -95,7 +97,8 @@ fi
 if [ "$mode" = source ]; then
     bin_dir="$root/target/gpu/bench"
     echo "bench-gpu: building (target/gpu)"
-    gpu_build_into "$bin_dir" "${bins[@]}" || { echo "bench-gpu: FAIL: the build" >&2; exit 1; }
+    gpu_build_into "$bin_dir" "${bins[@]}" && gpu_build_cudnn "$bin_dir" ||
+        { echo "bench-gpu: FAIL: the build" >&2; exit 1; }
 else
     bin_dir=$(cd "$bin_dir" && pwd)
     gpu_unpack "$bin_dir" gpu_bench || { echo "bench-gpu: FAIL: unpacking the binaries" >&2; exit 1; }
@@ -165,13 +168,13 @@ fields["epoch"] = int(rows[-1]["epoch"])
 print(json.dumps(fields))
 PY
 }
-# step_resnet NAME TAG TRAIN ARGS...: the example for 2 epochs of TRAIN images, then its rate
-# into ours.jsonl.
+# step_resnet NAME TAG TRAIN BINARY ARGS...: the example (BINARY: resnet, or resnet-cudnn) for 2
+# epochs of TRAIN images, then its rate into ours.jsonl.
 step_resnet() {
-    local name=$1 tag=$2 train=$3
-    shift 3
+    local name=$1 tag=$2 train=$3 binary=$4
+    shift 4
     local dir="$logs/$name"
-    step "$name" /dev/null "${skip[@]}" "$(bin resnet)" --backend nccl --epochs 2 --out-dir "$dir" --train-size "$train" "$@" &&
+    step "$name" /dev/null "${skip[@]}" "$(bin "$binary")" --backend nccl --epochs 2 --out-dir "$dir" --train-size "$train" "$@" &&
         [ -f "$dir/metrics.csv" ] && resnet_rate "$dir" "$tag" "$train" >>"$ours"
 }
 
@@ -182,12 +185,18 @@ step host-torch "$theirs" "$python" scripts/torch_gpu_bench.py host "${quick[@]}
 
 # (r20 and r50: --image-size S --batch-size B --val-size V)
 step_resnet step-resnet20-f32 "{\"bench\": \"step\", \"model\": \"resnet20\", \"precision\": \"f32\", \"world\": 1, \"batch\": ${r20[3]}, \"side\": ${r20[1]}}" \
-    $train20 --world-size 1 --model resnet20 --precision f32 "${r20[@]}"
+    $train20 resnet --world-size 1 --model resnet20 --precision f32 "${r20[@]}"
 step step-torch-resnet20-f32 "$theirs" "$python" scripts/torch_gpu_bench.py step --model resnet20 \
     --precision f32 "${t20[@]}" "${torch_dev[@]}"
+# candle's cuDNN convolutions (the `cudnn` feature), where that build is in the folder: the
+# simulated GPU has no cuDNN, so the rehearsal's folder has none.
+if [ -x "$(bin resnet-cudnn)" ]; then
+    step_resnet step-resnet20-f32-cudnn "{\"bench\": \"step\", \"model\": \"resnet20\", \"conv\": \"cuDNN\", \"precision\": \"f32\", \"world\": 1, \"batch\": ${r20[3]}, \"side\": ${r20[1]}}" \
+        $train20 resnet-cudnn --world-size 1 --model resnet20 --precision f32 "${r20[@]}"
+fi
 for precision in f32 bf16; do
     step_resnet "step-resnet50-$precision" "{\"bench\": \"step\", \"model\": \"resnet50\", \"precision\": \"$precision\", \"world\": 1, \"batch\": ${r50[3]}, \"side\": ${r50[1]}}" \
-        $train50 --world-size 1 --model resnet50 --precision $precision "${r50[@]}"
+        $train50 resnet --world-size 1 --model resnet50 --precision $precision "${r50[@]}"
     step "step-torch-resnet50-$precision" "$theirs" "$python" scripts/torch_gpu_bench.py step \
         --model resnet50 --precision $precision "${t50[@]}" "${torch_dev[@]}"
 done
@@ -196,7 +205,7 @@ ddp_r20=("${r20[@]}")
 ddp_r20[3]=$((per_gpu * gpus)) # --batch-size: the global batch
 for overlap in on off; do
     step_resnet "ddp-overlap-$overlap" "{\"bench\": \"ddp\", \"overlap\": \"$overlap\", \"world\": $gpus, \"batch\": $per_gpu}" \
-        $((train20 * gpus)) --world-size "$gpus" --model resnet20 --overlap $overlap "${ddp_r20[@]}"
+        $((train20 * gpus)) resnet --world-size "$gpus" --model resnet20 --overlap $overlap "${ddp_r20[@]}"
 done
 step ddp-torch "$theirs" "$python" scripts/torch_gpu_bench.py ddp --world "$gpus" --batch "$per_gpu" \
     "${t20[@]:2}" "${torch_dev[@]}"
@@ -204,5 +213,7 @@ step ddp-torch "$theirs" "$python" scripts/torch_gpu_bench.py ddp --world "$gpus
 echo
 title="$gpu_names"
 [ $rehearse = 1 ] && title="REHEARSAL on $gpu_names with their kernels skipped (host time only), PyTorch on the CPU, small sizes: none of these figures is a GPU's speed"
-python3 scripts/bench_gpu_table.py --title "$title" "$ours" "$theirs" || failed=1
+strict=()
+[ $rehearse = 1 ] && strict=(--strict) # every case measured on both sides, or the rehearsal fails
+python3 scripts/bench_gpu_table.py --title "$title" "${strict[@]}" "$ours" "$theirs" || failed=1
 exit $failed

@@ -2,10 +2,11 @@
 examples/gpu_bench.rs, examples/host_cost.rs and the ResNet example) beside PyTorch's (THEIRS,
 from scripts/torch_gpu_bench.py), joined case by case, with ratios.
 
-    python3 scripts/bench_gpu_table.py [--title TEXT] OURS.jsonl THEIRS.jsonl
+    python3 scripts/bench_gpu_table.py [--title TEXT] [--strict] OURS.jsonl THEIRS.jsonl
 
 A case one side lacks shows "–"; a failed step is listed under the tables. Exits 1 when a
-table has no row at all (nothing was measured).
+table has no row at all (nothing was measured), and with --strict (the rehearsal) also when a
+ratio is missing: a case one side did not measure, or a step that failed.
 """
 
 import argparse
@@ -84,7 +85,8 @@ def step_table(ours, theirs):
         size = f"{r['batch']}, {r['side']}×{r['side']}"
         if t and (t["batch"], t["side"]) != (r["batch"], r["side"]):
             size += f" (PyTorch: {t['batch']}, {t['side']}×{t['side']})"
-        out.append(f"| {r['model']} | {r['precision']} | {size} | {fmt(r['images_per_sec'])} "
+        model = r["model"] + (f", {r['conv']} convolutions" if "conv" in r else "")
+        out.append(f"| {model} | {r['precision']} | {size} | {fmt(r['images_per_sec'])} "
                    f"| {fmt(t.get('images_per_sec'))} "
                    f"| {ratio(r['images_per_sec'], t.get('images_per_sec'))} |")
     return out
@@ -108,6 +110,7 @@ def ddp_table(ours, theirs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--title", default="")
+    p.add_argument("--strict", action="store_true")
     p.add_argument("ours")
     p.add_argument("theirs")
     args = p.parse_args()
@@ -118,7 +121,7 @@ def main():
         print(f"## {args.title}\n")
     print(f"PyTorch {', '.join(versions) or '–'} on {', '.join(devices) or '–'}. "
           "Ratios: ours / PyTorch's (times: below 1 is faster; images/s: above 1 is faster).")
-    empty = False
+    empty = missing = False
     for name, table in [
         ("The layer, training mode (batch 32, ResNet-50's sizes)", layer_table),
         ("Host time to issue one layer call (ResNet-20's sizes, batch 128)", host_table),
@@ -130,11 +133,16 @@ def main():
         print(f"\n### {name}\n")
         print("\n".join(rows))
         empty |= len(rows) == 2
+        # The host table's sync_gradients row has no PyTorch counterpart by design.
+        missing |= any(r.endswith("| – |") and "sync_gradients" not in r for r in rows[2:])
     failed = [r for r in ours + theirs if r.get("bench") == "failed"]
     if failed:
         print("\nFailed steps: " + ", ".join(f"{r['step']} (exit {r['status']})" for r in failed))
     if empty:
         print("\nbench_gpu_table: a table has no row (nothing measured there)")
+    if args.strict and (missing or failed):
+        print("\nbench_gpu_table: --strict: a ratio is missing (a case one side lacks, or a failed step)")
+        return 1
     return 1 if empty else 0
 
 

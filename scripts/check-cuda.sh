@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The `cuda` and `nccl` features without a GPU: lints every target, links every test and
-# example binary against stub CUDA libraries (scripts/cuda-stubs.sh), runs the checks of the
+# example binary against stub CUDA libraries (scripts/cuda-stubs.sh) and the ResNet example
+# with `cudnn` too, runs the checks of the
 # embedded kernel images (the library's fatbin unit tests, with the stubs loaded; and
 # cuobjdump's list of each image), and lists the CUDA tests. nvcc 13.0 and cuobjdump come from
 # PyPI (scripts/nvcc-env.sh). Builds in target/cuda.
@@ -33,6 +34,23 @@ for l in sys.stdin:
         out = m["out_dir"]
 print(out)')
 [ -d "$out_dir" ] || { echo "FAIL: no OUT_DIR of candle-distributed's build script"; exit 1; }
+
+echo "-- the cudnn feature: the ResNet example links against libcudnn.so.9 (candle's cuDNN convolutions)"
+# The simulated GPU has no cuDNN (gpu-sim/README.md): this build is linked, never run, here;
+# scripts/test-gpu.sh runs it on a GPU.
+cargo build --features $features,cudnn --example resnet \
+    --message-format=json-render-diagnostics | python3 -c 'import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])' >"$CARGO_TARGET_DIR/resnet-cudnn.path"
+resnet_cudnn=$(cat "$CARGO_TARGET_DIR/resnet-cudnn.path")
+readelf -d "$resnet_cudnn" | grep -q 'NEEDED.*libcudnn\.so\.9' ||
+    { echo "FAIL: $resnet_cudnn does not need libcudnn.so.9"; exit 1; }
+echo "ok   $resnet_cudnn needs libcudnn.so.9"
+# The plain build's binary back at target/cuda/debug/examples/resnet (cargo links the last
+# build's there; nothing is recompiled).
+cargo build --features $features --example resnet -q
 
 echo "-- the embedded kernel images (library unit tests, stub libraries loaded)"
 LD_LIBRARY_PATH="$CUDA_STUBS" cargo test --features $features --lib fatbin

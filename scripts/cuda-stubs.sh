@@ -1,6 +1,6 @@
 # Sourced by the CUDA scripts after scripts/nvcc-env.sh: generates stub shared libraries
-# (libcuda.so.1, libnccl.so.2, libcublas.so.13, ...) from the function names in cudarc's source,
-# with the real libraries' sonames, so that CUDA test and example binaries link on a machine
+# (libcuda.so.1, libnccl.so.2, libcublas.so.13, libcudnn.so.9 for the `cudnn` feature, ...)
+# from the function names in cudarc's source, with the real libraries' sonames, so that CUDA test and example binaries link on a machine
 # without a GPU driver; on a GPU machine the same binaries load the real libraries. Exports
 # CUDA_STUBS (the folder) and RUSTFLAGS with it as a native search path. Needs gcc.
 root=$(pwd)
@@ -25,6 +25,7 @@ stub nvrtc libnvrtc.so.13 '^nvrtc'
 stub curand libcurand.so.10 '^curand'
 stub cublas libcublas.so.13 '^cublas' '^cublasLt'
 stub cublasLt libcublasLt.so.13 '^cublasLt'
+stub cudnn libcudnn.so.9 '^cudnn'
 ln -sf "$CUDA_PATH/lib/libcudart.so.13" "$CUDA_STUBS/libcudart.so"
 ln -sf "$CUDA_PATH/lib/libcudart.so.13" "$CUDA_STUBS/libcudart.so.13"
 export CUDA_STUBS RUSTFLAGS="${RUSTFLAGS:-} -L native=$CUDA_STUBS"

@@ -6,6 +6,8 @@
 #                                         targets the arguments name, copies the executables
 #                                         into DEST under plain names (tests/cuda.rs -> cuda),
 #                                         stripped
+#   gpu_build_cudnn DEST                  the ResNet example with the `cudnn` feature (candle's
+#                                         cuDNN convolutions) as DEST/resnet-cudnn
 #   gpu_pack SRC DIR                      SRC's files into DIR/binaries.tar.zst
 #   gpu_unpack DIR WANT                   unpacks DIR/binaries.tar.zst (or DIR/*.xz) unless DIR
 #                                         already holds the binary WANT
@@ -44,6 +46,12 @@ for line in sys.stdin:
             cp "$e" "$dest/$name" && strip "$dest/$name" || exit 1
         done
     )
+}
+
+gpu_build_cudnn() {
+    local dest=$1
+    gpu_build_into "$dest.cudnn" --features cudnn --example resnet &&
+        mv "$dest.cudnn/resnet" "$dest/resnet-cudnn" && rm -rf "$dest.cudnn"
 }
 
 gpu_pack() {

@@ -3,7 +3,8 @@
 #   - tests/cuda.rs and tests/nccl.rs (NCCL with one rank per GPU present);
 #   - every `cuda::` variant of the device tests, the torchvision models included;
 #   - the ResNet example's --check over NCCL on every GPU (--world-size = the GPU count), in
-#     f32 and bf16, with gradient accumulation and several buckets;
+#     f32 and bf16, with gradient accumulation and several buckets, and built with the `cudnn`
+#     feature (candle's cuDNN convolutions; needs cuDNN 9);
 #   - compute-sanitizer's memcheck, racecheck and synccheck over tests/cuda.rs, where it is
 #     installed.
 #
@@ -40,7 +41,8 @@ esac
 
 if [ "$mode" = build ]; then
     command -v zstd >/dev/null || { echo "test-gpu: --build-only needs zstd (apt-get install zstd)" >&2; exit 1; }
-    gpu_build_into "$bin_dir.raw" --tests --examples || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
+    gpu_build_into "$bin_dir.raw" --tests --examples && gpu_build_cudnn "$bin_dir.raw" ||
+        { echo "test-gpu: FAIL: the build" >&2; exit 1; }
     gpu_pack "$bin_dir.raw" "$bin_dir" || { echo "test-gpu: FAIL: packing the binaries" >&2; exit 1; }
     rm -rf "$bin_dir.raw"
     echo "test-gpu: binaries in $bin_dir; on the GPU machine: scripts/test-gpu.sh --bin-dir $bin_dir"
@@ -68,7 +70,8 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 if [ "$mode" = source ]; then
     bin_dir="$root/target/gpu/named"
     echo "test-gpu: building (target/gpu)"
-    gpu_build_into "$bin_dir" --tests --examples || { echo "test-gpu: FAIL: the build" >&2; exit 1; }
+    gpu_build_into "$bin_dir" --tests --examples && gpu_build_cudnn "$bin_dir" ||
+        { echo "test-gpu: FAIL: the build" >&2; exit 1; }
 else
     bin_dir=$(cd "$bin_dir" && pwd)
     gpu_unpack "$bin_dir" cuda || { echo "test-gpu: FAIL: unpacking the binaries" >&2; exit 1; }
@@ -130,6 +133,11 @@ for precision in f32 bf16; do
         --precision "$precision" --accumulate 2 --bucket-mb 0.1 --check --check-steps 3 \
         --out-dir "$out/check-$precision"
 done
+# candle's cuDNN convolutions (the `cudnn` feature; needs libcudnn.so.9): the same check.
+if [ -x "$(bin resnet-cudnn)" ]; then
+    step "resnet-check-cudnn-x$gpus" "$(bin resnet-cudnn)" --backend nccl --world-size "$gpus" \
+        --check --check-steps 3 --out-dir "$out/check-cudnn"
+fi
 if [ -n "$sanitizer" ]; then
     for tool in memcheck racecheck synccheck; do
         step "sanitizer-$tool" "$sanitizer" --tool "$tool" --error-exitcode 1 \
