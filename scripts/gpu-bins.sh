@@ -5,7 +5,12 @@
 #   gpu_build_into DEST [CARGO ARGS...]   builds (release, --features cuda,nccl, target/gpu) the
 #                                         targets the arguments name, copies the executables
 #                                         into DEST under plain names (tests/cuda.rs -> cuda),
-#                                         stripped
+#                                         stripped. For the rehearsal on simulated GPUs:
+#                                         GPU_BINS_PROFILE (a cargo profile, e.g. dev) and
+#                                         GPU_BINS_TARGET (a target folder) build where the
+#                                         simulated-GPU suites built, in the environment they
+#                                         set (scripts/cuda-build-env.sh), and GPU_BINS_LINK=1
+#                                         links the executables instead of copying them
 #   gpu_build_cudnn DEST                  the ResNet example with the `cudnn` feature (candle's
 #                                         cuDNN convolutions) as DEST/resnet-cudnn
 #   gpu_pack SRC DIR                      SRC's files into DIR/binaries.tar.zst
@@ -21,8 +26,11 @@ gpu_build_into() {
     shift
     (
         cd "$_gpu_bins_root" || exit 1
-        . scripts/nvcc-env.sh || exit 1
-        . scripts/cuda-stubs.sh || exit 1
+        # (Once: sourcing the stubs again would change RUSTFLAGS, and cargo would rebuild all.)
+        if [ -z "${CUDA_STUBS:-}" ]; then
+            . scripts/nvcc-env.sh || exit 1
+            . scripts/cuda-stubs.sh || exit 1
+        fi
         # Machine code for the GPUs present (nvidia-smi), else for sm_90; PTX for newer ones.
         if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
             CUDA_COMPUTE_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null |
@@ -30,8 +38,8 @@ gpu_build_into() {
             export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
         fi
         export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
-        export CARGO_TARGET_DIR="$_gpu_bins_root/target/gpu"
-        exes=$(cargo build --release --features cuda,nccl "$@" \
+        export CARGO_TARGET_DIR=${GPU_BINS_TARGET:-$_gpu_bins_root/target/gpu}
+        exes=$(cargo build --profile "${GPU_BINS_PROFILE:-release}" --features cuda,nccl "$@" \
             --message-format=json-render-diagnostics | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -43,7 +51,11 @@ for line in sys.stdin:
         for e in $exes; do
             name=$(basename "$e")
             name=${name%-*[0-9a-f]} # a test binary's hash suffix
-            cp "$e" "$dest/$name" && strip "$dest/$name" || exit 1
+            if [ "${GPU_BINS_LINK:-0}" = 1 ]; then
+                ln -s "$e" "$dest/$name" || exit 1
+            else
+                cp "$e" "$dest/$name" && strip "$dest/$name" || exit 1
+            fi
         done
     )
 }

@@ -9,8 +9,9 @@
 # example on `--device cuda` (4 thread ranks on one simulated GPU) with its `--check`, and the
 # README's NCCL commands at tiny sizes on 8 GPUs: `--backend nccl --world-size 8 --check` in
 # f32 and bf16 with accumulation and several buckets, a stop and `--resume`, and
-# `torchrun --nproc_per_node 8` (torchrun from TORCH_VENV), and scripts/bench-gpu.sh
-# rehearsed (`--rehearse`: small sizes, kernels skipped, PyTorch from TORCH_VENV on the CPU);
+# `torchrun --nproc_per_node 8` (torchrun from TORCH_VENV), and scripts/test-gpu.sh and
+# scripts/bench-gpu.sh rehearsed (`--rehearse`: every step at small sizes; the benchmarks with
+# kernels skipped and PyTorch from TORCH_VENV on the CPU);
 # a worker's crash under torchrun's restarts is rehearsed across two machines by
 # scripts/test-two-nodes.sh.
 # Builds the simulator and the cuda,nccl binaries in target/cuda with the flags of
@@ -177,15 +178,14 @@ if [ -x "$torchrun" ]; then
     TORCH_PYTHON="$(cd "${TORCH_VENV:-.venv-torch}" && pwd)/bin/python" GPU_SIM_DEVICES=4 cargo test \
         --features $features --test nccl_faults -q -- --ignored --exact \
         a_hang_report_across_processes_names_the_rank_behind
-    echo "-- [$((SECONDS - started)) s] scripts/bench-gpu.sh rehearsed on 2 simulated GPUs: every step at small sizes, kernels skipped, PyTorch on the CPU (the figures are not a GPU's)"
-    cargo build --features $features -q --example gpu_bench --example host_cost --example resnet
-    bench_bins="$resnet_out/bench-bins"
-    mkdir -p "$bench_bins"
-    for b in gpu_bench host_cost resnet; do
-        ln -s "$(realpath "$CARGO_TARGET_DIR/debug/examples/$b")" "$bench_bins/$b"
-    done
+    echo "-- [$((SECONDS - started)) s] scripts/test-gpu.sh and scripts/bench-gpu.sh rehearsed on 2 simulated GPUs: every step, the test binaries listing their tests, the example's checks and the benchmarks at small sizes (kernels skipped in the benchmarks, PyTorch on the CPU: the figures are not a GPU's)"
+    # The folder the scripts take from --build-only, of this build's binaries (links).
+    gpu_bins="$resnet_out/gpu-bins"
+    (. scripts/gpu-bins.sh && GPU_BINS_PROFILE=dev GPU_BINS_TARGET="$CARGO_TARGET_DIR" GPU_BINS_LINK=1 \
+        gpu_build_into "$gpu_bins" --tests --example resnet --example gpu_bench --example host_cost -q)
+    TEST_GPU_LOGS="$resnet_out/test-gpu-logs" scripts/test-gpu.sh --rehearse --bin-dir "$gpu_bins"
     TORCH_PYTHON="$(cd "${TORCH_VENV:-.venv-torch}" && pwd)/bin/python" \
-        BENCH_GPU_LOGS="$resnet_out/bench-gpu-logs" scripts/bench-gpu.sh --rehearse --bin-dir "$bench_bins"
+        BENCH_GPU_LOGS="$resnet_out/bench-gpu-logs" scripts/bench-gpu.sh --rehearse --bin-dir "$gpu_bins"
 elif [ -n "${GPU_SIM_SKIP_TORCHRUN:-}" ]; then
     echo "torchrun: skipped (GPU_SIM_SKIP_TORCHRUN set)"
 else

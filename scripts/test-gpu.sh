@@ -11,9 +11,16 @@
 #   scripts/test-gpu.sh                    # on a GPU machine with Rust: builds, then runs
 #   scripts/test-gpu.sh --build-only DIR   # on any machine (no GPU, no driver needed): builds
 #                                          # the binaries into DIR/binaries.tar.zst (stripped;
-#                                          # one zstd --long stream: ~44 MB for all of them)
+#                                          # one zstd --long stream: ~58 MB for all of them)
 #   scripts/test-gpu.sh --bin-dir DIR      # on a GPU machine without Rust: runs DIR's binaries
 #                                          # (unpacks binaries.tar.zst with zstd, or *.xz)
+#   scripts/test-gpu.sh --rehearse --bin-dir DIR
+#                                          # on 2 simulated GPUs (scripts/gpu-sim-env.sh
+#                                          # sourced, DIR built for them): every step, the test
+#                                          # binaries listing their tests instead of running
+#                                          # them (scripts/test-gpu-sim.sh runs them all), the
+#                                          # example's checks at small sizes: the script end to
+#                                          # end, not a GPU's verdict
 #
 # Building needs what scripts/check-cuda.sh needs (nvcc from PyPI through scripts/nvcc-env.sh,
 # stub libraries for linking without a driver); binaries go to target/gpu. Running needs the
@@ -27,14 +34,21 @@ root=$PWD
 
 usage() { sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 
-mode=source bin_dir=
-case "${1:-}" in
-    --build-only) mode=build bin_dir=${2:?--build-only needs a folder} ;;
-    --bin-dir) mode=bin bin_dir=${2:?--bin-dir needs a folder} ;;
-    -h | --help) usage; exit 0 ;;
-    "") ;;
-    *) echo "test-gpu: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
-esac
+mode=source bin_dir= rehearse=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --build-only) mode=build bin_dir=${2:?--build-only needs a folder}; shift ;;
+        --bin-dir) mode=bin bin_dir=${2:?--bin-dir needs a folder}; shift ;;
+        --rehearse) rehearse=1 ;;
+        -h | --help) usage; exit 0 ;;
+        *) echo "test-gpu: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+done
+if [ $rehearse = 1 ] && { [ "$mode" != bin ] || [ -z "${GPU_SIM_OUT:-}" ]; }; then
+    echo "test-gpu: --rehearse runs DIR's binaries on simulated GPUs: --bin-dir DIR, with scripts/gpu-sim-env.sh sourced" >&2
+    exit 2
+fi
 
 # ------------------------------------------------------------------------------ building
 . scripts/gpu-bins.sh
@@ -51,7 +65,10 @@ fi
 
 # ------------------------------------------------------------------------------ the GPUs
 gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
+if [ $rehearse = 1 ]; then
+    export GPU_SIM_DEVICES=2
+    gpus=2
+elif command -v nvidia-smi >/dev/null 2>&1; then
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 fi
 if [ "$gpus" -eq 0 ]; then
@@ -64,7 +81,8 @@ validate here. This script runs the crate's GPU suites on real GPUs. Without one
 EOF
     exit 2
 fi
-nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader |
+[ $rehearse = 1 ] ||
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader |
     sed 's/^/test-gpu: GPU /'
 
 if [ "$mode" = source ]; then
@@ -78,7 +96,7 @@ else
 fi
 
 # PyPI's NVIDIA libraries of this python3 (NCCL, cuBLAS, cuRAND, cudart), after the user's own.
-gpu_libraries
+[ $rehearse = 1 ] || gpu_libraries
 sanitizer=$(command -v compute-sanitizer 2>/dev/null ||
     ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
 
@@ -112,9 +130,15 @@ summary() {
     echo "$r"
 }
 bin() { echo "$bin_dir/$1"; }
+# What a test binary is asked: run its tests (one at a time), or in the rehearsal list them.
+run=(--test-threads=1) sizes=()
+if [ $rehearse = 1 ]; then
+    run=(--list)
+    sizes=(--image-size 8 --train-size 64 --val-size 32 --batch-size 16)
+fi
 
-step cuda "$(bin cuda)" --test-threads=1
-step nccl "$(bin nccl)" --test-threads=1
+step cuda "$(bin cuda)" "${run[@]}"
+step nccl "$(bin nccl)" "${run[@]}"
 # The cuda:: variants of the device tests (device_tests! in tests/), the torchvision models
 # included. Test binaries are named after tests/NAME.rs and tests/NAME/main.rs.
 for src in tests/*.rs tests/*/main.rs; do
@@ -125,20 +149,22 @@ for src in tests/*.rs tests/*/main.rs; do
     # (Read whole first: `grep -q` in a pipe under pipefail fails when it stops reading early.)
     tests=$("$t" --list 2>/dev/null) || true
     grep -q 'cuda::.*: test$' <<<"$tests" || continue # cuda::x or mod::cuda::x
-    step "cuda::-$name" "$t" cuda:: --test-threads=1
+    step "cuda::-$name" "$t" cuda:: "${run[@]}"
 done
 out=$(mktemp -d)
 for precision in f32 bf16; do
     step "resnet-check-$precision-x$gpus" "$(bin resnet)" --backend nccl --world-size "$gpus" \
         --precision "$precision" --accumulate 2 --bucket-mb 0.1 --check --check-steps 3 \
-        --out-dir "$out/check-$precision"
+        "${sizes[@]}" --out-dir "$out/check-$precision"
 done
 # candle's cuDNN convolutions (the `cudnn` feature; needs libcudnn.so.9): the same check.
 if [ -x "$(bin resnet-cudnn)" ]; then
     step "resnet-check-cudnn-x$gpus" "$(bin resnet-cudnn)" --backend nccl --world-size "$gpus" \
-        --check --check-steps 3 --out-dir "$out/check-cudnn"
+        --check --check-steps 3 "${sizes[@]}" --out-dir "$out/check-cudnn"
 fi
-if [ -n "$sanitizer" ]; then
+if [ $rehearse = 1 ]; then
+    results+=("$(printf '%-34s %-6s %6s    %s' compute-sanitizer skip - "rehearsal")")
+elif [ -n "$sanitizer" ]; then
     for tool in memcheck racecheck synccheck; do
         step "sanitizer-$tool" "$sanitizer" --tool "$tool" --error-exitcode 1 \
             "$(bin cuda)" --test-threads=1
@@ -149,7 +175,11 @@ fi
 rm -rf "$out"
 
 echo
-echo "test-gpu: $gpus GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | paste -sd,)"
+if [ $rehearse = 1 ]; then
+    echo "test-gpu: REHEARSAL on $gpus simulated GPUs: the test binaries listed their tests, the checks ran at small sizes"
+else
+    echo "test-gpu: $gpus GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | sed 's/^ *//' | paste -sd,)"
+fi
 printf '%-34s %-6s %8s  %s\n' step result time detail
 printf '%s\n' "${results[@]}"
 exit $failed
