@@ -54,8 +54,10 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def timed(dev, f, rounds, iters):
-    """Median seconds per call over `rounds` rounds of `iters` calls, after 3 warm-up calls."""
+def timed(dev, f, rounds, iters, wait=True):
+    """Median seconds per call over `rounds` rounds of `iters` calls, after 3 warm-up calls; the
+    device drained before each round, and before its clock stops when `wait` (else after: the
+    time to issue the calls)."""
     for _ in range(3):
         f()
     ts = []
@@ -64,8 +66,10 @@ def timed(dev, f, rounds, iters):
         t = time.perf_counter()
         for _ in range(iters):
             f()
-        sync(dev)
+        if wait:
+            sync(dev)
         ts.append((time.perf_counter() - t) / iters)
+        sync(dev)
     return statistics.median(ts)
 
 
@@ -114,18 +118,9 @@ def host(args, dev):
                 y = bn(x)
                 if what != "forward":
                     y.backward(torch.ones_like(y))
-            for _ in range(3):
-                call()
-            ts = []
-            for _ in range(batches):
-                sync(dev)
-                t = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                ts.append((time.perf_counter() - t) / calls)
-                sync(dev)
-            emit(bench="host_layer", shape=[n, c, h, w], what=what,
-                 torch_us=us(statistics.median(ts)), device=dev.type)
+            t = timed(dev, call, batches, calls, wait=False)
+            emit(bench="host_layer", shape=[n, c, h, w], what=what, torch_us=us(t),
+                 device=dev.type)
 
 
 class Bottleneck(nn.Module):
