@@ -32,11 +32,14 @@
 #
 # Building needs what scripts/test-gpu.sh needs (binaries in target/gpu). Running needs the
 # NVIDIA driver, NCCL, cuBLAS, cuRAND and the CUDA runtime 13 where the dynamic linker finds
-# them (as scripts/test-gpu.sh), and PyTorch with CUDA for the PyTorch side. Each step's output
-# goes to BENCH_GPU_LOGS (default target/bench-gpu-logs): ours.jsonl and torch.jsonl hold every
-# figure. Exit status: 0 when every step ran, 1 when one failed (its row says so), 2 when there
+# them (LD_LIBRARY_PATH, or the nvidia-* packages PyTorch's python imports, appended), and
+# PyTorch with CUDA for the PyTorch side. f32 is true f32 on both sides (TF32 off). Each step's
+# output goes to BENCH_GPU_LOGS (default target/bench-gpu-logs): ours.jsonl and torch.jsonl
+# hold every figure; each step is stopped after BENCH_GPU_STEP_TIMEOUT seconds (default 240).
+# Exit status: 0 when every step ran, 1 when one failed (listed under the tables), 2 when there
 # is no GPU.
 set -uo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 root=$PWD
 
@@ -57,6 +60,7 @@ if [ $rehearse = 1 ] && [ "$mode" != bin ]; then
     echo "bench-gpu: --rehearse needs --bin-dir DIR (binaries built for the simulated GPU)" >&2
     exit 2
 fi
+case "$bin_dir" in "" | /*) ;; *) bin_dir=$caller/$bin_dir ;; esac # (given from the caller's folder)
 . scripts/gpu-bins.sh
 bins=(--example gpu_bench --example host_cost --example resnet)
 
@@ -82,6 +86,11 @@ else
     if command -v nvidia-smi >/dev/null 2>&1; then
         gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
     fi
+    # The ranks see the devices CUDA_VISIBLE_DEVICES leaves them, where it is set.
+    if [ "$gpus" -gt 0 ] && [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+        visible=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+        [ "$visible" -lt "$gpus" ] && gpus=$visible
+    fi
     if [ "$gpus" -eq 0 ]; then
         cat >&2 <<'EOF'
 bench-gpu: no NVIDIA GPU found (nvidia-smi is missing or lists no GPU). Without one:
@@ -103,33 +112,47 @@ else
     bin_dir=$(cd "$bin_dir" && pwd)
     gpu_unpack "$bin_dir" gpu_bench || { echo "bench-gpu: FAIL: unpacking the binaries" >&2; exit 1; }
 fi
-[ $rehearse = 1 ] || gpu_libraries
+python=${TORCH_PYTHON:-python3}
+if [ $rehearse = 0 ]; then
+    gpu_libraries "$python"
+    # A missing library (or a CUDA 12 PyTorch's, where the binaries want CUDA 13's) shows here,
+    # once, rather than as every step of ours failing.
+    missing=$(ldd "$bin_dir/gpu_bench" 2>/dev/null | grep 'not found' | sed 's/^[[:space:]]*//' | paste -sd,)
+    [ -z "$missing" ] || echo "bench-gpu: WARNING: the binaries lack $missing (PyTorch's CUDA: $("$python" -c 'import torch; print(torch.version.cuda)' 2>&1 | tail -1))" >&2
+fi
 
 # ------------------------------------------------------------------------------ the steps
 logs=${BENCH_GPU_LOGS:-$root/target/bench-gpu-logs}
-rm -rf "$logs"
 mkdir -p "$logs"
+# (This run's files only: the folder may be the caller's.)
+rm -rf "$logs"/*.log "$logs"/step-* "$logs"/ddp-*
 ours="$logs/ours.jsonl" theirs="$logs/torch.jsonl"
 : >"$ours"
 : >"$theirs"
-python=${TORCH_PYTHON:-python3}
+# f32 is f32 on both sides: no TF32 in cuBLAS or cuDNN (PyTorch's script also turns it off;
+# candle's cuDNN build would otherwise be free to use it).
+export NVIDIA_TF32_OVERRIDE=0
+# Each step ends within this many seconds (a hang costs one row, not the run).
+limit=${BENCH_GPU_STEP_TIMEOUT:-240}
 failed=0
-# step NAME SINK COMMAND...: runs it, its stdout's JSON lines appended to SINK, everything in
-# $logs/NAME.log; a failure is listed (and its log's end printed), the next step runs.
+# step NAME SINK COMMAND...: runs it (for at most $limit s), its stdout's JSON lines appended to
+# SINK, everything in $logs/NAME.log; a failure is recorded in ours.jsonl (the tables list it)
+# and its log's end printed; returns the command's status.
 step() {
     local name=$1 sink=$2
     shift 2
     local t0=$SECONDS status
     echo "bench-gpu: $name"
-    "$@" >"$logs/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" >"$logs/$name.log" 2>&1
     status=$?
     grep '^{' "$logs/$name.log" >>"$sink"
     if [ $status -ne 0 ]; then
         failed=1
-        echo "{\"bench\": \"failed\", \"step\": \"$name\", \"status\": $status}" >>"$sink"
+        echo "{\"bench\": \"failed\", \"step\": \"$name\", \"status\": $status}" >>"$ours"
         tail -15 "$logs/$name.log" | sed 's/^/    /'
     fi
     echo "bench-gpu: $name took $((SECONDS - t0)) s (exit $status)"
+    return $status
 }
 bin() { echo "$bin_dir/$1"; }
 
@@ -160,8 +183,10 @@ resnet_rate() {
 import csv, json, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 fields = json.loads(sys.argv[2])
+if len(rows) != 2:
+    sys.exit(f"bench-gpu: {sys.argv[1]} has {len(rows)} epochs, not the 2 asked for")
 rate = float(rows[-1]["images_per_sec"])
-if rate == 0 and len(rows) > 1:
+if rate == 0:
     rate = int(sys.argv[3]) / (float(rows[-1]["seconds"]) - float(rows[-2]["seconds"]))
 fields["images_per_sec"] = round(rate, 1)
 fields["epoch"] = int(rows[-1]["epoch"])
@@ -174,8 +199,12 @@ step_resnet() {
     local name=$1 tag=$2 train=$3 binary=$4
     shift 4
     local dir="$logs/$name"
-    step "$name" /dev/null "${skip[@]}" "$(bin "$binary")" --backend nccl --epochs 2 --out-dir "$dir" --train-size "$train" "$@" &&
-        [ -f "$dir/metrics.csv" ] && resnet_rate "$dir" "$tag" "$train" >>"$ours"
+    step "$name" /dev/null "${skip[@]}" "$(bin "$binary")" --backend nccl --epochs 2 \
+        --out-dir "$dir" --train-size "$train" "$@" || return 0 # (its failure is recorded)
+    resnet_rate "$dir" "$tag" "$train" >>"$ours" || {
+        failed=1
+        echo "{\"bench\": \"failed\", \"step\": \"$name (its rate)\", \"status\": 1}" >>"$ours"
+    }
 }
 
 step layer-ours "$ours" "${skip[@]}" "$(bin gpu_bench)" --json "${quick[@]}"

@@ -30,8 +30,15 @@ def fmt(v):
     return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
 
 
+# Ratios that could not be formed (a case one side lacks): what --strict refuses.
+MISSING = []
+
+
 def ratio(a, b):
-    return "–" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+    if a is None or b is None or b == 0:
+        MISSING.append((a, b))
+        return "–"
+    return f"{a / b:.2f}"
 
 
 def by(rows, bench):
@@ -43,11 +50,16 @@ def layer_table(ours, theirs):
     out = ["| layout | dtype | N × C × H·W | fwd µs | PyTorch | ratio | fwd+bwd µs | PyTorch | ratio "
            "| copy µs | kernels fwd, of copy | kernels bwd, of copy |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in by(ours, "layer"):
+    rows = by(ours, "layer")
+    seen = {(r["layout"], r["dtype"], r["c"], r["hw"]) for r in rows}
+    rows += [dict(t, fwd_us=None, fwd_bwd_us=None, copy_us=None, kernels_fwd_us=None,
+                  kernels_bwd_us=None) for k, t in torch.items() if k not in seen]
+    for r in rows:
         t = torch.get((r["layout"], r["dtype"], r["c"], r["hw"]), {})
         # The kernels' element accesses over the copy's 2: 3 forward, 5 backward.
-        fwd_of_copy = 3 * r["copy_us"] / 2 / r["kernels_fwd_us"] if r["kernels_fwd_us"] else None
-        bwd_of_copy = 5 * r["copy_us"] / 2 / r["kernels_bwd_us"] if r["kernels_bwd_us"] else None
+        have = r["copy_us"] is not None
+        fwd_of_copy = 3 * r["copy_us"] / 2 / r["kernels_fwd_us"] if have and r["kernels_fwd_us"] else None
+        bwd_of_copy = 5 * r["copy_us"] / 2 / r["kernels_bwd_us"] if have and r["kernels_bwd_us"] else None
         out.append(
             f"| {r['layout']} | {r['dtype']} | {r['batch']} × {r['c']} × {r['hw']} "
             f"| {fmt(r['fwd_us'])} | {fmt(t.get('fwd_us'))} | {ratio(r['fwd_us'], t.get('fwd_us'))} "
@@ -63,7 +75,11 @@ def host_table(ours, theirs):
     out = ["| shape | what | SyncBatchNorm µs | candle-nn BatchNorm µs | PyTorch nn.BatchNorm2d µs "
            "| ours / PyTorch |",
            "|---|---|---|---|---|---|"]
-    for r in by(ours, "host_layer"):
+    rows = by(ours, "host_layer")
+    seen = {(tuple(r["shape"][1:]), r["what"]) for r in rows}
+    rows += [dict(t, sync_batch_norm_us=None, candle_nn_us=None)
+             for k, t in torch.items() if k not in seen]
+    for r in rows:
         t = torch.get((tuple(r["shape"][1:]), r["what"]), {})
         shape = "×".join(str(d) for d in r["shape"])
         out.append(f"| {shape} | {r['what']} | {fmt(r['sync_batch_norm_us'])} "
@@ -80,7 +96,12 @@ def step_table(ours, theirs):
     torch = {(r["model"], r["precision"]): r for r in by(theirs, "step")}
     out = ["| model | precision | batch, side | ours images/s | PyTorch images/s | ours / PyTorch |",
            "|---|---|---|---|---|---|"]
-    for r in by(ours, "step"):
+    rows = by(ours, "step")
+    # PyTorch's cases that ours has no row for (its step failed) still show, ours as "–".
+    seen = {(r["model"], r["precision"]) for r in rows}
+    rows += [{"model": m, "precision": p, "batch": t["batch"], "side": t["side"],
+              "images_per_sec": None} for (m, p), t in torch.items() if (m, p) not in seen]
+    for r in rows:
         t = torch.get((r["model"], r["precision"]), {})
         size = f"{r['batch']}, {r['side']}×{r['side']}"
         if t and (t["batch"], t["side"]) != (r["batch"], r["side"]):
@@ -121,10 +142,10 @@ def main():
         print(f"## {args.title}\n")
     print(f"PyTorch {', '.join(versions) or '–'} on {', '.join(devices) or '–'}. "
           "Ratios: ours / PyTorch's (times: below 1 is faster; images/s: above 1 is faster).")
-    empty = missing = False
+    empty = False
     for name, table in [
-        ("The layer, training mode (batch 32, ResNet-50's sizes)", layer_table),
-        ("Host time to issue one layer call (ResNet-20's sizes, batch 128)", host_table),
+        ("The layer, training mode (ResNet-50's batch-norm sizes)", layer_table),
+        ("Host time to issue one layer call (ResNet-20's batch-norm sizes)", host_table),
         ("Training step on one GPU (the ResNet example against the same model in PyTorch)",
          step_table),
         ("Data-parallel ResNet-20 step on every GPU", ddp_table),
@@ -133,14 +154,12 @@ def main():
         print(f"\n### {name}\n")
         print("\n".join(rows))
         empty |= len(rows) == 2
-        # The host table's sync_gradients row has no PyTorch counterpart by design.
-        missing |= any(r.endswith("| – |") and "sync_gradients" not in r for r in rows[2:])
     failed = [r for r in ours + theirs if r.get("bench") == "failed"]
     if failed:
         print("\nFailed steps: " + ", ".join(f"{r['step']} (exit {r['status']})" for r in failed))
     if empty:
         print("\nbench_gpu_table: a table has no row (nothing measured there)")
-    if args.strict and (missing or failed):
+    if args.strict and (MISSING or failed):
         print("\nbench_gpu_table: --strict: a ratio is missing (a case one side lacks, or a failed step)")
         return 1
     return 1 if empty else 0

@@ -16,8 +16,9 @@
 #   gpu_pack SRC DIR                      SRC's files into DIR/binaries.tar.zst
 #   gpu_unpack DIR WANT                   unpacks DIR/binaries.tar.zst (or DIR/*.xz) unless DIR
 #                                         already holds the binary WANT
-#   gpu_libraries                         appends PyPI's NVIDIA libraries of this python3 to
-#                                         LD_LIBRARY_PATH (NCCL, cuBLAS, cuRAND, cudart)
+#   gpu_libraries [PYTHON]                appends the folders of PyPI's NVIDIA libraries that
+#                                         PYTHON (default python3) imports to LD_LIBRARY_PATH
+#                                         (NCCL, cuBLAS, cuRAND, cudart, cuDNN)
 
 _gpu_bins_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -90,10 +91,23 @@ gpu_unpack() {
 }
 
 gpu_libraries() {
-    local sp extra
-    sp=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
-    if [ -n "$sp" ] && [ -d "$sp/nvidia" ]; then
-        extra=$(find "$sp/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+    local py=${1:-python3} extra
+    # Every folder of PyPI's nvidia-* packages (a namespace package: one or several paths).
+    extra=$("$py" - 2>/dev/null <<'PY'
+import os
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit
+dirs = set()
+for base in nvidia.__path__:
+    for root, _, files in os.walk(base):
+        if any(f.startswith("lib") and ".so" in f for f in files):
+            dirs.add(root)
+print(":".join(sorted(dirs)))
+PY
+    )
+    if [ -n "$extra" ]; then
         export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$extra"
     fi
 }

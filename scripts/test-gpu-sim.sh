@@ -186,6 +186,13 @@ if [ -x "$torchrun" ]; then
     TEST_GPU_LOGS="$resnet_out/test-gpu-logs" scripts/test-gpu.sh --rehearse --bin-dir "$gpu_bins"
     TORCH_PYTHON="$(cd "${TORCH_VENV:-.venv-torch}" && pwd)/bin/python" \
         BENCH_GPU_LOGS="$resnet_out/bench-gpu-logs" scripts/bench-gpu.sh --rehearse --bin-dir "$gpu_bins"
+    # The rehearsal's strictness, planted: a case PyTorch's side lacks must fail the table.
+    sed '1d' "$resnet_out/bench-gpu-logs/torch.jsonl" >"$resnet_out/torch-less.jsonl"
+    if python3 scripts/bench_gpu_table.py --strict "$resnet_out/bench-gpu-logs/ours.jsonl" \
+        "$resnet_out/torch-less.jsonl" >/dev/null; then
+        echo "FAIL: bench_gpu_table.py --strict accepted a case measured on one side only"
+        exit 1
+    fi
 elif [ -n "${GPU_SIM_SKIP_TORCHRUN:-}" ]; then
     echo "torchrun: skipped (GPU_SIM_SKIP_TORCHRUN set)"
 else

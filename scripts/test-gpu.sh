@@ -27,8 +27,10 @@
 # NVIDIA driver, and NCCL 2.27 or newer, cuBLAS, cuRAND and the CUDA runtime 13 where the
 # dynamic linker finds them (LD_LIBRARY_PATH, or PyPI's nvidia-* packages of this python3,
 # which are appended to it). Exit status: 0 when every step passed, 1 when one failed, 2 when
-# there is no GPU to test on. Steps' output goes to TEST_GPU_LOGS (default target/test-gpu-logs).
+# there is no GPU to test on. Steps' output goes to TEST_GPU_LOGS (default target/test-gpu-logs);
+# each step is stopped after TEST_GPU_STEP_TIMEOUT seconds (default 300).
 set -uo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 root=$PWD
 
@@ -45,6 +47,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+case "$bin_dir" in "" | /*) ;; *) bin_dir=$caller/$bin_dir ;; esac # (given from the caller's folder)
 if [ $rehearse = 1 ] && { [ "$mode" != bin ] || [ -z "${GPU_SIM_OUT:-}" ]; }; then
     echo "test-gpu: --rehearse runs DIR's binaries on simulated GPUs: --bin-dir DIR, with scripts/gpu-sim-env.sh sourced" >&2
     exit 2
@@ -105,13 +108,15 @@ logs=${TEST_GPU_LOGS:-$root/target/test-gpu-logs}
 mkdir -p "$logs"
 results=()
 failed=0
-# step NAME COMMAND...: runs it, its output into $logs/NAME.log (and its last lines on failure).
+# step NAME COMMAND...: runs it, its output into $logs/NAME.log (and its last lines on failure),
+# for at most TEST_GPU_STEP_TIMEOUT seconds (default 300: a hang costs one row, not the run;
+# a step stopped there shows exit 124).
 step() {
     local name=$1
     shift
     local t0=$SECONDS status
     echo "test-gpu: $name"
-    "$@" >"$logs/$name.log" 2>&1
+    timeout -k 10 "${TEST_GPU_STEP_TIMEOUT:-300}" "$@" >"$logs/$name.log" 2>&1
     status=$?
     local took=$((SECONDS - t0))
     if [ $status -eq 0 ]; then

@@ -17,10 +17,12 @@ on the same GPU, one JSON object per line on stdout.
         5e-4), random images, NCHW; bf16 through autocast. Images/s over N steps after 5.
     python3 scripts/torch_gpu_bench.py ddp --world W --batch B --side S [--steps N] [--device ...]
         The same ResNet-20 step under DistributedDataParallel on W processes (NCCL on GPUs, one
-        per rank; gloo on the CPU), per-rank batch B: global images/s.
+        per rank, SyncBatchNorm; gloo on the CPU), per-rank batch B: global images/s.
 
 `--quick` shrinks the sizes for a rehearsal; `--device cpu` runs where there is no GPU (the
-figures are then the CPU's, and say so).
+figures are then the CPU's, and say so). f32 is true f32: TF32 is turned off (PyTorch lets
+cuDNN use it by default). The DistributedDataParallel model's batch norms are SyncBatchNorm on
+GPUs (as the example's default), plain on the CPU (gloo's SyncBatchNorm needs CUDA).
 """
 
 import argparse
@@ -46,7 +48,15 @@ HOST_SHAPES = [(128, 16, 32, 32), (128, 32, 16, 16), (128, 64, 8, 8)]
 
 def emit(**fields):
     fields["torch"] = torch.__version__
+    fields["tf32"] = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
     print(json.dumps(fields), flush=True)
+
+
+def exact_f32():
+    """f32 is f32: no TF32 tensor-core arithmetic in PyTorch's convolutions and products (its
+    default for cuDNN), as in candle's plain build. bf16 runs through autocast."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def sync(dev):
@@ -95,8 +105,10 @@ def layer(args, dev):
                     return F.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
 
                 def fwd_bwd():
+                    # The gradients returned, not accumulated into .grad (candle's backward()
+                    # returns fresh ones): no extra pass over x's gradient per call.
                     y = fwd()
-                    y.backward(torch.ones_like(y))
+                    torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
 
                 copy = timed(dev, lambda: x.detach().clone(), rounds, iters)
                 f = timed(dev, fwd, rounds, iters)
@@ -117,7 +129,7 @@ def host(args, dev):
             def call():
                 y = bn(x)
                 if what != "forward":
-                    y.backward(torch.ones_like(y))
+                    torch.autograd.grad(y, (x, bn.weight, bn.bias), torch.ones_like(y))
             t = timed(dev, call, batches, calls, wait=False)
             emit(bench="host_layer", shape=[n, c, h, w], what=what, torch_us=us(t),
                  device=dev.type)
@@ -199,12 +211,15 @@ def train_step(args, dev):
 def ddp_rank(rank, args):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
+    exact_f32()  # (a spawned process starts from the defaults)
     cuda = args.device == "cuda"
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.world)
     model, _ = make_step("resnet20", args.batch, args.side, "f32", dev)
+    # Batch statistics of the global batch, as the example's default --norm syncbn.
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model) if cuda else model
     ddp = DDP(model, device_ids=[rank] if cuda else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=4e-3, weight_decay=5e-4)
     x = torch.rand(args.batch, 3, args.side, args.side, device=dev)
@@ -225,8 +240,12 @@ def ddp_rank(rank, args):
 
 def ddp(args, dev):
     import torch.multiprocessing as mp
+    import socket
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:  # a port free now (the ranks bind it a moment later)
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     mp.spawn(ddp_rank, args=(args,), nprocs=args.world)
 
 
@@ -244,6 +263,7 @@ def main():
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("torch_gpu_bench: PyTorch sees no CUDA device (use --device cpu to rehearse)")
+    exact_f32()
     if args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, args.world)))
     dev = torch.device(args.device)
