@@ -45,23 +45,8 @@ root=$PWD
 
 usage() { sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 
-mode=source bin_dir= rehearse=0
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --build-only) mode=build bin_dir=${2:?--build-only needs a folder}; shift ;;
-        --bin-dir) mode=bin bin_dir=${2:?--bin-dir needs a folder}; shift ;;
-        --rehearse) rehearse=1 ;;
-        -h | --help) usage; exit 0 ;;
-        *) echo "bench-gpu: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
-    esac
-    shift
-done
-if [ $rehearse = 1 ] && [ "$mode" != bin ]; then
-    echo "bench-gpu: --rehearse needs --bin-dir DIR (binaries built for the simulated GPU)" >&2
-    exit 2
-fi
-case "$bin_dir" in "" | /*) ;; *) bin_dir=$caller/$bin_dir ;; esac # (given from the caller's folder)
 . scripts/gpu-bins.sh
+gpu_args bench-gpu "$caller" "$@"
 bins=(--example gpu_bench --example host_cost --example resnet)
 
 if [ "$mode" = build ]; then
@@ -76,8 +61,6 @@ fi
 
 # ------------------------------------------------------------------------------ the GPUs
 if [ $rehearse = 1 ]; then
-    [ -n "${GPU_SIM_OUT:-}" ] ||
-        { echo "bench-gpu: --rehearse runs on simulated GPUs: source scripts/gpu-sim-env.sh first" >&2; exit 2; }
     export GPU_SIM_DEVICES=2
     gpus=2
     gpu_names="2 simulated GPUs (gpu-sim)"

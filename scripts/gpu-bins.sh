@@ -2,6 +2,11 @@
 # on a machine without a GPU, carrying them as one zstd stream, and running them on a GPU
 # machine without Rust.
 #
+#   gpu_args TOOL CALLER ARGS...          the command line the two scripts share: sets mode
+#                                         (source, build or bin), bin_dir (a relative one taken
+#                                         from the folder CALLER) and rehearse (0 or 1); exits 2
+#                                         on an unknown argument, and on --rehearse without
+#                                         --bin-dir or without scripts/gpu-sim-env.sh sourced
 #   gpu_build_into DEST [CARGO ARGS...]   builds (release, --features cuda,nccl, target/gpu) the
 #                                         targets the arguments name, copies the executables
 #                                         into DEST under plain names (tests/cuda.rs -> cuda),
@@ -21,6 +26,27 @@
 #                                         (NCCL, cuBLAS, cuRAND, cudart, cuDNN)
 
 _gpu_bins_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+gpu_args() {
+    local tool=$1 caller=$2
+    shift 2
+    mode=source bin_dir= rehearse=0
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --build-only) mode=build bin_dir=${2:?--build-only needs a folder}; shift ;;
+            --bin-dir) mode=bin bin_dir=${2:?--bin-dir needs a folder}; shift ;;
+            --rehearse) rehearse=1 ;;
+            -h | --help) usage; exit 0 ;;
+            *) echo "$tool: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+        esac
+        shift
+    done
+    case "$bin_dir" in "" | /*) ;; *) bin_dir=$caller/$bin_dir ;; esac
+    if [ $rehearse = 1 ] && { [ "$mode" != bin ] || [ -z "${GPU_SIM_OUT:-}" ]; }; then
+        echo "$tool: --rehearse runs DIR's binaries on simulated GPUs: --bin-dir DIR, with scripts/gpu-sim-env.sh sourced" >&2
+        exit 2
+    fi
+}
 
 gpu_build_into() {
     local dest=$1

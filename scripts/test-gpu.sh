@@ -36,25 +36,8 @@ root=$PWD
 
 usage() { sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 
-mode=source bin_dir= rehearse=0
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --build-only) mode=build bin_dir=${2:?--build-only needs a folder}; shift ;;
-        --bin-dir) mode=bin bin_dir=${2:?--bin-dir needs a folder}; shift ;;
-        --rehearse) rehearse=1 ;;
-        -h | --help) usage; exit 0 ;;
-        *) echo "test-gpu: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
-    esac
-    shift
-done
-case "$bin_dir" in "" | /*) ;; *) bin_dir=$caller/$bin_dir ;; esac # (given from the caller's folder)
-if [ $rehearse = 1 ] && { [ "$mode" != bin ] || [ -z "${GPU_SIM_OUT:-}" ]; }; then
-    echo "test-gpu: --rehearse runs DIR's binaries on simulated GPUs: --bin-dir DIR, with scripts/gpu-sim-env.sh sourced" >&2
-    exit 2
-fi
-
-# ------------------------------------------------------------------------------ building
 . scripts/gpu-bins.sh
+gpu_args test-gpu "$caller" "$@"
 
 if [ "$mode" = build ]; then
     command -v zstd >/dev/null || { echo "test-gpu: --build-only needs zstd (apt-get install zstd)" >&2; exit 1; }
