@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::{Snapshot, SyncBatchNorm, OP};
 use crate::layout::ChannelLayout;
@@ -39,7 +39,6 @@ struct Plan {
 impl SyncBatchNorm {
     /// Checks the input (and residual) against the layer; returns the channel count.
     fn validate(&self, x: &Tensor, z: Option<&Tensor>) -> Result<usize> {
-        crate::device::check_supported(OP, x.device())?;
         let layout = self.config.layout;
         let Some(c) = layout.channels(x.dims()) else {
             bail!(
@@ -100,25 +99,14 @@ impl SyncBatchNorm {
     ///
     /// The sums are shifted by the previous training step's global mean (0 on a layer's first
     /// step): every rank holds it bitwise identical because it comes from all-reduced values.
-    /// The new shift is stored as soon as the reduced sums are known, before anything that can
-    /// fail on one rank only, so the ranks' shifts never diverge. Returns the state from before
-    /// the step when it changed any (`train`).
+    /// Returns the state from before the step when it changed any (`train`).
     fn batch_stats(
         &self,
         x: &Tensor,
         c: usize,
         train: bool,
     ) -> Result<(GatheredStats, Option<Snapshot>)> {
-        let (k, done) = {
-            let st = self.lock();
-            (st.shift.clone(), st.num_batches_tracked + 1)
-        };
-        let k = match k {
-            // On x's device (a no-op but for a shift restored by `set_shift` on a layer with
-            // neither parameters nor running statistics to tell its device).
-            Some(k) => k.to_device(x.device())?,
-            None => Tensor::zeros(c, DType::F64, x.device())?,
-        };
+        let (k, done) = self.step_shift(x.device(), c)?;
         let mut sums = batch_norm_stats(x, &k, self.config.layout)?;
         if train {
             // The sums are this call's own: NCCL reduces them in place.
@@ -127,22 +115,72 @@ impl SyncBatchNorm {
                 .comm
                 .all_reduce_with(&given, AllReduce::new(ReduceOp::Sum).in_place())?;
         }
-        let running = self
-            .running
-            .as_ref()
-            .filter(|_| train)
-            .map(|r| RunningStats {
-                mean: r.mean.as_tensor().clone(),
-                var: r.var.as_tensor().clone(),
-                num_batches_tracked: r.batches.as_tensor().clone(),
-            });
-        let momentum = match &running {
+        self.finalize(&sums, &k, train, done, x.device())
+    }
+
+    /// This step's shift `K` (`[C]` f64 on `dev`) and `num_batches_tracked` after the step.
+    pub(super) fn step_shift(&self, dev: &Device, c: usize) -> Result<(Tensor, u64)> {
+        let (k, done) = {
+            let st = self.lock();
+            (st.shift.clone(), st.num_batches_tracked + 1)
+        };
+        let k = match k {
+            // A no-op on the kernel path but for a shift restored by `set_shift` on a layer
+            // with neither parameters nor running statistics to tell its device.
+            Some(k) => k.to_device(dev)?,
+            None => Tensor::zeros(c, DType::F64, dev)?,
+        };
+        Ok((k, done))
+    }
+
+    /// The statistics of `[3, C]` f64 sums shifted by `k` (both on one device), the running
+    /// statistics updated with them when `train` (on the sums' device: in place when the
+    /// variables live there, else through copies written back), and the next shift stored on
+    /// `home`. The new shift is stored as soon as the reduced sums are known, before anything
+    /// that can fail on one rank only, so the ranks' shifts never diverge.
+    pub(super) fn finalize(
+        &self,
+        sums: &Tensor,
+        k: &Tensor,
+        train: bool,
+        done: u64,
+        home: &Device,
+    ) -> Result<(GatheredStats, Option<Snapshot>)> {
+        let at = sums.device();
+        let running = self.running.as_ref().filter(|_| train);
+        let stats_of = |r: &super::Running| -> Result<RunningStats> {
+            let t = |v: &candle_core::Var| -> Result<Tensor> {
+                let t = v.as_tensor();
+                // `to_device` to another device is a fresh copy; on the same one, the
+                // variable itself, updated in place.
+                t.to_device(at)
+            };
+            Ok(RunningStats {
+                mean: t(&r.mean)?,
+                var: t(&r.var)?,
+                num_batches_tracked: t(&r.batches)?,
+            })
+        };
+        let running_stats = running.map(stats_of).transpose()?;
+        let momentum = match &running_stats {
             Some(_) => self.config.momentum.unwrap_or(1.0 / done as f64),
             None => 0.0,
         };
-        let committed = running.is_some();
-        let stats =
-            batch_norm_gather_stats_update(&sums, &k, self.config.eps, momentum, running.as_ref())?;
+        let stats = batch_norm_gather_stats_update(
+            sums,
+            k,
+            self.config.eps,
+            momentum,
+            running_stats.as_ref(),
+        )?;
+        if let (Some(r), Some(copies)) = (running, &running_stats) {
+            if !r.mean.device().same_device(at) {
+                r.mean.set(&copies.mean.to_device(r.mean.device())?)?;
+                r.var.set(&copies.var.to_device(r.var.device())?)?;
+                r.batches
+                    .set(&copies.num_batches_tracked.to_device(r.batches.device())?)?;
+            }
+        }
         if !train {
             return Ok((stats, None));
         }
@@ -151,13 +189,35 @@ impl SyncBatchNorm {
         let before = Snapshot {
             stats: stats.clone(),
             num_batches_tracked: st.num_batches_tracked,
-            shift: st.shift.replace(stats.next_shift()?),
+            shift: st.shift.replace(stats.next_shift()?.to_device(home)?),
         };
-        if committed {
+        if running_stats.is_some() {
             st.num_batches_tracked = done;
         }
         st.before_last_step = Some(before.clone());
         Ok((stats, Some(before)))
+    }
+
+    /// Errors, after putting back what `before` holds, when the global (training) or local
+    /// (evaluation) batch has at most one value per channel; only where the count is at hand
+    /// without a wait (the CPU).
+    pub(super) fn check_count(
+        &self,
+        stats: &GatheredStats,
+        before: Option<&Snapshot>,
+        dims: &[usize],
+        train: bool,
+    ) -> Result<()> {
+        if let Some(n) = stats.host_count()? {
+            if n <= 1.0 && (train || n == 1.0) {
+                self.undo(before)?;
+                bail!(
+                    "{OP}: expected more than 1 value per channel when training, got {n} in the {} batch (input shape {dims:?})",
+                    if train { "global" } else { "local" },
+                )
+            }
+        }
+        Ok(())
     }
 
     fn plan(&self, x: &Tensor, c: usize, train: bool) -> Result<Plan> {
@@ -186,16 +246,7 @@ impl SyncBatchNorm {
         // On the CPU the count is at hand; on a GPU reading it would stall the stream, and the
         // statistics kernel turns an unusable batch into NaN outputs and untouched running
         // statistics instead (see the README).
-        if let Some(n) = stats.host_count()? {
-            if n <= 1.0 && (train || n == 1.0) {
-                self.undo(&plan)?;
-                bail!(
-                    "{OP}: expected more than 1 value per channel when training, got {n} in the {} batch (input shape {:?})",
-                    if train { "global" } else { "local" },
-                    x.dims()
-                )
-            }
-        }
+        self.check_count(&stats, plan.before.as_ref(), x.dims(), train)?;
         Ok(plan)
     }
 
@@ -203,8 +254,8 @@ impl SyncBatchNorm {
     /// statistics and `num_batches_tracked`, so that a failed call changes nothing the user
     /// sees. The shift stays: it came from the all-reduced sums, and every rank must keep the
     /// same.
-    fn undo(&self, plan: &Plan) -> Result<()> {
-        match &plan.before {
+    pub(super) fn undo(&self, before: Option<&Snapshot>) -> Result<()> {
+        match before {
             Some(before) => self.restore(before, false),
             None => Ok(()),
         }
@@ -221,11 +272,24 @@ impl SyncBatchNorm {
             self.check_collectives()?;
         }
         let x = x.contiguous()?;
+        if crate::device::composite(x.device()) {
+            return self.forward_composite(&x, z, c, train);
+        }
         let plan = self.plan(&x, c, train)?;
-        match self.normalise(&x, z, &plan, train) {
+        let y = self.normalise(&x, z, &plan, train);
+        self.undo_on_error(y, plan.before.as_ref())
+    }
+
+    /// `y`, or its error after putting back the state of before the step (`before`).
+    pub(super) fn undo_on_error(
+        &self,
+        y: Result<Tensor>,
+        before: Option<&Snapshot>,
+    ) -> Result<Tensor> {
+        match y {
             Ok(y) => Ok(y),
             // The failure that matters is the first; a failed undo is named in its context.
-            Err(e) => match self.undo(&plan) {
+            Err(e) => match self.undo(before) {
                 Ok(()) => Err(e),
                 Err(u) => Err(e.context(format!(
                     "{OP}: and putting the running statistics back failed too: {u}"

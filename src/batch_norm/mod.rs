@@ -82,6 +82,7 @@
 //! untouched (`num_batches_tracked` still counts the step), where the CPU path returns an error
 //! (`tests/errors.rs::cuda::one_value_per_channel_in_the_global_batch_fails_on_every_rank` states both).
 
+mod composite;
 mod config;
 mod convert;
 mod forward;
@@ -458,8 +459,11 @@ impl SyncBatchNorm {
     fn restore(&self, snap: &Snapshot, shift: bool) -> Result<()> {
         if let Some(r) = &self.running {
             let (mean, var) = snap.stats.previous_running()?;
-            r.mean.set(&mean.to_dtype(r.mean.dtype())?)?;
-            r.var.set(&var.to_dtype(r.var.dtype())?)?;
+            // On the variables' device: the statistics of the composite path are on the host.
+            r.mean
+                .set(&mean.to_dtype(r.mean.dtype())?.to_device(r.mean.device())?)?;
+            r.var
+                .set(&var.to_dtype(r.var.dtype())?.to_device(r.var.device())?)?;
             r.batches.set(&Tensor::new(
                 snap.num_batches_tracked as i64,
                 r.batches.device(),

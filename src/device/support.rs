@@ -1,6 +1,25 @@
-//! Which devices the crate has kernels for, and the error that says what to do on the others.
+//! Which devices the crate has kernels for, which path an op takes on a device (its kernels, or
+//! the composite path built from candle's tensor ops), and the error of the functional ops that
+//! have kernels only.
 
 use candle_core::{DeviceLocation, Result};
+
+/// The environment variable that forces the composite path on every device (any value but
+/// empty or `0`): how the tests run it on the CPU and on CUDA, where the kernels would
+/// otherwise be taken.
+pub(crate) const FORCE_COMPOSITE: &str = "CANDLE_DISTRIBUTED_COMPOSITE";
+
+/// True when the layers and ops that have a composite path take it on `dev`: on a device
+/// without the crate's kernels (Metal; CUDA in a build without the `cuda` feature), or on any
+/// device when [`FORCE_COMPOSITE`] is set.
+pub(crate) fn composite(dev: &candle_core::Device) -> bool {
+    unsupported("", dev.location()).is_some() || forced()
+}
+
+/// True when [`FORCE_COMPOSITE`] is set to something other than empty or `0`.
+fn forced() -> bool {
+    std::env::var_os(FORCE_COMPOSITE).is_some_and(|v| !v.is_empty() && v != "0")
+}
 
 /// Errors unless the crate has kernels for `dev`: the CPU always, CUDA GPUs with the `cuda`
 /// feature. The error names `op`, the device and the remedy, where candle's own would only say
