@@ -62,7 +62,11 @@ impl SyncBatchNorm {
         }
         let (k, done) = self.step_shift(&Device::Cpu, c)?;
         let sums = local_sums(&x3.to_dtype(acc)?, &geometry, &k)?;
-        let sums = if train { self.all_reduced(&sums)? } else { sums };
+        let sums = if train {
+            self.all_reduced(&sums)?
+        } else {
+            sums
+        };
         let (stats, before) = self.finalize(&sums.detach(), &k, train, done, x.device())?;
         self.check_count(&stats, before.as_ref(), x.dims(), train)?;
         let y = statistics(&sums, &k, self.config.eps)
@@ -85,7 +89,10 @@ impl SyncBatchNorm {
             global,
             "sync-batch-norm-sums",
             Box::new(move |grad: &Tensor| {
-                let rows = reduce(&grad.narrow(0, 1, 2)?)?;
+                // Announced: an overlapped data-parallel backward places its buckets around
+                // the collectives of the backward.
+                let rows =
+                    candle_collective::in_backward::collective(|| reduce(&grad.narrow(0, 1, 2)?))?;
                 let none = Tensor::zeros((1, rows.dim(1)?), DType::F64, &Device::Cpu)?;
                 Tensor::cat(&[&none, &rows], 0)
             }),

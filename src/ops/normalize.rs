@@ -97,7 +97,7 @@ pub fn batch_norm_elemt_autograd(
         (Some(w), Some(b)) => Some((w, b)),
         (None, None) => None,
         (w, _) => bail!(
-            "{OP}: the weight and the bias come together here (the gradient is taken for both), got only the {}",
+            "{OP}: batch_norm_elemt_autograd: the weight and the bias come together here (the gradient is taken for both), got only the {}",
             if w.is_some() { "weight" } else { "bias" }
         ),
     };
