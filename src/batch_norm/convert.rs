@@ -5,6 +5,7 @@ use candle_core::{bail, Result};
 
 use super::{SyncBatchNorm, OP};
 use crate::layout::ChannelLayout;
+use candle_collective::device::fresh_copy;
 
 impl SyncBatchNorm {
     /// A `candle_nn::BatchNorm` with a copy of this layer's running statistics, affine
@@ -44,8 +45,8 @@ impl SyncBatchNorm {
             )
         }
         let (mean, var) = (
-            running.mean.as_tensor().copy()?,
-            running.var.as_tensor().copy()?,
+            fresh_copy(running.mean.as_tensor())?,
+            fresh_copy(running.var.as_tensor())?,
         );
         let (c, eps) = (self.num_features, self.config.eps);
         let momentum = self.config.momentum.unwrap_or(0.1);
@@ -54,8 +55,8 @@ impl SyncBatchNorm {
                 c,
                 mean,
                 var,
-                w.copy()?,
-                b.copy()?,
+                fresh_copy(w)?,
+                fresh_copy(b)?,
                 eps,
                 momentum,
             ),

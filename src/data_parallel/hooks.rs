@@ -324,6 +324,22 @@ fn copy_of<S: BackendStorage>(s: &S, l: &Layout) -> Result<(S, Shape)> {
     Ok((s.try_clone(l)?, l.shape().clone()))
 }
 
+/// [`copy_of`] on Metal, into a buffer of its own: candle's Metal `try_clone` shares the
+/// variable's buffer, which an optimizer step writes into.
+#[cfg(feature = "metal")]
+fn copy_of_metal(
+    s: &candle_core::MetalStorage,
+    l: &Layout,
+) -> Result<(candle_core::MetalStorage, Shape)> {
+    use candle_core::backend::BackendDevice;
+    if !l.is_contiguous() || l.start_offset() != 0 {
+        bail!("data-parallel-grad-hook: the variable must be contiguous from its start")
+    }
+    let mut dst = s.device().zeros_impl(l.shape(), s.dtype())?;
+    s.copy_strided_src(&mut dst, 0, l)?;
+    Ok((dst, l.shape().clone()))
+}
+
 impl CustomOp1 for Hook {
     fn name(&self) -> &'static str {
         "data-parallel-grad-hook"
@@ -340,6 +356,15 @@ impl CustomOp1 for Hook {
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         copy_of(s, l)
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        s: &candle_core::MetalStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        copy_of_metal(s, l)
     }
 
     /// Armed (inside `DataParallel::backward`): hands the gradient over and gives the variable

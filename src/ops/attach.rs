@@ -118,6 +118,24 @@ fn copy_cuda(
     }
 }
 
+/// A copy of the held value's Metal storage (into a buffer of its own: candle's Metal
+/// `try_clone` would share the value's).
+#[cfg(feature = "metal")]
+fn copy_metal(
+    name: &str,
+    value: &Mutex<Option<Tensor>>,
+) -> Result<(candle_core::MetalStorage, Shape)> {
+    let v = take(name, value)?;
+    let (storage, layout) = v.storage_and_layout();
+    match &*storage {
+        Storage::Metal(s) => copy(s, layout),
+        _ => bail!(
+            "{name}: the value is on {:?}, the input on a Metal device",
+            v.device()
+        ),
+    }
+}
+
 impl CustomOp1 for Attach {
     fn name(&self) -> &'static str {
         self.name
@@ -134,6 +152,15 @@ impl CustomOp1 for Attach {
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         copy_cuda(self.name, &self.value)
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        _: &candle_core::MetalStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        copy_metal(self.name, &self.value)
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -165,6 +192,17 @@ impl CustomOp2 for Attach2 {
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         copy_cuda(self.name, &self.value)
+    }
+
+    #[cfg(feature = "metal")]
+    fn metal_fwd(
+        &self,
+        _: &candle_core::MetalStorage,
+        _: &Layout,
+        _: &candle_core::MetalStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::MetalStorage, Shape)> {
+        copy_metal(self.name, &self.value)
     }
 
     fn bwd(

@@ -4,7 +4,7 @@
 //!   (`conv_cpu.rs`), faster than candle's `conv2d` and its backward at the main job's ResNet
 //!   shapes (measured: docs/benchmarks.md, section "The convolution on the CPU: im2col + gemm,
 //!   and the cores shared among the ranks").
-//! - Elsewhere (a GPU, f16, bf16): candle's forward; for stride 1 the input's gradient as a
+//! - Elsewhere (a GPU, Metal, f16, bf16, or with the composite path forced): candle's forward; for stride 1 the input's gradient as a
 //!   `conv2d` of the output gradient with the flipped, transposed kernel (candle's backward runs
 //!   `conv_transpose2d`, whose CPU loops are slower; measured: docs/benchmarks.md, section "A
 //!   first step: the convolution's input gradient"); the weight's gradient candle's.
@@ -41,7 +41,6 @@ use super::conv_cpu;
 /// kernel size, `stride` is 0, the padded input is smaller than the kernel, or candle's
 /// convolution fails (dtype, device).
 pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
-    crate::device::check_supported(CONV, x.device())?;
     let (Ok((_, c_in, _, _)), Ok((_, w_in, k_h, k_w))) = (x.dims4(), w.dims4()) else {
         bail!(
             "{CONV}: expected x (N, C_in, H, W) and w (C_out, C_in, k, k), got {:?} and {:?}",
@@ -65,16 +64,21 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
             x.dims()
         )
     }
-    if conv_cpu::takes(x, w) {
+    // The crate's CPU kernels, unless the composite path is forced (then candle's ops, as on
+    // a device without the crate's kernels).
+    if conv_cpu::takes(x, w) && !crate::device::composite(x.device()) {
         let g = conv_cpu::Geometry::new(x.dims4()?, w.dim(0)?, k_h, padding, stride);
         return conv_cpu::conv2d(x, w, g);
     }
-    let y = x.detach().conv2d(&w.detach(), padding, stride, 1, 1)?;
+    // Every convolution below gets contiguous operands: candle 0.11's Metal convolution reads
+    // a non-contiguous kernel wrongly (it copies it, then uses the original buffer).
+    let (xd, wd) = (x.detach().contiguous()?, w.detach().contiguous()?);
+    let y = xd.conv2d(&wd, padding, stride, 1, 1)?;
     if !x.track_op() && !w.track_op() {
         return Ok(y);
     }
-    let (xd, wd) = (x.detach(), w.detach());
     let backward = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
+        let g = g.contiguous()?;
         let dx = if stride == 1 {
             let flipped = wd.flip(&[2, 3])?.transpose(0, 1)?.contiguous()?;
             g.conv2d(&flipped, k_h - 1 - padding, 1, 1, 1)?
@@ -92,7 +96,8 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
         // candle's: the stride becomes the dilation of a convolution over the batch.
         let dw = xd
             .transpose(0, 1)?
-            .conv2d(&g.transpose(0, 1)?, padding, 1, stride, 1)?
+            .contiguous()?
+            .conv2d(&g.transpose(0, 1)?.contiguous()?, padding, 1, stride, 1)?
             .transpose(0, 1)?;
         let dw = dw.narrow(2, 0, k_h)?.narrow(3, 0, k_w)?;
         Ok((dx, dw))

@@ -13,7 +13,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape,
 use crate::device::cpu::{self, chunks_on_pool, slice, Elem, Real};
 
 /// Name used in error messages.
-const POOL: &str = "max_pool2d";
+pub(super) const POOL: &str = "max_pool2d";
 
 /// Window, stride and padding of a square 2-D pooling over `(N, C, H, W)` inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -279,7 +279,8 @@ impl CustomOp2 for MaxPoolBackwardOp {
 /// without dilation or ceil mode.
 ///
 /// # Arguments
-/// - `x`: `(N, C, H, W)`, f32, f64, f16 or bf16, on the CPU or a CUDA device; any strides.
+/// - `x`: `(N, C, H, W)`, f32, f64, f16 or bf16, on any candle device (the crate's kernels on
+///   the CPU and CUDA, candle tensor ops elsewhere); any strides.
 /// - `kernel`, `stride`: at least 1; `padding`: at most `kernel / 2`.
 ///
 /// Returns `(N, C, OH, OW)` with `OH = (H + 2·padding − kernel) / stride + 1` (likewise `OW`).
@@ -290,7 +291,10 @@ impl CustomOp2 for MaxPoolBackwardOp {
 /// When `x` is not 4-D, its dtype is not a float, `kernel` or `stride` is 0, `padding`
 /// exceeds `kernel / 2`, or the padded input is smaller than the window.
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, padding: usize) -> Result<Tensor> {
-    crate::device::check_supported(POOL, x.device())?;
     let pool = Pool::new(x.dims(), kernel, stride, padding)?;
+    if crate::device::composite(x.device()) {
+        let window = (pool.k, pool.s, pool.p);
+        return super::max_pool_composite::max_pool2d(&x.contiguous()?, window, (pool.oh, pool.ow));
+    }
     x.contiguous()?.apply_op1(MaxPoolOp(pool))
 }

@@ -74,6 +74,7 @@ mod conv;
 mod conv_cpu;
 mod gather;
 mod max_pool;
+mod max_pool_composite;
 mod normalize;
 mod options;
 pub(crate) mod pack;

@@ -15,6 +15,14 @@ pub fn has_avx2_fma() -> bool {
     })
 }
 
+/// False: AVX2 and FMA are x86-64's; on other architectures (Apple silicon, ARM servers) the
+/// vector loops run their portable build.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+pub fn has_avx2_fma() -> bool {
+    false
+}
+
 /// Asks the CPU to bring the cache line holding `v` into its caches, if there is one; a hint
 /// that reads nothing and changes nothing.
 #[inline(always)]

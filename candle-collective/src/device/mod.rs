@@ -8,6 +8,22 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+/// A copy of `t` in storage of its own, on `t`'s device, on every candle device: `Tensor::copy`
+/// on the CPU and CUDA; elsewhere through the host, because candle 0.11's Metal `copy` (its
+/// storage's `try_clone`) shares the buffer, so that a later write into `t` (`Var::set`, an
+/// optimizer step) would show through the "copy".
+///
+/// # Errors
+///
+/// When the copy or a transfer fails.
+pub fn fresh_copy(t: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    use candle_core::Device;
+    match t.device() {
+        Device::Cpu | Device::Cuda(_) => t.copy(),
+        other => t.to_device(&Device::Cpu)?.to_device(other),
+    }
+}
+
 /// A point in the stream of the thread that wrote a tensor, which another thread waits for
 /// before it reads the tensor: a hand-off between threads that does not wait for the GPU.
 ///

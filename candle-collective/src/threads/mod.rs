@@ -445,7 +445,7 @@ impl ThreadRank {
     /// result to be it (`may_share`), as a `Var` set after the call would change the result.
     fn own(&self, t: &Tensor, may_share: bool) -> Result<Tensor> {
         match self.shared.world == 1 && !may_share && t.is_variable() {
-            true => t.copy(),
+            true => crate::device::fresh_copy(t),
             false => Ok(t.clone()),
         }
     }

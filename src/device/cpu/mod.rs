@@ -14,6 +14,7 @@ mod simd;
 pub(crate) use pool::{
     chunks_on_pool, chunks_on_pool_for, elementwise, pool_threads, reduce2, written,
 };
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 pub(crate) use simd::{has_avx2_fma, prefetch_l2, row_sums, segment_sums, simd_fn, Terms, LANES};
 
 /// Arithmetic type of the element-wise passes: f32 for f32/f16/bf16, f64 for f64.
