@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU half on simulated GPUs (gpu-sim/README.md), no GPU needed: the simulator's
 # self-tests, then every `cuda::` test variant (under three thread schedules, one with each
-# launch's blocks on 4 OS threads; the ResNet example's under the first only), tests/cuda.rs (also on 4 block threads under two seeds),
+# launch's blocks on 4 OS threads; the ResNet example's under the first only), the suites of the
+# layer, max-pool, convolution and data-parallel loop again on the composite path
+# (CANDLE_DISTRIBUTED_COMPOSITE=1, with tests/nccl.rs on 4 GPUs), tests/cuda.rs (also on 4 block threads under two seeds),
 # the launch counts of tests/gpu_counts.rs,
 # tests/nccl.rs and tests/nccl_faults.rs (the simulated NCCL) on 4 GPUs with freed memory
 # reused, tests/nccl.rs on 8 (but its ResNet test), under each damage an aborted collective can
@@ -106,6 +108,17 @@ for seed in 7 11; do
     GPU_SIM_BLOCK_THREADS=4 GPU_SIM_SCHEDULE=random:$seed cargo test --features $features \
         --test cuda -q
 done
+
+# The composite path (candle's CUDA ops in place of the crate's kernels, as on a device without
+# them): the same test bodies and tolerances. Not tests/cuda.rs or tests/gpu_counts.rs, which
+# test the kernels themselves.
+echo "-- [$((SECONDS - started)) s] the composite path forced (CANDLE_DISTRIBUTED_COMPOSITE=1): the cuda:: variants of the layer's, max-pool's, convolution's and data-parallel suites, then tests/nccl.rs on 4 simulated GPUs"
+CANDLE_DISTRIBUTED_COMPOSITE=1 cargo test --features $features -q --test equivalence \
+    --test finite_differences --test precision --test non_finite --test errors --test max_pool \
+    --test conv --test overlap --test data_parallel --test async_failure --test async_writes \
+    --test parallel --test contrastive -- cuda::
+GPU_SIM_DEVICES=4 CANDLE_DISTRIBUTED_COMPOSITE=1 cargo test --features $features --test nccl -q -- \
+    --skip resnet_example_checks_and_trains_over_nccl
 
 # With freed stream-ordered memory reused with its contents (GPU_SIM_REUSE=1): the runs below
 # that do not set it (8 GPUs, every damage, one collective at a time) cover the fresh memory.

@@ -61,7 +61,7 @@ impl SyncBatchNorm {
             return self.normalise_composite(&x3, x, z, &mean, &invstd);
         }
         let (k, done) = self.step_shift(&Device::Cpu, c)?;
-        let sums = local_sums(&x3.to_dtype(acc)?, &geometry, &k)?;
+        let sums = local_sums(&x3, acc, &geometry, &k)?;
         let sums = if train {
             self.all_reduced(&sums)?
         } else {
@@ -130,15 +130,7 @@ impl SyncBatchNorm {
         // backward reaches x, z, the parameters and the statistics (and with them the
         // all-reduce of their gradient, which every rank must join).
         let empty = x3.elem_count() == 0;
-        let operand = |t: &Tensor| -> Result<Tensor> {
-            let t = t.to_dtype(acc)?;
-            if empty {
-                t.sum_keepdim(REDUCED)
-            } else {
-                Ok(t)
-            }
-        };
-        let mut y = operand(x3)?
+        let mut y = in_acc(x3, acc)?
             .broadcast_sub(&per.get(0)?)?
             .broadcast_sub(&per.get(1)?)?
             .broadcast_mul(&scale)?;
@@ -146,7 +138,7 @@ impl SyncBatchNorm {
             y = y.broadcast_add(&b)?;
         }
         if let Some(z) = z {
-            y = (y + operand(&z.contiguous()?.reshape(x3.dims())?)?)?;
+            y = (y + in_acc(&z.contiguous()?.reshape(x3.dims())?, acc)?)?;
         }
         if self.config.fuse_relu {
             y = y.relu()?;
@@ -166,6 +158,17 @@ impl SyncBatchNorm {
     }
 }
 
+/// `t` (in the `(rows, C, positions)` view) in the arithmetic dtype `acc`; an empty `t` as its
+/// per-channel sums `(1, C, 1)`, zeros in the graph of `t`: candle's element-wise ops hand an
+/// empty operand back without a graph node, and its CUDA casts refuse an empty tensor.
+fn in_acc(t: &Tensor, acc: DType) -> Result<Tensor> {
+    if t.elem_count() == 0 {
+        t.sum_keepdim(REDUCED)?.to_dtype(acc)
+    } else {
+        t.to_dtype(acc)
+    }
+}
+
 /// `x` (contiguous) as `(rows, C, positions)`: `(N, C, S)` channels-first, `(N·S, C, 1)`
 /// channels-last, so that one per-channel shape `(1, C, 1)` serves both layouts.
 fn view3(x: &Tensor, g: &Geometry) -> Result<Tensor> {
@@ -177,9 +180,10 @@ fn view3(x: &Tensor, g: &Geometry) -> Result<Tensor> {
 }
 
 /// This rank's `[3, C]` f64 host sums, rows as [`crate::ops::batch_norm_stats`]'s (count,
-/// `Σ(x − K)`, `Σ(x − K)²`), in the graph of `x3` (see the module's text).
-fn local_sums(x3: &Tensor, g: &Geometry, k: &Tensor) -> Result<Tensor> {
+/// `Σ(x − K)`, `Σ(x − K)²`), in the graph of `x3` (see the module's text), computed in `acc`.
+fn local_sums(x3: &Tensor, acc: DType, g: &Geometry, k: &Tensor) -> Result<Tensor> {
     let n = g.count();
+    let x3 = in_acc(x3, acc)?;
     // The local mean, a constant of the graph (0 for an empty batch).
     let mt = (x3.sum_keepdim(REDUCED)? / n.max(1) as f64)?.detach();
     let d = x3.broadcast_sub(&mt)?;

@@ -100,6 +100,15 @@ impl GradHooks {
             return Ok(h.tensor.clone());
         }
         let index = st.hooked.len();
+        if let Some(feature) = crate::device::missing_copy_feature(var.device()) {
+            bail!(
+                "GradHooks: `{name}` is on {:?}, where the gradient hook needs \
+                 candle-distributed's `{feature}` feature: enable it, or build the model with \
+                 VarBuilder::from_varmap and synchronize after the backward \
+                 (DataParallel::sync_gradients) instead of overlapping",
+                var.device()
+            )
+        }
         if !var.as_tensor().is_contiguous() {
             bail!("GradHooks: variable `{name}` is not contiguous")
         }

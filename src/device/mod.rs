@@ -23,4 +23,4 @@ mod support;
 pub(crate) use call::List;
 pub use call::{Arg, Buffer, Call, Launch};
 pub use geometry::Geometry;
-pub(crate) use support::{check_supported, composite};
+pub(crate) use support::{check_supported, composite, missing_copy_feature};

@@ -20,13 +20,15 @@ pub(crate) type Backward2 = Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Se
 ///
 /// # Errors
 ///
-/// When `y` is on another device than `x` or its copy fails.
+/// When `y` is on another device than `x` or its copy fails, or this build lacks the feature
+/// of `x`'s device (`cuda`, `metal`).
 pub(crate) fn attach(
     x: &Tensor,
     y: Tensor,
     name: &'static str,
     backward: Backward,
 ) -> Result<Tensor> {
+    check_runs(name, x)?;
     x.apply_op1(Attach {
         name,
         value: Mutex::new(Some(y)),
@@ -47,6 +49,7 @@ pub(crate) fn attach2(
     name: &'static str,
     backward: Backward2,
 ) -> Result<Tensor> {
+    check_runs(name, x)?;
     x.apply_op2(
         w,
         Attach2 {
@@ -55,6 +58,18 @@ pub(crate) fn attach2(
             backward,
         },
     )
+}
+
+/// Errors, naming `name` and the feature to enable, when this build has no forward for `x`'s
+/// device (candle's own error would only say that the op has no implementation there).
+fn check_runs(name: &str, x: &Tensor) -> Result<()> {
+    match crate::device::missing_copy_feature(x.device()) {
+        Some(feature) => bail!(
+            "{name}: the input is on {:?}, which needs candle-distributed's `{feature}` feature",
+            x.device()
+        ),
+        None => Ok(()),
+    }
 }
 
 struct Attach {

@@ -70,6 +70,21 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
         let g = conv_cpu::Geometry::new(x.dims4()?, w.dim(0)?, k_h, padding, stride);
         return conv_cpu::conv2d(x, w, g);
     }
+    if let Some(feature) = crate::device::missing_copy_feature(x.device()) {
+        if feature == "metal" {
+            bail!(
+                "{CONV}: the input is on {:?}, where candle 0.11's own convolution backward gives \
+                 wrong weight gradients and this build's corrected one cannot run: enable \
+                 candle-distributed's `metal` feature",
+                x.device()
+            )
+        }
+        // CUDA in a build without the `cuda` feature: candle's convolution and its backward,
+        // which are right there.
+        return x
+            .contiguous()?
+            .conv2d(&w.contiguous()?, padding, stride, 1, 1);
+    }
     // Every convolution below gets contiguous operands: candle 0.11's Metal convolution reads
     // a non-contiguous kernel wrongly (it copies it, then uses the original buffer).
     let (xd, wd) = (x.detach().contiguous()?, w.detach().contiguous()?);

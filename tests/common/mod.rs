@@ -344,6 +344,15 @@ pub fn run_ranks_on<R: Send>(
     run_ranks(world, |comm| f(Probe::on_device(comm, dev)))
 }
 
+/// True when the batch-norm layer knows its global batch count on the host on `dev`, and so
+/// refuses a training batch of one value per channel with an error: on the CPU, and on every
+/// device when the composite path is forced (`CANDLE_DISTRIBUTED_COMPOSITE`, as CI's second
+/// run of the suites sets it). The CUDA kernels never read it back: NaN outputs instead.
+pub fn counts_on_host(dev: &Device) -> bool {
+    let forced = std::env::var_os("CANDLE_DISTRIBUTED_COMPOSITE");
+    dev.is_cpu() || forced.is_some_and(|v| !v.is_empty() && v != "0")
+}
+
 /// The CUDA device the `cuda::` variants of the tests run on: GPU 0, one `Device` shared by
 /// every test and every thread rank of a process (candle treats two `Device::new_cuda(0)` as
 /// different devices).

@@ -62,3 +62,21 @@ impl Handoff {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    /// A fresh copy keeps the values it was made with when the original variable is written
+    /// afterwards. (On the CPU: the branch for candle's Metal buffers needs
+    /// a Mac.)
+    #[test]
+    fn a_fresh_copy_does_not_follow_its_original() -> candle_core::Result<()> {
+        let v = Var::new(&[1.5f32, -2.0, 3.25], &Device::Cpu)?;
+        let copy = super::fresh_copy(v.as_tensor())?;
+        v.set(&Tensor::new(&[7f32, 8., 9.], &Device::Cpu)?)?;
+        assert_eq!(copy.to_vec1::<f32>()?, [1.5, -2.0, 3.25]);
+        assert_eq!(v.as_tensor().to_vec1::<f32>()?, [7., 8., 9.]);
+        Ok(())
+    }
+}
