@@ -81,6 +81,18 @@
 //! global batch of one value per channel gives NaN outputs and leaves the running statistics
 //! untouched (`num_batches_tracked` still counts the step), where the CPU path returns an error
 //! (`tests/errors.rs::cuda::one_value_per_channel_in_the_global_batch_fails_on_every_rank` states both).
+//!
+//! # On a device without the crate's kernels
+//!
+//! On Metal, and on CUDA in a build without the `cuda` feature, the layer is built from candle's
+//! tensor ops instead (`composite.rs`), with the semantics above: per channel, the local mean
+//! `m̃`, `Σ(x − m̃)` and `Σ(x − m̃)²` on the device in f32 (f64 for f64 inputs), finished into
+//! the shifted sums in f64 on the host (Metal has no f64), one all-reduce of them put into the
+//! graph (its backward all-reduces their `2·C` gradient), the finalize and the running
+//! statistics on the host, the normalisation on the device. candle's autograd differentiates
+//! it. Unlike the kernel path it reads back to the host twice per call, and the count is known
+//! there: one value per channel is an error on every device. Set `CANDLE_DISTRIBUTED_COMPOSITE=1`
+//! to take it on every device; CI runs the suites so on the CPU and on the simulated GPU.
 
 mod composite;
 mod config;
