@@ -454,7 +454,53 @@ fn grid_split_reductions_nchw_and_nhwc(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A channel whose pre-activation is exactly 0 (a constant input, so `x − mean = 0`, and
+/// β = 0: a dead channel at initialisation) gets no gradient through the fused ReLU, whose
+/// derivative at 0 is 0 as in PyTorch; a live channel beside it does.
+fn fused_relu_passes_no_gradient_at_zero(dev: &Device) -> anyhow::Result<()> {
+    let params = Params {
+        weight: vec![1.0, 1.25],
+        bias: vec![0.0, 0.5],
+    };
+    let grads = run_ranks_on(2, dev, |comm| {
+        let r = comm.rank();
+        let config = SyncBatchNormConfig::default().with_fuse_relu(true);
+        let (bn, vm) = layer(2, config, comm, Some(&params), DType::F32, dev);
+        let dead = Tensor::full(3f32, (2 + r, 1, 3), &Device::Cpu)?;
+        let live = randn(40 + r as u64, &[2 + r, 1, 3], 1.0, 2.0).to_dtype(DType::F32)?;
+        let x = Var::from_tensor(&on(dev, &Tensor::cat(&[&dead, &live], 1)?))?;
+        let y = bn.forward_t(x.as_tensor(), true)?;
+        let g = y.sum_all()?.backward()?;
+        let of = |name: &str| -> anyhow::Result<Vec<f32>> {
+            Ok(cpu(g.get(var(&vm, name).as_tensor()).expect(name)).to_vec1::<f32>()?)
+        };
+        let dx = cpu(g.get(x.as_tensor()).expect("dx")).narrow(1, 0, 1)?;
+        let y_dead = cpu(&y).narrow(1, 0, 1)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok((
+            of("bias")?,
+            of("weight")?,
+            dx.flatten_all()?.to_vec1::<f32>()?,
+            y_dead,
+        ))
+    });
+    for (r, (db, dw, dx, y)) in grads.iter().enumerate() {
+        assert!(y.iter().all(|v| *v == 0.0), "rank {r}: dead outputs {y:?}");
+        assert_eq!(
+            (db[0], dw[0]),
+            (0.0, 0.0),
+            "rank {r}: dβ, dγ of the dead channel"
+        );
+        assert!(
+            dx.iter().all(|v| *v == 0.0),
+            "rank {r}: dx of the dead channel {dx:?}"
+        );
+        assert!(db[1] > 0.0, "rank {r}: dβ of the live channel {}", db[1]);
+    }
+    Ok(())
+}
+
 device_tests!(
+    fused_relu_passes_no_gradient_at_zero,
     grid_split_reductions_nchw_and_nhwc,
     nchw_4d_momentum,
     nchw_4d_cumulative_average,

@@ -4,8 +4,9 @@
 //! differentiates it, and one custom op on host tensors (which every build has) for the
 //! collectives.
 //!
-//! Per call, on the input's device in f32 (f64 for f64 inputs): the local mean `m̃` (a
-//! constant for autograd), `S₁ = Σ(x − m̃)` and `S₂ = Σ(x − m̃)²` per channel. They go to the
+//! Per call, on the input's device in f32 (f64 for f64 inputs, except on Metal, which has no
+//! f64): the local mean `m̃` (a constant for autograd, corrected once by the mean of the
+//! residuals), `S₁ = Σ(x − m̃)` and `S₂ = Σ(x − m̃)²` per channel. They go to the
 //! host as f64, where the shifted sums of the kernel path are assembled with `δ = m̃ − K`:
 //!
 //! ```text
@@ -22,9 +23,10 @@
 //! in two f32 values as on the kernel path, then `+ z` and the ReLU when fused.
 //!
 //! The price, on this path only: two host round trips per call (the sums up, the statistics
-//! down) and several passes over the input where the kernels make one.
+//! down), several passes over the input where the kernels make one, and the input-sized
+//! intermediates candle's autograd keeps (about eight in f32, where the kernels keep x and y).
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
 
 use super::{SyncBatchNorm, OP};
 use crate::device::Geometry;
@@ -46,6 +48,9 @@ impl SyncBatchNorm {
     ) -> Result<Tensor> {
         let geometry = Geometry::of(OP, x.dims(), self.config.layout)?;
         let acc = crate::ops::acc_dtype(x.dtype());
+        if acc == DType::F64 && x.device().is_metal() {
+            bail!("{OP}: an f64 input on {:?}: Metal has no f64 arithmetic (use f32, f16 or bf16 there)", x.device())
+        }
         let x3 = view3(x, &geometry)?;
         let use_batch = train || self.running.is_none();
         if !use_batch {
@@ -141,7 +146,10 @@ impl SyncBatchNorm {
             y = (y + in_acc(&z.contiguous()?.reshape(x3.dims())?, acc)?)?;
         }
         if self.config.fuse_relu {
-            y = y.relu()?;
+            // Not candle's `relu`, whose gradient passes where its input is 0: the kernels'
+            // (and PyTorch's) passes only where the output is positive, which matters for a
+            // channel whose pre-activation is exactly 0 (a dead channel at β = 0).
+            y = y.gt(0.0)?.where_cond(&y, &y.zeros_like()?)?;
         }
         let y = y.to_dtype(x.dtype())?;
         if empty {
@@ -184,8 +192,12 @@ fn view3(x: &Tensor, g: &Geometry) -> Result<Tensor> {
 fn local_sums(x3: &Tensor, acc: DType, g: &Geometry, k: &Tensor) -> Result<Tensor> {
     let n = g.count();
     let x3 = in_acc(x3, acc)?;
-    // The local mean, a constant of the graph (0 for an empty batch).
-    let mt = (x3.sum_keepdim(REDUCED)? / n.max(1) as f64)?.detach();
+    // The local mean, a constant of the graph (0 for an empty batch), corrected once by the
+    // mean of the residuals: the device sums are f32 (candle's CPU sums them one by one), and
+    // the closer m̃ is to the mean, the fewer digits `Σ(x − m̃)²` loses.
+    let per = 1.0 / n.max(1) as f64;
+    let m0 = (x3.sum_keepdim(REDUCED)? * per)?.detach();
+    let mt = (&m0 + (x3.broadcast_sub(&m0)?.sum_keepdim(REDUCED)? * per)?)?.detach();
     let d = x3.broadcast_sub(&mt)?;
     let s1 = d.sum_keepdim(REDUCED)?;
     let s2 = d.sqr()?.sum_keepdim(REDUCED)?;
@@ -199,7 +211,11 @@ fn local_sums(x3: &Tensor, acc: DType, g: &Geometry, k: &Tensor) -> Result<Tenso
     let a = (&s1 + (&delta * n)?)?;
     let b = ((s2 + (s1 * (&delta * 2.0)?)?)? + (delta.sqr()? * n)?)?;
     let count = Tensor::full(n, g.c, &Device::Cpu)?;
-    Tensor::stack(&[&count, &a, &b], 0)
+    // Plus a zero variable: the sums are always in the graph, so that the backward reaches the
+    // all-reduce of their gradient on every rank, also where `x` is not in the graph on this
+    // rank only (an empty batch made by candle ops that hand an empty operand back untracked).
+    let always = Var::zeros(1, DType::F64, &Device::Cpu)?;
+    Tensor::stack(&[&count, &a, &b], 0)?.broadcast_add(always.as_tensor())
 }
 
 /// The mean and inverse std (`[C]` f64 on the host) of shifted sums, in the graph of `sums`:

@@ -173,28 +173,36 @@ impl SyncBatchNorm {
             momentum,
             running_stats.as_ref(),
         )?;
-        if let (Some(r), Some(copies)) = (running, &running_stats) {
-            if !r.mean.device().same_device(at) {
-                r.mean.set(&copies.mean.to_device(r.mean.device())?)?;
-                r.var.set(&copies.var.to_device(r.var.device())?)?;
-                r.batches
-                    .set(&copies.num_batches_tracked.to_device(r.batches.device())?)?;
-            }
-        }
         if !train {
             return Ok((stats, None));
         }
         // The next shift is the mean, or K for a channel whose batch was not finite (or empty).
-        let mut st = self.lock();
-        let before = Snapshot {
-            stats: stats.clone(),
-            num_batches_tracked: st.num_batches_tracked,
-            shift: st.shift.replace(stats.next_shift()?.to_device(home)?),
+        let before = {
+            let mut st = self.lock();
+            let before = Snapshot {
+                stats: stats.clone(),
+                num_batches_tracked: st.num_batches_tracked,
+                shift: st.shift.replace(stats.next_shift()?.to_device(home)?),
+            };
+            if running_stats.is_some() {
+                st.num_batches_tracked = done;
+            }
+            st.before_last_step = Some(before.clone());
+            before
         };
-        if running_stats.is_some() {
-            st.num_batches_tracked = done;
+        // Statistics updated in copies go back to the variables, after the shift is stored; a
+        // failed write puts back the state of before the step.
+        if let (Some(r), Some(copies)) = (running, &running_stats) {
+            if !r.mean.device().same_device(at) {
+                let written = (|| {
+                    r.mean.set(&copies.mean.to_device(r.mean.device())?)?;
+                    r.var.set(&copies.var.to_device(r.var.device())?)?;
+                    r.batches
+                        .set(&copies.num_batches_tracked.to_device(r.batches.device())?)
+                })();
+                self.undo_on_error(written, Some(&before))?;
+            }
         }
-        st.before_last_step = Some(before.clone());
         Ok((stats, Some(before)))
     }
 
@@ -281,11 +289,7 @@ impl SyncBatchNorm {
     }
 
     /// `y`, or its error after putting back the state of before the step (`before`).
-    pub(super) fn undo_on_error(
-        &self,
-        y: Result<Tensor>,
-        before: Option<&Snapshot>,
-    ) -> Result<Tensor> {
+    pub(super) fn undo_on_error<T>(&self, y: Result<T>, before: Option<&Snapshot>) -> Result<T> {
         match y {
             Ok(y) => Ok(y),
             // The failure that matters is the first; a failed undo is named in its context.

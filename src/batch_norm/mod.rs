@@ -90,7 +90,9 @@
 //! the shifted sums in f64 on the host (Metal has no f64), one all-reduce of them put into the
 //! graph (its backward all-reduces their `2·C` gradient), the finalize and the running
 //! statistics on the host, the normalisation on the device. candle's autograd differentiates
-//! it. Unlike the kernel path it reads back to the host twice per call, and the count is known
+//! it; the sums carry a zero variable, so that the backward reaches their all-reduce on every
+//! rank whenever the output is on the loss's path (also on a rank whose empty input candle left
+//! out of the graph). Unlike the kernel path it reads back to the host twice per call, and the count is known
 //! there: one value per channel is an error on every device. Set `CANDLE_DISTRIBUTED_COMPOSITE=1`
 //! to take it on every device; CI runs the suites so on the CPU and on the simulated GPU.
 
@@ -387,7 +389,11 @@ impl SyncBatchNorm {
                     .map(|w| w.device().clone())
                     .or_else(|| self.running.as_ref().map(|r| r.mean.device().clone()))
                     .unwrap_or_else(|| t.device().clone());
-                let t = t.to_dtype(DType::F64)?.to_device(&device)?;
+                // Cast on the host: a Metal device has no f64 arithmetic.
+                let t = t
+                    .to_device(&candle_core::Device::Cpu)?
+                    .to_dtype(DType::F64)?
+                    .to_device(&device)?;
                 let host = t.to_device(&candle_core::Device::Cpu)?.to_vec1::<f64>()?;
                 if let Some(bad) = host.iter().find(|v| !v.is_finite()) {
                     bail!("{OP}: set_shift: the shift must be finite, got {bad}")

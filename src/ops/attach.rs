@@ -12,8 +12,10 @@ use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape,
 
 /// A gradient function of the output gradient, for one input.
 pub(crate) type Backward = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
-/// A gradient function of the output gradient, for two inputs.
-pub(crate) type Backward2 = Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Send + Sync>;
+/// A gradient function of the output gradient, for two inputs (`None`: no gradient for that
+/// input).
+pub(crate) type Backward2 =
+    Box<dyn Fn(&Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync>;
 
 /// `y` in `x`'s place in the graph: the backward hands the output gradient to `backward` and its
 /// result to `x`. `y` must be on `x`'s device.
@@ -227,7 +229,6 @@ impl CustomOp2 for Attach2 {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = (self.backward)(grad)?;
-        Ok((Some(dx), Some(dw)))
+        (self.backward)(grad)
     }
 }

@@ -92,11 +92,16 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
     if !x.track_op() && !w.track_op() {
         return Ok(y);
     }
-    let backward = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
+    // Only the inputs in the graph get a gradient: a constant input (the images) costs no input
+    // gradient, a frozen weight none for the weight.
+    let (need_x, need_w) = (x.track_op(), w.track_op());
+    let backward = move |g: &Tensor| -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = g.contiguous()?;
-        let dx = if stride == 1 {
+        let dx = if !need_x {
+            None
+        } else if stride == 1 {
             let flipped = wd.flip(&[2, 3])?.transpose(0, 1)?.contiguous()?;
-            g.conv2d(&flipped, k_h - 1 - padding, 1, 1, 1)?
+            Some(g.conv2d(&flipped, k_h - 1 - padding, 1, 1, 1)?)
         } else {
             // conv_transpose2d with the output padding that restores H and W: candle's takes
             // one for both (its own backward uses H's for W too, and fails when they differ),
@@ -104,18 +109,19 @@ pub fn conv2d(x: &Tensor, w: &Tensor, padding: usize, stride: usize) -> Result<T
             let (h, w) = (xd.dim(2)?, xd.dim(3)?);
             let out = |d: usize| (d - 1) * stride + k_h - 2 * padding;
             let extra = (h - out(g.dim(2)?)).max(w - out(g.dim(3)?));
-            g.conv_transpose2d(&wd, padding, extra, stride, 1)?
-                .narrow(2, 0, h)?
-                .narrow(3, 0, w)?
+            let dx = g.conv_transpose2d(&wd, padding, extra, stride, 1)?;
+            Some(dx.narrow(2, 0, h)?.narrow(3, 0, w)?)
         };
+        if !need_w {
+            return Ok((dx, None));
+        }
         // candle's: the stride becomes the dilation of a convolution over the batch.
         let dw = xd
             .transpose(0, 1)?
             .contiguous()?
             .conv2d(&g.transpose(0, 1)?.contiguous()?, padding, 1, stride, 1)?
             .transpose(0, 1)?;
-        let dw = dw.narrow(2, 0, k_h)?.narrow(3, 0, k_w)?;
-        Ok((dx, dw))
+        Ok((dx, Some(dw.narrow(2, 0, k_h)?.narrow(3, 0, k_w)?)))
     };
     attach2(x, w, y, CONV, Box::new(backward))
 }

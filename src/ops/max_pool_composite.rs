@@ -6,10 +6,11 @@
 //! every output position, the input element it covers (`index_select` of the rows, then the
 //! columns; a position in the padding reads a clamped index and is marked invalid). As in the
 //! kernels, an offset takes over the window when it is valid and either no valid offset came
-//! before, or its value is greater than the best so far, or it is a NaN. The output is the sum,
-//! over the offsets, of each offset's values where it is the window's winner and 0 elsewhere:
-//! exactly the winner's value, and the gradient goes to the winner only (through the gathers'
-//! backward, `index_add`).
+//! before, or its value is greater than the best so far, or it is a NaN. Each output position
+//! then takes its winner's value (a chain of `where_cond`), exactly, and the gradient goes to the
+//! winner only (through the gathers' backward, `index_add`). On Metal the NaN rule holds only
+//! with candle's fast math off (`CANDLE_METAL_ENABLE_FAST_MATH=0`): with it, comparisons with
+//! NaN are undefined there.
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
@@ -25,6 +26,9 @@ pub(super) fn max_pool2d(
     let (n, c, h, w) = x.dims4()?;
     let dev = x.device();
     let full = (n, c, oh, ow);
+    if x.dtype() == DType::F64 && dev.is_metal() {
+        bail!("{POOL}: an f64 input on {dev:?}: Metal has no f64 arithmetic (use f32, f16 or bf16 there)")
+    }
     if !matches!(
         x.dtype(),
         DType::F32 | DType::F64 | DType::F16 | DType::BF16
@@ -75,11 +79,10 @@ pub(super) fn max_pool2d(
             windows.push(v);
         }
     }
-    let zeros = Tensor::zeros(full, x.dtype(), dev)?;
-    let mut y = zeros.clone();
+    // Each position takes its winner's value, exactly (a −0.0 stays −0.0).
+    let mut y = Tensor::zeros(full, x.dtype(), dev)?;
     for (o, v) in windows.iter().enumerate() {
-        let mine = winner.eq(o as f32)?;
-        y = (y + mine.where_cond(v, &zeros)?)?;
+        y = winner.eq(o as f32)?.where_cond(v, &y)?;
     }
     Ok(y)
 }

@@ -50,7 +50,7 @@
 //!
 //! `ops::max_pool2d(x, kernel, stride, padding)` is PyTorch's `max_pool2d` without dilation or ceil
 //! mode, for `(N, C, H, W)` inputs of any float dtype on any candle device (candle tensor ops
-//! where the crate has no kernels, `max_pool_composite.rs`), with a backward for
+//! where the crate has no kernels, `max_pool_composite.rs`; no f64 on Metal), with a backward for
 //! overlapping windows: each window's gradient goes to its first maximum in row-major order (a NaN
 //! wins its window), as in PyTorch. `tests/max_pool.rs` checks it against central finite
 //! differences in f64, against a naive reference on inputs full of ties (exactly, in f64, f32, f16

@@ -189,7 +189,7 @@ impl Module for ColumnParallelLinear {
             full
         };
         let x_dims = x.dims().to_vec();
-        let backward = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
+        let backward = move |g: &Tensor| -> Result<(Option<Tensor>, Option<Tensor>)> {
             // The collectives below, told to an overlapped data-parallel backward.
             candle_collective::in_backward::collective(|| {
                 let g2 = rows2(g)?;
@@ -222,7 +222,7 @@ impl Module for ColumnParallelLinear {
                     (None, None) => unreachable!("either waited or pending"),
                 };
                 let dx = dx.reshape(x_dims.as_slice())?;
-                Ok((dx, dw))
+                Ok((Some(dx), Some(dw)))
             })
         };
         let y = attach2(
