@@ -31,5 +31,17 @@ for crate in candle-collective candle-rendezvous; do
     done
     echo "ok   $crate's package holds $(wc -l <<<"$rlist") files"
 done
+# cargo treats a registry's crate as immutable: it unpacks each packaged dependency under
+# $CARGO_HOME/registry/src/<its temporary registry>/ and reuses that folder, and the build of
+# it in the target folder, when the same name and version come again from a registry at the
+# same path. A machine or target folder that ran this before would build against stale
+# sources of candle-collective 0.1.0. Those unpacked copies (only the temporary registries',
+# whose folders start with "-", never a real registry's) and the build fingerprints of the
+# three crates go first: cargo rebuilds them.
+cargo_home=${CARGO_HOME:-$HOME/.cargo}
+target=${CARGO_TARGET_DIR:-target}
+rm -rf "$cargo_home"/registry/src/-*/candle-{collective,rendezvous,distributed}-* \
+    "$cargo_home"/registry/cache/-*/candle-{collective,rendezvous,distributed}-* \
+    "$target"/debug/.fingerprint/candle-{collective,rendezvous,distributed}-*
 cargo package -p candle-rendezvous -p candle-collective -p candle-distributed --allow-dirty --quiet
 echo "ok   the three packaged crates build on their own"
