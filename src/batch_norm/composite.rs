@@ -51,22 +51,20 @@ impl SyncBatchNorm {
         if acc == DType::F64 && x.device().is_metal() {
             bail!("{OP}: an f64 input on {:?}: Metal has no f64 arithmetic (use f32, f16 or bf16 there)", x.device())
         }
+        // x (and z) in the arithmetic dtype, cast once for the sums and the normalisation.
         let x3 = view3(x, &geometry)?;
+        let xa = in_acc(&x3, acc)?;
+        let za = match z {
+            Some(z) => Some(in_acc(&z.contiguous()?.reshape(x3.dims())?, acc)?),
+            None => None,
+        };
         let use_batch = train || self.running.is_none();
         if !use_batch {
-            let r = self
-                .running
-                .as_ref()
-                .expect("running statistics are tracked here");
-            let host = |t: &Tensor| t.detach().to_device(&Device::Cpu)?.to_dtype(DType::F64);
-            let mean = host(r.mean.as_tensor())?;
-            let invstd = (host(r.var.as_tensor())? + self.config.eps)?
-                .sqrt()?
-                .recip()?;
-            return self.normalise_composite(&x3, x, z, &mean, &invstd);
+            let (mean, invstd) = self.running_f64(&Device::Cpu)?;
+            return self.normalise_composite(&xa, za.as_ref(), x, &mean, &invstd);
         }
         let (k, done) = self.step_shift(&Device::Cpu, c)?;
-        let sums = local_sums(&x3, acc, &geometry, &k)?;
+        let sums = local_sums(&xa, &geometry, &k)?;
         let sums = if train {
             self.all_reduced(&sums)?
         } else {
@@ -74,8 +72,9 @@ impl SyncBatchNorm {
         };
         let (stats, before) = self.finalize(&sums.detach(), &k, train, done, x.device())?;
         self.check_count(&stats, before.as_ref(), x.dims(), train)?;
-        let y = statistics(&sums, &k, self.config.eps)
-            .and_then(|(mean, invstd)| self.normalise_composite(&x3, x, z, &mean, &invstd));
+        let y = statistics(&sums, &k, self.config.eps).and_then(|(mean, invstd)| {
+            self.normalise_composite(&xa, za.as_ref(), x, &mean, &invstd)
+        });
         self.undo_on_error(y, before.as_ref())
     }
 
@@ -105,17 +104,17 @@ impl SyncBatchNorm {
     }
 
     /// `act(γ·(x − mean)·invstd + β [+ z])` on `x`'s device, from the `[C]` f64 host
-    /// statistics (in the graph or constants). `x3` is `x` in the `(rows, C, positions)` view;
-    /// the result has `x`'s shape and dtype.
+    /// statistics (in the graph or constants). `xa` and `za` are `x` and `z` as [`in_acc`]
+    /// gives them; the result has `x`'s shape and dtype.
     fn normalise_composite(
         &self,
-        x3: &Tensor,
+        xa: &Tensor,
+        za: Option<&Tensor>,
         x: &Tensor,
-        z: Option<&Tensor>,
         mean: &Tensor,
         invstd: &Tensor,
     ) -> Result<Tensor> {
-        let (dev, acc, c) = (x.device(), crate::ops::acc_dtype(x.dtype()), x3.dim(1)?);
+        let (dev, acc, c) = (x.device(), xa.dtype(), xa.dim(1)?);
         // The mean as hi + lo: `x − hi` is exact in f32 when |mean| ≫ std.
         let hi = mean.to_dtype(acc)?;
         let lo = (mean - hi.to_dtype(DType::F64)?)?.to_dtype(acc)?;
@@ -134,16 +133,16 @@ impl SyncBatchNorm {
         // graph of x and z) and the result is broadcast to the empty shape, so that the
         // backward reaches x, z, the parameters and the statistics (and with them the
         // all-reduce of their gradient, which every rank must join).
-        let empty = x3.elem_count() == 0;
-        let mut y = in_acc(x3, acc)?
+        let empty = x.elem_count() == 0;
+        let mut y = xa
             .broadcast_sub(&per.get(0)?)?
             .broadcast_sub(&per.get(1)?)?
             .broadcast_mul(&scale)?;
         if let Some(b) = param(self.bias.as_ref())? {
             y = y.broadcast_add(&b)?;
         }
-        if let Some(z) = z {
-            y = (y + in_acc(&z.contiguous()?.reshape(x3.dims())?, acc)?)?;
+        if let Some(z) = za {
+            y = (y + z)?;
         }
         if self.config.fuse_relu {
             // Not candle's `relu`, whose gradient passes where its input is 0: the kernels'
@@ -188,10 +187,10 @@ fn view3(x: &Tensor, g: &Geometry) -> Result<Tensor> {
 }
 
 /// This rank's `[3, C]` f64 host sums, rows as [`crate::ops::batch_norm_stats`]'s (count,
-/// `Σ(x − K)`, `Σ(x − K)²`), in the graph of `x3` (see the module's text), computed in `acc`.
-fn local_sums(x3: &Tensor, acc: DType, g: &Geometry, k: &Tensor) -> Result<Tensor> {
+/// `Σ(x − K)`, `Σ(x − K)²`), in the graph of `x3` (see the module's text): `x3` as [`in_acc`]
+/// gives it (per-channel zeros for an empty batch, `g.count()` then 0).
+fn local_sums(x3: &Tensor, g: &Geometry, k: &Tensor) -> Result<Tensor> {
     let n = g.count();
-    let x3 = in_acc(x3, acc)?;
     // The local mean, a constant of the graph (0 for an empty batch), corrected once by the
     // mean of the residuals: the device sums are f32 (candle's CPU sums them one by one), and
     // the closer m̃ is to the mean, the fewer digits `Σ(x − m̃)²` loses.

@@ -118,6 +118,21 @@ impl SyncBatchNorm {
         self.finalize(&sums, &k, train, done, x.device())
     }
 
+    /// The running mean and `1/sqrt(running_var + eps)` as `[C]` f64 constants on `dev` (cast
+    /// there, after the move: on the host for the composite path, as Metal has no f64), for an
+    /// evaluation with running statistics.
+    pub(super) fn running_f64(&self, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let r = self
+            .running
+            .as_ref()
+            .expect("running statistics are tracked here");
+        let f64_on = |t: &Tensor| t.detach().to_device(dev)?.to_dtype(DType::F64);
+        let invstd = (f64_on(r.var.as_tensor())? + self.config.eps)?
+            .sqrt()?
+            .recip()?;
+        Ok((f64_on(r.mean.as_tensor())?, invstd))
+    }
+
     /// This step's shift `K` (`[C]` f64 on `dev`) and `num_batches_tracked` after the step.
     pub(super) fn step_shift(&self, dev: &Device, c: usize) -> Result<(Tensor, u64)> {
         let (k, done) = {
@@ -229,17 +244,13 @@ impl SyncBatchNorm {
     }
 
     fn plan(&self, x: &Tensor, c: usize, train: bool) -> Result<Plan> {
-        let (eps, dev) = (self.config.eps, x.device());
+        let dev = x.device();
         let use_batch = train || self.running.is_none();
         if !use_batch {
-            let r = self
-                .running
-                .as_ref()
-                .expect("running statistics are tracked here");
-            let var = r.var.as_tensor().to_dtype(DType::F64)?;
+            let (mean, invstd) = self.running_f64(dev)?;
             return Ok(Plan {
-                mean: r.mean.as_tensor().to_dtype(DType::F64)?,
-                invstd: (var + eps)?.sqrt()?.recip()?,
+                mean,
+                invstd,
                 count: Tensor::zeros(c, DType::F64, dev)?,
                 before: None,
             });

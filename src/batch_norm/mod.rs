@@ -389,16 +389,14 @@ impl SyncBatchNorm {
                     .map(|w| w.device().clone())
                     .or_else(|| self.running.as_ref().map(|r| r.mean.device().clone()))
                     .unwrap_or_else(|| t.device().clone());
-                // Cast on the host: a Metal device has no f64 arithmetic.
-                let t = t
+                // Checked and cast on the host (a Metal device has no f64 arithmetic).
+                let host = t
                     .to_device(&candle_core::Device::Cpu)?
-                    .to_dtype(DType::F64)?
-                    .to_device(&device)?;
-                let host = t.to_device(&candle_core::Device::Cpu)?.to_vec1::<f64>()?;
-                if let Some(bad) = host.iter().find(|v| !v.is_finite()) {
+                    .to_dtype(DType::F64)?;
+                if let Some(bad) = host.to_vec1::<f64>()?.iter().find(|v| !v.is_finite()) {
                     bail!("{OP}: set_shift: the shift must be finite, got {bad}")
                 }
-                Some(t)
+                Some(host.to_device(&device)?)
             }
         })
     }

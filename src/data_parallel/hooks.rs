@@ -325,28 +325,17 @@ struct Hook {
     index: usize,
 }
 
-/// The hook's forward: a copy of the variable (contiguous, from its first element).
-fn copy_of<S: BackendStorage>(s: &S, l: &Layout) -> Result<(S, Shape)> {
+/// The hook's forward: a copy of the variable in a buffer of its own (on Metal too, where `try_clone` would share
+/// the variable's buffer, which an optimizer step writes into).
+fn copy_of<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: candle_core::backend::BackendDevice<Storage = S>,
+{
     if !l.is_contiguous() || l.start_offset() != 0 {
         bail!("data-parallel-grad-hook: the variable must be contiguous from its start")
     }
-    Ok((s.try_clone(l)?, l.shape().clone()))
-}
-
-/// [`copy_of`] on Metal, into a buffer of its own: candle's Metal `try_clone` shares the
-/// variable's buffer, which an optimizer step writes into.
-#[cfg(feature = "metal")]
-fn copy_of_metal(
-    s: &candle_core::MetalStorage,
-    l: &Layout,
-) -> Result<(candle_core::MetalStorage, Shape)> {
-    use candle_core::backend::BackendDevice;
-    if !l.is_contiguous() || l.start_offset() != 0 {
-        bail!("data-parallel-grad-hook: the variable must be contiguous from its start")
-    }
-    let mut dst = s.device().zeros_impl(l.shape(), s.dtype())?;
-    s.copy_strided_src(&mut dst, 0, l)?;
-    Ok((dst, l.shape().clone()))
+    crate::ops::attach::copy(s, l)
 }
 
 impl CustomOp1 for Hook {
@@ -373,7 +362,7 @@ impl CustomOp1 for Hook {
         s: &candle_core::MetalStorage,
         l: &Layout,
     ) -> Result<(candle_core::MetalStorage, Shape)> {
-        copy_of_metal(s, l)
+        copy_of(s, l)
     }
 
     /// Armed (inside `DataParallel::backward`): hands the gradient over and gives the variable

@@ -94,8 +94,9 @@ fn take(name: &str, value: &Mutex<Option<Tensor>>) -> Result<Tensor> {
     }
 }
 
-/// A fresh contiguous copy of a storage's elements under `l`.
-fn copy<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
+/// A fresh contiguous copy of a storage's elements under `l`, in a buffer of its own on every
+/// backend (candle 0.11's Metal `try_clone` shares the buffer instead).
+pub(crate) fn copy<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
 where
     S: BackendStorage,
     S::Device: BackendDevice<Storage = S>,
